@@ -1,8 +1,19 @@
-"""Session-wide real services for the test suite: each starts once, on free ports, with its
-data in a temporary directory, and stops at the end of the session."""
+"""Real services for the test suite.
+
+PostgreSQL (+pgvector), the S3 gateway and valkey start once per session, before Django is
+set up, on free ports with their data in a temporary directory, and stop at the end. A real
+Celery worker (and, for end-to-end tests, the real inference worker) run as subprocesses
+against the same services and the test database.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,22 +22,134 @@ import pytest
 from deploy import services
 
 TEST_S3_BUCKETS = ("documents", "kvcache")
+ROOT = Path(__file__).resolve().parent.parent
+
+_started: list[services.RunningService] = []
+_services_dir: Path | None = None
 
 
-@pytest.fixture(scope="session")
-def services_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("services")
-
-
-@pytest.fixture(scope="session")
-def s3_service(services_dir: Path) -> Iterator[services.RunningService]:
-    """A real S3 endpoint (the SeaweedFS gateway); ``.env`` has S3_ENDPOINT/ACCESS/SECRET."""
-    service = services.start_seaweedfs(
-        services_dir,
+def _start_services() -> None:
+    """Start the backing services and point the environment (hence Django) at them."""
+    global _services_dir
+    _services_dir = Path(tempfile.mkdtemp(prefix="ragblend-test-"))
+    pg = services.start_postgres(_services_dir, port=services.free_port(), password="test-pg")
+    _started.append(pg)
+    s3 = services.start_seaweedfs(
+        _services_dir,
         port=services.free_port(also_free_at_offset=10000),
         access_key="test-access",
         secret_key="test-secret-key",
         buckets=TEST_S3_BUCKETS,
     )
-    yield service
-    service.stop()
+    _started.append(s3)
+    vk = services.start_valkey(_services_dir, port=services.free_port(), password="test-vk")
+    _started.append(vk)
+    os.environ.update(pg.env | s3.env | vk.env)
+    os.environ.update(
+        {
+            "DATA_DIR": str(_services_dir / "data"),
+            "SECRET_KEY": "test-secret-key-not-for-production",
+            "DEBUG": "false",
+            "SECURE_COOKIES": "false",
+            "HEALTH_PING_TIMEOUT_S": "2",
+        }
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if not _started:
+        _start_services()
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+    # Load the settings now that the services' URLs are in the environment; pytest-django's
+    # own (trylast) pytest_configure then finishes django.setup().
+    from django.conf import settings
+
+    settings.INSTALLED_APPS  # noqa: B018 - forces the settings module to load
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for service in reversed(_started):
+        service.stop()
+    _started.clear()
+    if _services_dir is not None:
+        shutil.rmtree(_services_dir, ignore_errors=True)
+
+
+def _service(name: str) -> services.RunningService:
+    return next(s for s in _started if s.name == name)
+
+
+@pytest.fixture(scope="session")
+def s3_service() -> services.RunningService:
+    """The real S3 endpoint; ``.env`` has S3_ENDPOINT, S3_ACCESS_KEY, S3_SECRET_KEY."""
+    return _service("seaweedfs")
+
+
+@pytest.fixture(scope="session")
+def redis_service() -> services.RunningService:
+    return _service("valkey")
+
+
+def _test_database_url() -> str:
+    """The URL of the database pytest-django created for this session (test_<name>)."""
+    from django.db import connection
+
+    cfg = connection.settings_dict
+    return (
+        f"postgres://{cfg['USER']}:{cfg['PASSWORD']}@{cfg['HOST']}:{cfg['PORT']}/{cfg['NAME']}"
+    )
+
+
+def wait_for(predicate, *, timeout: float, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _spawn_worker(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    log = open(log_path, "wb")  # noqa: SIM115 - closed when the process is reaped
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop(process: subprocess.Popen, log_path: Path) -> None:
+    process.terminate()
+    try:
+        process.wait(20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
+
+
+@pytest.fixture(scope="session")
+def celery_worker_process(
+    django_db_setup, django_db_blocker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen]:
+    """A real ``celery worker`` process on the ingest and kv queues, on the test database."""
+    with django_db_blocker.unblock():
+        database_url = _test_database_url()
+    log_path = tmp_path_factory.mktemp("logs") / "celery.log"
+    env = {**os.environ, "DATABASE_URL": database_url, "PYTHONUNBUFFERED": "1"}
+    process = _spawn_worker(
+        [sys.executable, "-m", "celery", "-A", "worker", "worker", "-Q", "ingest,kv",
+         "--concurrency", "1", "--hostname", "ingest-test@%h", "--loglevel", "INFO",
+         "--without-gossip", "--without-mingle"],
+        log_path, env,
+    )  # fmt: skip
+    from worker.celery import app
+
+    try:
+        wait_for(
+            lambda: process.poll() is not None or app.control.ping(timeout=0.5),
+            timeout=60,
+            what="the Celery worker",
+        )
+        if process.poll() is not None:
+            raise RuntimeError(f"celery worker died:\n{log_path.read_text()[-3000:]}")
+        yield process
+    finally:
+        _stop(process, log_path)

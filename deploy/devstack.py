@@ -1,0 +1,148 @@
+"""`make dev`: the whole product on one machine, on embedded services.
+
+Starts PostgreSQL (+pgvector), the S3 gateway and valkey with their data under DATA_DIR,
+records where they are in DATA_DIR/stack.json, migrates, creates the buckets and a first
+admin, then runs the web server, a Celery worker and the inference worker. Ctrl-C stops
+everything it started; the data stays for the next start.
+
+Any of DATABASE_URL, S3_ENDPOINT (+S3_ACCESS_KEY/S3_SECRET_KEY), REDIS_URL set in the
+environment replaces the embedded service of that kind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deploy import services
+from deploy.stack import data_dir, read_stack_env, write_stack_env
+
+BUCKETS = ("documents", "kvcache")
+
+
+def _port(previous: dict[str, str], name: str, *, offset: int | None = None) -> int:
+    """The port this stack used last time if it is free again (stable URLs), else a new one."""
+    last = previous.get(name)
+    if last and services.port_is_free(int(last)):
+        if offset is None or services.port_is_free(int(last) + offset):
+            return int(last)
+    return services.free_port(also_free_at_offset=offset)
+
+
+def start_services(data: Path) -> tuple[list[services.RunningService], dict[str, str]]:
+    previous = read_stack_env(data)
+    ports = {k: v for k, v in previous.items() if k.endswith("_PORT")}
+    started: list[services.RunningService] = []
+    env: dict[str, str] = {"SECRET_KEY": services.dev_secret(data, "django_secret_key")}
+    try:
+        if not os.environ.get("DATABASE_URL"):
+            port = _port(ports, "POSTGRES_PORT")
+            pg = services.start_postgres(
+                data, port=port, password=services.dev_secret(data, "postgres_password")
+            )
+            started.append(pg)
+            env |= pg.env | {"POSTGRES_PORT": str(port)}
+        if not os.environ.get("S3_ENDPOINT"):
+            port = _port(ports, "S3_PORT", offset=10000)
+            s3 = services.start_seaweedfs(
+                data,
+                port=port,
+                access_key=os.environ.get("S3_ACCESS_KEY", "ragblend"),
+                secret_key=os.environ.get("S3_SECRET_KEY")
+                or services.dev_secret(data, "s3_secret_key"),
+                buckets=BUCKETS,
+            )
+            started.append(s3)
+            env |= s3.env | {"S3_PORT": str(port)}
+        if not os.environ.get("REDIS_URL"):
+            port = _port(ports, "VALKEY_PORT")
+            vk = services.start_valkey(
+                data, port=port, password=services.dev_secret(data, "valkey_password")
+            )
+            started.append(vk)
+            env |= vk.env | {"VALKEY_PORT": str(port)}
+    except Exception:
+        stop_all(started)
+        raise
+    return started, env
+
+
+def stop_all(processes: list) -> None:
+    for item in reversed(processes):
+        name = getattr(item, "name", "process")
+        try:
+            if isinstance(item, services.RunningService):
+                item.stop()
+            elif item.poll() is None:
+                item.send_signal(signal.SIGTERM)
+                try:
+                    item.wait(20)
+                except subprocess.TimeoutExpired:
+                    item.kill()
+        except Exception as err:  # keep stopping the others
+            print(f"  could not stop {name}: {err}", file=sys.stderr)
+
+
+def manage(*args: str, env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "manage.py", *args], check=True, env=env)
+
+
+def main() -> int:
+    data = data_dir()
+    data.mkdir(parents=True, exist_ok=True)
+    web_port = int(os.environ.get("PORT", "8000"))
+    if not services.port_is_free(web_port):
+        print(f"Port {web_port} is in use: set PORT to run another stack.", file=sys.stderr)
+        return 2
+    print(f"Ragblend dev stack, data in {data}")
+    backing, stack_env = start_services(data)
+    stack_env.setdefault("DEBUG", "true")
+    write_stack_env(stack_env, data)
+    env = {**stack_env, **os.environ, "DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"}
+    logs = data / "logs"
+    children: list[subprocess.Popen] = []
+    try:
+        manage("migrate", "--no-input", env=env)
+        manage("ensure_admin", env=env)
+        bin_dir = Path(sys.executable).parent
+        with open(logs / "celery.log", "ab") as celery_log, open(logs / "inference.log", "ab") as inf_log:
+            children.append(subprocess.Popen(
+                [str(bin_dir / "celery"), "-A", "worker", "worker", "-Q", "ingest,kv",
+                 "--concurrency", os.environ.get("CELERY_CONCURRENCY", "2"),
+                 "--hostname", "ingest@%h", "--loglevel", "INFO"],
+                env=env, stdout=celery_log, stderr=subprocess.STDOUT, start_new_session=True,
+            ))  # fmt: skip
+            children.append(subprocess.Popen(
+                [sys.executable, "-m", "kvservice.server"],
+                env=env, stdout=inf_log, stderr=subprocess.STDOUT, start_new_session=True,
+            ))  # fmt: skip
+        children.append(subprocess.Popen(
+            [str(bin_dir / "uvicorn"), "webapp.asgi:application", "--host", "127.0.0.1",
+             "--port", str(web_port), "--log-level", "info"],
+            env=env, start_new_session=True,
+        ))  # fmt: skip
+        print(f"\n  Ragblend is running at http://127.0.0.1:{web_port}/")
+        print(f"  Health: http://127.0.0.1:{web_port}/healthz")
+        print(f"  Worker logs: {logs}/celery.log, {logs}/inference.log")
+        print(f"  Same stack from another shell: DATA_DIR={data} .venv/bin/python manage.py …")
+        print("  Ctrl-C stops everything.\n")
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while True:
+            for child in children:
+                if child.poll() is not None:
+                    print(f"\n{child.args[0]} exited with {child.returncode}; stopping.", file=sys.stderr)
+                    return 1
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nStopping…")
+        return 0
+    finally:
+        stop_all([*backing, *children])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

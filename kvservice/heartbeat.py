@@ -1,0 +1,24 @@
+"""The inference worker's heartbeat in Redis: it proves the worker is alive and says which
+model it has loaded. The worker writes it every few seconds with a TTL, so a dead worker's
+entry disappears on its own; /healthz and the dashboard read it."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+HEARTBEAT_KEY = "ragblend:inference:heartbeat"
+HEARTBEAT_INTERVAL_S = 5.0
+HEARTBEAT_TTL_S = 20
+
+
+def write_heartbeat(client: Any, **status: Any) -> None:
+    payload = {"ts": time.time(), **status}
+    client.set(HEARTBEAT_KEY, json.dumps(payload), ex=HEARTBEAT_TTL_S)
+
+
+def read_heartbeat(client: Any) -> dict[str, Any] | None:
+    """The last heartbeat, or None when the worker has not written one within the TTL."""
+    raw = client.get(HEARTBEAT_KEY)
+    return json.loads(raw) if raw else None

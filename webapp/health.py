@@ -1,0 +1,117 @@
+"""GET /healthz: one entry per component and an overall status (200 all up, 503 otherwise)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.db import connection
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
+
+from kvservice.heartbeat import read_heartbeat
+from webapp.storage import object_store
+from worker.celery import app as celery_app
+
+
+def _database() -> dict[str, Any]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    return {}
+
+
+def _pgvector() -> dict[str, Any]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+        row = cursor.fetchone()
+        if row is None:
+            raise RuntimeError("the vector extension is not installed in this database")
+        cursor.execute("SELECT '[1,0]'::vector <=> '[0,1]'::vector")
+    return {"version": row[0]}
+
+
+def _object_store() -> dict[str, Any]:
+    client = object_store()
+    missing = [
+        bucket
+        for bucket in (settings.S3_DOCUMENTS_BUCKET, settings.S3_KV_BUCKET)
+        if not client.bucket_exists(bucket)
+    ]
+    if missing:
+        raise RuntimeError(f"missing buckets: {', '.join(missing)}")
+    return {"endpoint": settings.S3_ENDPOINT}
+
+
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+
+
+def _broker() -> dict[str, Any]:
+    _redis().ping()
+    return {}
+
+
+def _celery_worker() -> dict[str, Any]:
+    replies = celery_app.control.ping(timeout=settings.HEALTH_PING_TIMEOUT_S)
+    names = sorted(name for reply in replies for name in reply)
+    # The inference worker answers pings too; this entry is about the ingest/kv workers.
+    if not [name for name in names if not name.startswith("inference@")]:
+        raise RuntimeError("no ingest/kv Celery worker answered the ping")
+    return {"workers": names}
+
+
+def _inference_worker() -> dict[str, Any]:
+    beat = read_heartbeat(_redis())
+    if beat is None:
+        raise RuntimeError("no heartbeat from the inference worker")
+    return {"age_s": round(time.time() - beat["ts"], 1), "pid": beat.get("pid")}
+
+
+def _model_loaded() -> dict[str, Any]:
+    beat = read_heartbeat(_redis()) or {}
+    if not beat.get("model_loaded"):
+        raise RuntimeError(beat.get("model_error") or "the inference worker has no model loaded")
+    return {"model": beat.get("model")}
+
+
+CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
+    "database": _database,
+    "pgvector": _pgvector,
+    "object_store": _object_store,
+    "broker": _broker,
+    "celery_worker": _celery_worker,
+    "inference_worker": _inference_worker,
+    "model": _model_loaded,
+}
+
+
+def run_checks() -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    for name, check in CHECKS.items():
+        started = time.perf_counter()
+        try:
+            results[name] = {"status": "up", **check()}
+        except Exception as err:  # any failure of a component is reported, never raised
+            results[name] = {"status": "down", "error": f"{type(err).__name__}: {err}"}
+        results[name]["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
+    return results
+
+
+@never_cache
+@require_GET
+def healthz(request: HttpRequest) -> JsonResponse:
+    components = run_checks()
+    healthy = all(c["status"] == "up" for c in components.values())
+    body = {"status": "ok" if healthy else "degraded", "components": components}
+    return JsonResponse(body, status=200 if healthy else 503)
+
+
+@login_required
+def home(request: HttpRequest) -> HttpResponse:
+    return render(request, "home.html")

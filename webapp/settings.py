@@ -1,0 +1,143 @@
+"""The one settings module. Everything that differs between dev, CI and production comes
+from environment variables (django-environ); in dev, unset service URLs are filled from the
+running stack's ``DATA_DIR/stack.json`` (see deploy/stack.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+from deploy.stack import apply_stack_env, data_dir
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = data_dir()
+apply_stack_env(DATA_DIR)
+
+env = environ.Env()
+
+DEBUG = env.bool("DEBUG", default=False)
+SECRET_KEY = env.str("SECRET_KEY", default="")
+if not SECRET_KEY:
+    raise ImproperlyConfigured(
+        "SECRET_KEY is not set: export it (production), or start the stack with `make dev`, "
+        "which generates one under DATA_DIR."
+    )
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "webapp.accounts",
+    "webapp.documents",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "webapp.urls"
+ASGI_APPLICATION = "webapp.asgi.application"
+WSGI_APPLICATION = "webapp.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+try:
+    DATABASES = {"default": env.db_url("DATABASE_URL")}
+except ImproperlyConfigured as err:
+    raise ImproperlyConfigured(
+        "DATABASE_URL is not set: point it at PostgreSQL with pgvector, or run `make dev` "
+        f"(DATA_DIR={DATA_DIR} has no running stack)."
+    ) from err
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=0)
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "webapp" / "static"]
+# Production runs `collectstatic` into STATIC_ROOT; without it WhiteNoise serves straight from
+# the app's static directories (fine at this size, and nothing to forget in dev).
+STATIC_ROOT = env.str("STATIC_ROOT", default="") or None
+WHITENOISE_USE_FINDERS = STATIC_ROOT is None
+
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SECURE = env.bool("SECURE_COOKIES", default=not DEBUG)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+X_FRAME_OPTIONS = "DENY"
+
+# --- services --------------------------------------------------------------------------------
+
+REDIS_URL = env.str("REDIS_URL", default="")
+S3_ENDPOINT = env.str("S3_ENDPOINT", default="")
+S3_ACCESS_KEY = env.str("S3_ACCESS_KEY", default="")
+S3_SECRET_KEY = env.str("S3_SECRET_KEY", default="")
+S3_SECURE = env.bool("S3_SECURE", default=False)
+S3_DOCUMENTS_BUCKET = env.str("S3_DOCUMENTS_BUCKET", default="documents")
+S3_KV_BUCKET = env.str("S3_KV_BUCKET", default="kvcache")
+for _name, _value in [("REDIS_URL", REDIS_URL), ("S3_ENDPOINT", S3_ENDPOINT)]:
+    if not _value:
+        raise ImproperlyConfigured(f"{_name} is not set, and DATA_DIR={DATA_DIR} has no stack.")
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = REDIS_URL
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "ingest"
+CELERY_TASK_ROUTES = {
+    "worker.tasks.ingest_*": {"queue": "ingest"},
+    "worker.tasks.precompute_*": {"queue": "kv"},
+}
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+
+# How long /healthz waits for a Celery worker to answer a ping.
+HEALTH_PING_TIMEOUT_S = env.float("HEALTH_PING_TIMEOUT_S", default=1.0)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+}
