@@ -97,6 +97,18 @@ class Tier(ABC):
     def read_range(self, key: ChunkKey, start: int, length: int) -> Buffer | None:
         """``length`` bytes from ``start`` (fewer at the object's end), or None when missing."""
 
+    def read_into(self, key: ChunkKey, start: int, out: memoryview) -> int | None:
+        """Read ``len(out)`` bytes from ``start`` into ``out``; bytes read, or None if missing.
+        Tiers that can (disk, S3) override this to read without an intermediate copy."""
+        data = self.read_range(key, start, len(out))
+        if data is None:
+            return None
+        if hasattr(data, "numpy"):  # a torch tensor (device tier)
+            data = data.cpu().numpy()
+        n = buffer_nbytes(data)
+        out[:n] = memoryview(data).cast("B")
+        return n
+
     @abstractmethod
     def put(self, key: ChunkKey, data: Buffer) -> None: ...
 

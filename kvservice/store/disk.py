@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from kvservice.store.format import Buffer
 from kvservice.store.keys import ChunkKey
@@ -57,17 +58,41 @@ class DiskTier(LRUTier):
             with open(self.path_for(key), "rb", buffering=0) as src:
                 size = os.fstat(src.fileno()).st_size
                 end = size if length is None else min(size, start + length)
-                out = bytearray(max(0, end - start))
-                src.seek(start)
-                view, got = memoryview(out), 0
-                while got < len(out):
-                    n = src.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                return view[:got]
+                view = memoryview(bytearray(max(0, end - start)))
+                return view[: _read_fully(src, start, view)]
         except FileNotFoundError:
             return None
 
+    def read_into(self, key: ChunkKey, start: int, out: memoryview) -> int | None:
+        with self._lock:
+            present = key in self._sizes
+            if present:
+                self._sizes.move_to_end(key)
+        if present:
+            self._meter.start()
+            got = 0
+            try:
+                with open(self.path_for(key), "rb", buffering=0) as src:
+                    got = _read_fully(src, start, out)
+                self._count(hit=True)
+                return got
+            except FileNotFoundError:
+                self._forget(key)
+            finally:
+                self._meter.stop(got)
+        self._count(hit=False)
+        return None
+
     def _remove(self, key: ChunkKey) -> None:
         self.path_for(key).unlink(missing_ok=True)
+
+
+def _read_fully(src: Any, start: int, out: memoryview) -> int:
+    src.seek(start)
+    got = 0
+    while got < len(out):
+        n = src.readinto(out[got:])
+        if not n:
+            break
+        got += n
+    return got

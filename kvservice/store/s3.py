@@ -123,19 +123,25 @@ class S3Tier(Tier):
             raise
 
     def get(self, key: ChunkKey) -> Buffer | None:
-        return self._read(key, 0, 0)
+        return self._read(key, 0, 0, None)
 
     def read_range(self, key: ChunkKey, start: int, length: int) -> Buffer | None:
-        return self._read(key, start, length)
+        return self._read(key, start, length, None)
 
-    def _read(self, key: ChunkKey, start: int, length: int) -> memoryview | None:
-        """length 0 reads to the end of the object."""
+    def read_into(self, key: ChunkKey, start: int, out: memoryview) -> int | None:
+        got = self._read(key, start, len(out), out)
+        return None if got is None else len(got)
+
+    def _read(
+        self, key: ChunkKey, start: int, length: int, out: memoryview | None
+    ) -> memoryview | None:
+        """One (ranged) GET; ``length`` 0 reads to the end. The body is read straight into
+        ``out`` when given (else a new bytearray); returns the filled part."""
         self._meter.start()
         got = 0
         try:
-            response = self._call(
-                "get", self.client.get_object, self.bucket, self.object_name(key), start, length
-            )
+            name = self.object_name(key)
+            response = self._call("get", self.client.get_object, self.bucket, name, start, length)
         except S3Error as err:
             self._meter.stop(0)
             if err.code in _MISSING_CODES or err.code == "NoSuchBucket":
@@ -150,9 +156,11 @@ class S3Tier(Tier):
             raise
         try:
             size = int(response.headers.get("Content-Length", 0))
-            out = bytearray(size)
-            view = memoryview(out)
-            while got < size:
+            if out is None:
+                view = memoryview(bytearray(size))
+            else:
+                view = out[: min(size, len(out))]
+            while got < len(view):
                 n = response.readinto(view[got:])
                 if not n:
                     break

@@ -1,0 +1,376 @@
+"""Pipelined per-layer loading of chunk KV from the store.
+
+:meth:`KVLoader.open` locates every chunk (in parallel) and returns a :class:`LoadBatch` of
+:class:`StoreLayeredKV` sources, one per chunk, each a ``LayeredKV``. While the engine uses
+layer ``i`` of a chunk, layers ``i+1 .. i+prefetch_depth`` of that chunk are already being
+fetched by background threads: one ranged read per layer per chunk (an S3 ranged GET, a
+disk ``pread``, a memory slice), verified against the layer's crc32 and viewed as K/V
+without a copy. Objects read from disk or S3 are assembled in one buffer as they arrive and
+promoted into the faster tiers once complete.
+
+Timing: ``load_s`` is the wall time during which any fetch was in flight (what loading
+would cost un-hidden), ``wait_s`` the time the engine was blocked in ``.layer()``; the
+hidden fraction is ``1 - wait_s / load_s``. With ``pipeline=False`` every layer of every
+chunk is loaded before ``open`` returns (the load-then-compute baseline): nothing hidden.
+
+A fault while loading (missing, corrupt, truncated, another model's object, S3 down) falls
+back to the next tier holding a valid copy, else to ``recompute_fn(token_ids)`` through
+:meth:`TieredStore.recover` (counted, logged, object replaced), else raises.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from kvservice.chunk import ChunkKV
+from kvservice.store.base import ReadMeter
+from kvservice.store.errors import ChunkCorrupt, ChunkUnavailable
+from kvservice.store.format import K_PRE_ROPE, decode_layer, decode_token_ids
+from kvservice.store.keys import ChunkKey
+from kvservice.store.tiered import Located, RecomputeFn, TieredStore
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    chunks: int
+    tiers: list[str]  # the tier that served each chunk, or "recomputed"
+    bytes_read: int
+    load_s: float  # wall time with at least one fetch in flight
+    wait_s: float  # time the consumer was blocked waiting for KV
+    hidden_load_fraction: float  # 1 - wait_s / load_s, in [0, 1]
+    pipelined: bool
+    faults: int
+    tier_bytes: dict[str, int] = field(default_factory=dict)  # layer bytes to move, per tier
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Clock:
+    """The batch's fetch clock (union of in-flight intervals) and the consumer's wait."""
+
+    def __init__(self) -> None:
+        self.fetch = ReadMeter()
+        self._lock = threading.Lock()
+        self.wait_s = 0.0
+        self.faults = 0
+
+    def add_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.wait_s += seconds
+
+    def add_fault(self) -> None:
+        with self._lock:
+            self.faults += 1
+
+
+class StoreLayeredKV:
+    """One chunk's KV, served layer by layer from the store with prefetch."""
+
+    def __init__(
+        self,
+        loader: KVLoader,
+        key: ChunkKey,
+        token_ids: Sequence[int] | None,
+        recompute_fn: RecomputeFn | None,
+        clock: _Clock,
+    ) -> None:
+        self.key = key
+        self._loader = loader
+        self._store = loader.store
+        self._token_ids = None if token_ids is None else list(token_ids)
+        self._recompute_fn = recompute_fn
+        self._clock = clock
+        self._lock = threading.RLock()  # trusted tiers fetch inline, under it
+        self._ready = threading.Event()  # set once located (or recomputed)
+        self._located: Located | None = None
+        self._chunk: ChunkKV | None = None  # after a fault: the recomputed chunk
+        self._futures: dict[int, Future[LayerKV]] = {}
+        self._generation = 0  # bumped when switching to another source after a fault
+        self._buffer: bytearray | None = None  # the whole object, for promotion
+        self._layers_done = 0
+        self._error: BaseException | None = None
+        self.num_layers = 0
+        self.tier = "?"
+        if self._token_ids is not None:
+            self.num_tokens = len(self._token_ids)
+
+    # -- LayeredKV ----------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "num_tokens":  # unknown until the header arrives
+            self._wait_ready()
+            return self.__dict__["num_tokens"]
+        raise AttributeError(name)
+
+    def layer(self, index: int) -> LayerKV:
+        self._wait_ready()
+        if self._chunk is not None:
+            return self._chunk.layer(index)
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} of {self.num_layers}")
+        self._schedule(range(index, min(self.num_layers, index + 1 + self._loader.prefetch_depth)))
+        future = self._futures[index]
+        started = time.perf_counter()
+        try:
+            return future.result()
+        except ChunkUnavailable as err:
+            self._fail_over(err)
+        finally:
+            self._clock.add_wait(time.perf_counter() - started)
+        return self.layer(index)
+
+    # -- locating -----------------------------------------------------------------------------
+
+    def _wait_ready(self) -> None:
+        if not self._ready.is_set():
+            started = time.perf_counter()
+            self._ready.wait()
+            self._clock.add_wait(time.perf_counter() - started)
+        if self._error is not None:
+            raise self._error
+
+    def _locate(self, start_at: int = 0) -> None:
+        """Find the chunk (worker thread at open, or the consumer after a fault)."""
+        self._clock.fetch.start()
+        nbytes = 0
+        try:
+            found = self._store.locate(self.key, start_at=start_at)
+            if found.header.k_storage != K_PRE_ROPE:
+                raise ChunkCorrupt(f"{self.key} stores post-RoPE K; the engine wants pre-RoPE K")
+            nbytes = found.header.header_len
+            self._use(found)
+        except ChunkUnavailable as err:
+            self._clock.fetch.stop(nbytes)
+            self._recover(err)
+            return
+        except BaseException as err:  # surface unexpected errors to the consumer
+            self._clock.fetch.stop(nbytes)
+            self._error = err
+            self._ready.set()
+            return
+        self._clock.fetch.stop(nbytes)
+        self._ready.set()
+
+    def _use(self, found: Located) -> None:
+        header = found.header
+        with self._lock:
+            self._generation += 1
+            self._futures = {}
+            self._located = found
+            self._layers_done = 0
+            self.num_layers = header.num_layers
+            self.num_tokens = header.num_tokens
+            self.tier = found.tier.name
+            self._buffer = None
+            if not found.tier.trusted and self._loader.promote:
+                self._buffer = bytearray(header.total_bytes)
+                head = memoryview(found.head).cast("B")[: header.header_len]
+                self._buffer[: header.header_len] = head
+        depth = self.num_layers if not self._loader.pipeline else 1 + self._loader.prefetch_depth
+        self._schedule(range(min(self.num_layers, depth)))
+
+    def _recover(self, err: ChunkUnavailable) -> None:
+        self._clock.add_fault()
+        if self._recompute_fn is None or self._token_ids is None:
+            self._error = err
+            self._ready.set()
+            return
+        try:
+            self._chunk = self._store.recover(self.key, self._token_ids, self._recompute_fn, err)
+            self.num_layers = self._chunk.num_layers
+            self.num_tokens = self._chunk.num_tokens
+            self.tier = "recomputed"
+        except BaseException as recompute_err:
+            self._error = recompute_err
+        self._ready.set()
+
+    def _fail_over(self, err: ChunkUnavailable) -> None:
+        """A layer failed mid-stream: drop that copy, continue from the next tier or recompute."""
+        with self._lock:
+            located = self._located
+            if located is None:
+                return
+            self._located = None
+        self._store.note_fault(self.key, located.tier, err)
+        self._ready.clear()
+        self._locate(start_at=located.tier_index + 1)
+        self._wait_ready()
+
+    # -- fetching -----------------------------------------------------------------------------
+
+    def _schedule(self, layers: range) -> None:
+        with self._lock:
+            found, generation = self._located, self._generation
+            if found is None:
+                return
+            for index in layers:
+                if index in self._futures:
+                    continue
+                if found.tier.trusted:  # memory / device: a view, no thread hop worth paying
+                    future: Future[LayerKV] = Future()
+                    try:
+                        future.set_result(self._fetch(found, index, generation))
+                    except BaseException as err:
+                        future.set_exception(err)
+                else:
+                    future = self._loader.executor.submit(self._fetch, found, index, generation)
+                self._futures[index] = future
+
+    def _fetch(self, found: Located, index: int, generation: int) -> LayerKV:
+        header, tier = found.header, found.tier
+        start = header.layer_offset(index)
+        last = index == header.num_layers - 1
+        # the last layer's read also takes the token ids that follow it (for promotion)
+        end = (
+            header.total_bytes if last and self._buffer is not None else start + header.layer_bytes
+        )
+        self._clock.fetch.start()
+        got = 0
+        try:
+            if tier.trusted:
+                block = tier.read_range(self.key, start, header.layer_bytes)
+                got = header.layer_bytes if block is not None else 0
+            else:
+                buffer = self._buffer if self._buffer is not None else bytearray(end - start)
+                offset = start if self._buffer is not None else 0
+                out = memoryview(buffer)[offset : offset + end - start]
+                n = tier.read_into(self.key, start, out)
+                got = n or 0
+                block = None if n is None else out[: header.layer_bytes]
+            if block is None:
+                raise ChunkUnavailable(f"{self.key} vanished from the {tier.name} tier")
+            k, v = decode_layer(header, index, block, verify=not tier.trusted)
+            device = self._loader.device
+            if k.device != device:
+                k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
+        finally:
+            self._clock.fetch.stop(got)
+        if self._buffer is not None and last:
+            decode_token_ids(header, memoryview(self._buffer)[header.tokens_offset :])
+        self._layer_done(found, generation)
+        return k, v
+
+    def _layer_done(self, found: Located, generation: int) -> None:
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._layers_done += 1
+            complete = self._layers_done == found.header.num_layers
+            buffer = self._buffer
+        if complete and buffer is not None:
+            self._store.promote(self.key, buffer, found.tier_index)
+
+    def loaded_bytes(self) -> int:
+        found = self._located
+        return 0 if found is None else found.header.num_layers * found.header.layer_bytes
+
+
+class LoadBatch:
+    """The sources of one request, in the order of the keys given to :meth:`KVLoader.open`."""
+
+    def __init__(self, sources: list[StoreLayeredKV], clock: _Clock, pipelined: bool) -> None:
+        self.sources = sources
+        self._clock = clock
+        self.pipelined = pipelined
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, index: int) -> StoreLayeredKV:
+        return self.sources[index]
+
+    def __iter__(self) -> Iterator[StoreLayeredKV]:
+        return iter(self.sources)
+
+    @property
+    def tiers(self) -> list[str]:
+        return [source.tier for source in self.sources]
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Layer bytes to move per serving tier (what the controller prices)."""
+        totals: dict[str, int] = {}
+        for source in self.sources:
+            totals[source.tier] = totals.get(source.tier, 0) + source.loaded_bytes()
+        return totals
+
+    def stats(self) -> LoadStats:
+        load_s, wait_s = self._clock.fetch.busy_s, self._clock.wait_s
+        hidden = 1.0 - wait_s / load_s if load_s > 0 else 1.0
+        return LoadStats(
+            chunks=len(self.sources), tiers=self.tiers, bytes_read=self._clock.fetch.bytes_read,
+            load_s=load_s, wait_s=wait_s, hidden_load_fraction=min(1.0, max(0.0, hidden)),
+            pipelined=self.pipelined, faults=self._clock.faults, tier_bytes=self.tier_bytes(),
+        )  # fmt: skip
+
+
+class KVLoader:
+    """Opens store-backed ``LayeredKV`` sources; owns the fetch threads (reuse one loader)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        workers: int | None = None,
+        prefetch_depth: int | None = None,
+        pipeline: bool = True,
+        promote: bool = True,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.store = store
+        self.prefetch_depth = (
+            store.config.prefetch_depth if prefetch_depth is None else prefetch_depth
+        )
+        self.pipeline = pipeline
+        self.promote = promote
+        self.device = torch.device(device)
+        workers = store.config.load_workers if workers is None else workers
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-load")
+
+    def open(
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        recompute_fn: RecomputeFn | None = None,
+    ) -> LoadBatch:
+        """Start loading ``keys``; returns once every chunk is located (or, without
+        pipelining, fully loaded). ``token_ids`` (per key) and ``recompute_fn`` enable
+        recovery from faults; without them a fault raises from ``.layer()``."""
+        if token_ids is not None and len(token_ids) != len(keys):
+            raise ValueError("token_ids must have one entry per key")
+        clock = _Clock()
+        sources = [
+            StoreLayeredKV(
+                self, key, None if token_ids is None else token_ids[i], recompute_fn, clock
+            )
+            for i, key in enumerate(keys)
+        ]
+        started = time.perf_counter()
+        located = [self.executor.submit(source._locate) for source in sources]
+        for future in located:
+            future.result()
+        if not self.pipeline:  # load-then-compute: every layer of every chunk, now
+            for source in sources:
+                for future in list(source._futures.values()):
+                    future.exception()
+        clock.add_wait(time.perf_counter() - started)
+        return LoadBatch(sources, clock, self.pipeline)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    def __enter__(self) -> KVLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

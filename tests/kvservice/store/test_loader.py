@@ -1,0 +1,152 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvservice.store.disk import DiskTier
+from kvservice.store.errors import ChunkMissing
+from kvservice.store.format import decode_header, encode_chunk
+from kvservice.store.keys import ChunkKey
+from kvservice.store.loader import KVLoader
+from kvservice.store.memory import MemoryTier
+from kvservice.store.tiered import TieredStore
+
+from .conftest import L, make_chunk
+
+
+def _assert_serves(source, chunk):
+    assert source.num_tokens == chunk.num_tokens
+    for i in range(L):  # strictly increasing, as the blender reads
+        k, v = source.layer(i)
+        assert k.shape == chunk.k[i].shape
+        assert torch.equal(k, chunk.k[i]) and torch.equal(v, chunk.v[i]), i
+
+
+@pytest.mark.parametrize("where", ["cpu", "disk", "s3"])
+def test_loader_serves_exactly_the_stored_layers_in_order(store, where):
+    chunks = [make_chunk(30 + i) for i in range(3)]
+    keys = []
+    for chunk in chunks:
+        key = store.put(chunk, tiers=[] if where == "s3" else [where])
+        keys.append(key)
+    keys.append(keys[0])  # the same chunk twice in one prompt
+    with KVLoader(store) as loader:
+        batch = loader.open(keys)
+        assert batch.tiers == [where] * 4
+        for source, chunk in zip(batch, [*chunks, chunks[0]], strict=True):
+            _assert_serves(source, chunk)
+        stats = batch.stats()
+    assert stats.chunks == 4 and stats.faults == 0 and 0.0 <= stats.hidden_load_fraction <= 1.0
+    assert stats.tier_bytes[where] == 4 * L * decode_header(encode_chunk(chunks[0])).layer_bytes
+    if where != "cpu":  # read from disk or S3: promoted into the CPU tier once complete
+        deadline = time.monotonic() + 2
+        while not all(store.tier("cpu").contains(k) for k in keys) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(store.tier("cpu").contains(k) for k in keys)
+
+
+class SlowDisk(DiskTier):
+    """A disk whose every read takes ``delay`` seconds (a slow link, deterministic)."""
+
+    delay = 0.03
+
+    def read_into(self, key, start, out):
+        time.sleep(self.delay)
+        return super().read_into(key, start, out)
+
+
+def _slow_store(tmp_path, chunk):
+    store = TieredStore([MemoryTier(1 << 20), SlowDisk(tmp_path / "slow", 1 << 20)])
+    return store, store.put(chunk, tiers=["disk"])
+
+
+def test_prefetch_hides_load_behind_compute(tmp_path):
+    chunk = make_chunk(40)
+    store, key = _slow_store(tmp_path, chunk)
+    with KVLoader(store, promote=False) as loader:
+        batch = loader.open([key])
+        source = batch[0]
+        for i in range(L):
+            k, _ = source.layer(i)
+            assert torch.equal(k, chunk.k[i])
+            if i + 1 < L:
+                assert i + 1 in source._futures  # layer i+1 is on its way while i is used
+            time.sleep(2 * SlowDisk.delay)  # "compute" layer i
+        stats = batch.stats()
+    # only layer 0 is waited for; layers 1..L-1 arrive during compute
+    assert stats.load_s >= (L - 1) * SlowDisk.delay * 0.9  # layers 0 and 1 overlap
+    assert stats.wait_s < 2 * SlowDisk.delay
+    assert stats.hidden_load_fraction > 0.5
+
+
+def test_no_pipeline_loads_everything_first_and_hides_nothing(tmp_path):
+    chunk = make_chunk(41)
+    store, key = _slow_store(tmp_path, chunk)
+    with KVLoader(store, pipeline=False, promote=False) as loader:
+        batch = loader.open([key])
+        assert all(f.done() for f in batch[0]._futures.values()) and len(batch[0]._futures) == L
+        _assert_serves(batch[0], chunk)
+        stats = batch.stats()
+    assert stats.wait_s >= stats.load_s * 0.99 and stats.hidden_load_fraction < 0.01
+
+
+def test_corrupt_layer_mid_stream_is_recomputed_and_replaced(store, recompute_from):
+    chunk = make_chunk(42)
+    key = store.put(chunk, tiers=[])
+    bad = encode_chunk(chunk)
+    bad[decode_header(bad).layer_offset(2) + 1] ^= 0x40
+    store.tier("s3").put(key, bad)
+    recompute = recompute_from(chunk)
+    with KVLoader(store) as loader:
+        batch = loader.open([key], token_ids=[chunk.token_ids], recompute_fn=recompute)
+        _assert_serves(batch[0], chunk)
+        assert batch.tiers == ["recomputed"] and batch.stats().faults == 1
+    assert recompute.calls == 1 and store.stats().faults["corrupt"] == 1
+    store.drop_local(key)
+    assert torch.equal(store.get(key).v, chunk.v)  # the S3 object was replaced
+
+
+def test_corrupt_disk_copy_fails_over_to_s3_mid_stream(store, recompute_from):
+    chunk = make_chunk(43)
+    key = store.put(chunk, tiers=[])
+    bad = encode_chunk(chunk)
+    bad[decode_header(bad).layer_offset(3) + 1] ^= 0x40
+    store.tier("disk").put(key, bad)
+    with KVLoader(store) as loader:
+        batch = loader.open([key], token_ids=[chunk.token_ids], recompute_fn=recompute_from(chunk))
+        assert batch.tiers == ["disk"]
+        _assert_serves(batch[0], chunk)
+        assert batch.tiers == ["s3"]
+    assert not store.tier("disk").contains(key) or torch.equal(store.get(key).k, chunk.k)
+
+
+def test_missing_chunk_without_recompute_raises_typed_error(store):
+    key = ChunkKey.of(make_chunk(44))
+    with KVLoader(store) as loader:
+        batch = loader.open([key])
+        with pytest.raises(ChunkMissing):
+            batch[0].layer(0)
+
+
+def test_missing_chunk_with_recompute_is_served_and_stored(store, recompute_from):
+    chunk = make_chunk(45)
+    key = ChunkKey.of(chunk)
+    recompute = recompute_from(chunk)
+    with KVLoader(store) as loader:
+        batch = loader.open([key], token_ids=[chunk.token_ids], recompute_fn=recompute)
+        _assert_serves(batch[0], chunk)
+    assert recompute.calls == 1 and store.tier("s3").contains(key)
+
+
+def test_quantized_objects_load_close_to_the_original(store_config):
+    store = TieredStore.from_config(store_config)
+    chunk = make_chunk(46)
+    key = store.put(chunk, tiers=[], quantize=True)
+    with KVLoader(store) as loader:
+        source = loader.open([key])[0]
+        for i in range(L):
+            k, v = source.layer(i)
+            bound = chunk.k[i].abs().amax(dim=-1, keepdim=True) / 254 + 1e-6
+            assert bool(((k - chunk.k[i]).abs() <= bound).all())
