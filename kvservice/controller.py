@@ -1,0 +1,227 @@
+"""Loading controller (CacheBlend section 5): pick the recompute ratio and the storage tier
+from measurements, so that loading the cached KV stays hidden behind selective recompute.
+
+For a request whose cached chunks hold ``N`` tokens over ``L`` layers:
+
+- recompute time at ratio r: ``r * N * L / recompute_throughput`` (token-layers per second,
+  measured by the engine);
+- load time: for each tier serving chunks, ``bytes / read_bandwidth`` (tiers load in
+  parallel, so the request waits for the slowest);
+- the break-even ratio ``r_eq = load_s / full_recompute_s`` makes recompute exactly as long
+  as the load. Recomputing more tokens than ``r_min`` costs nothing while the load is the
+  bottleneck anyway, so ``r = clamp(max(r_min, r_eq), 0, 1)``; an admin-fixed ratio wins.
+- the cheapest tier (S3 < disk < CPU memory < device) whose load time at the target ratio
+  (``r_min`` or the admin's) is no longer than the recompute time keeps loading hidden.
+
+:func:`choose_ratio` is the pure decision; :class:`LoadingController` keeps the running
+measurements (EWMA) and calls it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+R_MIN_DEFAULT = 0.15
+TIER_COST_ORDER = ("s3", "disk", "cpu", "device")  # cheapest storage first
+
+
+@dataclass(frozen=True)
+class RatioDecision:
+    recompute_ratio: float
+    source: str  # "admin" (fixed), "auto" (break-even), "r_min" (floor or no measurements)
+    load_s_estimate: float | None
+    recompute_s_estimate: float | None  # at the chosen ratio
+    cheapest_hidden_tier: str | None  # None: no measured tier hides loading
+    why: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def choose_ratio(
+    *,
+    num_tokens: int,
+    num_layers: int,
+    load_bytes_by_tier: Mapping[str, int],
+    tier_bandwidth: Mapping[str, float | None],
+    recompute_token_layers_per_s: float | None,
+    r_min: float = R_MIN_DEFAULT,
+    fixed_ratio: float | None = None,
+) -> RatioDecision:
+    """The recompute ratio for one request, and the cheapest tier that would hide loading.
+
+    ``load_bytes_by_tier``: bytes of layer KV each tier must deliver for this request;
+    ``tier_bandwidth``: measured read bandwidth in bytes/s (None or absent: not measured).
+    """
+    if not 0.0 <= r_min <= 1.0:
+        raise ValueError(f"r_min must be in [0, 1], got {r_min}")
+    if fixed_ratio is not None and not 0.0 <= fixed_ratio <= 1.0:
+        raise ValueError(f"fixed ratio must be in [0, 1], got {fixed_ratio}")
+    token_layers = num_tokens * num_layers
+    throughput = recompute_token_layers_per_s if recompute_token_layers_per_s else None
+    full_recompute_s = token_layers / throughput if throughput and token_layers else None
+
+    load_by_tier: dict[str, float] = {}
+    unmeasured = []
+    for tier, nbytes in load_bytes_by_tier.items():
+        if nbytes <= 0:
+            continue
+        bandwidth = tier_bandwidth.get(tier)
+        if bandwidth:
+            load_by_tier[tier] = nbytes / bandwidth
+        else:
+            unmeasured.append(tier)
+    load_s = max(load_by_tier.values(), default=0.0) if not unmeasured else None
+    total_bytes = sum(max(0, b) for b in load_bytes_by_tier.values())
+
+    why: dict[str, Any] = {
+        "num_tokens": num_tokens,
+        "num_layers": num_layers,
+        "r_min": r_min,
+        "recompute_token_layers_per_s": throughput,
+        "full_recompute_s": full_recompute_s,
+        "load_s_by_tier": load_by_tier,
+        "unmeasured_tiers": unmeasured,
+    }
+
+    # the ratio
+    break_even = load_s / full_recompute_s if load_s is not None and full_recompute_s else None
+    why["break_even_ratio"] = break_even
+    if fixed_ratio is not None:
+        ratio, source = fixed_ratio, "admin"
+        why["rule"] = f"admin fixed the ratio at {fixed_ratio:.3f}"
+    elif break_even is None:
+        ratio, source = r_min, "r_min"
+        missing = (
+            "recompute throughput" if full_recompute_s is None else f"bandwidth of {unmeasured}"
+        )
+        why["rule"] = f"no measurement of {missing} yet: r_min"
+    elif break_even <= r_min:
+        ratio, source = r_min, "r_min"
+        why["rule"] = (
+            f"loading ({load_s:.4f} s) hides behind recomputing r_min of the tokens "
+            f"({r_min * full_recompute_s:.4f} s): r = r_min"
+        )
+    elif break_even < 1.0:
+        ratio, source = break_even, "auto"
+        why["rule"] = (
+            f"loading takes {load_s:.4f} s; recomputing {break_even:.1%} of the tokens takes "
+            "as long, so that extra recompute is free"
+        )
+    else:
+        ratio, source = 1.0, "auto"
+        why["rule"] = (
+            f"loading ({load_s:.4f} s) is slower than recomputing every token "
+            f"({full_recompute_s:.4f} s): full recompute"
+        )
+
+    # the cheapest tier that keeps loading hidden at the target ratio
+    target = fixed_ratio if fixed_ratio is not None else r_min
+    hidden_tier = None
+    if full_recompute_s is not None:
+        budget_s = target * full_recompute_s
+        why["hide_budget_s"] = budget_s
+        verdicts = {}
+        for tier in TIER_COST_ORDER:
+            bandwidth = tier_bandwidth.get(tier)
+            if not bandwidth:
+                continue
+            tier_load_s = total_bytes / bandwidth
+            verdicts[tier] = {"load_s": tier_load_s, "hidden": tier_load_s <= budget_s}
+            if hidden_tier is None and tier_load_s <= budget_s:
+                hidden_tier = tier
+        why["tiers"] = verdicts
+    recompute_s = ratio * full_recompute_s if full_recompute_s is not None else None
+    return RatioDecision(
+        recompute_ratio=min(1.0, max(0.0, ratio)), source=source, load_s_estimate=load_s,
+        recompute_s_estimate=recompute_s, cheapest_hidden_tier=hidden_tier, why=why,
+    )  # fmt: skip
+
+
+class LoadingController:
+    """Running measurements (EWMA) of tier bandwidth and recompute throughput."""
+
+    def __init__(
+        self,
+        *,
+        r_min: float = R_MIN_DEFAULT,
+        fixed_ratio: float | None = None,
+        smoothing: float = 0.3,
+    ) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError("smoothing must be in (0, 1]")
+        self.r_min = r_min
+        self.fixed_ratio = fixed_ratio
+        self.smoothing = smoothing
+        self.recompute_token_layers_per_s: float | None = None
+        self.tier_bandwidth: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.last_decision: RatioDecision | None = None
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def set_fixed_ratio(self, ratio: float | None) -> None:
+        """Admin override: a ratio in [0, 1], or None to go back to auto."""
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        self.fixed_ratio = ratio
+
+    def observe_recompute(self, *, tokens: int, layers: int, seconds: float) -> None:
+        """The engine recomputed ``tokens`` tokens through ``layers`` layers in ``seconds``."""
+        if seconds > 0 and tokens * layers > 0:
+            with self._lock:
+                rate = tokens * layers / seconds
+                self.recompute_token_layers_per_s = self._ewma(
+                    self.recompute_token_layers_per_s, rate
+                )
+
+    def observe_tier(self, tier: str, *, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            with self._lock:
+                self.tier_bandwidth[tier] = self._ewma(
+                    self.tier_bandwidth.get(tier), nbytes / seconds
+                )
+
+    def observe_tier_bandwidths(self, bandwidths: Mapping[str, float | None]) -> None:
+        """Take measured bandwidths as they are (e.g. from the store's stats), replacing."""
+        with self._lock:
+            for tier, bandwidth in bandwidths.items():
+                if bandwidth:
+                    self.tier_bandwidth[tier] = bandwidth
+
+    def observe_store_stats(self, tier_stats: Iterable[Any]) -> None:
+        """From ``TieredStore.stats().tiers`` (objects with ``name`` and
+        ``read_bandwidth_bytes_per_s``)."""
+        self.observe_tier_bandwidths({t.name: t.read_bandwidth_bytes_per_s for t in tier_stats})
+
+    def choose(
+        self, *, num_tokens: int, num_layers: int, load_bytes_by_tier: Mapping[str, int]
+    ) -> RatioDecision:
+        with self._lock:
+            bandwidth = dict(self.tier_bandwidth)
+            throughput = self.recompute_token_layers_per_s
+        decision = choose_ratio(
+            num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes_by_tier,
+            tier_bandwidth=bandwidth, recompute_token_layers_per_s=throughput, r_min=self.r_min,
+            fixed_ratio=self.fixed_ratio,
+        )  # fmt: skip
+        self.last_decision = decision
+        return decision
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for the dashboard."""
+        with self._lock:
+            return {
+                "r_min": self.r_min,
+                "fixed_ratio": self.fixed_ratio,
+                "mode": "admin" if self.fixed_ratio is not None else "auto",
+                "recompute_token_layers_per_s": self.recompute_token_layers_per_s,
+                "tier_bandwidth_bytes_per_s": dict(self.tier_bandwidth),
+                "last_decision": None
+                if self.last_decision is None
+                else self.last_decision.to_dict(),
+            }
