@@ -6,16 +6,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from django.conf import settings
-from django.contrib.auth.decorators import login_required
 from django.db import connection
-from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import render
+from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from kvservice.heartbeat import read_heartbeat
+from webapp.redis import redis_client
 from webapp.storage import object_store
 from worker.celery import app as celery_app
 
@@ -48,12 +46,8 @@ def _object_store() -> dict[str, Any]:
     return {"endpoint": settings.S3_ENDPOINT}
 
 
-def _redis() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
-
-
 def _broker() -> dict[str, Any]:
-    _redis().ping()
+    redis_client().ping()
     return {}
 
 
@@ -67,14 +61,14 @@ def _celery_worker() -> dict[str, Any]:
 
 
 def _inference_worker() -> dict[str, Any]:
-    beat = read_heartbeat(_redis())
+    beat = read_heartbeat(redis_client())
     if beat is None:
         raise RuntimeError("no heartbeat from the inference worker")
     return {"age_s": round(time.time() - beat["ts"], 1), "pid": beat.get("pid")}
 
 
 def _model_loaded() -> dict[str, Any]:
-    beat = read_heartbeat(_redis()) or {}
+    beat = read_heartbeat(redis_client()) or {}
     if not beat.get("model_loaded"):
         raise RuntimeError(beat.get("model_error") or "the inference worker has no model loaded")
     return {"model": beat.get("model")}
@@ -110,8 +104,3 @@ def healthz(request: HttpRequest) -> JsonResponse:
     healthy = all(c["status"] == "up" for c in components.values())
     body = {"status": "ok" if healthy else "degraded", "components": components}
     return JsonResponse(body, status=200 if healthy else 503)
-
-
-@login_required
-def home(request: HttpRequest) -> HttpResponse:
-    return render(request, "home.html")

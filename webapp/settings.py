@@ -34,9 +34,11 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "django.contrib.postgres",
     "django_htmx",
     "webapp.accounts",
     "webapp.documents",
+    "webapp.chat",
 ]
 
 MIDDLEWARE = [
@@ -130,6 +132,30 @@ CELERY_TASK_ROUTES = {
     "worker.tasks.precompute_*": {"queue": "kv"},
 }
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+
+# --- documents (upload, parsing, chunking, embedding) ------------------------------------------
+
+MAX_UPLOAD_BYTES = env.int("MAX_UPLOAD_BYTES", default=25 * 1024 * 1024)
+# Chunks are about this many tokens of the LLM's own tokenizer, split on sentence boundaries.
+CHUNK_TOKENS = env.int("CHUNK_TOKENS", default=512)
+EMBEDDING_DIM = 384  # all-MiniLM-L6-v2; the Chunk.embedding column is declared with it
+# A .docx is a zip: refuse one that unpacks to more than this, or at a ratio above this.
+DOCX_MAX_UNCOMPRESSED_BYTES = env.int("DOCX_MAX_UNCOMPRESSED_BYTES", default=200 * 1024 * 1024)
+DOCX_MAX_COMPRESSION_RATIO = env.int("DOCX_MAX_COMPRESSION_RATIO", default=100)
+# Chunks per KV precompute task (one forward pass batches them).
+KV_PRECOMPUTE_BATCH = env.int("KV_PRECOMPUTE_BATCH", default=8)
+for _name, _value in [("MAX_UPLOAD_BYTES", MAX_UPLOAD_BYTES), ("CHUNK_TOKENS", CHUNK_TOKENS),
+                      ("KV_PRECOMPUTE_BATCH", KV_PRECOMPUTE_BATCH)]:  # fmt: skip
+    if _value < 1:
+        raise ImproperlyConfigured(f"{_name} must be a positive integer, got {_value}.")
+# Requests carrying several files: allow a form's worth of them.
+DATA_UPLOAD_MAX_NUMBER_FILES = env.int("DATA_UPLOAD_MAX_NUMBER_FILES", default=50)
+
+# --- chat -------------------------------------------------------------------------------------
+
+RETRIEVAL_TOP_K = env.int("RETRIEVAL_TOP_K", default=6)
+CHAT_MAX_NEW_TOKENS = env.int("CHAT_MAX_NEW_TOKENS", default=256)
+CHAT_MAX_QUESTION_CHARS = env.int("CHAT_MAX_QUESTION_CHARS", default=4000)
 
 # How long /healthz waits for a Celery worker to answer a ping.
 HEALTH_PING_TIMEOUT_S = env.float("HEALTH_PING_TIMEOUT_S", default=1.0)

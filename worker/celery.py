@@ -15,4 +15,4 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
 app = Celery("ragblend")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["worker"])
+app.conf.imports = ("worker.tasks", "worker.chat")

@@ -64,7 +64,7 @@ def test_object_store_check_fails_when_a_bucket_is_missing(settings) -> None:
 
 
 def test_login_page_renders_and_home_requires_login(client, django_user_model) -> None:
-    assert client.get("/").status_code == 302
+    assert client.get("/chat/").status_code == 302  # to the login page
     page = client.get("/accounts/login/")
     assert page.status_code == 200
     assert b"htmx-2.0.11.min.js" in page.content
@@ -73,7 +73,9 @@ def test_login_page_renders_and_home_requires_login(client, django_user_model) -
         "/accounts/login/", {"username": "ada", "password": "a-long-passphrase"}
     )
     assert response.status_code == 302
-    assert b"Welcome, ada" in client.get("/").content
+    page = client.get("/", follow=True)
+    assert page.redirect_chain[-1][0] == "/chat/"
+    assert b"ada" in page.content and b"Ask your documents" in page.content
 
 
 def test_wrong_password_is_refused(client, django_user_model) -> None:
@@ -81,4 +83,4 @@ def test_wrong_password_is_refused(client, django_user_model) -> None:
     response = client.post("/accounts/login/", {"username": "bob", "password": "nope"})
     assert response.status_code == 200
     assert b"didn&#x27;t match" in response.content or b"didn't match" in response.content
-    assert client.get("/").status_code == 302
+    assert client.get("/chat/").status_code == 302

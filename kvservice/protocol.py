@@ -1,0 +1,100 @@
+"""What the web app and the inference worker say to each other, in one place.
+
+- A request goes to the ``inference`` Celery queue as ``GenerateRequest.to_dict()``.
+- The worker appends events to a Redis stream named ``answer_stream(request_id)``: ``token``
+  (a text delta), then exactly one of ``done`` / ``error`` (with metrics). A stream, not
+  plain pub/sub: a reader that connects late (or reconnects) still gets every event.
+- The worker then reports the complete answer with the ``RECORD_TASK`` Celery task, so the
+  answer is stored even if nobody is watching the stream.
+- Stop: the web app sets ``stop_key(request_id)``; the worker checks it between tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+INFERENCE_QUEUE = "inference"
+GENERATE_TASK = "kvservice.generate"
+RECORD_TASK = "worker.chat.record_answer"
+RECORD_QUEUE = "ingest"
+
+STREAM_TTL_S = 600  # a finished answer's events stay readable this long
+STREAM_MAXLEN = 20_000
+
+
+def answer_stream(request_id: str) -> str:
+    return f"ragblend:answer:{request_id}"
+
+
+def stop_key(request_id: str) -> str:
+    return f"ragblend:stop:{request_id}"
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    chunk_id: int
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "user" | "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    question: str
+    chunks: list[ChunkRef]
+    mode: str = "blend"
+    history: list[Turn] = field(default_factory=list)
+    message_id: int | None = None
+    recompute_ratio: float | None = None  # None: the controller (or the admin's fixed value)
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    timeout_s: float = 300.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerateRequest:
+        data = dict(data)
+        data["chunks"] = [ChunkRef(**c) for c in data.get("chunks", [])]
+        data["history"] = [Turn(**t) for t in data.get("history", [])]
+        return cls(**data)
+
+
+def publish_event(client: Any, request_id: str, kind: str, **payload: Any) -> None:
+    name = answer_stream(request_id)
+    client.xadd(name, {"type": kind, "data": json.dumps(payload)}, maxlen=STREAM_MAXLEN)
+    client.expire(name, STREAM_TTL_S)
+
+
+def read_events(client: Any, request_id: str, last_id: str = "0", block_ms: int = 15000):
+    """Events after ``last_id`` as (id, type, payload); waits up to ``block_ms`` for the next.
+    (An asyncio client: ``decode_events(await client.xread(...))`` with the same arguments.)"""
+    reply = client.xread({answer_stream(request_id): last_id}, block=block_ms, count=256)
+    return decode_events(reply)
+
+
+def decode_events(reply: Any):
+    for _name, entries in reply or []:
+        for entry_id, fields in entries:
+            entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            kind = fields.get(b"type", fields.get("type"))
+            data = fields.get(b"data", fields.get("data"))
+            kind = kind.decode() if isinstance(kind, bytes) else kind
+            yield entry_id, kind, json.loads(data)
+
+
+def request_stop(client: Any, request_id: str) -> None:
+    client.set(stop_key(request_id), "1", ex=STREAM_TTL_S)
+
+
+def stop_requested(client: Any, request_id: str) -> bool:
+    return bool(client.exists(stop_key(request_id)))

@@ -1,0 +1,116 @@
+"""`make dev`'s launcher, for real: boots every service, is healthy, lets `manage.py` reach the
+same stack through DATA_DIR, stops everything on Ctrl-C, and keeps the data for a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from deploy import services
+from tests.conftest import ROOT, wait_for
+
+pytestmark = pytest.mark.slow
+
+# The suite's own services are in this process's environment; the stack must start its own.
+_SUITE_VARIABLES = ("DATABASE_URL", "S3_ENDPOINT", "S3_ACCESS_KEY", "S3_SECRET_KEY", "REDIS_URL",
+                    "SECRET_KEY", "DATA_DIR", "DJANGO_SETTINGS_MODULE", "DEBUG")  # fmt: skip
+
+
+def _stack_env(data_dir: Path, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _SUITE_VARIABLES}
+    return env | {"DATA_DIR": str(data_dir), "PORT": str(port), "PYTHONUNBUFFERED": "1",
+                  "ADMIN_USERNAME": "root", "ADMIN_PASSWORD": "stack-test-password"}  # fmt: skip
+
+
+def _healthz(port: int) -> tuple[int, dict] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+    except OSError:
+        return None
+
+
+def _start(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "deploy.devstack"],
+        cwd=ROOT, env=_stack_env(data_dir, port), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def _descendants(process: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(process.pid).children(recursive=True)
+
+
+def _stop(process: subprocess.Popen, log: Path) -> list[psutil.Process]:
+    """Ctrl-C the launcher; return the processes it had started, for checking they are gone."""
+    started = _descendants(process)
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(90)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError(f"launcher did not stop on Ctrl-C:\n{log.read_text()[-3000:]}")
+    return started
+
+
+def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
+    data_dir, port, log = tmp_path / "data", services.free_port(), tmp_path / "stack.log"
+    process = _start(data_dir, port, log)
+    try:
+        def healthy():
+            if process.poll() is not None:
+                raise AssertionError(f"launcher exited:\n{log.read_text()[-4000:]}")
+            result = _healthz(port)
+            return result if result and result[0] == 200 else None
+
+        status, body = wait_for(healthy, timeout=420, interval=2, what="/healthz 200")
+        assert body["status"] == "ok"
+        assert all(c["status"] == "up" for c in body["components"].values()), body
+        assert "Created admin account: root" in log.read_text()
+
+        # The stack's services bind to loopback only.
+        stack = json.loads((data_dir / "stack.json").read_text())
+        assert "127.0.0.1" in stack["DATABASE_URL"] and stack["S3_ENDPOINT"].startswith("127.0.0.1:")
+        listening = {
+            conn.laddr.ip
+            for child in _descendants(process)
+            for conn in child.net_connections(kind="tcp")
+            if conn.status == psutil.CONN_LISTEN
+        }
+        assert listening and listening <= {"127.0.0.1"}, listening
+
+        # manage.py with the same DATA_DIR (and nothing else) talks to this running stack.
+        env = {k: v for k, v in _stack_env(data_dir, port).items() if k != "PORT"}
+        out = subprocess.run(
+            [sys.executable, "manage.py", "shell", "-c",
+             "from django.contrib.auth.models import User; print(list(User.objects.values_list('username', flat=True)))"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "['root']" in out.stdout
+    finally:
+        started = _stop(process, log) if process.poll() is None else []
+    time.sleep(1)
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"still running after Ctrl-C: {[p.cmdline()[:3] for p in alive]}"
+
+    # Restart on the same DATA_DIR: the data (the admin account) is still there.
+    process = _start(data_dir, port, log)
+    try:
+        wait_for(lambda: (_healthz(port) or (0,))[0] == 200, timeout=300, interval=2,
+                 what="/healthz after restart")  # fmt: skip
+        assert "An admin account exists already." in log.read_text()
+    finally:
+        _stop(process, log)

@@ -1,0 +1,100 @@
+"""Conversations, their messages, and what each answer cited and measured."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class Conversation(models.Model):
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="conversations"
+    )
+    title = models.CharField(max_length=200, default="New conversation")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-updated_at", "-id"]
+        indexes = [models.Index(fields=["owner", "-updated_at"])]
+
+    def __str__(self) -> str:
+        return self.title
+
+
+class Message(models.Model):
+    class Role(models.TextChoices):
+        USER = "user", "User"
+        ASSISTANT = "assistant", "Assistant"
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Waiting for the model"
+        STREAMING = "streaming", "Streaming"
+        DONE = "done", "Done"
+        STOPPED = "stopped", "Stopped"
+        FAILED = "failed", "Failed"
+
+    class Mode(models.TextChoices):
+        BLEND = "blend", "blend (CacheBlend)"
+        FULL = "full", "full prefill"
+        REUSE = "reuse", "full KV reuse"
+        PREFIX = "prefix", "prefix caching"
+
+    conversation = models.ForeignKey(
+        Conversation, on_delete=models.CASCADE, related_name="messages"
+    )
+    role = models.CharField(max_length=16, choices=Role.choices)
+    content = models.TextField(blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.DONE)
+    error_message = models.TextField(blank=True)
+    # The inference request that produced this answer (its token stream's name in Redis).
+    request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    mode = models.CharField(max_length=16, choices=Mode.choices, blank=True)
+    recompute_ratio = models.FloatField(null=True, blank=True)
+    ttft_s = models.FloatField(null=True, blank=True)
+    total_s = models.FloatField(null=True, blank=True)
+    prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    # Which tier served each cited chunk's KV, e.g. {"cpu": 4, "s3": 2}.
+    tiers = models.JSONField(default=dict, blank=True)
+    feedback = models.SmallIntegerField(default=0)  # -1 thumbs down, 0 none, +1 thumbs up
+    created_at = models.DateTimeField(auto_now_add=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        indexes = [models.Index(fields=["mode", "created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.role}: {self.content[:40]}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.status in (self.Status.PENDING, self.Status.STREAMING)
+
+
+class Citation(models.Model):
+    """Chunk ``rank`` (1-based, the [n] in the answer) given to the model for a message.
+
+    The chunk's text is copied so that a citation still reads right after its document is
+    deleted (then ``chunk`` becomes null)."""
+
+    message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="citations")
+    rank = models.PositiveSmallIntegerField()
+    chunk = models.ForeignKey(
+        "documents.Chunk", null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    document = models.ForeignKey(
+        "documents.Document", null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    document_title = models.CharField(max_length=255)
+    text = models.TextField()
+    tier = models.CharField(max_length=16, blank=True)
+
+    class Meta:
+        ordering = ["message", "rank"]
+        constraints = [
+            models.UniqueConstraint(fields=["message", "rank"], name="citation_unique_rank")
+        ]

@@ -1,0 +1,184 @@
+"""Chat writes: ask a question (retrieve, record, send to the inference worker), record the
+answer when it is complete, stop, regenerate, feedback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from kvservice.protocol import (
+    GENERATE_TASK,
+    INFERENCE_QUEUE,
+    ChunkRef,
+    GenerateRequest,
+    Turn,
+    request_stop,
+)
+from webapp.chat.models import Citation, Conversation, Message
+from webapp.chat.retrieval import retrieve_chunks
+from webapp.documents.embeddings import embed_texts
+from webapp.redis import redis_client
+from worker.celery import app as celery_app
+
+HISTORY_TURNS = 3  # recent question/answer pairs carried into a follow-up question
+
+
+class ChatError(ValueError):
+    """A request the user can fix (shown to them as is)."""
+
+
+def conversation_create(*, owner, title: str = "") -> Conversation:
+    return Conversation.objects.create(owner=owner, title=title[:200] or "New conversation")
+
+
+def _history(conversation: Conversation, before: Message | None) -> list[Turn]:
+    """The last few finished question/answer pairs, oldest first."""
+    messages = conversation.messages.filter(status=Message.Status.DONE)
+    if before is not None:
+        messages = messages.filter(id__lt=before.id)
+    recent = list(messages.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
+    return [Turn(role=m.role, content=m.content) for m in recent if m.content]
+
+
+def _send(answer: Message, question: str, history: list[Turn], citations: list[Citation]) -> None:
+    request = GenerateRequest(
+        request_id=str(answer.request_id),
+        message_id=answer.id,
+        question=question,
+        history=history,
+        chunks=[
+            ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids)) for c in citations
+        ],
+        mode=answer.mode,
+        recompute_ratio=None,  # the worker's controller decides (or the admin's fixed value)
+        max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
+    )
+    celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=INFERENCE_QUEUE)
+
+
+@transaction.atomic
+def chat_ask(
+    *, user, conversation: Conversation, question: str, mode: str = Message.Mode.BLEND
+) -> Message:
+    """Record the question and a pending answer, retrieve its context, and queue generation.
+    Returns the pending assistant message; its tokens stream under ``request_id``."""
+    question = question.strip()
+    if not question:
+        raise ChatError("Type a question first.")
+    if len(question) > settings.CHAT_MAX_QUESTION_CHARS:
+        raise ChatError(f"Questions are limited to {settings.CHAT_MAX_QUESTION_CHARS} characters.")
+    if mode not in Message.Mode.values:
+        raise ChatError(f"Unknown mode {mode!r}.")
+    if mode != Message.Mode.BLEND and not user.is_staff:
+        raise ChatError("Only staff can choose another mode than blend.")
+    history = _history(conversation, before=None)
+    Message.objects.create(conversation=conversation, role=Message.Role.USER, content=question)
+    answer = Message.objects.create(
+        conversation=conversation,
+        role=Message.Role.ASSISTANT,
+        status=Message.Status.PENDING,
+        mode=mode,
+    )
+    if conversation.title == "New conversation":
+        conversation.title = question[:80]
+    conversation.save(update_fields=["title", "updated_at"])
+    citations = _retrieve(user=user, answer=answer, question=question)
+    transaction.on_commit(lambda: _send(answer, question, history, citations))
+    return answer
+
+
+def _retrieve(*, user, answer: Message, question: str) -> list[Citation]:
+    chunks = retrieve_chunks(
+        user=user,
+        question=question,
+        query_embedding=embed_texts([question])[0],
+        top_k=settings.RETRIEVAL_TOP_K,
+    )
+    return Citation.objects.bulk_create(
+        [
+            Citation(
+                message=answer,
+                rank=rank,
+                chunk=chunk,
+                document=chunk.document,
+                document_title=chunk.document.title,
+                text=chunk.text,
+            )
+            for rank, chunk in enumerate(chunks, start=1)
+        ]
+    )
+
+
+@transaction.atomic
+def chat_regenerate(*, user, answer: Message, mode: str | None = None) -> Message:
+    """Ask the question before ``answer`` again (a new answer; the old one stays)."""
+    question = (
+        answer.conversation.messages.filter(role=Message.Role.USER, id__lt=answer.id)
+        .order_by("-id")
+        .first()
+    )
+    if question is None:
+        raise ChatError("There is no question to answer again.")
+    return chat_ask(
+        user=user,
+        conversation=answer.conversation,
+        question=question.content,
+        mode=mode or answer.mode or Message.Mode.BLEND,
+    )
+
+
+def chat_stop(*, answer: Message) -> None:
+    if answer.is_open:
+        request_stop(redis_client(), str(answer.request_id))
+
+
+def chat_feedback(*, answer: Message, value: int) -> Message:
+    if value not in (-1, 0, 1):
+        raise ChatError("Feedback is -1, 0 or 1.")
+    answer.feedback = value
+    answer.save(update_fields=["feedback"])
+    return answer
+
+
+def chat_record_answer(*, message_id: int, result: dict[str, Any]) -> None:
+    """Store a finished (or failed/stopped) answer reported by the inference worker.
+    Idempotent: a repeated report changes nothing once the answer is closed."""
+    with transaction.atomic():
+        answer = Message.objects.select_for_update().filter(id=message_id).first()
+        if answer is None or not answer.is_open:
+            return
+        status = result.get("status", "done")
+        answer.status = {
+            "done": Message.Status.DONE,
+            "stopped": Message.Status.STOPPED,
+        }.get(status, Message.Status.FAILED)
+        answer.content = result.get("text", "")
+        answer.error_message = result.get("error", "")
+        metrics = result.get("metrics") or {}
+        answer.mode = metrics.get("mode") or answer.mode
+        answer.recompute_ratio = metrics.get("recompute_ratio")
+        answer.ttft_s = metrics.get("ttft_s")
+        answer.total_s = metrics.get("total_s")
+        answer.prompt_tokens = metrics.get("prompt_tokens")
+        answer.completion_tokens = metrics.get("completion_tokens")
+        chunk_tiers: dict[str, str] = metrics.get("chunk_tiers") or {}
+        answer.tiers = _count(chunk_tiers.values())
+        answer.completed_at = timezone.now()
+        answer.save()
+        for citation in answer.citations.all():
+            tier = chunk_tiers.get(str(citation.chunk_id))
+            if tier:
+                citation.tier = tier
+                citation.save(update_fields=["tier"])
+
+
+def _count(values) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return counts
+
+

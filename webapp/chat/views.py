@@ -1,0 +1,193 @@
+"""Chat pages: conversations, asking, the streamed answer (SSE), and answer actions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from asgiref.sync import sync_to_async
+from django.contrib import messages as flash
+from django.contrib.auth.decorators import login_required
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    StreamingHttpResponse,
+)
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils.html import escape
+from django.views.decorators.http import require_GET, require_POST
+
+from kvservice.protocol import answer_stream, decode_events
+from webapp.chat import services
+from webapp.chat.models import Citation, Conversation, Message
+from webapp.redis import async_redis_client
+
+STREAM_IDLE_LIMIT_S = 330  # a bit over the worker's request timeout: never hang forever
+
+
+def _get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Conversation:
+    return get_object_or_404(Conversation, id=conversation_id, owner=request.user)
+
+
+def _get_answer_for_user(request: HttpRequest, message_id: int) -> Message:
+    return get_object_or_404(
+        Message.objects.select_related("conversation"),
+        id=message_id,
+        role=Message.Role.ASSISTANT,
+        conversation__owner=request.user,
+    )
+
+
+@login_required
+@require_GET
+def conversation_list(request: HttpRequest) -> HttpResponse:
+    conversations = Conversation.objects.filter(owner=request.user)[:100]
+    return render(request, "chat/index.html", {"conversations": conversations})
+
+
+@login_required
+@require_POST
+def conversation_new(request: HttpRequest) -> HttpResponse:
+    conversation = services.conversation_create(owner=request.user)
+    return redirect("chat:conversation", conversation_id=conversation.id)
+
+
+@login_required
+@require_GET
+def conversation_detail(request: HttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = _get_conversation_for_user(request, conversation_id)
+    context = {
+        "conversation": conversation,
+        "conversations": Conversation.objects.filter(owner=request.user)[:100],
+        "messages_list": conversation.messages.prefetch_related("citations"),
+        "modes": Message.Mode.choices,
+    }
+    return render(request, "chat/conversation.html", context)
+
+
+@login_required
+@require_POST
+def conversation_ask(request: HttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = _get_conversation_for_user(request, conversation_id)
+    try:
+        answer = services.chat_ask(
+            user=request.user,
+            conversation=conversation,
+            question=request.POST.get("question", ""),
+            mode=request.POST.get("mode") or Message.Mode.BLEND,
+        )
+    except services.ChatError as err:
+        if request.htmx:
+            return render(request, "chat/_error.html", {"error": str(err)}, status=422)
+        flash.error(request, str(err))
+        return redirect("chat:conversation", conversation_id=conversation.id)
+    if request.htmx:
+        question = conversation.messages.filter(role=Message.Role.USER).order_by("-id").first()
+        return render(request, "chat/_exchange.html", {"question": question, "message": answer})
+    return redirect("chat:conversation", conversation_id=conversation.id)
+
+
+@login_required
+@require_GET
+def message_detail(request: HttpRequest, message_id: int) -> HttpResponse:
+    return render(request, "chat/_message.html", {"message": _get_answer_for_user(request, message_id)})
+
+
+@login_required
+@require_POST
+def message_stop(request: HttpRequest, message_id: int) -> HttpResponse:
+    answer = _get_answer_for_user(request, message_id)
+    services.chat_stop(answer=answer)
+    return HttpResponse(status=204)
+
+
+@login_required
+@require_POST
+def message_regenerate(request: HttpRequest, message_id: int) -> HttpResponse:
+    answer = _get_answer_for_user(request, message_id)
+    try:
+        new_answer = services.chat_regenerate(
+            user=request.user, answer=answer, mode=request.POST.get("mode") or None
+        )
+    except services.ChatError as err:
+        return HttpResponseBadRequest(str(err))
+    if request.htmx:
+        return render(request, "chat/_message.html", {"message": new_answer})
+    return redirect("chat:conversation", conversation_id=answer.conversation_id)
+
+
+@login_required
+@require_POST
+def message_feedback(request: HttpRequest, message_id: int) -> HttpResponse:
+    answer = _get_answer_for_user(request, message_id)
+    try:
+        value = int(request.POST.get("value", "0"))
+        services.chat_feedback(answer=answer, value=value)
+    except (ValueError, services.ChatError):
+        return HttpResponseBadRequest("Feedback is -1, 0 or 1.")
+    return render(request, "chat/_feedback.html", {"message": answer})
+
+
+@login_required
+@require_GET
+def citation_detail(request: HttpRequest, citation_id: int) -> HttpResponse:
+    citation = get_object_or_404(
+        Citation.objects.select_related("message__conversation"),
+        id=citation_id,
+        message__conversation__owner=request.user,
+    )
+    return render(request, "chat/_citation.html", {"citation": citation})
+
+
+def _sse(event: str, data: str) -> str:
+    lines = "".join(f"data: {line}\n" for line in data.split("\n"))
+    return f"event: {event}\n{lines}\n"
+
+
+async def _event_stream(answer: Message) -> AsyncIterator[str]:
+    """Relay the answer's Redis stream as server-sent events until done/error."""
+    client = async_redis_client()
+    last_id, idle = "0", 0.0
+    try:
+        yield ": connected\n\n"
+        while True:
+            reply = await client.xread({answer_stream(str(answer.request_id)): last_id}, block=5000)
+            if not reply:
+                idle += 5
+                if idle >= STREAM_IDLE_LIMIT_S:
+                    yield _sse("failed", "The model did not answer in time.")
+                    return
+                yield ": keep-alive\n\n"
+                continue
+            idle = 0.0
+            for entry_id, kind, payload in decode_events(reply):
+                last_id = entry_id
+                if kind == "token":
+                    yield _sse("token", escape(payload["text"]))
+                elif kind in ("done", "error"):
+                    yield _sse(kind, json.dumps(payload))
+                    return
+    except asyncio.CancelledError:  # the browser went away; the answer is still recorded
+        raise
+    finally:
+        await client.aclose()
+
+
+async def message_stream(request: HttpRequest, message_id: int) -> StreamingHttpResponse:
+    user = await request.auser()
+    if not user.is_authenticated:
+        raise Http404
+    answer = await sync_to_async(
+        lambda: Message.objects.filter(
+            id=message_id, role=Message.Role.ASSISTANT, conversation__owner=user
+        ).first()
+    )()
+    if answer is None:
+        raise Http404
+    response = StreamingHttpResponse(_event_stream(answer), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
