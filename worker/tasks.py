@@ -11,3 +11,74 @@ def ingest_echo(value: str) -> dict[str, str]:
     import os
 
     return {"value": value, "worker_pid": str(os.getpid())}
+
+
+# --- documents ---------------------------------------------------------------------------------
+# Thin: take ids, call a service, retry transient failures with exponential backoff. The
+# services are idempotent, so a redelivered or retried task never duplicates anything.
+
+MAX_RETRIES = 5
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    from django.db import InterfaceError, OperationalError
+
+    from webapp.documents.services import TransientError
+
+    return (TransientError, OperationalError, InterfaceError)
+
+
+def _backoff(retries: int) -> int:
+    return min(60, 2 ** (retries + 1))
+
+
+@shared_task(name="worker.tasks.ingest_document", bind=True, max_retries=MAX_RETRIES,
+             acks_late=True, soft_time_limit=600)  # fmt: skip
+def ingest_document(self, document_id: int) -> None:
+    import logging
+
+    from webapp.documents import services
+
+    try:
+        services.document_ingest(document_id=document_id)
+    except _transient_errors() as exc:
+        if self.request.retries >= self.max_retries:
+            services.document_fail(
+                document_id=document_id,
+                message="Storage was unavailable for too long; press Retry to try again.",
+            )
+            return
+        raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
+    except Exception as exc:  # a bug or an unexpected file: fail this document, keep the worker
+        logging.getLogger(__name__).exception("ingest of document %s failed", document_id)
+        services.document_fail(
+            document_id=document_id,
+            message=f"Processing failed unexpectedly ({type(exc).__name__}); press Retry, "
+            "or contact the administrator if it fails again.",
+        )
+
+
+@shared_task(name="worker.tasks.precompute_kv", bind=True, max_retries=MAX_RETRIES,
+             acks_late=True, soft_time_limit=900)  # fmt: skip
+def precompute_kv(self, chunk_ids: list[int]) -> None:
+    import logging
+
+    from webapp.documents import services
+    from webapp.documents.kv import KVUnavailable
+
+    try:
+        services.document_precompute_kv(chunk_ids=chunk_ids)
+    except _transient_errors() as exc:
+        if self.request.retries >= self.max_retries:
+            services.document_fail_kv(
+                chunk_ids=chunk_ids, message="the KV store was unavailable for too long."
+            )
+            return
+        raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
+    except KVUnavailable as exc:
+        services.document_fail_kv(chunk_ids=chunk_ids, message=str(exc))
+    except Exception as exc:
+        logging.getLogger(__name__).exception("KV precompute of chunks %s failed", chunk_ids)
+        services.document_fail_kv(
+            chunk_ids=chunk_ids, message=f"unexpected error ({type(exc).__name__})."
+        )

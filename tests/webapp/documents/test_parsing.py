@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.webapp.documents import files
+from webapp.documents import parsing
+
+
+@pytest.mark.parametrize(
+    ("make", "filename", "expected_type"),
+    [
+        (files.text_bytes, "notes.txt", parsing.TEXT),
+        (files.markdown_bytes, "notes.md", parsing.MARKDOWN),
+        (files.html_bytes, "page.html", parsing.HTML),
+        (files.docx_bytes, "report.docx", parsing.DOCX),
+        (files.pdf_bytes, "paper.pdf", parsing.PDF),
+    ],
+)
+def test_each_format_is_detected_from_content_and_parsed(make, filename, expected_type) -> None:
+    data = make()
+    # The name does not decide the type: a PDF named .txt is still a PDF.
+    misleading = "upload.txt" if expected_type in (parsing.PDF, parsing.DOCX, parsing.HTML) else filename
+    assert parsing.detect_type(data, misleading) == expected_type
+    parsed = parsing.parse(data, expected_type)
+    assert "lighthouse keeper of Skerryvore" in parsed.text
+
+
+def test_html_drops_scripts_and_styles_and_keeps_the_title() -> None:
+    parsed = parsing.parse(files.html_bytes(), parsing.HTML)
+    assert "NOT TEXT" not in parsed.text and "color: red" not in parsed.text
+    assert parsed.title == "Skerryvore html"
+
+
+def test_markdown_is_rendered_to_plain_text() -> None:
+    parsed = parsing.parse(files.markdown_bytes(), parsing.MARKDOWN)
+    assert "##" not in parsed.text and "](https" not in parsed.text
+    assert parsed.title == "Skerryvore markdown"
+
+
+def test_latin1_text_is_decoded_not_failed() -> None:
+    parsed = parsing.parse(files.latin1_bytes(), parsing.detect_type(files.latin1_bytes()))
+    assert files.LATIN1_PROBE in parsed.text
+
+
+def test_utf16_text_is_decoded() -> None:
+    data = files.utf16_bytes()
+    assert parsing.detect_type(data) == parsing.TEXT
+    assert "naïveté, façade, Ærø and Straße" in parsing.parse(data, parsing.TEXT).text
+
+
+def test_docx_tables_are_included() -> None:
+    assert "48 metres" in parsing.parse(files.docx_bytes(), parsing.DOCX).text
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "empty"),
+        (b"  \n\t ", "empty"),
+        (files.png_bytes(), "Unsupported file type (image/png)"),
+        (bytes(range(256)) * 64, "Unsupported file type"),
+    ],
+)
+def test_refused_at_detection(data: bytes, message: str) -> None:
+    with pytest.raises(parsing.ParseError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parsing.detect_type(data, "file.txt")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (files.encrypted_pdf_bytes, "password-protected"),
+        (files.corrupt_pdf_bytes, "damaged or truncated"),
+        (files.zip_bomb_docx_bytes, "zip bomb"),
+    ],
+)
+def test_bad_files_fail_with_a_human_message(make, message: str) -> None:
+    data = make()
+    with pytest.raises(parsing.ParseError, match=message):
+        parsing.parse(data, parsing.detect_type(data, "file.docx"))
+
+
+def test_zip_bomb_is_refused_by_total_size_too() -> None:
+    limits = parsing.DocxLimits(max_uncompressed_bytes=1024 * 1024, max_compression_ratio=10**9)
+    with pytest.raises(parsing.ParseError, match="would unpack to"):
+        parsing.parse(files.zip_bomb_docx_bytes(2 * 1024 * 1024), parsing.DOCX, docx_limits=limits)
+
+
+def test_pdf_without_text_says_so() -> None:
+    data = files.pdf_bytes(lines=[])
+    with pytest.raises(parsing.ParseError, match="No text found in this PDF"):
+        parsing.parse(data, parsing.PDF)
+
+
+def test_zip_that_is_not_a_word_document_is_unsupported() -> None:
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        archive.writestr("hello.txt", "hi")
+    with pytest.raises(parsing.ParseError, match="ZIP archive"):
+        parsing.detect_type(out.getvalue(), "report.docx")

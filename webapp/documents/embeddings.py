@@ -1,0 +1,64 @@
+"""Chunk embeddings with the bundled all-MiniLM-L6-v2 (sentence-transformers, offline).
+
+The model is loaded once per process. MiniLM reads at most 256 word pieces; a chunk of ~512
+LLM tokens is longer, so a long chunk is embedded as the normalized mean of its windows
+rather than silently truncated to its first half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+EMBEDDING_DIM = 384
+
+
+@cache
+def embedder() -> Any:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from kvservice.bundled import minilm_path
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = SentenceTransformer(str(minilm_path()), device="cpu", local_files_only=True)
+    dim = model.get_embedding_dimension()
+    if dim != EMBEDDING_DIM:
+        raise RuntimeError(
+            f"the embedder makes {dim}-d vectors; the Chunk column holds {EMBEDDING_DIM}"
+        )
+    return model
+
+
+def _windows(model: Any, text: str) -> list[str]:
+    tokenizer = model.tokenizer
+    limit = model.max_seq_length - 2  # [CLS] and [SEP]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= limit:
+        return [text]
+    step = limit
+    return [tokenizer.decode(ids[start : start + limit]) for start in range(0, len(ids), step)]
+
+
+def embed_texts(texts: Sequence[str], *, batch_size: int = 32) -> list[list[float]]:
+    """One unit-length 384-d vector per text (cosine distance ready)."""
+    if not texts:
+        return []
+    model = embedder()
+    windows: list[str] = []
+    owners: list[int] = []
+    for index, text in enumerate(texts):
+        for window in _windows(model, text):
+            windows.append(window)
+            owners.append(index)
+    vectors = model.encode(
+        windows, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True
+    )
+    out = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
+    np.add.at(out, np.asarray(owners), vectors)
+    norms = np.linalg.norm(out, axis=1, keepdims=True)
+    out /= np.maximum(norms, 1e-12)
+    return out.tolist()

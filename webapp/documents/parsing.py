@@ -1,0 +1,305 @@
+"""From uploaded bytes to plain text: type detection from the content, then one parser per type.
+
+Pure functions over bytes (no Django, no S3), so the worker, the bench and the tests call them
+alike. Every refusal is a ``ParseError`` whose message is written for the person who uploaded
+the file.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import zipfile
+import zlib
+from dataclasses import dataclass
+
+import filetype
+from charset_normalizer import from_bytes
+
+PDF = "pdf"
+DOCX = "docx"
+HTML = "html"
+MARKDOWN = "markdown"
+TEXT = "text"
+
+_MARKDOWN_SUFFIXES = (".md", ".markdown", ".mdown", ".mkd")
+_HTML_START = re.compile(rb"^\s*(<!--.*?-->\s*)*<(!doctype\s+html|html|head|body)\b", re.I | re.S)
+_HTML_TAGS = re.compile(r"</?(p|div|h[1-6]|body|table|ul|ol|li|span|a|br)\b[^>]*>", re.I)
+_MARKDOWN_HINTS = re.compile(
+    r"^(#{1,6} \S|```|\s*[-*+] \S|\s*\d+\. \S|> \S)|\[[^\]]+\]\([^)]+\)", re.M
+)
+
+
+class ParseError(ValueError):
+    """The file cannot become text; ``str(err)`` is the message shown to the user."""
+
+
+@dataclass(frozen=True)
+class ParsedDocument:
+    text: str
+    title: str = ""
+
+
+@dataclass(frozen=True)
+class DocxLimits:
+    max_uncompressed_bytes: int = 200 * 1024 * 1024
+    max_compression_ratio: int = 100
+    max_entries: int = 10_000
+
+
+def _human_size(n: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} bytes"
+
+
+# --------------------------------------------------------------------------------------------
+# Detection
+
+
+def detect_type(data: bytes, filename: str = "") -> str:
+    """The document type from the content (the name only separates Markdown from plain text,
+    which no content test can do reliably). Raises ``ParseError`` for anything unsupported."""
+    if not data or not data.strip():
+        raise ParseError("The file is empty.")
+    head = data[:8192]
+    if head.startswith(b"%PDF-") or b"%PDF-" in head[:1024]:
+        return PDF
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return _detect_zip(data)
+    kind = filetype.guess(head)
+    if kind is not None:
+        raise ParseError(
+            f"Unsupported file type ({kind.mime}). Upload a PDF, Word (.docx), HTML, "
+            "Markdown or plain-text file."
+        )
+    text = decode_text(data)  # raises for binary content
+    if _HTML_START.search(data[:4096]) or len(_HTML_TAGS.findall(text[:20000])) >= 3:
+        return HTML
+    if (
+        filename.lower().endswith(_MARKDOWN_SUFFIXES)
+        or len(_MARKDOWN_HINTS.findall(text[:20000])) >= 3
+    ):
+        return MARKDOWN
+    return TEXT
+
+
+def _detect_zip(data: bytes) -> str:
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = set(archive.namelist())  # the central directory only; nothing is inflated
+    except (zipfile.BadZipFile, ValueError, OSError) as err:
+        raise ParseError("The file looks like a ZIP archive but is damaged.") from err
+    if "word/document.xml" in names:
+        return DOCX
+    if "[Content_Types].xml" in names:
+        raise ParseError(
+            "This Office file is not a Word document. Upload a PDF, Word (.docx), HTML, "
+            "Markdown or plain-text file."
+        )
+    raise ParseError(
+        "Unsupported file type (a ZIP archive). Upload a PDF, Word (.docx), HTML, Markdown "
+        "or plain-text file."
+    )
+
+
+# Short Western-European texts decode almost equally well in several single-byte code pages
+# (cp1252 vs cp1257 differ only in accented letters). Where windows-1252 (the web's own
+# fallback, a superset of Latin-1's printable range) is nearly as plausible as the top guess,
+# it is the better bet.
+_PREFERRED_ENCODINGS = ("cp1252", "latin_1", "iso8859_15")
+_CHAOS_TOLERANCE = 0.05
+
+
+def _best_encoding(data: bytes) -> str | None:
+    matches = list(from_bytes(data))
+    if not matches:
+        return None
+    best = matches[0]
+    for preferred in _PREFERRED_ENCODINGS:
+        for match in matches:
+            if match.encoding == preferred and match.chaos <= best.chaos + _CHAOS_TOLERANCE:
+                return match.encoding
+    return best.encoding
+
+
+def decode_text(data: bytes) -> str:
+    """Bytes of a text file to str: BOMs and UTF-8 first, then charset detection."""
+    for bom, codec in (
+        (b"\xef\xbb\xbf", "utf-8-sig"),
+        (b"\xff\xfe\x00\x00", "utf-32"),
+        (b"\x00\x00\xfe\xff", "utf-32"),
+        (b"\xff\xfe", "utf-16"),
+        (b"\xfe\xff", "utf-16"),
+    ):
+        if data.startswith(bom):
+            try:
+                return data.decode(codec)
+            except UnicodeDecodeError as err:
+                raise ParseError(f"The file claims to be {codec} text but is not.") from err
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        best = _best_encoding(data[: 1024 * 1024])
+        if best is None:
+            raise ParseError(
+                "Unsupported file type (binary data). Upload a PDF, Word (.docx), HTML, "
+                "Markdown or plain-text file."
+            ) from None
+        try:
+            text = data.decode(best)
+        except (UnicodeDecodeError, LookupError) as err:
+            raise ParseError("The text's character encoding could not be recognised.") from err
+    if "\x00" in text:
+        raise ParseError(
+            "Unsupported file type (binary data). Upload a PDF, Word (.docx), HTML, Markdown "
+            "or plain-text file."
+        )
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Parsers
+
+
+def parse(data: bytes, doc_type: str, *, docx_limits: DocxLimits | None = None) -> ParsedDocument:
+    """Extract the text of a document of a detected type; raises ``ParseError``."""
+    if doc_type == PDF:
+        parsed = parse_pdf(data)
+    elif doc_type == DOCX:
+        parsed = parse_docx(data, docx_limits or DocxLimits())
+    elif doc_type == HTML:
+        parsed = parse_html(decode_text(data))
+    elif doc_type == MARKDOWN:
+        parsed = parse_markdown(decode_text(data))
+    elif doc_type == TEXT:
+        parsed = ParsedDocument(text=normalize_text(decode_text(data)))
+    else:
+        raise ParseError(f"Unsupported file type ({doc_type}).")
+    if not parsed.text.strip():
+        if doc_type == PDF:
+            raise ParseError(
+                "No text found in this PDF (is it a scan? Text recognition is not supported)."
+            )
+        raise ParseError("No text found in this file.")
+    return parsed
+
+
+def normalize_text(text: str) -> str:
+    """Unify newlines, drop control characters, collapse runs of blank lines and spaces."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x0c", "\n\n")
+    text = re.sub(r"[\x00-\x08\x0b\x0e-\x1f\x7f]", "", text)
+    text = re.sub(r"[ \t\u00a0]+", " ", text)
+    text = re.sub(r" *\n *", "\n", text)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip()
+
+
+def parse_pdf(data: bytes) -> ParsedDocument:
+    from pypdf import PdfReader
+    from pypdf.errors import PyPdfError
+
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        if reader.is_encrypted:
+            # An owner password alone (printing/copy restrictions) still opens with "".
+            try:
+                opened = reader.decrypt("")
+            except Exception:  # noqa: BLE001 - pypdf raises several kinds here
+                opened = 0
+            if not opened:
+                raise ParseError(
+                    "This PDF is password-protected. Remove the password and upload it again."
+                )
+        pages = [page.extract_text() or "" for page in reader.pages]
+        title = ""
+        try:
+            title = str((reader.metadata or {}).get("/Title") or "").strip()
+        except Exception:  # noqa: BLE001 - broken metadata must not fail the document
+            title = ""
+    except ParseError:
+        raise
+    except (PyPdfError, ValueError, KeyError, TypeError, AttributeError, OSError,
+            IndexError, AssertionError, RecursionError, zlib.error) as err:  # fmt: skip
+        raise ParseError("This PDF could not be read: it looks damaged or truncated.") from err
+    return ParsedDocument(text=normalize_text("\n\n".join(pages)), title=title)
+
+
+def check_zip_bomb(data: bytes, limits: DocxLimits) -> None:
+    """Refuse an archive that would inflate too far, before anything is decompressed."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as err:
+        raise ParseError("This Word file is damaged (it is not a valid ZIP archive).") from err
+    if len(infos) > limits.max_entries:
+        raise ParseError(f"This Word file has too many parts ({len(infos)}); it is refused.")
+    uncompressed = sum(info.file_size for info in infos)
+    compressed = sum(info.compress_size for info in infos)
+    if uncompressed > limits.max_uncompressed_bytes:
+        raise ParseError(
+            f"This Word file would unpack to {_human_size(uncompressed)} (the limit is "
+            f"{_human_size(limits.max_uncompressed_bytes)}); it looks like a zip bomb and is "
+            "refused."
+        )
+    if compressed and uncompressed / compressed > limits.max_compression_ratio:
+        raise ParseError(
+            f"This Word file is compressed {uncompressed / compressed:.0f}:1 (the limit is "
+            f"{limits.max_compression_ratio}:1); it looks like a zip bomb and is refused."
+        )
+
+
+def parse_docx(data: bytes, limits: DocxLimits) -> ParsedDocument:
+    check_zip_bomb(data, limits)
+    import docx
+    from docx.opc.exceptions import PackageNotFoundError
+
+    try:
+        document = docx.Document(io.BytesIO(data))
+        blocks = [p.text for p in document.paragraphs]
+        for table in document.tables:
+            for row in table.rows:
+                blocks.append(" | ".join(cell.text for cell in row.cells))
+        title = (document.core_properties.title or "").strip()
+    except (PackageNotFoundError, KeyError, ValueError, zipfile.BadZipFile, OSError) as err:
+        raise ParseError("This Word file could not be read: it looks damaged.") from err
+    except Exception as err:  # noqa: BLE001 - lxml and python-docx raise many kinds
+        raise ParseError("This Word file could not be read: it looks damaged.") from err
+    return ParsedDocument(text=normalize_text("\n\n".join(blocks)), title=title)
+
+
+_BLOCK_TAGS = ["p", "div", "li", "tr", "br", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
+               "blockquote", "section", "article", "table"]  # fmt: skip
+
+
+def _html_to_text(html: str) -> tuple[str, str]:
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html, "lxml")
+    for tag in soup(["script", "style", "noscript", "template", "svg", "iframe", "head"]):
+        if tag.name == "head":
+            continue
+        tag.decompose()
+    title = soup.title.get_text(" ", strip=True) if soup.title else ""
+    if soup.head is not None:
+        soup.head.decompose()
+    # Block elements end a line, so sentences of separate paragraphs never run together.
+    for block in soup.find_all(_BLOCK_TAGS):
+        block.append("\n\n")
+    return soup.get_text(), title
+
+
+def parse_html(html: str) -> ParsedDocument:
+    text, title = _html_to_text(html)
+    return ParsedDocument(text=normalize_text(text), title=title)
+
+
+def parse_markdown(markdown: str) -> ParsedDocument:
+    from markdown_it import MarkdownIt
+
+    html = MarkdownIt("commonmark").enable("table").render(markdown)
+    text, _ = _html_to_text(html)
+    match = re.search(r"^# +(.+?)\s*#*\s*$", markdown, re.M)
+    return ParsedDocument(text=normalize_text(text), title=match.group(1).strip() if match else "")

@@ -1,0 +1,450 @@
+"""Writes for documents and chunks (keyword-only, typed). Views and Celery tasks call these;
+nothing here knows about HTTP or Celery beyond enqueueing on commit.
+
+Pipeline: ``document_upload`` (web) -> ``document_ingest`` (``ingest`` queue: parse, chunk,
+embed, write chunks) -> ``document_precompute_kv`` (``kv`` queue, batches of chunks) -> the
+document is ``ready`` once every chunk's KV is in the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import PurePath
+
+import urllib3.exceptions
+from django.conf import settings
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.postgres.search import SearchVector
+from django.core.files.uploadedfile import UploadedFile
+from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
+from minio.error import S3Error
+
+from webapp.documents import parsing
+from webapp.documents.models import Chunk, Document
+from webapp.storage import object_store
+
+log = logging.getLogger(__name__)
+
+Status, Stage = Document.Status, Document.Stage
+
+# Progress milestones: the ingest stages share 0..70 %, the KV step fills 70..100 %.
+PROGRESS = {Stage.PARSING: 5, Stage.CHUNKING: 25, Stage.EMBEDDING: 40, Stage.KV: 70}
+_S3_MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
+
+
+class TransientError(RuntimeError):
+    """A failure worth retrying (storage or database briefly unreachable)."""
+
+
+class RetryNotPossible(ValueError):
+    """The document cannot be retried (e.g. it was refused at upload, nothing is stored)."""
+
+
+def _on_commit(fn: Callable[[], object]) -> None:
+    transaction.on_commit(fn, robust=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Upload
+
+
+def original_object_key(*, owner_id: int, content_sha256: str) -> str:
+    return f"originals/{owner_id}/{content_sha256}"
+
+
+def _title_from(name: str) -> str:
+    stem = PurePath(name).name.strip() or "Untitled"
+    return stem[:255]
+
+
+def _read_upload(uploaded_file: UploadedFile, limit: int) -> tuple[str, int, bytes | None]:
+    """sha256, size and (when within the limit) the bytes of an uploaded file."""
+    digest = hashlib.sha256()
+    size = 0
+    buffer = io.BytesIO()
+    uploaded_file.seek(0)
+    for part in uploaded_file.chunks():
+        digest.update(part)
+        size += len(part)
+        if size <= limit:
+            buffer.write(part)
+    return digest.hexdigest(), size, (buffer.getvalue() if size <= limit else None)
+
+
+def document_upload(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> Document:
+    """Store one uploaded file and queue its ingest, or record why it was refused.
+
+    The same content uploaded twice by one user is one document: the existing one is
+    returned (a document refused at upload is re-examined, since the limits may have
+    changed). A refusal (empty, too large, unsupported type) is a ``failed`` document with a
+    human message, so it shows in the list next to the files that were accepted."""
+    name = uploaded_file.name or "Untitled"
+    limit = settings.MAX_UPLOAD_BYTES
+    sha, size, data = _read_upload(uploaded_file, limit)
+    existing = Document.objects.filter(owner=owner, content_sha256=sha).first()
+    if existing is not None and existing.object_key:
+        return existing
+
+    detected = Document.Type.UNKNOWN
+    refusal = ""
+    if size == 0 or data is not None and not data.strip():
+        refusal = "The file is empty."
+    elif data is None:
+        refusal = (
+            f"The file is too large ({size / 1048576:.1f} MB); the limit is "
+            f"{limit / 1048576:.0f} MB."
+        )
+    else:
+        try:
+            detected = parsing.detect_type(data, name)
+        except parsing.ParseError as err:
+            refusal = str(err)
+
+    fields = {
+        "title": _title_from(name),
+        "original_name": name[:255],
+        "detected_type": detected,
+        "size_bytes": size,
+    }
+    if refusal:
+        fields |= {"status": Status.FAILED, "stage": Stage.UPLOADED, "progress": 0,
+                   "error_message": refusal, "object_key": ""}  # fmt: skip
+    else:
+        key = original_object_key(owner_id=owner.pk, content_sha256=sha)
+        object_store().put_object(
+            settings.S3_DOCUMENTS_BUCKET, key, io.BytesIO(data), length=size,
+            content_type="application/octet-stream",
+        )  # fmt: skip
+        fields |= {"status": Status.QUEUED, "stage": Stage.UPLOADED, "progress": 0,
+                   "error_message": "", "object_key": key}  # fmt: skip
+
+    try:
+        with transaction.atomic():
+            if existing is not None:
+                Document.objects.filter(pk=existing.pk).update(**fields, updated_at=timezone.now())
+                document = Document.objects.get(pk=existing.pk)
+            else:
+                document = Document.objects.create(owner=owner, content_sha256=sha, **fields)
+            if document.status == Status.QUEUED:
+                _enqueue_ingest(document.pk)
+    except IntegrityError:
+        # The same content arrived twice at once (two tabs); the other request won.
+        return Document.objects.get(owner=owner, content_sha256=sha)
+    return document
+
+
+def _enqueue_ingest(document_id: int) -> None:
+    from worker.tasks import ingest_document
+
+    _on_commit(lambda: ingest_document.delay(document_id))
+
+
+# --------------------------------------------------------------------------------------------
+# Status
+
+
+def _update(document_id: int, **fields: object) -> int:
+    return Document.objects.filter(pk=document_id).update(**fields, updated_at=timezone.now())
+
+
+def document_fail(*, document_id: int, message: str, stage: str | None = None) -> None:
+    """Mark a document failed with a message for its owner (chunks already written stay)."""
+    fields: dict[str, object] = {"status": Status.FAILED, "error_message": message[:2000]}
+    if stage:
+        fields["stage"] = stage
+    _update(document_id, **fields)
+
+
+def document_retry(*, document: Document) -> Document:
+    """Queue a failed document again from its stored original."""
+    if document.status != Status.FAILED:
+        return document
+    if not document.object_key:
+        raise RetryNotPossible("This file was refused at upload; upload a corrected file instead.")
+    with transaction.atomic():
+        _update(document.pk, status=Status.QUEUED, stage=Stage.UPLOADED, progress=0,
+                error_message="")  # fmt: skip
+        Chunk.objects.filter(document=document, kv_status=Chunk.KVStatus.FAILED).update(
+            kv_status=Chunk.KVStatus.PENDING, kv_error=""
+        )
+        _enqueue_ingest(document.pk)
+    document.refresh_from_db()
+    return document
+
+
+# --------------------------------------------------------------------------------------------
+# Ingest
+
+
+def _read_original(key: str) -> bytes:
+    try:
+        response = object_store().get_object(settings.S3_DOCUMENTS_BUCKET, key)
+        try:
+            return response.read()
+        finally:
+            response.close()
+            response.release_conn()
+    except S3Error as err:
+        if err.code in _S3_MISSING:
+            raise parsing.ParseError(
+                "The uploaded file is missing from storage; upload it again."
+            ) from err
+        raise TransientError(f"object store error reading {key}: {err.code}") from err
+    except (urllib3.exceptions.HTTPError, OSError) as err:
+        raise TransientError(f"object store unreachable reading {key}: {err}") from err
+
+
+def _claim(document_id: int) -> Document | None:
+    """Move a queued/processing document to processing; None when there is nothing to do
+    (deleted, already ready, or failed and not retried): a redelivered task is a no-op."""
+    with transaction.atomic():
+        document = Document.objects.select_for_update().filter(pk=document_id).first()
+        if document is None or document.status not in (Status.QUEUED, Status.PROCESSING):
+            return None
+        document.status = Status.PROCESSING
+        document.stage = Stage.PARSING
+        document.progress = PROGRESS[Stage.PARSING]
+        document.error_message = ""
+        document.save(update_fields=["status", "stage", "progress", "error_message", "updated_at"])
+        return document
+
+
+def document_ingest(*, document_id: int) -> None:
+    """Parse, chunk, embed and write a document's chunks, then queue their KV precompute.
+
+    Idempotent: a rerun replaces the document's chunks (never duplicates them); chunks whose
+    tokens did not change keep their KV key, so their stored KV is found, not recomputed.
+    Bad input ends the document in ``failed`` with a message; transient storage errors raise
+    ``TransientError`` for the task to retry."""
+    from webapp.documents.chunking import chunk_text, llm_tokenizer
+    from webapp.documents.embeddings import embed_texts
+
+    document = _claim(document_id)
+    if document is None:
+        return
+    try:
+        data = _read_original(document.object_key)
+        limits = parsing.DocxLimits(
+            max_uncompressed_bytes=settings.DOCX_MAX_UNCOMPRESSED_BYTES,
+            max_compression_ratio=settings.DOCX_MAX_COMPRESSION_RATIO,
+        )
+        parsed = parsing.parse(data, document.detected_type, docx_limits=limits)
+        _update(document_id, stage=Stage.CHUNKING, progress=PROGRESS[Stage.CHUNKING])
+        chunks = chunk_text(
+            parsed.text, tokenizer=llm_tokenizer(), max_tokens=settings.CHUNK_TOKENS
+        )
+        if not chunks:
+            raise parsing.ParseError("No text found in this file.")
+    except parsing.ParseError as err:
+        document_fail(document_id=document_id, message=str(err))
+        return
+    del data
+
+    _update(document_id, stage=Stage.EMBEDDING, progress=PROGRESS[Stage.EMBEDDING])
+    vectors = embed_texts([c.text for c in chunks])
+
+    with transaction.atomic():
+        locked = Document.objects.select_for_update().filter(pk=document_id).first()
+        if locked is None or locked.status != Status.PROCESSING:
+            return  # deleted (or reset) while we worked
+        # Keep the KV keys of chunks whose tokens are unchanged (a retry, a re-ingest).
+        previous = {
+            sha: key
+            for sha, key in Chunk.objects.select_for_update()
+            .filter(document_id=document_id)
+            .values_list("token_ids_sha256", "kv_key")
+            if key
+        }
+        Chunk.objects.filter(document_id=document_id).delete()
+        rows = Chunk.objects.bulk_create(
+            Chunk(
+                document_id=document_id,
+                index=chunk.index,
+                text=chunk.text,
+                token_ids=chunk.token_ids,
+                token_count=chunk.token_count,
+                token_ids_sha256=chunk.token_ids_sha256,
+                embedding=vector,
+                kv_key=previous.get(chunk.token_ids_sha256, ""),
+                kv_status=Chunk.KVStatus.PENDING,
+            )
+            for chunk, vector in zip(chunks, vectors, strict=True)
+        )
+        Chunk.objects.filter(document_id=document_id).update(
+            search_vector=SearchVector("text", config="english")
+        )
+        _update(document_id, stage=Stage.KV, progress=PROGRESS[Stage.KV])
+        chunk_ids = [row.pk for row in rows]
+        dropped = set(previous.values()) - {row.kv_key for row in rows}
+        _enqueue_precompute(chunk_ids)
+        if dropped:
+            _on_commit(lambda: _delete_unreferenced_kv(dropped))
+
+
+def _enqueue_precompute(chunk_ids: Sequence[int]) -> None:
+    from worker.tasks import precompute_kv
+
+    batch = settings.KV_PRECOMPUTE_BATCH
+    batches = [list(chunk_ids[i : i + batch]) for i in range(0, len(chunk_ids), batch)]
+    _on_commit(lambda: [precompute_kv.delay(ids) for ids in batches])
+
+
+# --------------------------------------------------------------------------------------------
+# KV precompute
+
+
+def _lock_kv_key(key: str) -> None:
+    """Serialize everything that decides a KV object's fate (store it and point a chunk at
+    it, or find it unreferenced and delete it) on one transaction-scoped advisory lock."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [key])
+
+
+def document_precompute_kv(*, chunk_ids: Sequence[int]) -> None:
+    """Compute and store the KV of these chunks (skipping any the store already holds), mark
+    them ready, and finish their documents. Store outages raise ``TransientError``."""
+    from webapp.documents.kv import kv_precomputer, kv_store
+
+    chunks = list(
+        Chunk.objects.filter(pk__in=chunk_ids, document__status=Status.PROCESSING)
+        .exclude(kv_status=Chunk.KVStatus.READY)
+        .only("id", "document_id", "token_ids", "kv_key")
+    )
+    if not chunks:
+        _finish_documents(
+            set(Chunk.objects.filter(pk__in=chunk_ids).values_list("document_id", flat=True))
+        )
+        return
+    precomputer = kv_precomputer()
+    store = kv_store()
+    keys = {chunk.pk: precomputer.key_for(chunk.token_ids) for chunk in chunks}
+    try:
+        missing = [chunk for chunk in chunks if not store.contains(keys[chunk.pk])]
+        encoded = dict(
+            zip(
+                (c.pk for c in missing),
+                precomputer.compute([c.token_ids for c in missing]),
+                strict=True,
+            )
+        )
+        for chunk in chunks:
+            key = keys[chunk.pk]
+            with transaction.atomic():
+                _lock_kv_key(key)
+                # The row lock orders this against a delete or re-ingest of the document.
+                if not list(
+                    Chunk.objects.select_for_update().filter(pk=chunk.pk).values_list("pk")
+                ):
+                    continue  # its document was deleted or re-ingested meanwhile
+                data = encoded.get(chunk.pk)
+                if data is None and not store.contains(key):  # deleted since we looked
+                    data = precomputer.compute([chunk.token_ids])[0]
+                if data is not None:
+                    store.put(key, data)
+                Chunk.objects.filter(pk=chunk.pk).update(
+                    kv_key=key, kv_status=Chunk.KVStatus.READY, kv_error=""
+                )
+    except TransientError:
+        raise
+    except Exception as err:
+        if _is_store_unavailable(err):
+            raise TransientError(f"KV store unavailable: {err}") from err
+        raise
+    _finish_documents({chunk.document_id for chunk in chunks})
+
+
+def _is_store_unavailable(err: BaseException) -> bool:
+    try:
+        from kvservice.store.errors import StoreUnavailable
+    except ImportError:  # pragma: no cover - the store is part of this repository
+        return False
+    return isinstance(err, StoreUnavailable | urllib3.exceptions.HTTPError | ConnectionError)
+
+
+def document_fail_kv(*, chunk_ids: Sequence[int], message: str) -> None:
+    """The KV step gave up on these chunks: mark them, and fail their documents."""
+    Chunk.objects.filter(pk__in=chunk_ids).exclude(kv_status=Chunk.KVStatus.READY).update(
+        kv_status=Chunk.KVStatus.FAILED, kv_error=message[:2000]
+    )
+    for document_id in set(
+        Chunk.objects.filter(pk__in=chunk_ids).values_list("document_id", flat=True)
+    ):
+        document_fail(
+            document_id=document_id, message=f"Could not precompute the KV cache: {message}"
+        )
+
+
+def _finish_documents(document_ids: Iterable[int]) -> None:
+    """Update the KV progress of documents; ``ready`` once every chunk's KV is stored."""
+    for document_id in document_ids:
+        with transaction.atomic():
+            document = Document.objects.select_for_update().filter(pk=document_id).first()
+            if document is None or document.status != Status.PROCESSING:
+                continue
+            total = document.chunks.count()
+            ready = document.chunks.filter(kv_status=Chunk.KVStatus.READY).count()
+            if total and ready == total:
+                _update(document_id, status=Status.READY, stage=Stage.DONE, progress=100,
+                        ready_at=timezone.now())  # fmt: skip
+            else:
+                base = PROGRESS[Stage.KV]
+                _update(document_id, progress=base + (100 - base) * ready // max(total, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Delete
+
+
+def _delete_unreferenced_kv(keys: Iterable[str]) -> list[str]:
+    """Delete the KV objects that no chunk references any more; returns the keys deleted.
+    Content-addressed objects are shared between identical chunks, so each key is checked
+    under its advisory lock (see ``document_precompute_kv``)."""
+    from webapp.documents.kv import KVUnavailable, kv_store
+
+    keys = sorted(set(k for k in keys if k))
+    if not keys:
+        return []
+    try:
+        store = kv_store()
+    except (KVUnavailable, ImportError) as err:
+        log.warning("KV objects not deleted (%s): %s", err, keys)
+        return []
+    deleted = []
+    for key in keys:
+        with transaction.atomic():
+            _lock_kv_key(key)
+            if Chunk.objects.filter(kv_key=key).exists():
+                continue
+            try:
+                store.delete(key)
+                deleted.append(key)
+            except Exception:  # noqa: BLE001 - an orphan object is harmless; log and go on
+                log.exception("could not delete KV object %s", key)
+    return deleted
+
+
+def document_delete(*, document: Document) -> None:
+    """Delete a document, its chunks, its original, and every KV object that no remaining
+    chunk references (identical chunks of other documents keep theirs)."""
+    document_id, object_key = document.pk, document.object_key
+    with transaction.atomic():
+        # Row locks: a KV task storing one of these chunks right now finishes first, so its
+        # key is seen here (and one that comes later finds the chunk gone and stores nothing).
+        kv_keys = {
+            key
+            for key in Chunk.objects.select_for_update()
+            .filter(document_id=document_id)
+            .values_list("kv_key", flat=True)
+            if key
+        }
+        Document.objects.filter(pk=document_id).delete()  # cascades to the chunks
+    if object_key and not Document.objects.filter(object_key=object_key).exists():
+        try:
+            object_store().remove_object(settings.S3_DOCUMENTS_BUCKET, object_key)
+        except Exception:  # noqa: BLE001 - the rows are gone; an orphan original is logged
+            log.exception("could not delete original %s", object_key)
+    _delete_unreferenced_kv(kv_keys)
