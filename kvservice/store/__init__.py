@@ -1,1 +1,47 @@
+"""KV chunk store: the chunk object format, content-addressed keys, tiers (device, CPU
+memory, local disk, S3/MinIO) behind one interface, and the pipelined per-layer loader.
+
+Typical use (engine / inference worker)::
+
+    config = StoreConfig.from_env()
+    store = TieredStore.from_config(config)
+    key = store.put(chunk)                       # ChunkKV -> ChunkKey (local + S3)
+    loader = KVLoader(store)                     # one per process: owns the fetch threads
+    batch = loader.open(keys, token_ids=ids, recompute_fn=recompute)
+    k, v = batch[0].layer(0)                     # LayeredKV, layer i+1.. prefetched
+    batch.stats().hidden_load_fraction; store.stats().to_dict()
+"""
+
 from __future__ import annotations
+
+from kvservice.store.config import StoreConfig
+from kvservice.store.errors import (
+    ChunkCorrupt,
+    ChunkMissing,
+    ChunkTruncated,
+    ChunkUnavailable,
+    FingerprintMismatch,
+    StoreError,
+    StoreUnavailable,
+)
+from kvservice.store.keys import ChunkKey
+from kvservice.store.loader import KVLoader, LoadBatch, LoadStats, StoreLayeredKV
+from kvservice.store.tiered import StoreStats, TieredStore
+
+__all__ = [
+    "ChunkCorrupt",
+    "ChunkKey",
+    "ChunkMissing",
+    "ChunkTruncated",
+    "ChunkUnavailable",
+    "FingerprintMismatch",
+    "KVLoader",
+    "LoadBatch",
+    "LoadStats",
+    "StoreConfig",
+    "StoreError",
+    "StoreLayeredKV",
+    "StoreStats",
+    "StoreUnavailable",
+    "TieredStore",
+]

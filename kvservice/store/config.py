@@ -15,8 +15,8 @@
 | ``KV_DISK_CAPACITY_BYTES`` | ``20 GiB`` | local-disk tier (``0`` turns it off) |
 | ``KV_DISK_DIR`` | ``/tmp/ragblend-kv`` | local-disk tier directory |
 | ``KV_QUANTIZE`` | ``false`` | write new objects as 8-bit per-token quantized K/V |
-| ``KV_LOAD_WORKERS`` | ``8`` | background fetch threads of the pipelined loader |
-| ``KV_PREFETCH_DEPTH`` | ``1`` | layers fetched ahead of the one in use, per chunk |
+| ``KV_LOAD_WORKERS`` | ``16`` | background fetch threads of the pipelined loader |
+| ``KV_PREFETCH_DEPTH`` | ``2`` | layers fetched ahead of the one in use, per chunk |
 
 Sizes accept plain bytes or a ``KiB/MiB/GiB`` suffix. A bad value fails at start with the
 variable's name in the message.
@@ -67,8 +67,8 @@ class StoreConfig:
     disk_capacity_bytes: int = 20 << 30
     disk_dir: str = "/tmp/ragblend-kv"
     quantize: bool = False
-    load_workers: int = 8
-    prefetch_depth: int = 1
+    load_workers: int = 16
+    prefetch_depth: int = 2
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:
