@@ -65,7 +65,7 @@ def _slow_store(tmp_path, chunk):
 def test_prefetch_hides_load_behind_compute(tmp_path):
     chunk = make_chunk(40)
     store, key = _slow_store(tmp_path, chunk)
-    with KVLoader(store, promote=False) as loader:
+    with KVLoader(store, promote=False, prefetch_depth=1) as loader:
         batch = loader.open([key])
         source = batch[0]
         for i in range(L):
