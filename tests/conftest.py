@@ -153,3 +153,29 @@ def celery_worker_process(
         yield process
     finally:
         _stop(process, log_path)
+
+
+@pytest.fixture(scope="session")
+def inference_worker_process(
+    redis_service, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen]:
+    """The real inference worker (``python -m kvservice.server``) with the bundled model."""
+    from kvservice.heartbeat import read_heartbeat
+    from webapp.redis import redis_client
+
+    log_path = tmp_path_factory.mktemp("logs") / "inference.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_CONCURRENCY": "4"}
+    process = _spawn_worker([sys.executable, "-m", "kvservice.server"], log_path, env)
+    try:
+        wait_for(
+            lambda: process.poll() is not None
+            or (read_heartbeat(redis_client()) or {}).get("model_loaded"),
+            timeout=300,
+            interval=1,
+            what="the inference worker's heartbeat",
+        )
+        if process.poll() is not None:
+            raise RuntimeError(f"inference worker died:\n{log_path.read_text()[-3000:]}")
+        yield process
+    finally:
+        _stop(process, log_path)
