@@ -85,6 +85,8 @@ class StoreLayeredKV:
         clock: _Clock,
     ) -> None:
         self.key = key
+        self.head_hash = key.head_hash  # the blender checks it against its prompt head
+        self.model_fingerprint = key.model_fingerprint
         self._loader = loader
         self._store = loader.store
         self._token_ids = None if token_ids is None else list(token_ids)
@@ -102,6 +104,7 @@ class StoreLayeredKV:
         self.num_layers = 0
         self.tier = "?"
         if self._token_ids is not None:
+            self.token_ids = self._token_ids  # what the blender recomputes from
             self.num_tokens = len(self._token_ids)
 
     # -- LayeredKV ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from .conftest import L, make_chunk
 
 def _assert_serves(source, chunk):
     assert source.num_tokens == chunk.num_tokens
+    assert source.head_hash == chunk.head_hash
     for i in range(L):  # strictly increasing, as the blender reads
         k, v = source.layer(i)
         assert k.shape == chunk.k[i].shape
@@ -101,6 +102,7 @@ def test_corrupt_layer_mid_stream_is_recomputed_and_replaced(store, recompute_fr
     recompute = recompute_from(chunk)
     with KVLoader(store) as loader:
         batch = loader.open([key], token_ids=[chunk.token_ids], recompute_fn=recompute)
+        assert batch[0].token_ids == chunk.token_ids
         _assert_serves(batch[0], chunk)
         assert batch.tiers == ["recomputed"] and batch.stats().faults == 1
     assert recompute.calls == 1 and store.stats().faults["corrupt"] == 1
