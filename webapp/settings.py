@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django.contrib.postgres",
     "django_htmx",
+    "ninja",  # its vendored Swagger UI static files (the API docs never load a CDN)
     "webapp.accounts",
     "webapp.documents",
     "webapp.chat",
@@ -156,6 +157,19 @@ DATA_UPLOAD_MAX_NUMBER_FILES = env.int("DATA_UPLOAD_MAX_NUMBER_FILES", default=5
 RETRIEVAL_TOP_K = env.int("RETRIEVAL_TOP_K", default=6)
 CHAT_MAX_NEW_TOKENS = env.int("CHAT_MAX_NEW_TOKENS", default=256)
 CHAT_MAX_QUESTION_CHARS = env.int("CHAT_MAX_QUESTION_CHARS", default=4000)
+
+# --- API (webapp/api) ---------------------------------------------------------------------------
+
+# Requests per API key per fixed window; over it the API answers 429 with Retry-After.
+API_RATE_LIMIT_REQUESTS = env.int("API_RATE_LIMIT_REQUESTS", default=120)
+API_RATE_LIMIT_WINDOW_S = env.int("API_RATE_LIMIT_WINDOW_S", default=60)
+# How long a non-streamed answer (or a quiet stream) is awaited before a 504.
+API_ANSWER_TIMEOUT_S = env.float("API_ANSWER_TIMEOUT_S", default=300.0)
+for _name, _value in [("API_RATE_LIMIT_REQUESTS", API_RATE_LIMIT_REQUESTS),
+                      ("API_RATE_LIMIT_WINDOW_S", API_RATE_LIMIT_WINDOW_S),
+                      ("API_ANSWER_TIMEOUT_S", API_ANSWER_TIMEOUT_S)]:  # fmt: skip
+    if _value <= 0:
+        raise ImproperlyConfigured(f"{_name} must be positive, got {_value}.")
 
 # How long /healthz waits for a Celery worker to answer a ping.
 HEALTH_PING_TIMEOUT_S = env.float("HEALTH_PING_TIMEOUT_S", default=1.0)

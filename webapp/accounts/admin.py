@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from django.contrib import admin
+
+from webapp.accounts.models import ApiKey
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ("name", "user", "prefix", "created_at", "last_used_at", "revoked_at")
+    list_filter = ("revoked_at",)
+    search_fields = ("name", "prefix", "user__username")
+    readonly_fields = ("prefix", "key_sha256", "created_at", "last_used_at")

@@ -1,0 +1,15 @@
+"""Reads for accounts."""
+
+from __future__ import annotations
+
+from django.db.models import QuerySet
+
+from webapp.accounts.models import ApiKey
+
+
+def api_key_list(*, user) -> QuerySet[ApiKey]:
+    return ApiKey.objects.filter(user=user).order_by("-created_at", "-id")
+
+
+def api_key_get(*, user, api_key_id: int) -> ApiKey | None:
+    return ApiKey.objects.filter(user=user, pk=api_key_id).first()

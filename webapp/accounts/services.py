@@ -1,0 +1,86 @@
+"""Writes for accounts: API keys (create, revoke, authenticate) and their rate limit."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from webapp.accounts.models import ApiKey
+from webapp.redis import redis_client
+
+KEY_PREFIX = "rbk_"  # recognisable in logs and secret scanners
+PREFIX_CHARS = 12  # "rbk_" + 8 random characters, shown in the key list
+LAST_USED_RESOLUTION = timedelta(minutes=1)  # don't write the row on every request
+
+
+class ApiKeyError(ValueError):
+    """A request the user can fix (shown to them as is)."""
+
+
+def _digest(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+def api_key_create(*, user, name: str) -> tuple[ApiKey, str]:
+    """A new key for ``user``; returns the row and the plaintext, which is never stored."""
+    name = name.strip()
+    if not name:
+        raise ApiKeyError("Give the key a name (what will use it?).")
+    if len(name) > 100:
+        raise ApiKeyError("Key names are limited to 100 characters.")
+    plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+    api_key = ApiKey.objects.create(
+        user=user, name=name, prefix=plaintext[:PREFIX_CHARS], key_sha256=_digest(plaintext)
+    )
+    return api_key, plaintext
+
+
+def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
+    """Revoke a key at once (idempotent: a revoked key keeps its first revocation time)."""
+    if api_key.revoked_at is None:
+        api_key.revoked_at = timezone.now()
+        api_key.save(update_fields=["revoked_at"])
+    return api_key
+
+
+def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
+    """The active key with this plaintext (its user loaded), or None."""
+    if not plaintext.startswith(KEY_PREFIX) or len(plaintext) > 200:
+        return None
+    digest = _digest(plaintext)
+    api_key = (
+        ApiKey.objects.select_related("user")
+        .filter(prefix=plaintext[:PREFIX_CHARS], revoked_at=None, user__is_active=True)
+        .filter(key_sha256=digest)
+        .first()
+    )
+    if api_key is None or not hmac.compare_digest(api_key.key_sha256, digest):
+        return None
+    now = timezone.now()
+    if api_key.last_used_at is None or now - api_key.last_used_at > LAST_USED_RESOLUTION:
+        ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+        api_key.last_used_at = now
+    return api_key
+
+
+def api_key_rate_limit(*, api_key: ApiKey) -> int | None:
+    """Count one request against the key's fixed window in Redis; returns None when it is
+    allowed, or the seconds until the window resets when the key is over its limit."""
+    limit = settings.API_RATE_LIMIT_REQUESTS
+    window = settings.API_RATE_LIMIT_WINDOW_S
+    now = time.time()
+    window_start = int(now // window) * window
+    name = f"ragblend:ratelimit:apikey:{api_key.pk}:{window_start}"
+    pipe = redis_client().pipeline()
+    pipe.incr(name)
+    pipe.expire(name, window + 1)
+    count, _ = pipe.execute()
+    if count <= limit:
+        return None
+    return max(1, int(window_start + window - now + 0.999))
