@@ -23,6 +23,8 @@ class Command(BaseCommand):
             api_key, plaintext = api_key_create(user=user, name=name)
         except ApiKeyError as err:
             raise CommandError(str(err)) from err
-        self.stderr.write(f"Created key {api_key.prefix}… “{api_key.name}” for {username}; "
-                          "it is shown once, store it now:")
+        self.stderr.write(
+            f"Created key {api_key.prefix}… “{api_key.name}” for {username}; "
+            "it is shown once, store it now:"
+        )
         self.stdout.write(plaintext)
