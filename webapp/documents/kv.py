@@ -21,33 +21,39 @@ class KVUnavailable(RuntimeError):
 
 
 class KVStoreClient:
-    """Key-level access to the shared KV bucket (no model): contains / delete.
+    """Key-level access to the durable KV store (the S3 tier of kvservice's ``TieredStore``).
 
-    Used by deletes (from the web process), so it must not load the LLM."""
+    The web side writes straight to S3 and keeps no local tier: the inference worker's
+    memory and disk tiers are its own, and S3 is the truth that deletes are decided against.
+    It never loads the LLM, so the web process can use it for deletes."""
 
     def __init__(self) -> None:
-        from kvservice.store.config import StoreConfig
+        from kvservice.store import StoreConfig, TieredStore
         from kvservice.store.s3 import S3Tier
 
         config = StoreConfig.from_env()
         if not config.s3_endpoint:
             raise KVUnavailable("S3_ENDPOINT is not set: there is no KV store to write to")
-        self.tier = S3Tier(config)
+        self.store = TieredStore([S3Tier(config)], quantize=config.quantize, config=config)
 
     @staticmethod
     def parse_key(key: str) -> Any:
-        from kvservice.store.keys import ChunkKey
+        from kvservice.store import ChunkKey
 
         return ChunkKey.from_string(key)
 
     def contains(self, key: str) -> bool:
-        return self.tier.contains(self.parse_key(key))
+        """Whether S3 holds the object (raises ``StoreUnavailable`` when S3 is down)."""
+        s3 = self.store.durable
+        assert s3 is not None
+        return s3.contains(self.parse_key(key))
 
-    def put(self, key: str, data: Any) -> None:
-        self.tier.put(self.parse_key(key), data)
+    def put(self, chunk: Any) -> str:
+        """Store a ``ChunkKV`` in S3; returns its key string."""
+        return self.store.put(chunk, tiers=[], write_through=True).to_string()
 
-    def delete(self, key: str) -> bool:
-        return self.tier.delete(self.parse_key(key))
+    def delete(self, key: str) -> None:
+        self.store.delete(self.parse_key(key))
 
 
 @cache
@@ -88,16 +94,13 @@ class KVPrecomputer:
 
         return ChunkKey.for_tokens(self.fingerprint, self.head_hash, token_ids).to_string()
 
-    def compute(self, chunks_ids: Sequence[Sequence[int]]) -> list[bytearray]:
-        """Each chunk's KV after the prompt head, serialized in the store's format."""
+    def compute(self, chunks_ids: Sequence[Sequence[int]]) -> list[Any]:
+        """Each chunk's KV (``ChunkKV``) computed after the prompt head, in order."""
         from kvservice.model import precompute_chunks
-        from kvservice.store.format import encode_chunk
 
-        quantize = os.environ.get("KV_QUANTIZE", "").strip().lower() in {"1", "true", "yes", "on"}
-        return [
-            encode_chunk(kv, quantize=quantize)
-            for kv in precompute_chunks(self.model, self.head_ids, chunks_ids)
-        ]
+        if not chunks_ids:
+            return []
+        return precompute_chunks(self.model, self.head_ids, chunks_ids)
 
 
 @cache

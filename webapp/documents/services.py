@@ -324,7 +324,7 @@ def document_precompute_kv(*, chunk_ids: Sequence[int]) -> None:
     keys = {chunk.pk: precomputer.key_for(chunk.token_ids) for chunk in chunks}
     try:
         missing = [chunk for chunk in chunks if not store.contains(keys[chunk.pk])]
-        encoded = dict(
+        computed = dict(
             zip(
                 (c.pk for c in missing),
                 precomputer.compute([c.token_ids for c in missing]),
@@ -340,11 +340,12 @@ def document_precompute_kv(*, chunk_ids: Sequence[int]) -> None:
                     Chunk.objects.select_for_update().filter(pk=chunk.pk).values_list("pk")
                 ):
                     continue  # its document was deleted or re-ingested meanwhile
-                data = encoded.get(chunk.pk)
-                if data is None and not store.contains(key):  # deleted since we looked
-                    data = precomputer.compute([chunk.token_ids])[0]
-                if data is not None:
-                    store.put(key, data)
+                kv = computed.get(chunk.pk)
+                if kv is None and not store.contains(key):  # deleted since we looked
+                    kv = precomputer.compute([chunk.token_ids])[0]
+                if kv is not None:
+                    stored_key = store.put(kv)
+                    assert stored_key == key, (stored_key, key)
                 Chunk.objects.filter(pk=chunk.pk).update(
                     kv_key=key, kv_status=Chunk.KVStatus.READY, kv_error=""
                 )

@@ -19,7 +19,8 @@ from webapp.documents import parsing
 def test_each_format_is_detected_from_content_and_parsed(make, filename, expected_type) -> None:
     data = make()
     # The name does not decide the type: a PDF named .txt is still a PDF.
-    misleading = "upload.txt" if expected_type in (parsing.PDF, parsing.DOCX, parsing.HTML) else filename
+    binary = expected_type in (parsing.PDF, parsing.DOCX, parsing.HTML)
+    misleading = "upload.txt" if binary else filename
     assert parsing.detect_type(data, misleading) == expected_type
     parsed = parsing.parse(data, expected_type)
     assert "lighthouse keeper of Skerryvore" in parsed.text

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.conf import settings
+
+from tests.webapp.documents import files
+from tests.webapp.documents.conftest import upload
+from webapp.documents import services
+from webapp.documents.kv import kv_store
+from webapp.documents.models import Chunk, Document
+from webapp.storage import object_store
+
+pytestmark = pytest.mark.django_db
+
+
+def _stored_kv(n: int) -> str:
+    """A tiny chunk KV put into the real store; returns its key."""
+    import torch
+
+    from kvservice.chunk import ChunkKV
+
+    k = torch.randn(2, 1, 3, 4)
+    chunk = ChunkKV([7, 8, n], k, torch.randn_like(k), model_fingerprint="test-model",
+                    head_hash="test-head")  # fmt: skip
+    return kv_store().put(chunk)
+
+
+def _chunk(document: Document, index: int, kv_key: str) -> Chunk:
+    return Chunk.objects.create(
+        document=document, index=index, text=f"chunk {index}", token_ids=[1, 2, index],
+        token_count=3, token_ids_sha256=f"{index:064x}", kv_key=kv_key, kv_status="ready",
+    )  # fmt: skip
+
+
+def _original_exists(key: str) -> bool:
+    try:
+        object_store().stat_object(settings.S3_DOCUMENTS_BUCKET, key)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def test_delete_removes_chunks_original_and_only_unreferenced_kv(user) -> None:
+    a = services.document_upload(owner=user, uploaded_file=upload("a.txt", files.text_bytes("a")))
+    b = services.document_upload(owner=user, uploaded_file=upload("b.txt", files.text_bytes("b")))
+    shared, only_a, only_b = _stored_kv(1), _stored_kv(2), _stored_kv(3)
+    store = kv_store()
+    assert all(store.contains(key) for key in (shared, only_a, only_b))
+    _chunk(a, 0, shared)
+    _chunk(a, 1, only_a)
+    _chunk(b, 0, shared)  # identical chunk content in another document: one shared object
+    _chunk(b, 1, only_b)
+
+    services.document_delete(document=a)
+
+    assert not Document.objects.filter(pk=a.pk).exists()
+    assert not Chunk.objects.filter(document_id=a.pk).exists()
+    assert not _original_exists(a.object_key)
+    assert not store.contains(only_a)
+    assert store.contains(shared)  # still used by b
+    assert store.contains(only_b)
+    assert _original_exists(b.object_key)
+
+    services.document_delete(document=b)
+    assert not store.contains(shared) and not store.contains(only_b)
+    assert Chunk.objects.count() == 0
+
+
+def test_upload_of_existing_content_returns_the_same_document(user) -> None:
+    data = files.docx_bytes()
+    first = services.document_upload(owner=user, uploaded_file=upload("x.docx", data))
+    second = services.document_upload(owner=user, uploaded_file=upload("y.docx", data))
+    assert first.pk == second.pk and second.title == "x.docx"
+
+
+def test_a_refused_upload_is_reexamined_when_uploaded_again(user, settings) -> None:
+    data = files.text_bytes("limits")
+    settings.MAX_UPLOAD_BYTES = 10
+    refused = services.document_upload(owner=user, uploaded_file=upload("t.txt", data))
+    assert refused.status == "failed" and not refused.object_key
+    settings.MAX_UPLOAD_BYTES = 10 * 1024 * 1024
+    accepted = services.document_upload(owner=user, uploaded_file=upload("t.txt", data))
+    assert accepted.pk == refused.pk
+    assert (accepted.status, accepted.error_message) == ("queued", "")
+    assert _original_exists(accepted.object_key)
+
+
+def test_retry_of_a_refused_upload_is_not_possible(user) -> None:
+    refused = services.document_upload(owner=user, uploaded_file=upload("e.txt", b""))
+    with pytest.raises(services.RetryNotPossible):
+        services.document_retry(document=refused)
+
+
+def test_upload_reads_from_a_file_object_position_independent(user) -> None:
+    uploaded = upload("p.txt", files.text_bytes("position"))
+    uploaded.read(10)  # someone read part of it before
+    document = services.document_upload(owner=user, uploaded_file=uploaded)
+    stored = object_store().get_object(settings.S3_DOCUMENTS_BUCKET, document.object_key)
+    assert io.BytesIO(stored.read()).getvalue() == files.text_bytes("position")
