@@ -152,3 +152,24 @@ def test_quantized_objects_load_close_to_the_original(store_config):
             k, v = source.layer(i)
             bound = chunk.k[i].abs().amax(dim=-1, keepdim=True) / 254 + 1e-6
             assert bool(((k - chunk.k[i]).abs() <= bound).all())
+
+
+def test_s3_unreachable_while_loading_recomputes_without_hanging(tmp_path, recompute_from, caplog):
+    from deploy.services import free_port
+    from kvservice.store.config import StoreConfig
+
+    closed = f"127.0.0.1:{free_port()}"  # nothing listens there
+    config = StoreConfig(s3_endpoint=closed, disk_capacity_bytes=0, s3_connect_timeout_s=0.5)
+    store = TieredStore.from_config(config)
+    chunk = make_chunk(47)
+    recompute = recompute_from(chunk)
+    started = time.monotonic()
+    with KVLoader(store) as loader:
+        batch = loader.open(
+            [ChunkKey.of(chunk)], token_ids=[chunk.token_ids], recompute_fn=recompute
+        )
+        _assert_serves(batch[0], chunk)
+    assert time.monotonic() - started < 5
+    assert recompute.calls == 1 and batch.tiers == ["recomputed"]
+    assert "S3 unreachable" in caplog.text and store.stats().faults["unavailable"] == 1
+    assert store.tier("cpu").contains(ChunkKey.of(chunk))
