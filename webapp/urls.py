@@ -5,12 +5,16 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 
 from webapp import health
+from webapp.api.openai import openai_api
+from webapp.api.v1 import api as api_v1
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("accounts/", include("webapp.accounts.urls")),
     path("documents/", include("webapp.documents.urls")),
     path("chat/", include("webapp.chat.urls")),
+    path("api/v1/", api_v1.urls),
+    path("v1/", openai_api.urls),  # OpenAI-compatible
     path("admin/", admin.site.urls),
     path("", RedirectView.as_view(pattern_name="chat:index"), name="home"),
 ]

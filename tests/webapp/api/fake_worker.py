@@ -1,0 +1,52 @@
+"""A stand-in for the inference worker in fast tests: it takes generate requests off the
+``inference`` queue (the real Celery message in Redis) and streams a canned answer through
+the real protocol, so the API's waiting and streaming are exercised end to end."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+from kvservice.protocol import INFERENCE_QUEUE, publish_event
+
+
+class FakeInferenceWorker:
+    def __init__(self, client, *, words=("Arborio", " rice", " [1]."), fail: bool = False):
+        self.client, self.words, self.fail = client, words, fail
+        self.requests: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> FakeInferenceWorker:
+        self.client.delete(INFERENCE_QUEUE)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            item = self.client.brpop(INFERENCE_QUEUE, timeout=1)
+            if item is None:
+                continue
+            message = json.loads(item[1])
+            args = json.loads(base64.b64decode(message["body"]))[0]
+            request = args[0]
+            self.requests.append(request)
+            self._answer(request)
+
+    def _answer(self, request: dict) -> None:
+        request_id = request["request_id"]
+        if self.fail:
+            publish_event(self.client, request_id, "error", error="model exploded", text="")
+            return
+        for word in self.words:
+            publish_event(self.client, request_id, "token", text=word)
+        tiers = {str(chunk["chunk_id"]): "cpu" for chunk in request["chunks"]}
+        metrics = {"ttft_s": 0.05, "total_s": 0.2, "mode": request["mode"],
+                   "recompute_ratio": 0.15, "chunk_tiers": tiers, "prompt_tokens": 40,
+                   "completion_tokens": len(self.words)}  # fmt: skip
+        publish_event(self.client, request_id, "done", text="".join(self.words), metrics=metrics)

@@ -1,0 +1,264 @@
+"""The REST API and the OpenAI-compatible endpoint without the model: auth, isolation between
+users, validation, rate limits, answers (a stand-in worker streams them through Redis)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.webapp.api.conftest import bearer
+from tests.webapp.api.fake_worker import FakeInferenceWorker
+from tests.webapp.chat.test_chat import PASSAGES, make_document
+from webapp.accounts.models import ApiKey
+from webapp.accounts.services import api_key_revoke
+from webapp.chat import services as chat
+from webapp.chat.models import Message
+from webapp.documents.models import Document
+from webapp.redis import redis_client
+
+ENDPOINTS = [
+    ("get", "/api/v1/documents"),
+    ("post", "/api/v1/documents"),
+    ("get", "/api/v1/documents/1"),
+    ("delete", "/api/v1/documents/1"),
+    ("post", "/api/v1/query"),
+    ("get", "/api/v1/conversations"),
+    ("get", "/api/v1/conversations/1"),
+    ("get", "/api/v1/cache/stats"),
+    ("post", "/v1/chat/completions"),
+    ("get", "/v1/models"),
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("method", "url"), ENDPOINTS)
+def test_every_endpoint_needs_authentication(client, alice, method, url) -> None:
+    for headers in ({}, {"HTTP_AUTHORIZATION": "Bearer rbk_not-a-key"},
+                    {"HTTP_AUTHORIZATION": "Basic YWxpY2U6cHc="}):  # fmt: skip
+        response = getattr(client, method)(url, **headers)
+        assert response.status_code == 401, (url, response.content)
+        body = response.json()
+        message = body["message"] if url.startswith("/api/") else body["error"]["message"]
+        assert "Bearer" in message
+
+
+@pytest.mark.django_db
+def test_documents_upload_list_detail_delete(client, alice_auth) -> None:
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    upload = SimpleUploadedFile("notes.md", b"# Rivers\n\nThe Danube flows to the Black Sea.\n")
+    response = client.post("/api/v1/documents", {"file": upload}, **alice_auth)
+    assert response.status_code == 201, response.content
+    created = response.json()
+    assert created["status"] == "queued" and set(created) == {"id", "status"}
+
+    detail = client.get(f"/api/v1/documents/{created['id']}", **alice_auth).json()
+    assert {k: detail[k] for k in ("id", "title", "status", "progress", "error")} == {
+        "id": created["id"], "title": "notes.md", "status": "queued", "progress": 0, "error": ""
+    }  # fmt: skip
+    listing = client.get("/api/v1/documents?limit=10", **alice_auth).json()
+    assert listing["count"] == 1 and listing["items"][0]["id"] == created["id"]
+
+    assert client.delete(f"/api/v1/documents/{created['id']}", **alice_auth).status_code == 204
+    assert client.get(f"/api/v1/documents/{created['id']}", **alice_auth).status_code == 404
+    assert not Document.objects.filter(pk=created["id"]).exists()
+
+
+@pytest.mark.django_db
+def test_bad_payloads_get_4xx_with_a_message(client, alice_auth) -> None:
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    cases = [
+        client.post("/api/v1/documents", {}, **alice_auth),  # no file
+        client.post("/api/v1/documents", {"file": SimpleUploadedFile("e.txt", b"")}, **alice_auth),
+        client.post("/api/v1/query", "{not json", content_type="application/json", **alice_auth),
+        client.post(
+            "/api/v1/query", {"question": ""}, content_type="application/json", **alice_auth
+        ),  # fmt: skip
+        client.post(
+            "/api/v1/query", {"question": "  "}, content_type="application/json", **alice_auth
+        ),  # fmt: skip
+        client.post(
+            "/api/v1/query",
+            {"question": "q", "mode": "warp"},
+            content_type="application/json",
+            **alice_auth,
+        ),  # fmt: skip
+        client.post(
+            "/api/v1/query",
+            {"question": "q", "colour": 1},
+            content_type="application/json",
+            **alice_auth,
+        ),  # fmt: skip
+        client.get("/api/v1/documents?limit=0", **alice_auth),
+        client.get("/api/v1/documents/not-a-number", **alice_auth),
+    ]
+    for response in cases:
+        assert 400 <= response.status_code < 500, response.content
+        body = response.json()
+        assert body["code"] and body["message"], body
+    assert cases[1].json()["message"] == "The file is empty."
+
+    for payload in ({"model": "ragblend", "messages": []},
+                    {"model": "ragblend", "messages": [{"role": "wizard", "content": "x"}]},
+                    {"model": "ragblend", "messages": [{"role": "assistant", "content": "x"}]},
+                    {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]},
+                    ):  # fmt: skip
+        response = client.post("/v1/chat/completions", payload, content_type="application/json",
+                               **alice_auth)  # fmt: skip
+        assert 400 <= response.status_code < 500, response.content
+        assert response.json()["error"]["message"]
+
+
+@pytest.mark.django_db
+def test_one_users_key_never_reaches_another_users_data(client, alice, alice_auth,
+                                                        mallory_auth) -> None:  # fmt: skip
+    document = make_document(alice, "alice's secrets", [PASSAGES["space"]])
+    conversation = chat.conversation_create(owner=alice, title="alice's chat")
+    for method, url in [("get", f"/api/v1/documents/{document.id}"),
+                        ("delete", f"/api/v1/documents/{document.id}"),
+                        ("get", f"/api/v1/conversations/{conversation.id}")]:  # fmt: skip
+        response = getattr(client, method)(url, **mallory_auth)
+        assert response.status_code == 404, url
+        assert response.json()["code"] == "not_found"
+    response = client.post("/api/v1/query", {"question": "q", "conversation_id": conversation.id},
+                           content_type="application/json", **mallory_auth)  # fmt: skip
+    assert response.status_code == 404
+    assert client.get("/api/v1/documents", **mallory_auth).json()["count"] == 0
+    assert client.get("/api/v1/conversations", **mallory_auth).json()["count"] == 0
+    assert Document.objects.filter(pk=document.pk).exists()
+    assert client.get(f"/api/v1/documents/{document.id}", **alice_auth).status_code == 200
+
+
+@pytest.mark.django_db
+def test_revoked_key_is_refused(client, alice) -> None:
+    headers = bearer(alice)
+    assert client.get("/api/v1/documents", **headers).status_code == 200
+    api_key_revoke(api_key=ApiKey.objects.get(user=alice))
+    assert client.get("/api/v1/documents", **headers).status_code == 401
+
+
+@pytest.mark.django_db
+def test_rate_limit_answers_429_with_retry_after(client, alice, settings) -> None:
+    settings.API_RATE_LIMIT_REQUESTS = 3
+    headers = bearer(alice)
+    statuses = [client.get("/api/v1/documents", **headers).status_code for _ in range(4)]
+    assert statuses == [200, 200, 200, 429]
+    response = client.get("/api/v1/documents", **headers)
+    assert response.json()["code"] == "rate_limited"
+    assert 1 <= int(response["Retry-After"]) <= settings.API_RATE_LIMIT_WINDOW_S
+    assert client.get("/api/v1/documents", **bearer(alice, "another")).status_code == 200
+
+
+@pytest.mark.django_db
+def test_session_auth_works_for_the_browser(client, alice) -> None:
+    client.force_login(alice)
+    assert client.get("/api/v1/conversations").status_code == 200
+
+
+@pytest.mark.django_db
+def test_other_modes_and_cache_stats_are_for_staff(client, alice_auth, staff) -> None:
+    response = client.post("/api/v1/query", {"question": "q", "mode": "full"},
+                           content_type="application/json", **alice_auth)  # fmt: skip
+    assert response.status_code == 403 and "staff" in response.json()["message"]
+    assert client.get("/api/v1/cache/stats", **alice_auth).status_code == 403
+    stats = client.get("/api/v1/cache/stats", **bearer(staff)).json()
+    assert set(stats["chunks"]) == {"pending", "ready", "failed"}
+    models = client.get("/v1/models", **alice_auth).json()
+    assert [m["id"] for m in models["data"]] == ["ragblend"]
+    assert "ragblend-full" in [
+        m["id"] for m in client.get("/v1/models", **bearer(staff)).json()["data"]
+    ]
+
+
+@pytest.mark.django_db
+def test_answer_that_never_comes_is_a_504_not_a_hang(client, alice, alice_auth, settings) -> None:
+    settings.API_ANSWER_TIMEOUT_S = 0.5
+    make_document(alice, "notes", list(PASSAGES.values()))
+    response = client.post("/api/v1/query", {"question": "Which rice for risotto?"},
+                           content_type="application/json", **alice_auth)  # fmt: skip
+    assert response.status_code == 504 and response.json()["code"] == "timeout"
+
+
+# The answer is sent to the worker on commit, so these tests commit (transactional_db).
+
+
+@pytest.fixture
+def worker():
+    with FakeInferenceWorker(redis_client()) as fake:
+        yield fake
+
+
+@pytest.mark.django_db(transaction=True)
+def test_query_answers_with_citations_and_metrics(client, alice, alice_auth, worker) -> None:
+    make_document(alice, "notes", list(PASSAGES.values()))
+    response = client.post("/api/v1/query", {"question": "Which rice goes into a risotto?"},
+                           content_type="application/json", **alice_auth)  # fmt: skip
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert body["answer"] == "Arborio rice [1]."
+    assert body["citations"][0]["text"] == PASSAGES["cooking"]
+    assert body["citations"][0]["document_id"] and body["citations"][0]["chunk_id"]
+    assert body["metrics"]["mode"] == "blend" and body["metrics"]["recompute_ratio"] == 0.15
+    assert body["metrics"]["tiers"] == {"cpu": len(body["citations"])}
+    assert set(body["metrics"]) >= {"ttft_s", "total_s", "mode", "recompute_ratio", "tiers"}
+
+    # A follow-up in the same conversation carries the history to the worker.
+    follow = client.post("/api/v1/query", {"question": "And the stock?", "conversation_id":
+                         body["conversation_id"]}, content_type="application/json",
+                         **alice_auth)  # fmt: skip
+    assert follow.status_code == 200
+    assert worker.requests[-1]["history"][0]["content"] == "Which rice goes into a risotto?"
+    detail = client.get(f"/api/v1/conversations/{body['conversation_id']}", **alice_auth).json()
+    assert [m["role"] for m in detail["messages"]] == ["user", "assistant"] * 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_query_streams_server_sent_events(client, alice, alice_auth, worker) -> None:
+    make_document(alice, "notes", list(PASSAGES.values()))
+    response = client.post("/api/v1/query", {"question": "Risotto rice?", "stream": True},
+                           content_type="application/json", **alice_auth)  # fmt: skip
+    assert response.status_code == 200 and response["Content-Type"] == "text/event-stream"
+    events = []
+    for block in b"".join(response.streaming_content).decode().strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        events.append((lines["event"], json.loads(lines["data"])))
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["start", "token", "token", "token", "done"]
+    assert "".join(data["text"] for kind, data in events if kind == "token") == "Arborio rice [1]."
+    assert events[-1][1]["citations"][0]["text"] == PASSAGES["cooking"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failed_generation_is_a_502_with_the_reason(client, alice, alice_auth) -> None:
+    with FakeInferenceWorker(redis_client(), fail=True):
+        response = client.post("/api/v1/query", {"question": "anything"},
+                               content_type="application/json", **alice_auth)  # fmt: skip
+    assert response.status_code == 502 and "exploded" in response.json()["message"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_chat_completions_uses_the_last_user_message_and_history(client, alice, alice_auth,
+                                                                 worker) -> None:  # fmt: skip
+    make_document(alice, "notes", list(PASSAGES.values()))
+    payload = {"model": "ragblend", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where does the Danube flow?"},
+        {"role": "assistant", "content": "To the Black Sea."},
+        {"role": "user", "content": [{"type": "text", "text": "Which rice for risotto?"}]},
+    ]}  # fmt: skip
+    response = client.post("/v1/chat/completions", payload, content_type="application/json",
+                           **alice_auth)  # fmt: skip
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Arborio rice [1]."}
+    assert body["citations"][0]["text"] == PASSAGES["cooking"]
+    request = worker.requests[-1]
+    assert request["question"] == "Which rice for risotto?"
+    assert [t["content"] for t in request["history"]] == [
+        "Where does the Danube flow?",
+        "To the Black Sea.",
+    ]
+    assert Message.objects.filter(conversation_id=body["ragblend"]["conversation_id"]).count() == 4

@@ -1,0 +1,108 @@
+"""Waiting for an answer: the inference worker's token stream in Redis, read with a deadline.
+
+The browser's SSE relay (webapp/chat/views.py) reads the same stream with an asyncio client;
+programs get it here either whole (``wait_for_answer``) or event by event (``answer_events``).
+Nothing waits forever: past ``API_ANSWER_TIMEOUT_S`` the caller gets a timeout."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+
+from kvservice.protocol import read_events
+from webapp.chat.models import Message
+from webapp.redis import redis_client
+
+# Below the client's socket timeout (5 s), so a quiet stream is a timeout, not an error.
+BLOCK_MS = 4000
+
+
+class AnswerTimeout(Exception):
+    """No complete answer within the deadline."""
+
+
+@dataclass(frozen=True)
+class FinishedAnswer:
+    ok: bool
+    text: str
+    error: str
+    metrics: dict[str, Any]
+
+
+def answer_events(request_id: str, *, timeout_s: float | None = None) -> Iterator[tuple[str, dict]]:
+    """(type, payload) of each event until ``done``/``error`` (included); raises
+    ``AnswerTimeout`` when the end has not come within ``timeout_s``."""
+    timeout_s = settings.API_ANSWER_TIMEOUT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    client, last_id = redis_client(), "0"
+    while True:
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0:
+            raise AnswerTimeout(f"The model did not answer within {timeout_s:g} s.")
+        for entry_id, kind, payload in read_events(
+            client, request_id, last_id, block_ms=max(1, min(remaining_ms, BLOCK_MS))
+        ):
+            last_id = entry_id
+            yield kind, payload
+            if kind in ("done", "error"):
+                return
+
+
+def finished(kind: str, payload: dict[str, Any]) -> FinishedAnswer:
+    ok = kind == "done" and payload.get("status", "done") != "error"
+    error = "" if ok else (payload.get("error") or payload.get("text") or "The model failed.")
+    return FinishedAnswer(ok=ok, text=payload.get("text", ""), error=str(error),
+                          metrics=payload.get("metrics") or {})  # fmt: skip
+
+
+def wait_for_answer(answer: Message, *, timeout_s: float | None = None) -> FinishedAnswer:
+    for kind, payload in answer_events(str(answer.request_id), timeout_s=timeout_s):
+        if kind in ("done", "error"):
+            return finished(kind, payload)
+    raise AnswerTimeout("The answer stream ended without a result.")  # pragma: no cover
+
+
+def tier_counts(metrics: dict[str, Any]) -> dict[str, int]:
+    """{"cpu": 4, "s3": 2}: how many cited chunks each tier served."""
+    counts: dict[str, int] = {}
+    for tier in (metrics.get("chunk_tiers") or {}).values():
+        counts[str(tier)] = counts.get(str(tier), 0) + 1
+    return counts
+
+
+def metrics_of(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The API's metrics object, from the worker's ``done`` payload."""
+    return {
+        "ttft_s": metrics.get("ttft_s"),
+        "total_s": metrics.get("total_s"),
+        "mode": metrics.get("mode") or answer.mode,
+        "recompute_ratio": metrics.get("recompute_ratio"),
+        "tiers": tier_counts(metrics),
+        "prompt_tokens": metrics.get("prompt_tokens"),
+        "completion_tokens": metrics.get("completion_tokens"),
+    }
+
+
+def citations_of(answer: Message) -> list[dict[str, Any]]:
+    return [
+        {
+            "rank": c.rank,
+            "document_id": c.document_id,
+            "chunk_id": c.chunk_id,
+            "document_title": c.document_title,
+            "text": c.text,
+        }  # fmt: skip
+        for c in answer.citations.all()
+    ]
+
+
+def sse(event: str | None, data: Any) -> str:
+    """One server-sent event whose data is JSON (one line: JSON escapes newlines)."""
+    head = f"event: {event}\n" if event else ""
+    body = data if isinstance(data, str) else json.dumps(data)
+    return f"{head}data: {body}\n\n"

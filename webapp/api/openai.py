@@ -1,0 +1,174 @@
+"""OpenAI-compatible endpoints, /v1: ``POST /v1/chat/completions`` and ``GET /v1/models``,
+so existing OpenAI clients work unchanged (``base_url=<site>/v1``, ``api_key=<API key>``).
+
+The last user message is the question; earlier user/assistant messages are its history. The
+answer is retrieved and blended over the caller's own documents, as in the chat. Extra, non-
+standard fields: ``citations`` (what the answer cites) and ``ragblend`` (metrics and ids)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from django.http import HttpRequest
+from ninja import NinjaAPI, Schema
+from pydantic import ConfigDict, Field
+
+from webapp.api import answers
+from webapp.api.answers import AnswerTimeout
+from webapp.api.auth import API_AUTH
+from webapp.api.errors import ApiError, install_error_handlers
+from webapp.api.services import completion_ask
+from webapp.api.v1 import event_stream_response
+from webapp.chat.models import Message
+from webapp.chat.services import ChatError
+
+MODEL = "ragblend"  # blend; staff may also ask for "ragblend-full", "-reuse", "-prefix"
+CREATED = 1_767_225_600  # models' nominal creation time (2026-01-01)
+
+openai_api = NinjaAPI(
+    title="Ragblend OpenAI-compatible API",
+    version="1",
+    auth=API_AUTH,
+    urls_namespace="openai_v1",
+)
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error", 500: "server_error", 502: "server_error",
+                504: "timeout"}  # fmt: skip
+
+
+def _openai_error(error: ApiError) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(error.status, "invalid_request_error")
+    return {"error": {"message": error.message, "type": kind, "code": error.code, "param": None}}
+
+
+install_error_handlers(openai_api, _openai_error)
+
+
+class ContentPart(Schema):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(Schema):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content if part.type == "text")
+        return self.content or ""
+
+
+class ChatCompletionIn(Schema):
+    # Sampling and other OpenAI options are accepted and ignored (answers are greedy).
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, max_length=100)
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=200)
+    stream: bool = False
+
+
+def _models_for(user) -> list[str]:
+    modes = Message.Mode.values if user.is_staff else [Message.Mode.BLEND]
+    return [MODEL if mode == Message.Mode.BLEND else f"{MODEL}-{mode}" for mode in modes]
+
+
+def _mode_for(request: HttpRequest, model: str) -> str:
+    if model == MODEL:
+        return Message.Mode.BLEND
+    mode = model.removeprefix(f"{MODEL}-")
+    if model.startswith(f"{MODEL}-") and mode in Message.Mode.values:
+        if not request.user.is_staff:
+            raise ApiError(403, "model_not_allowed", f"Only staff can use {model!r}.")
+        return mode
+    raise ApiError(404, "model_not_found", f"The model {model!r} does not exist; use {MODEL!r}.")
+
+
+@openai_api.get("/models")
+def list_models(request: HttpRequest):
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": CREATED, "owned_by": "ragblend"}
+        for name in _models_for(request.user)
+    ]}  # fmt: skip
+
+
+def _usage(metrics: dict[str, Any]) -> dict[str, int]:
+    prompt = int(metrics.get("prompt_tokens") or 0)
+    completion = int(metrics.get("completion_tokens") or 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _extras(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "citations": answers.citations_of(answer),
+        "ragblend": {
+            "conversation_id": answer.conversation_id,
+            "message_id": answer.pk,
+            "metrics": answers.metrics_of(answer, metrics),
+        },  # fmt: skip
+    }
+
+
+def _chunk(answer: Message, model: str, delta: dict, finish: str | None = None) -> dict:
+    return {"id": f"chatcmpl-{answer.request_id}", "object": "chat.completion.chunk",
+            "created": int(answer.created_at.timestamp()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+
+
+def _completion_events(answer: Message, model: str) -> Iterator[str]:
+    yield answers.sse(None, _chunk(answer, model, {"role": "assistant", "content": ""}))
+    try:
+        for kind, payload in answers.answer_events(str(answer.request_id)):
+            if kind == "token":
+                yield answers.sse(None, _chunk(answer, model, {"content": payload.get("text", "")}))
+                continue
+            result = answers.finished(kind, payload)
+            if not result.ok:
+                error = ApiError(502, "generation_failed", result.error)
+                yield answers.sse(None, _openai_error(error))
+                return
+            last = _chunk(answer, model, {}, finish="stop")
+            last |= {"usage": _usage(result.metrics)} | _extras(answer, result.metrics)
+            yield answers.sse(None, last)
+    except AnswerTimeout as err:
+        yield answers.sse(None, _openai_error(ApiError(504, "timeout", str(err))))
+        return
+    yield answers.sse(None, "[DONE]")
+
+
+@openai_api.post("/chat/completions")
+def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
+    mode = _mode_for(request, payload.model)
+    try:
+        answer = completion_ask(
+            user=request.user, turns=[(m.role, m.text()) for m in payload.messages], mode=mode
+        )
+    except ChatError as err:
+        raise ApiError(400, "invalid_request", str(err)) from err
+    if payload.stream:
+        return event_stream_response(_completion_events(answer, payload.model))
+    try:
+        result = answers.wait_for_answer(answer)
+    except AnswerTimeout as err:
+        raise ApiError(504, "timeout", str(err)) from err
+    if not result.ok:
+        raise ApiError(502, "generation_failed", result.error)
+    return {
+        "id": f"chatcmpl-{answer.request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": payload.model,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": result.text},
+            }
+        ],  # fmt: skip
+        "usage": _usage(result.metrics),
+    } | _extras(answer, result.metrics)

@@ -1,0 +1,114 @@
+"""Request and response shapes of /api/v1 (the OpenAPI schema is generated from these)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from django.conf import settings
+from ninja import Field, Schema
+from pydantic import ConfigDict
+
+DocumentStatus = Literal["queued", "processing", "ready", "failed"]
+Mode = Literal["blend", "full", "reuse", "prefix"]
+
+
+class DocumentCreatedOut(Schema):
+    id: int
+    status: DocumentStatus
+
+
+class DocumentOut(Schema):
+    id: int
+    title: str
+    status: DocumentStatus
+    progress: int = Field(ge=0, le=100)
+    error: str
+    stage: str
+    size_bytes: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class DocumentListOut(Schema):
+    count: int
+    items: list[DocumentOut]
+
+
+class CitationOut(Schema):
+    rank: int
+    document_id: int | None
+    chunk_id: int | None
+    document_title: str
+    text: str
+
+
+class MetricsOut(Schema):
+    ttft_s: float | None
+    total_s: float | None
+    mode: str
+    recompute_ratio: float | None
+    tiers: dict[str, int]
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class QueryIn(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(min_length=1, max_length=settings.CHAT_MAX_QUESTION_CHARS)
+    mode: Mode = "blend"
+    conversation_id: int | None = Field(default=None, ge=1, le=2**63 - 1)
+    stream: bool = False
+
+
+class QueryOut(Schema):
+    answer: str
+    citations: list[CitationOut]
+    metrics: MetricsOut
+    conversation_id: int
+    message_id: int
+
+
+class ConversationOut(Schema):
+    id: int
+    title: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class ConversationListOut(Schema):
+    count: int
+    items: list[ConversationOut]
+
+
+class MessageOut(Schema):
+    id: int
+    role: Literal["user", "assistant"]
+    content: str
+    status: str
+    error: str
+    mode: str
+    created_at: datetime
+    citations: list[CitationOut]
+    metrics: MetricsOut | None
+
+
+class ConversationDetailOut(ConversationOut):
+    messages: list[MessageOut]
+
+
+class ModeStatsOut(Schema):
+    mode: str
+    answers: int
+    mean_ttft_s: float | None
+    mean_total_s: float | None
+    mean_recompute_ratio: float | None
+
+
+class CacheStatsOut(Schema):
+    chunks: dict[str, int]  # chunk count by KV status: pending, ready, failed
+    kv_objects: int  # distinct stored KV objects (identical chunks share one)
+    tiers: dict[str, int]  # chunk loads served per tier, over all recorded answers
+    modes: list[ModeStatsOut]
+    worker: dict[str, object] | None  # the inference worker's heartbeat, None when down

@@ -1,0 +1,284 @@
+"""The REST API for programs, /api/v1: documents, query, conversations, cache statistics.
+
+Every operation needs an API key (``Authorization: Bearer``) or a browser session; errors are
+``{"code", "message"}``. The schema is at /api/v1/openapi.json, the docs at /api/v1/docs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from django.db.models import Avg, Count
+from django.http import HttpRequest, StreamingHttpResponse
+from ninja import Field as SchemaField
+from ninja import File, NinjaAPI, Query, Router, Schema, UploadedFile
+from ninja.responses import Status
+
+from kvservice.heartbeat import read_heartbeat
+from webapp.api import answers
+from webapp.api.answers import AnswerTimeout
+from webapp.api.auth import API_AUTH
+from webapp.api.errors import ApiError, error_responses, install_error_handlers
+from webapp.api.schemas import (
+    CacheStatsOut,
+    ConversationDetailOut,
+    ConversationListOut,
+    DocumentCreatedOut,
+    DocumentListOut,
+    DocumentOut,
+    QueryIn,
+    QueryOut,
+)
+from webapp.chat import services as chat
+from webapp.chat.models import Conversation, Message
+from webapp.documents import selectors as documents
+from webapp.documents import services as document_services
+from webapp.documents.models import Chunk, Document
+from webapp.redis import redis_client
+
+api = NinjaAPI(
+    title="Ragblend API",
+    version="1",
+    description="Documents, questions over them (blended KV caches), conversations.",
+    auth=API_AUTH,
+    urls_namespace="api_v1",
+)
+install_error_handlers(api, lambda error: {"code": error.code, "message": error.message})
+
+
+class Page(Schema):
+    limit: int = SchemaField(50, ge=1, le=200)
+    offset: int = SchemaField(0, ge=0, le=1_000_000)
+
+
+# --- documents -------------------------------------------------------------------------------
+
+documents_router = Router(tags=["documents"])
+
+
+def _get_document_for_user(request: HttpRequest, document_id: int) -> Document:
+    document = documents.document_get(owner=request.user, document_id=document_id)
+    if document is None:
+        raise ApiError(404, "not_found", "No such document.")
+    return document
+
+
+def _document_out(document: Document) -> dict:
+    return {
+        "id": document.pk, "title": document.title, "status": document.status,
+        "progress": document.progress, "error": document.error_message, "stage": document.stage,
+        "size_bytes": document.size_bytes, "created_at": document.created_at,
+        "updated_at": document.updated_at,
+    }  # fmt: skip
+
+
+@documents_router.post("", response={201: DocumentCreatedOut, **error_responses(413)})
+def document_upload(request: HttpRequest, file: File[UploadedFile]):
+    """Upload one file (multipart field ``file``); it is parsed, chunked, embedded and its KV
+    cache precomputed in the background: poll the document until ``ready`` or ``failed``."""
+    document = document_services.document_upload(owner=request.user, uploaded_file=file)
+    if document.status == Document.Status.FAILED and not document.object_key:
+        raise ApiError(422, "upload_refused", document.error_message or "The file was refused.")
+    return Status(201, {"id": document.pk, "status": document.status})
+
+
+@documents_router.get("", response={200: DocumentListOut, **error_responses()})
+def document_list(request: HttpRequest, page: Query[Page]):
+    found = documents.document_list(owner=request.user)
+    items = found[page.offset : page.offset + page.limit]
+    return {"count": found.count(), "items": [_document_out(d) for d in items]}
+
+
+@documents_router.get("/{document_id}", response={200: DocumentOut, **error_responses(404)})
+def document_detail(request: HttpRequest, document_id: int):
+    return _document_out(_get_document_for_user(request, document_id))
+
+
+@documents_router.delete("/{document_id}", response={204: None, **error_responses(404)})
+def document_delete(request: HttpRequest, document_id: int):
+    document_services.document_delete(document=_get_document_for_user(request, document_id))
+    return Status(204, None)
+
+
+# --- query -----------------------------------------------------------------------------------
+
+query_router = Router(tags=["query"])
+
+_STREAM_DOC = {
+    "responses": {
+        "200": {
+            "description": "The answer as JSON, or with ``stream``: server-sent events "
+            "``start`` (citations), ``token`` ({text}) ..., then ``done`` (the JSON answer) "
+            "or ``error`` ({code, message}).",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    }
+}
+
+
+def _get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Conversation:
+    conversation = Conversation.objects.filter(owner=request.user, pk=conversation_id).first()
+    if conversation is None:
+        raise ApiError(404, "not_found", "No such conversation.")
+    return conversation
+
+
+def ask(request: HttpRequest, *, question: str, mode: str, conversation_id: int | None):
+    """Check the mode and ownership, then ask (the pending answer's stream is then read)."""
+    if mode != Message.Mode.BLEND and not request.user.is_staff:
+        raise ApiError(403, "forbidden", "Only staff can choose another mode than blend.")
+    if conversation_id is not None:
+        conversation = _get_conversation_for_user(request, conversation_id)
+    else:
+        conversation = chat.conversation_create(owner=request.user)
+    try:
+        return chat.chat_ask(
+            user=request.user, conversation=conversation, question=question, mode=mode
+        )
+    except chat.ChatError as err:
+        raise ApiError(422, "invalid_request", str(err)) from err
+
+
+def _query_out(answer: Message, result: answers.FinishedAnswer) -> dict:
+    return {
+        "answer": result.text,
+        "citations": answers.citations_of(answer),
+        "metrics": answers.metrics_of(answer, result.metrics),
+        "conversation_id": answer.conversation_id,
+        "message_id": answer.pk,
+    }
+
+
+def _query_events(answer: Message) -> Iterator[str]:
+    yield answers.sse("start", {"conversation_id": answer.conversation_id,
+                                "message_id": answer.pk,
+                                "citations": answers.citations_of(answer)})  # fmt: skip
+    try:
+        for kind, payload in answers.answer_events(str(answer.request_id)):
+            if kind == "token":
+                yield answers.sse("token", {"text": payload.get("text", "")})
+            elif kind in ("done", "error"):
+                result = answers.finished(kind, payload)
+                if result.ok:
+                    yield answers.sse("done", _query_out(answer, result))
+                else:
+                    yield answers.sse("error", {"code": "generation_failed",
+                                                "message": result.error})  # fmt: skip
+    except AnswerTimeout as err:
+        yield answers.sse("error", {"code": "timeout", "message": str(err)})
+
+
+def event_stream_response(events: Iterator[str]) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(events, content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
+
+
+@query_router.post(
+    "",
+    response={200: QueryOut, **error_responses(403, 404, 502, 504)},
+    openapi_extra=_STREAM_DOC,
+)
+def query(request: HttpRequest, payload: QueryIn):
+    """Ask a question over your ready documents; the answer cites the chunks it was given."""
+    answer = ask(request, question=payload.question, mode=payload.mode,
+                 conversation_id=payload.conversation_id)  # fmt: skip
+    if payload.stream:
+        return event_stream_response(_query_events(answer))
+    try:
+        result = answers.wait_for_answer(answer)
+    except AnswerTimeout as err:
+        raise ApiError(504, "timeout", str(err)) from err
+    if not result.ok:
+        raise ApiError(502, "generation_failed", result.error)
+    return _query_out(answer, result)
+
+
+# --- conversations ---------------------------------------------------------------------------
+
+conversations_router = Router(tags=["conversations"])
+
+
+def _message_out(message: Message) -> dict:
+    has_metrics = message.role == Message.Role.ASSISTANT and not message.is_open
+    return {
+        "id": message.pk, "role": message.role, "content": message.content,
+        "status": message.status, "error": message.error_message, "mode": message.mode,
+        "created_at": message.created_at,
+        "citations": answers.citations_of(message),
+        "metrics": {
+            "ttft_s": message.ttft_s, "total_s": message.total_s,
+            "mode": message.mode, "recompute_ratio": message.recompute_ratio,
+            "tiers": message.tiers or {}, "prompt_tokens": message.prompt_tokens,
+            "completion_tokens": message.completion_tokens,
+        } if has_metrics else None,
+    }  # fmt: skip
+
+
+def _conversation_out(conversation: Conversation) -> dict:
+    return {
+        "id": conversation.pk,
+        "title": conversation.title,
+        "created_at": conversation.created_at,
+        "updated_at": conversation.updated_at,
+    }
+
+
+@conversations_router.get("", response={200: ConversationListOut, **error_responses()})
+def conversation_list(request: HttpRequest, page: Query[Page]):
+    found = Conversation.objects.filter(owner=request.user)
+    items = found[page.offset : page.offset + page.limit]
+    return {"count": found.count(), "items": [_conversation_out(c) for c in items]}
+
+
+@conversations_router.get(
+    "/{conversation_id}", response={200: ConversationDetailOut, **error_responses(404)}
+)
+def conversation_detail(request: HttpRequest, conversation_id: int):
+    conversation = _get_conversation_for_user(request, conversation_id)
+    messages = conversation.messages.prefetch_related("citations")
+    return _conversation_out(conversation) | {"messages": [_message_out(m) for m in messages]}
+
+
+# --- cache statistics (staff) ----------------------------------------------------------------
+
+stats_router = Router(tags=["cache"])
+
+
+@stats_router.get("", response={200: CacheStatsOut, **error_responses(403)})
+def cache_stats(request: HttpRequest):
+    """KV cache statistics for the whole deployment (staff only)."""
+    if not request.user.is_staff:
+        raise ApiError(403, "forbidden", "Cache statistics are for staff.")
+    chunks = {status: 0 for status in Chunk.KVStatus.values}
+    for row in Chunk.objects.values("kv_status").annotate(n=Count("id")).order_by():
+        chunks[row["kv_status"]] = row["n"]
+    answered = Message.objects.filter(role=Message.Role.ASSISTANT, status=Message.Status.DONE)
+    tiers: dict[str, int] = {}
+    for served in answered.exclude(tiers={}).values_list("tiers", flat=True).iterator():
+        for tier, count in (served or {}).items():
+            tiers[tier] = tiers.get(tier, 0) + int(count)
+    modes = (
+        answered.exclude(mode="")
+        .values("mode")
+        .annotate(
+            answers=Count("id"),
+            mean_ttft_s=Avg("ttft_s"),
+            mean_total_s=Avg("total_s"),
+            mean_recompute_ratio=Avg("recompute_ratio"),
+        )  # fmt: skip
+        .order_by("mode")
+    )
+    kv_objects = Chunk.objects.exclude(kv_key="").values("kv_key").distinct().count()
+    try:
+        worker = read_heartbeat(redis_client())
+    except Exception:  # noqa: BLE001 - statistics still answer when Redis does not
+        worker = None
+    return {"chunks": chunks, "kv_objects": kv_objects, "tiers": tiers, "modes": list(modes),
+            "worker": worker}  # fmt: skip
+
+
+api.add_router("/documents", documents_router)
+api.add_router("/query", query_router)
+api.add_router("/conversations", conversations_router)
+api.add_router("/cache/stats", stats_router)
