@@ -6,6 +6,8 @@
   plain pub/sub: a reader that connects late (or reconnects) still gets every event.
 - The worker then reports the complete answer with the ``RECORD_TASK`` Celery task, so the
   answer is stored even if nobody is watching the stream.
+- The heartbeat (kvservice/heartbeat.py) carries the worker's live state for the dashboard:
+  ``store`` (TieredStore.stats().to_dict()) and ``controller`` (LoadingController.snapshot()).
 - Stop: the web app sets ``stop_key(request_id)``; the worker checks it between tokens.
 """
 
@@ -18,6 +20,9 @@ from typing import Any
 INFERENCE_QUEUE = "inference"
 GENERATE_TASK = "kvservice.generate"
 RECORD_TASK = "worker.chat.record_answer"
+# Cache actions the dashboard sends to the inference worker (it owns the tiers):
+EVICT_TASK = "kvservice.evict"  # args: [list of ChunkKey strings] -> dropped from every tier
+WARM_TASK = "kvservice.warm"  # args: [list of ChunkKey strings, tier name] -> loaded into it
 RECORD_QUEUE = "ingest"
 
 STREAM_TTL_S = 600  # a finished answer's events stay readable this long
@@ -57,6 +62,9 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     timeout_s: float = 300.0
+    # Set on a fidelity-audit re-run (mode "full") of the blend answer with this message id:
+    # the worker reports the result with it instead of a message of its own.
+    audit_of: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
