@@ -33,8 +33,8 @@ class ErrorOut(Schema):
 
 
 def error_responses(*statuses: int) -> dict[int, type[ErrorOut]]:
-    """The documented error responses of an operation (every one has 401, 422 and 429)."""
-    return {status: ErrorOut for status in sorted({401, 422, 429, *statuses})}
+    """The documented error responses of an operation (every one has 400, 401, 422, 429)."""
+    return {status: ErrorOut for status in sorted({400, 401, 422, 429, *statuses})}
 
 
 _CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",

@@ -103,13 +103,25 @@ def document_delete(request: HttpRequest, document_id: int):
 
 query_router = Router(tags=["query"])
 
+# One server-sent event; its ``data`` is JSON text.
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string", "enum": ["start", "token", "done", "error"]},
+        "data": {"type": "string"},
+    },
+}
 _STREAM_DOC = {
     "responses": {
         "200": {
             "description": "The answer as JSON, or with ``stream``: server-sent events "
             "``start`` (citations), ``token`` ({text}) ..., then ``done`` (the JSON answer) "
             "or ``error`` ({code, message}).",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/QueryOut"}},
+                "text/event-stream": {"schema": _SSE_EVENT},
+            },
         }
     }
 }
