@@ -64,9 +64,9 @@ def kv_store() -> KVStoreClient:
 def prompt_head_ids(tokenizer: Any) -> list[int]:
     """The deployment's fixed prompt head, as the engine defines it (every chunk is computed
     after it, and its hash is part of the chunk key)."""
-    from kvservice import engine
+    from kvservice.prompt import PromptFormat
 
-    return list(engine.prompt_head_ids(tokenizer))
+    return list(PromptFormat.for_tokenizer(tokenizer).head_ids)
 
 
 class KVPrecomputer:
