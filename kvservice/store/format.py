@@ -300,6 +300,23 @@ def decode_token_ids(header: ChunkHeader, section: Buffer, *, verify: bool = Tru
     return token_ids
 
 
+def verify_object(buf: Buffer, key: ChunkKey | None = None) -> ChunkHeader:
+    """Check a whole object (header, every layer's and the tokens' checksums, and that it is
+    the object ``key`` names) without decoding tensors; returns its header."""
+    raw = as_uint8(buf)
+    header = decode_header(raw)
+    if key is not None:
+        header.check_key(key)
+    if raw.numel() < header.total_bytes:
+        raise ChunkTruncated(f"object {header.key} is {raw.numel()} of {header.total_bytes} bytes")
+    for index in range(header.num_layers):
+        start = header.layer_offset(index)
+        if _crc(raw[start : start + header.layer_bytes]) != header.layer_crc32[index]:
+            raise ChunkCorrupt(f"layer {index} checksum mismatch in {header.key}")
+    decode_token_ids(header, raw[header.tokens_offset :])
+    return header
+
+
 def decode_chunk(buf: Buffer, key: ChunkKey | None = None, *, verify: bool = True) -> ChunkKV:
     """A whole object back to a :class:`ChunkKV` (K and V stacked; dequantized if needed)."""
     raw = as_uint8(buf)

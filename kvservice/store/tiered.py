@@ -35,6 +35,7 @@ from kvservice.store.format import (
     decode_header,
     encode_chunk,
     header_length,
+    verify_object,
 )
 from kvservice.store.keys import ChunkKey
 from kvservice.store.memory import MemoryTier
@@ -169,6 +170,25 @@ class TieredStore:
         for tier in self.tiers[:found_at]:
             if not isinstance(tier, S3Tier) and not tier.contains(key):
                 tier.put(key, data)
+
+    def warm(self, key: ChunkKey, tier: str) -> bool:
+        """Copy a chunk into the named tier from the fastest tier with a valid copy (the
+        dashboard's "warm" action). False when the tier cannot hold it (capacity)."""
+        target = self.tier(tier)
+        if target.contains(key):
+            return True
+        found = self.locate(key)
+        data = found.tier.get(key)
+        if data is None:
+            raise ChunkMissing(f"{key} vanished from the {found.tier.name} tier")
+        if not found.tier.trusted:
+            try:
+                verify_object(data, key)
+            except ChunkUnavailable as err:
+                self.note_fault(key, found.tier, err)
+                raise
+        target.put(key, data)
+        return target.contains(key)
 
     def drop_local(self, key: ChunkKey) -> None:
         """Forget the local copies (the S3 object stays): the next read comes from S3."""

@@ -113,3 +113,12 @@ def test_stats_snapshot_is_plain_data(store):
     import json
 
     json.dumps(snapshot)
+
+
+def test_warm_copies_a_chunk_into_a_named_tier(store):
+    chunk = make_chunk(15)
+    key = store.put(chunk, tiers=[])
+    assert store.where(key) == "s3"
+    assert store.warm(key, "disk") and store.where(key) == "disk"
+    assert store.warm(key, "cpu") and store.where(key) == "cpu"
+    assert torch.equal(store.get(key).k, chunk.k)
