@@ -40,6 +40,7 @@ INSTALLED_APPS = [
     "webapp.accounts",
     "webapp.documents",
     "webapp.chat",
+    "webapp.dashboard",
 ]
 
 MIDDLEWARE = [

@@ -13,6 +13,7 @@ urlpatterns = [
     path("accounts/", include("webapp.accounts.urls")),
     path("documents/", include("webapp.documents.urls")),
     path("chat/", include("webapp.chat.urls")),
+    path("dashboard/", include("webapp.dashboard.urls")),
     path("api/v1/", api_v1.urls),
     path("v1/", openai_api.urls),  # OpenAI-compatible
     path("admin/", admin.site.urls),

@@ -1,0 +1,169 @@
+"""The dashboard's pages and actions: who may see them, what they show, what they change."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from django.urls import reverse
+
+from kvservice.protocol import EVICT_TASK, INFERENCE_QUEUE, WARM_TASK
+from tests.webapp.dashboard.factories import make_answers, make_document
+from webapp.dashboard import selectors
+from webapp.dashboard.models import DashboardSettings
+from webapp.dashboard.urls import urlpatterns
+from webapp.documents.models import Chunk, Document
+from webapp.redis import redis_client
+
+pytestmark = pytest.mark.django_db
+
+DOCUMENT_URLS = {"document_evict", "document_warm", "document_precompute"}
+POST_URLS = {"controller", "audit"} | DOCUMENT_URLS
+
+
+def _all_urls(document_id: int) -> list[tuple[str, str]]:
+    """(method, url) for every route of the dashboard app, so a new one cannot be missed."""
+    urls = []
+    for pattern in urlpatterns:
+        name = pattern.name
+        kwargs = {"document_id": document_id} if name in DOCUMENT_URLS else {}
+        urls.append(("post" if name in POST_URLS else "get", reverse(f"dashboard:{name}",
+                                                                      kwargs=kwargs)))  # fmt: skip
+    assert len(urls) == len(POST_URLS) + 1
+    return urls
+
+
+def _inference_messages() -> list[dict]:
+    """Celery messages waiting in the inference queue, oldest first; drains it."""
+    client = redis_client()
+    raw = client.lrange(INFERENCE_QUEUE, 0, -1)[::-1]  # kombu pushes on the left
+    client.delete(INFERENCE_QUEUE)
+    found = []
+    for item in raw:
+        envelope = json.loads(item)
+        body = json.loads(base64.b64decode(envelope["body"]))
+        found.append({"task": envelope["headers"]["task"], "args": body[0]})
+    return found
+
+
+def test_non_staff_get_403_on_every_page_and_action(client, alice) -> None:
+    document = make_document(alice)
+    client.force_login(alice)
+    for method, url in _all_urls(document.pk):
+        response = getattr(client, method)(url, {"mode": "fixed", "fixed_ratio": "0.5",
+                                                 "sample_rate": "1", "tier": "cpu"})  # fmt: skip
+        assert response.status_code == 403, (method, url, response.status_code)
+        htmx = getattr(client, method)(url, HTTP_HX_REQUEST="true")
+        assert htmx.status_code == 403, (method, url, "htmx")
+    assert selectors.fixed_recompute_ratio() is None
+    assert selectors.audit_sample_rate() == 0.0
+    assert redis_client().llen(INFERENCE_QUEUE) == 0
+    assert Document.objects.get(pk=document.pk).status == Document.Status.READY
+
+
+def test_anonymous_users_are_sent_to_log_in(client, alice) -> None:
+    document = make_document(alice)
+    for method, url in _all_urls(document.pk):
+        response = getattr(client, method)(url)
+        assert response.status_code == 302, (method, url)
+        assert response["Location"].startswith(reverse("login")), url
+
+
+def test_dashboard_shows_tiers_controller_and_metrics_from_a_real_heartbeat(
+    staff_client, alice, worker_heartbeat
+) -> None:
+    document = make_document(alice)
+    make_answers(alice, document)
+    response = staff_client.get(reverse("dashboard:index"))
+    assert response.status_code == 200
+    page = response.content.decode()
+    for tier in worker_heartbeat["store"]["tiers"]:
+        assert tier["hits"] > 0  # the fixture's reads were real
+        hit_rate = tier["hits"] / (tier["hits"] + tier["misses"])
+        row = page.split(f'id="tier-{tier["name"]}"')[1].split("</tr>")[0]
+        assert f"{hit_rate:.1%}" in row or f"{hit_rate:.0%}" in row, (tier, row)
+        assert f"{tier['hits']} / {tier['misses']}" in row
+    assert worker_heartbeat["controller"]["last_decision"]["why"]["rule"] in page.replace(
+        "&#x27;", "'"
+    )
+    assert "inference worker up" in page
+    assert page.count("<svg") == 6 and page.count("No data yet") == 1  # no audits yet
+    assert "Rivers of Europe" in page and "3 / 3" in page
+
+
+def test_htmx_poll_gets_only_the_live_panel(staff_client, worker_heartbeat) -> None:
+    response = staff_client.get(reverse("dashboard:index"), HTTP_HX_REQUEST="true")
+    page = response.content.decode()
+    assert response.status_code == 200
+    assert page.startswith('<section id="live"') and "<html" not in page
+    assert 'hx-trigger="every' in page and 'id="tier-disk"' in page
+
+
+def test_dashboard_says_so_when_the_worker_is_down(staff_client) -> None:
+    page = staff_client.get(reverse("dashboard:index"), HTTP_HX_REQUEST="true").content.decode()
+    assert "inference worker down" in page
+    assert "has not reported its store" in page
+
+
+def test_fixed_ratio_is_stored_and_auto_clears_it(staff_client, staff) -> None:
+    response = staff_client.post(
+        reverse("dashboard:controller"), {"mode": "fixed", "fixed_ratio": "0.42"}
+    )
+    assert response.status_code == 302
+    assert selectors.fixed_recompute_ratio() == pytest.approx(0.42)
+    assert DashboardSettings.objects.get().updated_by == staff
+    staff_client.post(reverse("dashboard:controller"), {"mode": "auto"})
+    assert selectors.fixed_recompute_ratio() is None
+
+
+@pytest.mark.parametrize("bad", ["1.5", "-0.1", "abc", ""])
+def test_bad_fixed_ratio_is_refused_with_a_message(staff_client, bad) -> None:
+    response = staff_client.post(
+        reverse("dashboard:controller"), {"mode": "fixed", "fixed_ratio": bad}, follow=True
+    )
+    assert "recompute ratio must be" in response.content.decode()
+    assert selectors.fixed_recompute_ratio() is None
+
+
+def test_audit_rate_is_stored(staff_client) -> None:
+    staff_client.post(reverse("dashboard:audit"), {"sample_rate": "0.25"})
+    assert selectors.audit_sample_rate() == 0.25
+    response = staff_client.post(reverse("dashboard:audit"), {"sample_rate": "2"}, follow=True)
+    assert "between 0 and 1" in response.content.decode()
+    assert selectors.audit_sample_rate() == 0.25
+
+
+def test_evict_and_warm_send_the_documents_kv_keys_to_the_inference_worker(
+    staff_client, alice, django_capture_on_commit_callbacks
+) -> None:
+    document = make_document(alice)
+    keys = sorted(document.chunks.values_list("kv_key", flat=True))
+    redis_client().delete(INFERENCE_QUEUE)
+    with django_capture_on_commit_callbacks(execute=True):
+        staff_client.post(reverse("dashboard:document_evict", args=[document.pk]))
+        staff_client.post(reverse("dashboard:document_warm", args=[document.pk]), {"tier": "cpu"})
+    sent = _inference_messages()
+    assert sent == [{"task": EVICT_TASK, "args": [keys]},
+                    {"task": WARM_TASK, "args": [keys, "cpu"]}]  # fmt: skip
+    response = staff_client.post(
+        reverse("dashboard:document_warm", args=[document.pk]), {"tier": "s3"}, follow=True
+    )
+    assert "Cannot warm into tier" in response.content.decode()
+    assert _inference_messages() == []
+
+
+def test_precompute_again_puts_the_document_back_through_the_kv_step(
+    staff_client, alice, settings, django_capture_on_commit_callbacks
+) -> None:
+    document = make_document(alice)
+    kv_queue = redis_client()
+    before = kv_queue.llen("kv")
+    with django_capture_on_commit_callbacks(execute=True):
+        staff_client.post(reverse("dashboard:document_precompute", args=[document.pk]))
+    document.refresh_from_db()
+    assert (document.status, document.stage) == (Document.Status.PROCESSING, Document.Stage.KV)
+    assert set(document.chunks.values_list("kv_status", flat=True)) == {Chunk.KVStatus.PENDING}
+    batches = -(-document.chunks.count() // settings.KV_PRECOMPUTE_BATCH)
+    assert kv_queue.llen("kv") == before + batches
+    kv_queue.delete("kv")

@@ -1,0 +1,226 @@
+"""Reads for the dashboard: the operator's settings, the inference worker's live state (its
+heartbeat: tier stats and the loading controller), queue depths, and answer metrics."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import Count, Q
+from django.db.models.functions import TruncHour
+from django.utils import timezone
+
+from kvservice.heartbeat import read_heartbeat
+from webapp.chat.models import Message
+from webapp.dashboard.models import DashboardSettings, FidelityAudit
+from webapp.documents.models import Chunk, Document
+from webapp.redis import redis_client
+
+QUEUES = ("ingest", "kv", "inference")
+TIER_ORDER = ("device", "cpu", "disk", "s3")  # fastest first, as the store lists them
+TIER_LABELS = {"device": "Device", "cpu": "CPU memory", "disk": "Disk", "s3": "MinIO / S3"}
+WARMABLE_TIERS = ("device", "cpu", "disk")
+
+
+def dashboard_settings() -> DashboardSettings:
+    """The settings row, created with its defaults on first use."""
+    row, _ = DashboardSettings.objects.get_or_create(pk=DashboardSettings.SINGLETON_PK)
+    return row
+
+
+def fixed_recompute_ratio() -> float | None:
+    """The admin's fixed recompute ratio, or None while the worker's controller decides."""
+    row = (
+        DashboardSettings.objects.filter(pk=DashboardSettings.SINGLETON_PK)
+        .values_list("controller_mode", "fixed_recompute_ratio")
+        .first()
+    )
+    if row is None or row[0] != DashboardSettings.ControllerMode.FIXED:
+        return None
+    return row[1]
+
+
+def audit_sample_rate() -> float:
+    rate = (
+        DashboardSettings.objects.filter(pk=DashboardSettings.SINGLETON_PK)
+        .values_list("audit_sample_rate", flat=True)
+        .first()
+    )
+    return rate or 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Live state: the inference worker's heartbeat, queues
+
+
+def worker_heartbeat() -> dict[str, Any] | None:
+    """The inference worker's last heartbeat (None when it is dead or Redis is down)."""
+    try:
+        return read_heartbeat(redis_client())
+    except Exception:  # noqa: BLE001 - the dashboard shows "no heartbeat", never a 500
+        return None
+
+
+def _hit_rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+def tier_rows(heartbeat: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per tier of the worker's store (``TieredStore.stats().to_dict()``), fastest
+    first, with the hit rate and the share of capacity used worked out."""
+    store = (heartbeat or {}).get("store") or {}
+    rows = []
+    for tier in store.get("tiers") or []:
+        capacity, used = tier.get("capacity_bytes"), tier.get("bytes")
+        rows.append(
+            {
+                **tier,
+                "label": TIER_LABELS.get(tier["name"], tier["name"]),
+                "hit_rate": _hit_rate(tier.get("hits", 0), tier.get("misses", 0)),
+                "used_fraction": used / capacity if capacity and used is not None else None,
+            }
+        )
+    order = {name: i for i, name in enumerate(TIER_ORDER)}
+    return sorted(rows, key=lambda row: order.get(row["name"], len(order)))
+
+
+def queue_depths() -> dict[str, int | None]:
+    """Messages waiting in each Celery queue (a Redis list per queue)."""
+    try:
+        client = redis_client()
+        return {name: client.llen(name) for name in QUEUES}
+    except Exception:  # noqa: BLE001
+        return dict.fromkeys(QUEUES)
+
+
+def live_state() -> dict[str, Any]:
+    """Everything the live (polled) panel shows."""
+    heartbeat = worker_heartbeat()
+    store = (heartbeat or {}).get("store") or {}
+    controller = (heartbeat or {}).get("controller") or None
+    return {
+        "heartbeat": heartbeat,
+        "heartbeat_age_s": time.time() - heartbeat["ts"] if heartbeat else None,
+        "tiers": tier_rows(heartbeat),
+        "store": store,
+        "controller": controller,
+        "controller_inputs": controller_inputs(heartbeat),
+        "queues": queue_depths(),
+    }
+
+
+def controller_inputs(heartbeat: dict[str, Any] | None) -> dict[str, Any]:
+    """The loading controller's measured inputs, from its snapshot and its last decision."""
+    controller = (heartbeat or {}).get("controller") or {}
+    decision = controller.get("last_decision") or {}
+    why = decision.get("why") or {}
+    bandwidth = controller.get("tier_bandwidth_bytes_per_s") or {}
+    order = {name: i for i, name in enumerate(TIER_ORDER)}
+    return {
+        "tier_bandwidth": sorted(bandwidth.items(), key=lambda kv: order.get(kv[0], 99)),
+        "recompute_token_layers_per_s": controller.get("recompute_token_layers_per_s"),
+        # Not every worker reports it; the dashboard shows a dash then.
+        "kv_bytes_per_token": controller.get("kv_bytes_per_token")
+        or (heartbeat or {}).get("kv_bytes_per_token")
+        or why.get("kv_bytes_per_token"),
+        "r_min": controller.get("r_min"),
+        "decision": decision or None,
+        "why": why,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Documents and their caches
+
+
+def documents_with_cache_counts(limit: int = 100) -> list[Document]:
+    """Documents (every owner's) with their chunk and ready-KV counts, newest first."""
+    return list(
+        Document.objects.select_related("owner")
+        .annotate(
+            chunk_count=Count("chunks"),
+            kv_ready_count=Count("chunks", filter=Q(chunks__kv_status=Chunk.KVStatus.READY)),
+        )
+        .order_by("-created_at", "-id")[:limit]
+    )
+
+
+def document_kv_keys(*, document: Document) -> list[str]:
+    """The distinct KV keys of a document's chunks (identical chunks share one)."""
+    return sorted(set(document.chunks.exclude(kv_key="").values_list("kv_key", flat=True)))
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+
+
+def answered_messages(*, since: datetime, limit: int = 2000) -> list[Message]:
+    """Finished answers with a measured TTFT since ``since``, oldest first."""
+    return list(
+        Message.objects.filter(
+            role=Message.Role.ASSISTANT,
+            status=Message.Status.DONE,
+            ttft_s__isnull=False,
+            completed_at__gte=since,
+        )
+        .only("id", "mode", "ttft_s", "total_s", "recompute_ratio", "tiers", "completed_at")
+        .order_by("-completed_at")[:limit]
+    )[::-1]
+
+
+def questions_per_hour(
+    *, hours: int = 24, now: datetime | None = None
+) -> list[tuple[datetime, int]]:
+    """User questions per hour over the last ``hours`` hours (every hour, zeros included)."""
+    now = now or timezone.now()
+    end = now.replace(minute=0, second=0, microsecond=0)
+    start = end - timedelta(hours=hours - 1)
+    counts = dict(
+        Message.objects.filter(role=Message.Role.USER, created_at__gte=start)
+        .annotate(hour=TruncHour("created_at"))
+        .values("hour")
+        .annotate(n=Count("id"))
+        .values_list("hour", "n")
+    )
+    return [(start + timedelta(hours=i), counts.get(start + timedelta(hours=i), 0))
+            for i in range(hours)]  # fmt: skip
+
+
+def metrics_summary(messages: list[Message]) -> list[dict[str, Any]]:
+    """Per mode: answers, median and p90 TTFT, mean recompute ratio, tier mix."""
+    by_mode: dict[str, list[Message]] = {}
+    for message in messages:
+        by_mode.setdefault(message.mode or "?", []).append(message)
+    rows = []
+    for mode, items in sorted(by_mode.items()):
+        ttfts = sorted(m.ttft_s for m in items if m.ttft_s is not None)
+        ratios = [m.recompute_ratio for m in items if m.recompute_ratio is not None]
+        tiers: Counter[str] = Counter()
+        for m in items:
+            tiers.update(m.tiers or {})
+        rows.append(
+            {
+                "mode": mode,
+                "answers": len(items),
+                "ttft_p50": _quantile(ttfts, 0.5),
+                "ttft_p90": _quantile(ttfts, 0.9),
+                "mean_ratio": sum(ratios) / len(ratios) if ratios else None,
+                "tiers": dict(tiers.most_common()),
+            }
+        )
+    return rows
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def fidelity_audits(*, since: datetime, limit: int = 500) -> list[FidelityAudit]:
+    return list(
+        FidelityAudit.objects.filter(created_at__gte=since).order_by("-created_at")[:limit]
+    )[::-1]

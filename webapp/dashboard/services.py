@@ -1,0 +1,259 @@
+"""Dashboard writes: the controller and audit settings, cache actions on a document's KV
+(sent to the inference worker, which owns the tiers), and the fidelity audit.
+
+Fidelity audit: when a blend answer is recorded, ``fidelity_maybe_audit`` re-sends the same
+request (question, history, chunks) in mode ``full`` with ``audit_of`` set, for a sampled
+share of answers; the worker reports that run through RECORD_TASK with ``message_id=None``,
+and ``chat_record_answer`` hands it to ``fidelity_record``, which scores the two answers'
+agreement (token F1, as in SQuAD)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import string
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from kvservice.protocol import (
+    EVICT_TASK,
+    GENERATE_TASK,
+    INFERENCE_QUEUE,
+    WARM_TASK,
+    ChunkRef,
+    GenerateRequest,
+    Turn,
+)
+from webapp.chat.models import Message
+from webapp.dashboard import selectors
+from webapp.dashboard.models import DashboardSettings, FidelityAudit
+from webapp.documents.models import Chunk, Document
+from worker.celery import app as celery_app
+
+log = logging.getLogger(__name__)
+
+HISTORY_TURNS = 3  # as chat.services: the audit must see the history the original saw
+
+
+class DashboardError(ValueError):
+    """An operator input that cannot be applied (shown to them as is)."""
+
+
+def _send_inference(task: str, args: list[Any]) -> None:
+    transaction.on_commit(
+        lambda: celery_app.send_task(task, args=args, queue=INFERENCE_QUEUE), robust=True
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Settings
+
+
+def _parse_unit(value: str | float | None, what: str) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as err:
+        raise DashboardError(f"{what} must be a number between 0 and 1.") from err
+    if not 0.0 <= number <= 1.0:
+        raise DashboardError(f"{what} must be between 0 and 1, got {number:g}.")
+    return number
+
+
+def _locked_settings() -> DashboardSettings:
+    selectors.dashboard_settings()  # created on first use
+    return DashboardSettings.objects.select_for_update().get(pk=DashboardSettings.SINGLETON_PK)
+
+
+def controller_set(
+    *, mode: str, fixed_ratio: str | float | None = None, user=None
+) -> DashboardSettings:
+    """Auto, or a fixed recompute ratio that every chat request carries from now on."""
+    if mode not in DashboardSettings.ControllerMode.values:
+        raise DashboardError(f"Unknown controller mode {mode!r}.")
+    with transaction.atomic():
+        row = _locked_settings()
+        row.controller_mode = mode
+        if mode == DashboardSettings.ControllerMode.FIXED:
+            row.fixed_recompute_ratio = _parse_unit(fixed_ratio, "The recompute ratio")
+        row.updated_by = user
+        row.save()
+    return row
+
+
+def audit_set(*, sample_rate: str | float, user=None) -> DashboardSettings:
+    rate = _parse_unit(sample_rate, "The audit sample rate")
+    with transaction.atomic():
+        row = _locked_settings()
+        row.audit_sample_rate = rate
+        row.updated_by = user
+        row.save()
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Cache actions (the inference worker owns the tiers; these only queue its tasks)
+
+
+def document_evict(*, document: Document) -> list[str]:
+    """Drop the document's chunk caches from every tier; returns the keys sent."""
+    keys = selectors.document_kv_keys(document=document)
+    if not keys:
+        raise DashboardError(f"“{document.title}” has no cached chunks to evict.")
+    _send_inference(EVICT_TASK, [keys])
+    return keys
+
+
+def document_warm(*, document: Document, tier: str) -> list[str]:
+    """Load the document's chunk caches into ``tier`` ahead of the questions."""
+    if tier not in selectors.WARMABLE_TIERS:
+        raise DashboardError(f"Cannot warm into tier {tier!r}.")
+    keys = selectors.document_kv_keys(document=document)
+    if not keys:
+        raise DashboardError(f"“{document.title}” has no cached chunks to warm.")
+    _send_inference(WARM_TASK, [keys, tier])
+    return keys
+
+
+def document_precompute_again(*, document: Document) -> int:
+    """Run the KV step of a finished (or failed) document again: every chunk goes back to
+    pending and through ``precompute_kv``, which computes whatever KV is missing from the
+    store (e.g. after an eviction) and marks the document ready again. Returns chunks queued.
+    """
+    from worker.tasks import precompute_kv
+
+    if document.is_active:
+        raise DashboardError(f"“{document.title}” is still being processed.")
+    with transaction.atomic():
+        locked = Document.objects.select_for_update().filter(pk=document.pk).first()
+        if locked is None:
+            raise DashboardError("That document was deleted.")
+        chunk_ids = list(locked.chunks.values_list("id", flat=True))
+        if not chunk_ids:
+            raise DashboardError(f"“{document.title}” has no chunks; retry its ingest instead.")
+        locked.chunks.update(kv_status=Chunk.KVStatus.PENDING, kv_error="")
+        Document.objects.filter(pk=locked.pk).update(
+            status=Document.Status.PROCESSING, stage=Document.Stage.KV, progress=70,
+            error_message="", updated_at=timezone.now(),
+        )  # fmt: skip
+        batch = settings.KV_PRECOMPUTE_BATCH
+        batches = [chunk_ids[i : i + batch] for i in range(0, len(chunk_ids), batch)]
+        transaction.on_commit(lambda: [precompute_kv.delay(ids) for ids in batches], robust=True)
+    return len(chunk_ids)
+
+
+# --------------------------------------------------------------------------------------------
+# Fidelity audit
+
+
+def _normalize_tokens(text: str) -> list[str]:
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return text.split()
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD-style token F1 (lowercased, punctuation and articles dropped)."""
+    predicted, expected = _normalize_tokens(prediction), _normalize_tokens(reference)
+    if not predicted and not expected:
+        return 1.0
+    common = sum((Counter(predicted) & Counter(expected)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _audit_request(answer: Message) -> GenerateRequest | None:
+    """The original request of ``answer`` rebuilt from the database, in mode ``full``."""
+    conversation = answer.conversation
+    question = (
+        conversation.messages.filter(role=Message.Role.USER, id__lt=answer.id)
+        .order_by("-id")
+        .first()
+    )
+    if question is None:
+        return None
+    earlier = conversation.messages.filter(status=Message.Status.DONE, id__lt=question.id)
+    recent = list(earlier.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
+    citations = list(answer.citations.select_related("chunk").order_by("rank"))
+    if any(c.chunk is None for c in citations):
+        return None  # a cited document was deleted: the same context cannot be rebuilt
+    return GenerateRequest(
+        request_id=str(uuid.uuid4()),
+        question=question.content,
+        history=[Turn(role=m.role, content=m.content) for m in recent if m.content],
+        chunks=[
+            ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids)) for c in citations
+        ],  # fmt: skip
+        mode=Message.Mode.FULL,
+        max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
+        audit_of=answer.id,
+    )
+
+
+def fidelity_maybe_audit(
+    *, message_id: int | None, result: dict[str, Any], draw: Callable[[], float] = random.random
+) -> FidelityAudit | None:
+    """Called as a blend answer is reported: with the configured probability, queue the same
+    request in ``full`` prefill to audit it. Idempotent (one audit per answer at most)."""
+    if message_id is None or result.get("audit_of") or result.get("status", "done") != "done":
+        return None
+    metrics = result.get("metrics") or {}
+    rate = selectors.audit_sample_rate()
+    if rate <= 0.0 or draw() >= rate:
+        return None
+    answer = Message.objects.filter(id=message_id, role=Message.Role.ASSISTANT).first()
+    if answer is None or not answer.is_open or (metrics.get("mode") or answer.mode) != "blend":
+        return None
+    request = _audit_request(answer)
+    if request is None:
+        return None
+    try:
+        with transaction.atomic():
+            audit = FidelityAudit.objects.create(
+                message=answer,
+                request=request.to_dict(),
+                blend_text=result.get("text", ""),
+                blend_recompute_ratio=metrics.get("recompute_ratio"),
+                blend_ttft_s=metrics.get("ttft_s"),
+            )
+            payload = request.to_dict()
+            transaction.on_commit(
+                lambda: celery_app.send_task(GENERATE_TASK, args=[payload], queue=INFERENCE_QUEUE),
+                robust=True,
+            )
+    except IntegrityError:
+        return None  # a repeated report: that answer is audited already
+    return audit
+
+
+def fidelity_record(*, audit_of: int, result: dict[str, Any]) -> FidelityAudit | None:
+    """Store the full-prefill re-run of answer ``audit_of`` and its token F1 against the blend
+    answer. Idempotent: a repeated report changes nothing once the audit is closed."""
+    with transaction.atomic():
+        audit = FidelityAudit.objects.select_for_update().filter(message_id=audit_of).first()
+        if audit is None:
+            log.warning("fidelity result for message %s, which has no audit", audit_of)
+            return None
+        if audit.status != FidelityAudit.Status.PENDING:
+            return audit
+        metrics = result.get("metrics") or {}
+        audit.full_text = result.get("text", "")
+        audit.full_ttft_s = metrics.get("ttft_s")
+        if result.get("status", "done") == "done":
+            audit.status = FidelityAudit.Status.DONE
+            audit.token_f1 = token_f1(audit.blend_text, audit.full_text)
+        else:
+            audit.status = FidelityAudit.Status.FAILED
+            audit.error_message = result.get("error", "") or f"status {result.get('status')}"
+        audit.completed_at = timezone.now()
+        audit.save()
+    return audit

@@ -1,0 +1,196 @@
+"""The operator's dashboard (staff only): cache tiers, the recompute-ratio controller, metrics
+and the fidelity audit.
+
+``GET dashboard/`` serves the full page; htmx polls the same URL for the live panel (tiers,
+controller state, queues, worker). Actions are plain POST forms that redirect back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from functools import wraps
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from webapp import health
+from webapp.dashboard import charts, selectors, services
+from webapp.dashboard.models import DashboardSettings
+from webapp.documents.models import Document
+
+POLL_SECONDS = 3
+METRICS_WINDOW = timedelta(days=7)
+TIER_MIX_ANSWERS = 40  # the last answers shown in the tier-mix chart
+
+
+def staff_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Anonymous users go to the login page; logged-in non-staff get 403."""
+
+    @login_required
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        if not request.user.is_staff:
+            raise PermissionDenied("The dashboard is for staff.")
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def _metrics() -> dict[str, object]:
+    since = timezone.now() - METRICS_WINDOW
+    answers = selectors.answered_messages(since=since)
+    ttft_by_mode: dict[str, list] = {}
+    ratio_points: dict[str, list] = {}
+    for message in answers:
+        ttft_by_mode.setdefault(message.mode or "?", []).append(
+            (message.completed_at, message.ttft_s)
+        )
+        if message.recompute_ratio is not None:
+            ratio_points.setdefault(message.mode or "?", []).append(
+                (message.completed_at, message.recompute_ratio)
+            )
+    recent = answers[-TIER_MIX_ANSWERS:]
+    hourly = selectors.questions_per_hour(hours=24)
+    audits = selectors.fidelity_audits(since=since)
+    scored = [a for a in audits if a.token_f1 is not None]
+    return {
+        "summary": selectors.metrics_summary(answers),
+        "answer_count": len(answers),
+        "ttft_chart": charts.time_series(
+            ttft_by_mode, title="Time to first token per answer", y_label="TTFT (s)"
+        ),
+        "ttft_histogram": charts.histogram(
+            {mode: [v for _, v in points] for mode, points in ttft_by_mode.items()},
+            title="TTFT distribution per mode",
+            x_label="TTFT (s)",
+        ),  # fmt: skip
+        "ratio_chart": charts.time_series(
+            ratio_points, title="Recompute ratio used", y_label="ratio", y_max=1.0
+        ),
+        "tier_chart": charts.stacked_bars(
+            [(f"#{m.id}", m.tiers or {}) for m in recent],
+            title="Which tier served each answer's chunks",
+            y_label="chunks",
+        ),  # fmt: skip
+        "hourly_chart": charts.bars(
+            [(hour.strftime("%H:00"), count) for hour, count in hourly],
+            title="Questions per hour (last 24 h)",
+            y_label="questions",
+            every=4,
+        ),  # fmt: skip
+        "questions_24h": sum(count for _, count in hourly),
+        "audits": audits[::-1][:20],
+        "audit_count": len(scored),
+        "audit_mean_f1": sum(a.token_f1 for a in scored) / len(scored) if scored else None,
+        "fidelity_chart": charts.time_series(
+            {"token F1 vs full": [(a.completed_at or a.created_at, a.token_f1) for a in scored]},
+            title="Agreement of blend answers with full prefill",
+            y_label="token F1",
+            y_max=1.0,
+            palette={"token F1 vs full": "#3056d3"},
+        ),  # fmt: skip
+    }
+
+
+def _live_context() -> dict[str, object]:
+    return {
+        **selectors.live_state(),
+        "settings": selectors.dashboard_settings(),
+        "poll_seconds": POLL_SECONDS,
+    }
+
+
+@staff_required
+@require_GET
+def index(request: HttpRequest) -> HttpResponse:
+    if request.htmx:
+        return render(request, "dashboard/_live.html", _live_context())
+    context = {
+        **_live_context(),
+        **_metrics(),
+        "health": health.run_checks(),
+        "documents": selectors.documents_with_cache_counts(),
+        "warmable_tiers": selectors.WARMABLE_TIERS,
+        "controller_modes": DashboardSettings.ControllerMode.choices,
+    }
+    return render(request, "dashboard/index.html", context)
+
+
+def _apply(request: HttpRequest, action: Callable[[], str]) -> HttpResponse:
+    """Run a service call; its message (or its refusal) is shown on the dashboard."""
+    try:
+        messages.success(request, action())
+    except services.DashboardError as err:
+        messages.error(request, str(err))
+    return redirect("dashboard:index")
+
+
+@staff_required
+@require_POST
+def controller(request: HttpRequest) -> HttpResponse:
+    def action() -> str:
+        row = services.controller_set(
+            mode=request.POST.get("mode", ""),
+            fixed_ratio=request.POST.get("fixed_ratio"),
+            user=request.user,
+        )
+        if row.controller_mode == row.ControllerMode.FIXED:
+            return f"Recompute ratio fixed at {row.fixed_recompute_ratio:g} from the next answer."
+        return "The loading controller chooses the recompute ratio again."
+
+    return _apply(request, action)
+
+
+@staff_required
+@require_POST
+def audit(request: HttpRequest) -> HttpResponse:
+    def action() -> str:
+        row = services.audit_set(sample_rate=request.POST.get("sample_rate", ""), user=request.user)
+        return f"Auditing {row.audit_sample_rate:.0%} of blend answers."
+
+    return _apply(request, action)
+
+
+@staff_required
+@require_POST
+def document_evict(request: HttpRequest, document_id: int) -> HttpResponse:
+    document = get_object_or_404(Document, pk=document_id)
+    return _apply(
+        request,
+        lambda: (
+            f"Evicting {len(services.document_evict(document=document))} cached chunks "
+            f"of “{document.title}” from every tier."
+        ),
+    )
+
+
+@staff_required
+@require_POST
+def document_warm(request: HttpRequest, document_id: int) -> HttpResponse:
+    document = get_object_or_404(Document, pk=document_id)
+    tier = request.POST.get("tier", "")
+    return _apply(
+        request,
+        lambda: (
+            f"Warming {len(services.document_warm(document=document, tier=tier))} cached "
+            f"chunks of “{document.title}” into {tier}."
+        ),
+    )
+
+
+@staff_required
+@require_POST
+def document_precompute(request: HttpRequest, document_id: int) -> HttpResponse:
+    document = get_object_or_404(Document, pk=document_id)
+    return _apply(
+        request,
+        lambda: (
+            f"Precomputing the KV of {services.document_precompute_again(document=document)} "
+            f"chunks of “{document.title}” again."
+        ),
+    )
