@@ -19,6 +19,7 @@ from kvservice.protocol import (
 )
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.retrieval import retrieve_chunks
+from webapp.dashboard.selectors import fixed_recompute_ratio
 from webapp.documents.embeddings import embed_texts
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
@@ -53,7 +54,7 @@ def _send(answer: Message, question: str, history: list[Turn], citations: list[C
             ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids)) for c in citations
         ],
         mode=answer.mode,
-        recompute_ratio=None,  # the worker's controller decides (or the admin's fixed value)
+        recompute_ratio=fixed_recompute_ratio(),  # None: the worker's controller decides
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
     )
     celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=INFERENCE_QUEUE)
