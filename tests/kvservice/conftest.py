@@ -41,7 +41,9 @@ def tiny_hf_model(kind: str):
         )
         model = transformers.LlamaForCausalLM(config)
     elif kind == "mistral":
-        config = transformers.MistralConfig(**TINY_COMMON, sliding_window=None, tie_word_embeddings=False)
+        config = transformers.MistralConfig(
+            **TINY_COMMON, sliding_window=None, tie_word_embeddings=False
+        )
         model = transformers.MistralForCausalLM(config)
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=False)

@@ -50,7 +50,9 @@ def test_incremental_decode_with_cache_equals_one_pass(tiny_llama):
     full, _ = tiny_llama(ids, positions, all_logits=True)
     cache = KVCache(tiny_llama.config, 1, 40, torch.device("cpu"))
     first, _ = tiny_llama(ids[:, :30], positions[:, :30], cache, all_logits=True)
-    steps = [tiny_llama(ids[:, t : t + 1], positions[:, t : t + 1], cache)[0] for t in range(30, 40)]
+    steps = [
+        tiny_llama(ids[:, t : t + 1], positions[:, t : t + 1], cache)[0] for t in range(30, 40)
+    ]
     torch.testing.assert_close(first, full[:, :30], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 30:], atol=1e-5, rtol=1e-5)
 
@@ -113,9 +115,10 @@ def test_precompute_chunk_equals_its_part_of_a_joint_forward(tiny_llama):
         torch.testing.assert_close(kv.v, v, atol=1e-5, rtol=1e-5)
     single = precompute_chunk(tiny_llama, head, chunks[1])
     torch.testing.assert_close(single.v, got[1].v, atol=1e-5, rtol=1e-5)
-    assert single.head_hash == got[0].head_hash and single.head_hash != precompute_chunk(
-        tiny_llama, head[1:], chunks[1]
-    ).head_hash
+    assert (
+        single.head_hash == got[0].head_hash
+        and single.head_hash != precompute_chunk(tiny_llama, head[1:], chunks[1]).head_hash
+    )
 
 
 def test_bundled_smollm2_logits_equal_hf(smollm2, smollm2_dir, smollm2_tokenizer):

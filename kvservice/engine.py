@@ -1,0 +1,323 @@
+"""Requests -> blended prefill -> decode: sampling, stop tokens, streaming, batched decode.
+
+Prompt format (the same at precompute and at query time, so cached tokens are exactly the
+prompt's tokens): ``[head][chunk 1]...[chunk n][question + assistant opening]``, each part
+tokenized on its own and the ids concatenated. The head is the chat template's opening with
+the deployment's system prompt and instruction: fixed per deployment, so chunks are
+precomputed after it (``Engine.precompute``) and its hash goes into their keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvservice.blend import BlendResult, Mode, blend_prefill
+from kvservice.chunk import ChunkKV, LayeredKV
+from kvservice.model import KVCache, Transformer, head_hash, precompute_chunks, precompute_head
+
+_SENTINEL = "\x00RAGBLEND-USER-CONTENT\x00"
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt format
+
+
+@dataclass
+class Prompt:
+    head_ids: list[int]
+    chunk_ids: list[list[int]]
+    question_ids: list[int]
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = list(self.head_ids)
+        for chunk in self.chunk_ids:
+            ids += chunk
+        return ids + list(self.question_ids)
+
+
+class PromptFormat:
+    """Builds the parts of the prompt with the model's chat template.
+
+    The user turn is ``instruction + chunks + question_prefix + question``; the template's
+    text before the user content plus the instruction is the head, the text after it (end of
+    the user turn, assistant opening) closes the question part."""
+
+    def __init__(
+        self,
+        tokenizer,
+        system_prompt: str | None = None,
+        instruction: str = "",
+        question_prefix: str = "Question: ",
+        chunk_separator: str = "\n\n",
+    ):
+        self.tokenizer = tokenizer
+        self.instruction = instruction
+        self.question_prefix = question_prefix
+        self.chunk_separator = chunk_separator
+        messages = [{"role": "user", "content": _SENTINEL}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        before, after = rendered.split(_SENTINEL)
+        self.head_text = before + instruction
+        self.tail_text = after
+        self.head_ids = self._encode(self.head_text)
+        self.head_hash = head_hash(self.head_ids)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chunk_ids(self, text: str) -> list[int]:
+        """A chunk's token ids: tokenized on its own, the same way at precompute and query."""
+        return self._encode(text + self.chunk_separator)
+
+    def question_ids(self, question: str) -> list[int]:
+        return self._encode(self.question_prefix + question + self.tail_text)
+
+    def build(self, chunk_texts: Sequence[str], question: str) -> Prompt:
+        return Prompt(
+            self.head_ids, [self.chunk_ids(t) for t in chunk_texts], self.question_ids(question)
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's end-of-turn tokens
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Next token ids ``[B]`` from logits ``[B, V]``: argmax, or temperature + top-p."""
+    if params.temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and results
+
+
+@dataclass
+class Request:
+    prompt: Prompt
+    chunks: list[LayeredKV]  # cached KV of prompt.chunk_ids, same order
+    mode: Mode = "blend"
+    recompute_ratio: float = 0.15
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str  # the text this token adds (may be "" while a multi-byte character is open)
+    index: int
+    ttft_s: float | None = None  # on the first event only
+    finish_reason: str | None = None  # "stop" or "length" on the last event
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    ttft_s: float
+    finish_reason: str
+    prefill: BlendResult | None = None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Detokenizer:
+    """Incremental text deltas; holds back an unfinished multi-byte character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.emitted = text[len(self.emitted) :], text
+        return delta
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer, prompt_format: PromptFormat | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.format = prompt_format or PromptFormat(tokenizer)
+        self.device = model.device
+        self._head_kv: ChunkKV | None = None
+        self.stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        for token in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+                self.stop_ids.add(token_id)
+
+    @property
+    def head_kv(self) -> ChunkKV:
+        """The prompt head's KV, computed once (it is the same for every request)."""
+        if self._head_kv is None:
+            self._head_kv = precompute_head(self.model, self.format.head_ids)
+        return self._head_kv
+
+    def precompute(self, chunk_ids: Sequence[Sequence[int]]) -> list[ChunkKV]:
+        return precompute_chunks(self.model, self.format.head_ids, chunk_ids)
+
+    def prefill(self, request: Request, extra_capacity: int = 0) -> BlendResult:
+        prompt = request.prompt
+        return blend_prefill(
+            self.model,
+            prompt.head_ids,
+            request.chunks,
+            prompt.question_ids,
+            mode=request.mode,
+            recompute_ratio=request.recompute_ratio,
+            chunk_ids=prompt.chunk_ids,
+            head_kv=self.head_kv if prompt.head_ids == self.format.head_ids else None,
+            extra_capacity=extra_capacity,
+        )
+
+    @torch.no_grad()
+    def stream(self, request: Request) -> Iterator[TokenEvent]:
+        """Tokens of one request as they are produced; TTFT is taken at the first token."""
+        start = time.perf_counter()
+        params = request.sampling
+        generator = _generator(params.seed, self.device)
+        stop = self.stop_ids | set(params.stop_token_ids)
+        result = self.prefill(request, extra_capacity=params.max_tokens)
+        cache, position, logits = result.cache, result.num_tokens, result.logits[None]
+        detok = _Detokenizer(self.tokenizer)
+        for index in range(params.max_tokens):
+            token = int(sample_next(logits, params, generator)[0])
+            ttft = None
+            if index == 0:
+                _synchronize(self.device)
+                ttft = time.perf_counter() - start
+            finish = (
+                "stop" if token in stop else ("length" if index + 1 == params.max_tokens else None)
+            )
+            yield TokenEvent(token, "" if token in stop else detok.push(token), index, ttft, finish)
+            if finish:
+                return
+            logits, _ = self.model(
+                torch.tensor([[token]], device=self.device),
+                torch.tensor([[position]], device=self.device),
+                cache,
+            )
+            position += 1
+
+    def generate(self, request: Request) -> Completion:
+        events = list(self.stream(request))
+        ids = [
+            e.token_id
+            for e in events
+            if e.token_id not in self.stop_ids | set(request.sampling.stop_token_ids)
+        ]
+        return Completion(
+            token_ids=ids,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            ttft_s=events[0].ttft_s or 0.0,
+            finish_reason=events[-1].finish_reason or "length",
+        )
+
+    @torch.no_grad()
+    def generate_batch(self, requests: Sequence[Request]) -> list[Completion]:
+        """Prefill each request (blending is per prompt), then decode them together: the
+        caches are padded to one length and padding slots are masked out."""
+        start = time.perf_counter()
+        if not requests:
+            return []
+        max_new = max(r.sampling.max_tokens for r in requests)
+        prefills = [self.prefill(r) for r in requests]
+        batch = len(requests)
+        longest = max(p.num_tokens for p in prefills)
+        config = self.model.config
+        cache = KVCache(config, batch, longest + max_new, self.device, prefills[0].cache.k.dtype)
+        for row, p in enumerate(prefills):
+            n = p.num_tokens
+            cache.k[:, row, :, :n] = p.cache.k[:, 0, :, :n]
+            cache.v[:, row, :, :n] = p.cache.v[:, 0, :, :n]
+            cache.positions[row, :n] = p.cache.positions[0, :n]
+            cache.valid[row, :n] = True
+        cache.length = longest
+        positions = torch.tensor([p.num_tokens for p in prefills], device=self.device)  # [B]
+        logits = torch.stack([p.logits for p in prefills])  # [B, V]
+        generators = [_generator(r.sampling.seed, self.device) for r in requests]
+        stops = [self.stop_ids | set(r.sampling.stop_token_ids) for r in requests]
+        outputs: list[list[int]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * batch
+        ttft = [0.0] * batch
+        for step in range(max_new):
+            tokens = torch.stack(
+                [
+                    sample_next(logits[row : row + 1], r.sampling, generators[row])[0]
+                    for row, r in enumerate(requests)
+                ]
+            )  # [B]
+            if step == 0:
+                _synchronize(self.device)
+                ttft = [time.perf_counter() - start] * batch
+            for row, r in enumerate(requests):
+                if finish[row] is not None:
+                    continue
+                token = int(tokens[row])
+                if token in stops[row]:
+                    finish[row] = "stop"
+                    continue
+                outputs[row].append(token)
+                if len(outputs[row]) >= r.sampling.max_tokens:
+                    finish[row] = "length"
+            if all(f is not None for f in finish):
+                break
+            # Finished rows keep stepping (their outputs are ignored): one shape for the batch.
+            logits, _ = self.model(tokens[:, None], positions[:, None], cache)
+            positions = positions + 1
+        return [
+            Completion(
+                token_ids=ids,
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                ttft_s=ttft[row],
+                finish_reason=finish[row] or "length",
+                prefill=prefills[row],
+            )
+            for row, ids in enumerate(outputs)
+        ]
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator

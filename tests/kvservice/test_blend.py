@@ -1,0 +1,243 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvservice.blend import (
+    attend_selected,
+    blend_prefill,
+    gradual_schedule,
+    rerotate,
+    select_hkvd,
+    token_deviation,
+)
+from kvservice.chunk import ChunkKV
+from kvservice.model import (
+    apply_rope,
+    attend,
+    position_mask,
+    precompute_chunks,
+    precompute_head,
+    rope_cos_sin,
+)
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_llama):
+    gen = torch.Generator().manual_seed(10)
+    head = torch.randint(0, 128, (5,), generator=gen).tolist()
+    chunks = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (12, 17, 9, 14)]
+    question = torch.randint(0, 128, (6,), generator=gen).tolist()
+    kvs = precompute_chunks(tiny_llama, head, chunks)
+    return head, chunks, question, kvs
+
+
+def _full(model, head, chunks, question):
+    ids = torch.tensor([head + sum(chunks, []) + question])
+    logits, kv = model(ids, torch.arange(ids.shape[1])[None], collect_kv=True)
+    return logits[0], kv
+
+
+def _cache_kv(result):
+    n = result.num_tokens
+    return result.cache.k[:, 0, :, :n], result.cache.v[:, 0, :, :n]
+
+
+# ---- pure functions ------------------------------------------------------------------------
+
+
+def test_rerotate_equals_rotation_at_the_new_position(tiny_llama):
+    inv_freq = tiny_llama.inv_freq
+    k = torch.randn(2, 7, 16)
+    old, new = torch.arange(3, 10), torch.arange(40, 47)
+    at_old = apply_rope(k, *rope_cos_sin(inv_freq, old))
+    expected = apply_rope(k, *rope_cos_sin(inv_freq, new))
+    torch.testing.assert_close(rerotate(at_old, old, new, inv_freq), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(at_old, expected, atol=1e-3)
+
+
+def test_cached_chunk_k_moved_to_new_place_equals_k_computed_there(tiny_llama, prompt):
+    """Layer-0 K does not depend on context, so the cached chunk's K rotated to its place in
+    a new prompt must equal what full prefill computes there."""
+    head, chunks, question, kvs = prompt
+    result = blend_prefill(tiny_llama, head, kvs, question, mode="reuse")
+    ids = torch.tensor([head + sum(chunks, []) + question])
+    positions = torch.arange(ids.shape[1])
+    _, kv = tiny_llama(ids, positions[None], collect_kv=True)
+    k0_full = apply_rope(kv[0][0][0], *rope_cos_sin(tiny_llama.inv_freq, positions))
+    start = len(head) + len(chunks[0]) + len(chunks[1])  # the third chunk, far from where cached
+    span = slice(start, start + len(chunks[2]))
+    torch.testing.assert_close(
+        result.cache.k[0, 0, :, span], k0_full[:, span], atol=1e-5, rtol=1e-5
+    )
+
+
+def test_select_hkvd_picks_the_most_deviating_tokens():
+    cached = torch.randn(2, 10, 8)
+    fresh = cached.clone()
+    fresh[:, 7] += 5.0
+    fresh[:, 2] += 3.0
+    fresh[:, 5] += 0.1
+    assert select_hkvd(fresh, cached, 0.2).tolist() == [2, 7]
+    assert token_deviation(fresh, fresh, cached, cached, "kv").argmax().item() == 7
+
+
+def test_gradual_schedule_shrinks_to_target():
+    schedule = gradual_schedule(0.15, 30)
+    assert schedule[0] == 1.0 and schedule[-1] == pytest.approx(0.15)
+    assert all(a >= b for a, b in zip(schedule, schedule[1:], strict=False))
+    assert schedule[1] > 0.15 and gradual_schedule(0.0, 4) == [0.0] * 4
+    assert gradual_schedule(1.0, 4) == [1.0] * 4
+
+
+def test_attend_selected_equals_one_masked_call():
+    q, k, v = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    query_pos = torch.tensor([2, 5, 6, 11, 17, 23, 27, 28, 29])
+    key_pos = torch.arange(30)
+    expected = attend(q, k, v, position_mask(query_pos, key_pos))
+    torch.testing.assert_close(attend_selected(q, k, v, query_pos, key_pos, n_groups=4), expected)
+
+
+# ---- the identities ------------------------------------------------------------------------
+
+
+def test_blend_at_ratio_one_equals_full(tiny_llama, prompt):
+    head, chunks, question, kvs = prompt
+    logits, _ = _full(tiny_llama, head, chunks, question)
+    full = blend_prefill(tiny_llama, head, kvs, question, mode="full")
+    blended = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=1.0)
+    torch.testing.assert_close(full.logits, logits, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(blended.logits, logits, atol=ATOL, rtol=ATOL)
+    for a, b in zip(_cache_kv(blended), _cache_kv(full), strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
+
+
+def test_blend_at_ratio_zero_equals_reuse_and_differs_from_full(tiny_llama, prompt):
+    head, chunks, question, kvs = prompt
+    reuse = blend_prefill(tiny_llama, head, kvs, question, mode="reuse")
+    blended = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.0)
+    full = blend_prefill(tiny_llama, head, kvs, question, mode="full")
+    torch.testing.assert_close(blended.logits, reuse.logits, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(reuse.logits, full.logits, atol=1e-3)
+    assert blended.recompute_ratio_effective == 0.0
+
+
+def test_prefix_mode_equals_full(tiny_llama, prompt):
+    """Prefix caching reuses only exact KV (head + first chunk), so it is full prefill."""
+    head, chunks, question, kvs = prompt
+    full = blend_prefill(tiny_llama, head, kvs, question, mode="full")
+    prefix = blend_prefill(
+        tiny_llama, head, kvs, question, mode="prefix", head_kv=precompute_head(tiny_llama, head)
+    )
+    torch.testing.assert_close(prefix.logits, full.logits, atol=ATOL, rtol=ATOL)
+    assert prefix.recomputed_per_layer[0] == full.num_tokens - len(head) - len(chunks[0])
+
+
+def test_partial_blend_recomputes_the_requested_share_and_is_closer_to_full(tiny_llama, prompt):
+    head, chunks, question, kvs = prompt
+    full = blend_prefill(tiny_llama, head, kvs, question, mode="full")
+    reuse = blend_prefill(tiny_llama, head, kvs, question, mode="reuse")
+    blended = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.5)
+    n_chunk = sum(len(c) for c in chunks)
+    assert blended.recompute_ratio_effective == pytest.approx(0.5, abs=1.5 / n_chunk)
+    # Layer 0 runs over the head (not given cached here), every non-exact chunk token and
+    # the question; later layers over fewer.
+    assert blended.recomputed_per_layer[0] == len(head) + n_chunk - len(chunks[0]) + len(question)
+    assert blended.recomputed_per_layer[-1] < blended.recomputed_per_layer[0]
+    err_blend = (blended.logits - full.logits).abs().max()
+    err_reuse = (reuse.logits - full.logits).abs().max()
+    assert err_blend < err_reuse
+
+
+def test_selected_tokens_never_see_later_tokens(tiny_llama, prompt):
+    """Change everything after the chunks (the question): the KV written for the chunk
+    tokens, recomputed ones included, must not change. A bottom-right mask would fail this."""
+    head, chunks, question, kvs = prompt
+    other_question = [(t + 7) % 128 for t in question]
+    a = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.5)
+    b = blend_prefill(tiny_llama, head, kvs, other_question, mode="blend", recompute_ratio=0.5)
+    n_chunks = len(head) + sum(len(c) for c in chunks)
+    for x, y in zip(_cache_kv(a), _cache_kv(b), strict=True):
+        torch.testing.assert_close(x[:, :, :n_chunks], y[:, :, :n_chunks], atol=0, rtol=0)
+        assert not torch.allclose(x[:, :, n_chunks:], y[:, :, n_chunks:])
+    # ...and the recomputed chunk KV is not the cached KV (they were really recomputed).
+    cached = blend_prefill(tiny_llama, head, kvs, question, mode="reuse")
+    assert not torch.allclose(_cache_kv(a)[1][1:], _cache_kv(cached)[1][1:])
+
+
+# ---- cache-hit patterns --------------------------------------------------------------------
+
+
+def test_zero_percent_hit_equals_full(tiny_llama, prompt):
+    head, chunks, question, _ = prompt
+    full = blend_prefill(
+        tiny_llama, head, [None] * len(chunks), question, mode="full", chunk_ids=chunks
+    )
+    miss = blend_prefill(
+        tiny_llama, head, [None] * len(chunks), question, mode="blend", chunk_ids=chunks
+    )
+    torch.testing.assert_close(miss.logits, full.logits, atol=ATOL, rtol=ATOL)
+    assert miss.recompute_ratio_effective == 0.0  # nothing was cached, nothing "re"computed
+
+
+def test_hundred_percent_hit_and_partial_hit(tiny_llama, prompt):
+    head, chunks, question, kvs = prompt
+    full = blend_prefill(tiny_llama, head, kvs, question, mode="full")
+    hit = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=1.0)
+    partial = [kvs[0], None, kvs[2], None]
+    mixed = blend_prefill(
+        tiny_llama, head, partial, question, mode="blend", recompute_ratio=1.0, chunk_ids=chunks
+    )
+    torch.testing.assert_close(hit.logits, full.logits, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(mixed.logits, full.logits, atol=ATOL, rtol=ATOL)
+
+
+def test_same_prompt_twice_is_identical_and_leaves_chunks_untouched(tiny_llama, prompt):
+    head, chunks, question, kvs = prompt
+    before = [kv.k.clone() for kv in kvs]
+    first = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3)
+    second = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3)
+    torch.testing.assert_close(first.logits, second.logits, atol=0, rtol=0)
+    assert all(torch.equal(b, kv.k) for b, kv in zip(before, kvs, strict=True))
+
+
+def test_chunks_reordered_hit_the_same_cache(tiny_llama, prompt):
+    head, chunks, question, kvs = prompt
+    order = [2, 0, 3, 1]
+    reordered = [kvs[i] for i in order]
+    full = blend_prefill(tiny_llama, head, reordered, question, mode="full")
+    expected, _ = _full(tiny_llama, head, [chunks[i] for i in order], question)
+    blended = blend_prefill(
+        tiny_llama, head, reordered, question, mode="blend", recompute_ratio=1.0
+    )
+    reuse = blend_prefill(tiny_llama, head, reordered, question, mode="reuse")
+    torch.testing.assert_close(full.logits, expected, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(blended.logits, expected, atol=ATOL, rtol=ATOL)
+    assert torch.isfinite(reuse.logits).all() and not torch.allclose(
+        reuse.logits, expected, atol=1e-3
+    )
+
+
+class _RecordingKV:
+    """A LayeredKV that records the order in which layers are read."""
+
+    def __init__(self, chunk: ChunkKV, log: list[int]):
+        self.chunk, self.log, self.num_tokens = chunk, log, chunk.num_tokens
+        self.token_ids, self.head_hash = chunk.token_ids, chunk.head_hash
+
+    def layer(self, index: int):
+        self.log.append(index)
+        return self.chunk.layer(index)
+
+
+def test_cached_kv_is_read_layer_by_layer_in_order(tiny_llama, prompt):
+    head, chunks, question, kvs = prompt
+    logs: list[list[int]] = [[] for _ in kvs]
+    sources = [_RecordingKV(kv, log) for kv, log in zip(kvs, logs, strict=True)]
+    plain = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3)
+    recorded = blend_prefill(tiny_llama, head, sources, question, mode="blend", recompute_ratio=0.3)
+    torch.testing.assert_close(recorded.logits, plain.logits, atol=0, rtol=0)
+    n_layers = tiny_llama.config.n_layers
+    assert all(log == list(range(n_layers)) for log in logs)
