@@ -20,6 +20,7 @@ from kvservice.protocol import (
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.retrieval import retrieve_chunks
 from webapp.dashboard.selectors import fixed_recompute_ratio
+from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
@@ -144,9 +145,13 @@ def chat_feedback(*, answer: Message, value: int) -> Message:
     return answer
 
 
-def chat_record_answer(*, message_id: int, result: dict[str, Any]) -> None:
+def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> None:
     """Store a finished (or failed/stopped) answer reported by the inference worker.
     Idempotent: a repeated report changes nothing once the answer is closed."""
+    if result.get("audit_of"):  # a fidelity re-run in full prefill, not an answer of its own
+        fidelity_record(audit_of=result["audit_of"], result=result)
+        return
+    fidelity_maybe_audit(message_id=message_id, result=result)  # a sampled share of blend answers
     with transaction.atomic():
         answer = Message.objects.select_for_update().filter(id=message_id).first()
         if answer is None or not answer.is_open:
