@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import uuid
 from datetime import timedelta
 
 from django.utils import timezone
@@ -12,7 +13,7 @@ from webapp.documents.models import Chunk, Document
 
 
 def make_document(owner, title: str = "Rivers of Europe", chunks: int = 3) -> Document:
-    digest = hashlib.sha256(title.encode()).hexdigest()
+    digest = hashlib.sha256(f"{title}/{uuid.uuid4()}".encode()).hexdigest()
     document = Document.objects.create(
         owner=owner, title=title, content_sha256=digest, status=Document.Status.READY,
         stage=Document.Stage.DONE, progress=100,
