@@ -9,6 +9,7 @@ environment (and, in dev, the running stack's DATA_DIR/stack.json).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -21,6 +22,14 @@ from celery import Celery
 
 from deploy.stack import apply_stack_env
 from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
+from kvservice.protocol import (
+    EVICT_TASK,
+    GENERATE_TASK,
+    RECORD_QUEUE,
+    RECORD_TASK,
+    WARM_TASK,
+    GenerateRequest,
+)
 
 log = logging.getLogger("kvservice.server")
 
@@ -51,6 +60,13 @@ class ServerConfig:
 
 
 config = ServerConfig.from_env()
+
+
+def redis_client() -> redis.Redis:
+    return _redis
+
+
+_redis = redis.Redis.from_url(config.redis_url, socket_timeout=10)
 app = Celery("ragblend-inference", broker=config.redis_url, backend=config.redis_url)
 app.conf.update(
     task_default_queue="inference",
@@ -61,7 +77,8 @@ app.conf.update(
 
 
 class Runtime:
-    """What the worker holds for its lifetime: the loaded model and its name."""
+    """What the worker holds for its lifetime: model, prompt format, store, controller and
+    the batcher that owns the model's compute."""
 
     def __init__(self) -> None:
         self.model_name: str | None = None
@@ -69,15 +86,54 @@ class Runtime:
         self.tokenizer = None
 
     def load(self, cfg: ServerConfig) -> None:
+        import torch
         from transformers import AutoTokenizer
 
+        from kvservice.batcher import ContinuousBatcher
         from kvservice.bundled import resolve_llm_path
-        from kvservice.model import Transformer
+        from kvservice.controller import LoadingController
+        from kvservice.engine import Engine
+        from kvservice.model import Transformer, precompute_head
+        from kvservice.prompt import PromptFormat
+        from kvservice.store import KVLoader, StoreConfig, TieredStore
 
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = Transformer.from_pretrained(path)
+        self.model = Transformer.from_pretrained(path, device=device)
+        self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
+        self.head_kv = precompute_head(self.model, list(self.prompt.head_ids))
+        self.engine = Engine(self.model, self.tokenizer)
+        self.store = TieredStore.from_config(StoreConfig.from_env())
+        self.loader = KVLoader(self.store)
+        self.controller = LoadingController()
+        self.batcher = ContinuousBatcher(
+            self.model, self.tokenizer, max_batch=cfg.concurrency
+        ).start()
+        hf_config = json.loads((path / "config.json").read_text())
+        self.context_len = int(hf_config.get("max_position_embeddings", 4096))
         self.model_name = path.name
+
+    def status(self) -> dict[str, object]:
+        """The live state the heartbeat carries to /healthz and the dashboard."""
+        state: dict[str, object] = {
+            "pid": os.getpid(), "model": self.model_name, "model_loaded": self.model is not None,
+        }  # fmt: skip
+        if self.model is not None:
+            state["store"] = self.store.stats().to_dict()
+            state["controller"] = self.controller.snapshot()
+            state["batch"] = {"active": self.batcher.active, "steps": self.batcher.steps}
+        return state
+
+    def chunk_key(self, token_ids: list[int]):
+        from kvservice.store import ChunkKey
+
+        return ChunkKey.for_tokens(self.model.fingerprint, self.prompt.head_hash, token_ids)
+
+    def recompute_chunk(self, token_ids):
+        from kvservice.model import precompute_chunks
+
+        return precompute_chunks(self.model, list(self.prompt.head_ids), [list(token_ids)])[0]
 
 
 runtime = Runtime()
@@ -88,19 +144,48 @@ def ping() -> dict[str, object]:
     return {"pid": os.getpid(), "model": runtime.model_name}
 
 
+@app.task(name=GENERATE_TASK)
+def generate(request_data: dict) -> dict:
+    """Answer one request: load its chunks' KV, blend, stream tokens, report the answer."""
+    from kvservice.answer import answer_request
+
+    request = GenerateRequest.from_dict(request_data)
+    result = answer_request(runtime, request, redis_client())
+    report = {**result, "audit_of": request.audit_of}
+    app.send_task(RECORD_TASK, args=[request.message_id, report], queue=RECORD_QUEUE)
+    return {"status": result["status"], "request_id": request.request_id}
+
+
+@app.task(name=EVICT_TASK)
+def evict(keys: list[str]) -> int:
+    """Drop these chunks from every local tier (S3 keeps the durable copy)."""
+    from kvservice.store import ChunkKey
+
+    for key in keys:
+        runtime.store.drop_local(ChunkKey.from_string(key))
+    return len(keys)
+
+
+@app.task(name=WARM_TASK)
+def warm(keys: list[str], tier: str) -> int:
+    from kvservice.store import ChunkKey
+
+    return sum(bool(runtime.store.warm(ChunkKey.from_string(key), tier)) for key in keys)
+
+
 def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
-            write_heartbeat(
-                client, pid=os.getpid(), model=runtime.model_name, model_loaded=runtime.model is not None
-            )
+            write_heartbeat(client, **runtime.status())
         except redis.RedisError as err:
             log.warning("heartbeat not written: %s", err)
         stop.wait(HEARTBEAT_INTERVAL_S)
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         runtime.load(config)
     except Exception as err:
@@ -108,8 +193,7 @@ def main() -> int:
         return 2
     log.info("model %s loaded", runtime.model_name)
     stop = threading.Event()
-    client = redis.Redis.from_url(config.redis_url, socket_timeout=5)
-    threading.Thread(target=_heartbeat_forever, args=(client, stop), daemon=True).start()
+    threading.Thread(target=_heartbeat_forever, args=(_redis, stop), daemon=True).start()
     try:
         app.worker_main(
             ["worker", "-Q", "inference", "-P", "threads", "-c", str(config.concurrency),

@@ -1,0 +1,171 @@
+"""One request, start to finish, inside the inference worker: fit the prompt into the
+context, load the chunks' KV through the tiers, choose the recompute ratio, blend and decode
+in the shared batch, stream each token to Redis, and return the answer with its metrics."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from kvservice.batcher import Job
+from kvservice.blend import blend_prefill
+from kvservice.engine import SamplingParams
+from kvservice.protocol import GenerateRequest, publish_event
+
+log = logging.getLogger(__name__)
+
+FIXED_RATIOS = {"full": 1.0, "prefix": None, "reuse": 0.0}
+
+
+class _TokensOnly:
+    """A chunk that is computed fresh (``full`` mode, or a chunk the store cannot serve):
+    the blender only needs its length and ids."""
+
+    head_hash = None
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+        self.num_tokens = len(token_ids)
+
+    def layer(self, index: int):
+        raise RuntimeError("no cached KV for this chunk")
+
+
+def _fit_context(
+    runtime: Any, request: GenerateRequest
+) -> tuple[list[int], list[list[int]], list[int], list[int]]:
+    """(chunk ids kept, their token ids, suffix ids, dropped chunk ids): drop old turns, then
+    the least relevant (last) chunks, until the prompt and the answer fit the context."""
+    tokenizer, prompt = runtime.tokenizer, runtime.prompt
+    budget = runtime.context_len - request.max_new_tokens - len(prompt.head_ids)
+    history = [(turn.role, turn.content) for turn in request.history]
+    suffix = prompt.suffix_ids(tokenizer, request.question, history)
+    while history and len(suffix) > budget // 4:
+        history = history[2:]
+        suffix = prompt.suffix_ids(tokenizer, request.question, history)
+    chunks = list(request.chunks)
+    while chunks and sum(len(c.token_ids) for c in chunks) + len(suffix) > budget:
+        chunks.pop()
+    if len(suffix) > budget:
+        raise ValueError("the question is too long for the model's context")
+    dropped = [c.chunk_id for c in request.chunks[len(chunks) :]]
+    return [c.chunk_id for c in chunks], [list(c.token_ids) for c in chunks], suffix, dropped
+
+
+def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any]:
+    from kvservice.protocol import stop_requested
+
+    started = time.perf_counter()
+    request_id = request.request_id
+    pieces: list[str] = []
+    state: dict[str, Any] = {"first_token_at": None, "prefill": None, "prefill_s": None}
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+    try:
+        chunk_ids, chunks_tokens, suffix_ids, dropped = _fit_context(runtime, request)
+        model, mode = runtime.model, request.mode
+        batch = None
+        if mode == "full":
+            sources = [_TokensOnly(ids) for ids in chunks_tokens]
+        else:
+            keys = [runtime.chunk_key(ids) for ids in chunks_tokens]
+            batch = runtime.loader.open(
+                keys, token_ids=chunks_tokens, recompute_fn=runtime.recompute_chunk
+            )
+            sources = list(batch)
+        decision = None
+        ratio = request.recompute_ratio
+        if ratio is None and mode == "blend":
+            decision = runtime.controller.choose(
+                num_tokens=sum(len(ids) for ids in chunks_tokens),
+                num_layers=model.config.n_layers,
+                load_bytes_by_tier=batch.tier_bytes() if batch is not None else {},
+            )
+            ratio = decision.recompute_ratio
+        elif ratio is None:
+            ratio = FIXED_RATIOS.get(mode) or 0.0
+
+        def prefill(extra_capacity: int):
+            t0 = time.perf_counter()
+            result = blend_prefill(
+                model, list(runtime.prompt.head_ids), sources, suffix_ids, mode=mode,
+                recompute_ratio=ratio, chunk_ids=chunks_tokens, head_kv=runtime.head_kv,
+                extra_capacity=extra_capacity,
+            )  # fmt: skip
+            state["prefill"], state["prefill_s"] = result, time.perf_counter() - t0
+            return result
+
+        def on_token(text: str, token_id: int) -> None:
+            if state["first_token_at"] is None:
+                state["first_token_at"] = time.perf_counter()
+            if text:
+                pieces.append(text)
+                publish_event(redis, request_id, "token", text=text)
+
+        def on_finish(reason: str, error: BaseException | None) -> None:
+            outcome["reason"], outcome["error"] = reason, error
+            done.set()
+
+        job = Job(
+            prefill=prefill,
+            sampling=SamplingParams(
+                max_tokens=request.max_new_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+            ),  # fmt: skip
+            stop_ids=set(runtime.engine.stop_ids),
+            on_token=on_token,
+            on_finish=on_finish,
+            should_stop=lambda: stop_requested(redis, request_id),
+            deadline=time.monotonic() + request.timeout_s,
+        )
+        runtime.batcher.submit(job)
+        if not done.wait(request.timeout_s + 30):
+            raise TimeoutError("the engine did not finish the request in time")
+        if outcome["error"] is not None:
+            raise outcome["error"]
+    except Exception as err:
+        log.exception("request %s failed", request_id)
+        message = f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
+        publish_event(redis, request_id, "error", message=message, text="".join(pieces))
+        return {"status": "error", "text": "".join(pieces), "error": message, "metrics": {}}
+
+    total_s = time.perf_counter() - started
+    first = state["first_token_at"]
+    result = state["prefill"]
+    metrics: dict[str, Any] = {
+        "mode": mode,
+        "ttft_s": None if first is None else round(first - started, 4),
+        "total_s": round(total_s, 4),
+        "prefill_s": None if state["prefill_s"] is None else round(state["prefill_s"], 4),
+        "recompute_ratio": ratio,
+        "prompt_tokens": len(runtime.prompt.head_ids)
+        + sum(map(len, chunks_tokens))
+        + len(suffix_ids),
+        "completion_tokens": None,
+        "chunk_tiers": {},
+        "dropped_chunks": dropped,
+    }
+    if result is not None:
+        metrics["recompute_ratio_effective"] = round(result.recompute_ratio_effective, 4)
+        if state["prefill_s"]:
+            runtime.controller.observe_recompute(
+                tokens=sum(result.recomputed_per_layer), layers=1, seconds=state["prefill_s"]
+            )
+    if batch is not None:
+        load = batch.stats()
+        metrics["chunk_tiers"] = {
+            str(cid): tier for cid, tier in zip(chunk_ids, load.tiers, strict=True)
+        }
+        metrics["load_s"] = round(load.load_s, 4)
+        metrics["hidden_load_fraction"] = round(load.hidden_load_fraction, 3)
+        runtime.controller.observe_store_stats(runtime.store.stats().tiers)
+    if decision is not None:
+        metrics["controller"] = {"source": decision.source, "why": decision.why}
+    status = "stopped" if outcome.get("reason") == "stopped" else "done"
+    text = "".join(pieces)
+    metrics["completion_tokens"] = len(job.tokens)
+    publish_event(redis, request_id, "done", text=text, metrics=metrics, status=status)
+    return {"status": status, "text": text, "error": "", "metrics": metrics}

@@ -1,0 +1,127 @@
+"""The product's main job, end to end, through the real Celery worker, the real inference
+worker and the bundled SmolLM2: upload, ingest to `ready`, ask, stream, cite, record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import TestCase
+
+from kvservice.protocol import read_events
+from tests.conftest import wait_for
+from webapp.chat import services as chat
+from webapp.chat.models import Message
+from webapp.documents.models import Document
+from webapp.documents.services import document_upload
+from webapp.redis import redis_client
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+TEXT = (
+    "The Zorbian lighthouse stands on the island of Kelmora. It was built in 1887 by the "
+    "engineer Ada Fenwick. Its lamp can be seen from forty kilometres away. "
+    "The island of Kelmora is famous for its purple sheep, which graze near the lighthouse."
+)
+
+
+def upload_ready(user, text: str = TEXT, name: str = "kelmora.txt") -> Document:
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        document = document_upload(owner=user, uploaded_file=SimpleUploadedFile(name, text.encode()))
+
+    def ready():
+        document.refresh_from_db()
+        assert document.status != "failed", document.error_message
+        return document.status == "ready"
+
+    wait_for(ready, timeout=240, interval=0.5, what="the document to be ready")
+    return document
+
+
+def collect_stream(request_id: str, timeout_s: float = 240) -> tuple[list[str], str, dict]:
+    tokens: list[str] = []
+    last_id = "0"
+    client = redis_client()
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry_id, kind, payload in read_events(client, request_id, last_id, block_ms=2000):
+            last_id = entry_id
+            if kind == "token":
+                tokens.append(payload["text"])
+            else:
+                return tokens, kind, payload
+    raise AssertionError("no done/error event on the answer stream")
+
+
+def test_upload_ask_and_stream_a_cited_answer(
+    celery_worker_process, inference_worker_process, django_user_model
+) -> None:
+    user = django_user_model.objects.create_user(username="reader", password="reader-pass")
+    document = upload_ready(user)
+    assert document.chunks.filter(kv_status="ready").count() == document.chunks.count() > 0
+
+    conversation = chat.conversation_create(owner=user)
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        answer = chat.chat_ask(user=user, conversation=conversation, question="Who built the Zorbian lighthouse?")
+    tokens, kind, payload = collect_stream(str(answer.request_id))
+    assert kind == "done", payload
+    assert len(tokens) > 1  # streamed piece by piece, not in one block
+    assert "".join(tokens) == payload["text"] and payload["text"].strip()
+    metrics = payload["metrics"]
+    assert metrics["mode"] == "blend" and metrics["ttft_s"] > 0
+    assert set(metrics["chunk_tiers"]) == {str(c.chunk_id) for c in answer.citations.all()}
+
+    # The answer cites the uploaded document, and the worker's report is stored.
+    assert {c.document_id for c in answer.citations.all()} == {document.id}
+
+    def recorded():
+        answer.refresh_from_db()
+        return answer.status == Message.Status.DONE
+
+    wait_for(recorded, timeout=60, what="the answer to be recorded")
+    assert answer.content == payload["text"]
+    assert answer.ttft_s == pytest.approx(metrics["ttft_s"])
+    assert sum(answer.tiers.values()) == answer.citations.count()
+
+
+def test_another_user_cannot_see_the_conversation_or_retrieve_the_chunks(
+    celery_worker_process, inference_worker_process, django_user_model, client
+) -> None:
+    owner = django_user_model.objects.create_user(username="owner", password="owner-pass")
+    other = django_user_model.objects.create_user(username="other", password="other-pass")
+    upload_ready(owner, TEXT.replace("Zorbian", "Quillan"), "quillan.txt")
+    conversation = chat.conversation_create(owner=owner)
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        answer = chat.chat_ask(user=owner, conversation=conversation, question="Who built it?")
+    collect_stream(str(answer.request_id))
+
+    client.force_login(other)
+    assert client.get(f"/chat/{conversation.id}/").status_code == 404
+    assert client.get(f"/chat/messages/{answer.id}/stream").status_code == 404
+    other_conversation = chat.conversation_create(owner=other)
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        theirs = chat.chat_ask(user=other, conversation=other_conversation, question="Quillan lighthouse?")
+    assert theirs.citations.count() == 0  # nothing of the owner's is retrievable
+    _tokens, kind, payload = collect_stream(str(theirs.request_id))
+    assert kind == "done", payload
+
+
+def test_staff_modes_all_answer_and_full_reads_no_cache(
+    celery_worker_process, inference_worker_process, django_user_model
+) -> None:
+    staff = django_user_model.objects.create_user(username="ops", password="ops-pass", is_staff=True)
+    upload_ready(staff, TEXT.replace("Zorbian", "Merrow"), "merrow.txt")
+    conversation = chat.conversation_create(owner=staff)
+    seen = {}
+    for mode in ("full", "reuse", "prefix", "blend"):
+        with TestCase.captureOnCommitCallbacks(execute=True):
+            answer = chat.chat_ask(user=staff, conversation=conversation, question="Where is the Merrow lighthouse?", mode=mode)
+        _tokens, kind, payload = collect_stream(str(answer.request_id))
+        assert kind == "done", (mode, payload)
+        seen[mode] = payload["metrics"]
+    assert seen["full"]["chunk_tiers"] == {} and seen["full"]["recompute_ratio"] == 1.0
+    assert seen["reuse"]["recompute_ratio"] == 0.0
+    assert all(seen[m]["chunk_tiers"] for m in ("reuse", "prefix", "blend")), json.dumps(seen)
