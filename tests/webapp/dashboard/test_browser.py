@@ -1,0 +1,98 @@
+"""The dashboard in a real browser (headless Chromium): it renders with live data, the htmx
+poll refreshes the tiers panel, and a screenshot is kept as a test artifact.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` packages (and the ``selenium`` dev
+extra); skipped, with the reason, where they are missing."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from django.conf import settings as django_settings
+from django.test import Client
+
+from tests.webapp.dashboard.factories import make_answers, make_document
+from webapp.dashboard.models import FidelityAudit
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[3] / "artifacts"
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        not CHROMIUM.exists() or not shutil.which("chromedriver"),
+        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
+    ),
+]
+
+
+@pytest.fixture
+def browser():
+    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]'")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                     "--disable-gpu", "--window-size=1280,1000"):  # fmt: skip
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _log_in(browser, live_server, user) -> None:
+    client = Client()
+    client.force_login(user)
+    browser.get(f"{live_server.url}/healthz")  # a page of the site, to set its cookie on
+    browser.add_cookie(
+        {"name": django_settings.SESSION_COOKIE_NAME, "path": "/",
+         "value": client.cookies[django_settings.SESSION_COOKIE_NAME].value}
+    )  # fmt: skip
+
+
+def _with_real_rows(staff, alice) -> None:
+    document = make_document(alice, "Rivers of Europe", chunks=6)
+    make_document(alice, "Moons of Jupiter", chunks=4)
+    answers = make_answers(alice, document) + make_answers(staff, document)
+    for answer, f1 in zip([a for a in answers if a.mode == "blend"], [0.91, 0.74, 1.0, 0.83],
+                          strict=False):  # fmt: skip
+        FidelityAudit.objects.create(message=answer, blend_text=answer.content, full_text="x",
+                                     token_f1=f1, status="done", completed_at=answer.completed_at,
+                                     blend_recompute_ratio=answer.recompute_ratio)  # fmt: skip
+
+
+def test_dashboard_renders_polls_and_is_screenshotted(
+    browser, live_server, staff, alice, worker_heartbeat
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _with_real_rows(staff, alice)
+    _log_in(browser, live_server, staff)
+    browser.get(f"{live_server.url}/dashboard/")
+    assert "Operator dashboard" in browser.find_element(By.TAG_NAME, "h1").text
+    rows = browser.find_elements(By.CSS_SELECTOR, "#tier-table tbody tr")
+    assert [r.get_attribute("id") for r in rows] == ["tier-cpu", "tier-disk"]
+    charts = browser.find_elements(By.CSS_SELECTOR, "svg.chart")
+    assert len(charts) == 6 and all(c.size["height"] > 100 for c in charts)
+
+    # The live panel is replaced by htmx's poll (a new element, same content).
+    old_panel = browser.find_element(By.ID, "live")
+    browser.execute_script("arguments[0].setAttribute('data-stale', '1')", old_panel)
+    WebDriverWait(browser, 15).until(
+        lambda b: b.find_element(By.ID, "live").get_attribute("data-stale") is None
+    )
+    assert browser.find_element(By.ID, "tier-disk").is_displayed()
+
+    height = browser.execute_script("return document.documentElement.scrollHeight")
+    browser.set_window_size(1280, min(height + 40, 6000))
+    time.sleep(0.3)
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / "dashboard.png"
+    assert browser.save_screenshot(str(path))
+    assert path.stat().st_size > 50_000
