@@ -14,7 +14,7 @@ from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
 WIDTH, HEIGHT = 520, 220
-MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 52, 12, 14, 42
+MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 52, 16, 30, 42
 MODE_COLORS = {"blend": "#3056d3", "full": "#d92d20", "reuse": "#039855", "prefix": "#dc6803"}
 TIER_COLORS = {"device": "#7a5af8", "cpu": "#3056d3", "disk": "#dc6803", "s3": "#039855",
                "recomputed": "#98a2b3"}  # fmt: skip
@@ -85,9 +85,10 @@ class _Frame:
     def x_tick(self, fraction: float, label: str) -> None:
         x = self.x(fraction)
         base = self.top + self.plot_h
+        anchor = "start" if fraction <= 0.02 else "end" if fraction >= 0.98 else "middle"
         self.parts.append(
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{base}" y2="{base + 4}" class="axis"/>'
-            f'<text x="{x:.1f}" y="{base + 16}" text-anchor="middle">{escape(label)}</text>'
+            f'<text x="{x:.1f}" y="{base + 16}" text-anchor="{anchor}">{escape(label)}</text>'
         )
 
     def legend(self, names: Sequence[str], palette: Mapping[str, str]) -> None:
@@ -102,7 +103,8 @@ class _Frame:
             x += 22 + 7 * len(name)
 
     def render(self, title: str) -> SafeString:
-        body = "".join(self.parts)
+        heading = f'<text x="{self.left}" y="16" class="chart-title">{escape(title)}</text>'
+        body = heading + "".join(self.parts)
         return mark_safe(  # noqa: S308 - every interpolated label above is escaped
             f'<svg class="chart" viewBox="0 0 {self.width} {self.height}" role="img" '
             f'xmlns="http://www.w3.org/2000/svg" aria-label="{escape(title)}">'
