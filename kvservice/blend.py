@@ -246,7 +246,7 @@ def blend_prefill(
     schedule: Sequence[float] | None = None,
     measure: Measure = "kv",
     extra_capacity: int = 0,
-    question_weight: bool = False,
+    question_weight: bool = True,
     question_weight_floor: float = 1.0,
     accumulate: bool = True,
 ) -> BlendResult:
@@ -261,6 +261,13 @@ def blend_prefill(
     The first chunk counts as exact when it was precomputed after this same head (it sits at
     exactly the positions it was computed at), so only later chunks are candidates for
     recompute. ``extra_capacity`` leaves room in the returned cache for decoding.
+
+    Selection: ``measure`` is the per-token deviation (``kv``: K and V, each relative to its
+    scale); with ``accumulate`` the deviations of all check layers so far are summed (so the
+    first check's signal keeps its weight as the set shrinks); with ``question_weight`` each
+    token's deviation is weighted by the attention the question pays it at that layer (plus
+    ``question_weight_floor`` times the mean), since a deviating token nobody reads matters
+    little. On Musique with SmolLM2 both lowered teacher-forced KL at the same ratio.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (one of {MODES})")

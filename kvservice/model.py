@@ -374,6 +374,11 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
+    def truncate(self, length: int) -> None:
+        """Forget every slot from ``length`` on (e.g. roll back a teacher-forced probe)."""
+        self.valid[:, length:] = False
+        self.length = min(self.length, length)
+
     def reserve(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> slice:
         """Claim the next ``T`` slots for tokens at ``positions [B, T]``; returns the slice."""
         start, end = self.length, self.length + positions.shape[1]

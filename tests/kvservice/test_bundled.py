@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvservice.bundled import (
+    ModelPathError,
+    default_cache_dir,
+    minilm_path,
+    resolve_llm_path,
+    smollm2_checkpoint,
+)
+
+
+def test_model_path_override_is_used(tiny_checkpoints):
+    assert resolve_llm_path(str(tiny_checkpoints["llama"])) == tiny_checkpoints["llama"]
+
+
+def test_missing_model_path_fails_clearly(tmp_path):
+    with pytest.raises(ModelPathError, match="does not exist"):
+        resolve_llm_path(str(tmp_path / "nope"))
+
+
+def test_model_path_without_config_or_weights_fails_clearly(tmp_path):
+    with pytest.raises(ModelPathError, match="config.json"):
+        resolve_llm_path(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ModelPathError, match="safetensors"):
+        resolve_llm_path(str(tmp_path))
+    a_file = tmp_path / "config.json"
+    with pytest.raises(ModelPathError, match="not a directory"):
+        resolve_llm_path(str(a_file))
+
+
+def test_default_cache_dir_reads_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAGBLEND_MODEL_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("RAGBLEND_MODEL_CACHE")
+    assert default_cache_dir().parts[-3:] == (".cache", "ragblend", "models")
+
+
+def test_minilm_dir_loads_offline():
+    from transformers import AutoConfig
+
+    path = minilm_path()
+    assert (path / "model.safetensors").is_file()
+    assert AutoConfig.from_pretrained(path).model_type == "bert"
+
+
+def test_bundled_dir_answers_a_prompt_like_our_engine(smollm2_dir, smollm2, smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvservice.engine import Engine, PromptFormat, Request, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        out = hf_model.generate(**ids, max_new_tokens=10, do_sample=False)
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in text
+
+    engine = Engine(smollm2, smollm2_tokenizer, PromptFormat(smollm2_tokenizer, question_prefix=""))
+    prompt = engine.format.build([], "What is the capital of France?")
+    assert prompt.token_ids == ids["input_ids"][0].tolist()
+    ours = engine.generate(Request(prompt, [], "full", sampling=SamplingParams(max_tokens=10)))
+    assert ours.text.strip() and text.startswith(ours.text.strip()[:10])
+
+
+@pytest.mark.slow
+def test_conversion_is_atomic_and_reused(tmp_path, monkeypatch):
+    """Converts the GGUF from scratch (about 30 s); a second call reuses the directory."""
+    import kvservice.bundled as bundled
+
+    calls = []
+    real = bundled._convert_gguf
+
+    def failing(gguf_path, out_dir):
+        (out_dir / "config.json").write_text("{}")  # a half-written directory...
+        raise KeyboardInterrupt  # ...then the process is killed
+
+    monkeypatch.setattr(bundled, "_convert_gguf", failing)
+    with pytest.raises(KeyboardInterrupt):
+        smollm2_checkpoint(tmp_path)
+    assert not (tmp_path / bundled.SMOLLM2_DIR_NAME).exists()
+    assert not any(tmp_path.iterdir())  # no staging leftovers either
+
+    monkeypatch.setattr(bundled, "_convert_gguf", lambda g, o: (calls.append(1), real(g, o)))
+    path = smollm2_checkpoint(tmp_path)
+    again = smollm2_checkpoint(tmp_path)
+    assert path == again and len(calls) == 1
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in path.iterdir()
+    }
+    from kvservice.model import Transformer
+
+    assert Transformer.from_pretrained(path).config.n_layers == 30

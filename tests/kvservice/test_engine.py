@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvservice.engine import Engine, PromptFormat, Request, SamplingParams, sample_next
+
+PASSAGES = [
+    "Paris is the capital and largest city of France.",
+    "The Eiffel Tower was completed in 1889 for the World's Fair.",
+]
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2, smollm2_tokenizer):
+    fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
+    return Engine(smollm2, smollm2_tokenizer, fmt)
+
+
+@pytest.fixture(scope="module")
+def request_parts(engine):
+    prompt = engine.format.build(PASSAGES, QUESTION)
+    return prompt, engine.precompute(prompt.chunk_ids)
+
+
+def test_prompt_parts_follow_the_chat_template(engine, smollm2_tokenizer):
+    prompt = engine.format.build(PASSAGES, QUESTION)
+    text = smollm2_tokenizer.decode(prompt.token_ids)
+    assert text.startswith(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    )
+    assert text.endswith(f"Question: {QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    # Each chunk is tokenized on its own, identically every time.
+    assert prompt.chunk_ids[0] == engine.format.chunk_ids(PASSAGES[0])
+    assert prompt.head_ids == engine.format.head_ids
+
+
+def test_greedy_full_matches_transformers_generate(engine, request_parts, smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompt, _ = request_parts
+    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt.token_ids])
+    with torch.no_grad():
+        hf_out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+        )
+    hf_tokens = [t for t in hf_out[0, ids.shape[1] :].tolist() if t not in engine.stop_ids]
+    ours = engine.generate(
+        Request(prompt, [None] * len(prompt.chunk_ids), "full", sampling=SamplingParams(12))
+    )
+    assert ours.token_ids == hf_tokens[: len(ours.token_ids)] and len(ours.token_ids) > 0
+    assert "Paris" in ours.text
+
+
+def test_stream_gives_deltas_ttft_on_first_and_a_finish_reason(engine, request_parts):
+    prompt, chunks = request_parts
+    events = list(
+        engine.stream(Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=6)))
+    )
+    assert events[0].ttft_s is not None and events[0].ttft_s > 0
+    assert all(e.ttft_s is None for e in events[1:])
+    assert events[-1].finish_reason in ("stop", "length")
+    assert all(e.finish_reason is None for e in events[:-1])
+    assert len(events) <= 6 and "".join(e.text for e in events).strip()
+
+
+def test_max_tokens_and_stop_tokens(engine, request_parts):
+    prompt, chunks = request_parts
+    long = engine.generate(Request(prompt, chunks, "reuse", sampling=SamplingParams(max_tokens=3)))
+    assert len(long.token_ids) == 3 and long.finish_reason == "length"
+    first = long.token_ids[0]
+    stopped = engine.generate(
+        Request(
+            prompt, chunks, "reuse", sampling=SamplingParams(max_tokens=3, stop_token_ids=(first,))
+        )
+    )
+    assert stopped.token_ids == [] and stopped.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_and_top_p_tiny_is_greedy(engine, request_parts):
+    prompt, chunks = request_parts
+    params = SamplingParams(max_tokens=8, temperature=1.5, top_p=0.95, seed=123)
+    a = engine.generate(Request(prompt, chunks, "blend", sampling=params))
+    b = engine.generate(Request(prompt, chunks, "blend", sampling=params))
+    assert a.token_ids == b.token_ids
+    greedy = engine.generate(
+        Request(prompt, chunks, "blend", sampling=SamplingParams(max_tokens=8))
+    )
+    nucleus = engine.generate(
+        Request(
+            prompt,
+            chunks,
+            "blend",
+            sampling=SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, seed=1),
+        )
+    )
+    assert nucleus.token_ids == greedy.token_ids
+
+
+def test_sample_next_respects_top_p():
+    logits = torch.tensor([[5.0, 4.0, -10.0, -10.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = {
+        int(sample_next(logits, SamplingParams(temperature=1.0, top_p=0.9), gen))
+        for _ in range(200)
+    }
+    assert draws == {0, 1}
+
+
+def test_batched_decode_equals_one_by_one(engine, request_parts):
+    prompt, chunks = request_parts
+    other = engine.format.build(PASSAGES[::-1], "When was the Eiffel Tower completed?")
+    other_chunks = [chunks[1], chunks[0]]  # the same cached chunks, reordered
+    requests = [
+        Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=10)),
+        Request(other, other_chunks, "full", sampling=SamplingParams(max_tokens=6)),
+        Request(prompt, chunks, "reuse", sampling=SamplingParams(max_tokens=4)),
+    ]
+    batched = engine.generate_batch(requests)
+    single = [engine.generate(r) for r in requests]
+    assert [c.token_ids for c in batched] == [c.token_ids for c in single]
+    assert all(c.token_ids for c in batched) and len(batched[2].token_ids) <= 4
