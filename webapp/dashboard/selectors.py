@@ -86,6 +86,12 @@ def tier_rows(heartbeat: dict[str, Any] | None) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: order.get(row["name"], len(order)))
 
 
+def warmable_tiers(heartbeat: dict[str, Any] | None) -> list[str]:
+    """The worker's local tiers (those a document can be warmed into), fastest first."""
+    names = [row["name"] for row in tier_rows(heartbeat) if row["name"] in WARMABLE_TIERS]
+    return names or ["cpu", "disk"]
+
+
 def queue_depths() -> dict[str, int | None]:
     """Messages waiting in each Celery queue (a Redis list per queue)."""
     try:

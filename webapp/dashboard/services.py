@@ -102,7 +102,8 @@ def audit_set(*, sample_rate: str | float, user=None) -> DashboardSettings:
 
 
 def document_evict(*, document: Document) -> list[str]:
-    """Drop the document's chunk caches from every tier; returns the keys sent."""
+    """Drop the document's chunk caches from the worker's local tiers (device, CPU, disk);
+    the durable S3 copy stays, so the next question reads them from S3. Returns the keys."""
     keys = selectors.document_kv_keys(document=document)
     if not keys:
         raise DashboardError(f"“{document.title}” has no cached chunks to evict.")

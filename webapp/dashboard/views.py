@@ -20,7 +20,6 @@ from django.views.decorators.http import require_GET, require_POST
 
 from webapp import health
 from webapp.dashboard import charts, selectors, services
-from webapp.dashboard.models import DashboardSettings
 from webapp.documents.models import Document
 
 POLL_SECONDS = 3
@@ -110,13 +109,13 @@ def _live_context() -> dict[str, object]:
 def index(request: HttpRequest) -> HttpResponse:
     if request.htmx:
         return render(request, "dashboard/_live.html", _live_context())
+    live = _live_context()
     context = {
-        **_live_context(),
+        **live,
         **_metrics(),
         "health": health.run_checks(),
         "documents": selectors.documents_with_cache_counts(),
-        "warmable_tiers": selectors.WARMABLE_TIERS,
-        "controller_modes": DashboardSettings.ControllerMode.choices,
+        "warmable_tiers": selectors.warmable_tiers(live["heartbeat"]),
     }
     return render(request, "dashboard/index.html", context)
 
@@ -164,7 +163,7 @@ def document_evict(request: HttpRequest, document_id: int) -> HttpResponse:
         request,
         lambda: (
             f"Evicting {len(services.document_evict(document=document))} cached chunks "
-            f"of “{document.title}” from every tier."
+            f"of “{document.title}” from the worker's local tiers (S3 keeps them)."
         ),
     )
 

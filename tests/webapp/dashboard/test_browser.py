@@ -97,3 +97,65 @@ def test_dashboard_renders_polls_and_is_screenshotted(
     path = ARTIFACTS / "dashboard.png"
     assert browser.save_screenshot(str(path))
     assert path.stat().st_size > 50_000
+
+
+@pytest.mark.slow
+def test_dashboard_with_the_real_workers_evict_warm_and_screenshot(
+    browser, live_server, celery_worker_process, inference_worker_process, django_user_model
+) -> None:
+    """Real answers in every mode, an audit, an eviction and a warm-up through the real
+    inference worker, then the dashboard as an operator sees it."""
+    from django.test import TestCase
+    from django.urls import reverse
+
+    from kvservice.heartbeat import read_heartbeat
+    from tests.conftest import wait_for
+    from tests.e2e.test_chat_e2e import collect_stream, upload_ready
+    from webapp.chat import services as chat
+    from webapp.dashboard import selectors
+    from webapp.redis import redis_client
+
+    staff = django_user_model.objects.create_user(username="ops-shot", password="x", is_staff=True)
+    texts = {
+        "harbour.txt": "The harbour of Velmont was dug in 1764. Its breakwater is 900 metres "
+        "long, and the lighthouse at its end shows a green light every four seconds.",
+        "canal.txt": "The Orlen canal links Velmont to the river Sau. Barges carry grain and "
+        "timber on it; the journey takes two days through eleven locks.",
+    }
+    documents = [upload_ready(staff, text, name) for name, text in texts.items()]
+    client = Client()
+    client.force_login(staff)
+    client.post(reverse("dashboard:audit"), {"sample_rate": "1"})
+
+    def cpu_entries() -> int | None:
+        tiers = {t["name"]: t for t in selectors.tier_rows(read_heartbeat(redis_client()))}
+        return tiers.get("cpu", {}).get("entries")
+
+    # Evict the first document, then warm it into CPU memory: the worker's tier changes.
+    client.post(reverse("dashboard:document_evict", args=[documents[0].pk]))
+    wait_for(lambda: cpu_entries() == 0 or None, timeout=20, what="the eviction")
+    conversation = chat.conversation_create(owner=staff)
+    questions = ["How long is the Velmont breakwater?", "What do barges carry on the canal?",
+                 "When was the harbour dug?", "How many locks does the canal have?"]  # fmt: skip
+    for question, mode in zip(questions, ["blend", "full", "reuse", "blend"], strict=True):
+        with TestCase.captureOnCommitCallbacks(execute=True):
+            answer = chat.chat_ask(user=staff, conversation=conversation, question=question,
+                                   mode=mode)  # fmt: skip
+        assert collect_stream(str(answer.request_id))[1] == "done"
+    client.post(reverse("dashboard:document_evict", args=[documents[0].pk]))
+    client.post(reverse("dashboard:document_evict", args=[documents[1].pk]))
+    wait_for(lambda: cpu_entries() == 0 or None, timeout=20, what="the eviction")
+    client.post(reverse("dashboard:document_warm", args=[documents[1].pk]), {"tier": "cpu"})
+    wait_for(lambda: (cpu_entries() or 0) >= 1, timeout=20, what="the warm-up into CPU")
+
+    _log_in(browser, live_server, staff)
+    browser.get(f"{live_server.url}/dashboard/")
+    for _ in range(2):
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        browser.set_window_size(1280, min(height + 120, 8000))
+        time.sleep(0.3)
+    page = browser.page_source
+    assert "inference worker up" in page and "canal.txt" in page
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / "dashboard-live.png"
+    assert browser.save_screenshot(str(path)) and path.stat().st_size > 50_000
