@@ -63,6 +63,8 @@ def free_port(*, also_free_at_offset: int | None = None) -> int:
 
 def port_is_free(port: int) -> bool:
     with socket.socket() as sock:
+        # As the servers themselves do: a port in TIME_WAIT after a restart is free to use.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError:

@@ -50,7 +50,10 @@ def _start(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
 
 
 def _descendants(process: subprocess.Popen) -> list[psutil.Process]:
-    return psutil.Process(process.pid).children(recursive=True)
+    try:
+        return psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _stop(process: subprocess.Popen, log: Path) -> list[psutil.Process]:
@@ -83,12 +86,13 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
         # The stack's services bind to loopback only.
         stack = json.loads((data_dir / "stack.json").read_text())
         assert "127.0.0.1" in stack["DATABASE_URL"] and stack["S3_ENDPOINT"].startswith("127.0.0.1:")
-        listening = {
-            conn.laddr.ip
-            for child in _descendants(process)
-            for conn in child.net_connections(kind="tcp")
-            if conn.status == psutil.CONN_LISTEN
-        }
+        listening = set()
+        for child in _descendants(process):
+            try:
+                connections = child.net_connections(kind="tcp")
+            except psutil.NoSuchProcess:  # a short-lived helper process already gone
+                continue
+            listening |= {c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN}
         assert listening and listening <= {"127.0.0.1"}, listening
 
         # manage.py with the same DATA_DIR (and nothing else) talks to this running stack.
@@ -109,8 +113,12 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
     # Restart on the same DATA_DIR: the data (the admin account) is still there.
     process = _start(data_dir, port, log)
     try:
-        wait_for(lambda: (_healthz(port) or (0,))[0] == 200, timeout=300, interval=2,
-                 what="/healthz after restart")  # fmt: skip
+        def healthy_again():
+            if process.poll() is not None:
+                raise AssertionError(f"launcher exited on restart:\n{log.read_text()[-4000:]}")
+            return (_healthz(port) or (0,))[0] == 200
+
+        wait_for(healthy_again, timeout=300, interval=2, what="/healthz after restart")
         assert "An admin account exists already." in log.read_text()
     finally:
         _stop(process, log)
