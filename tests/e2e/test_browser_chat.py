@@ -1,0 +1,123 @@
+"""The browser journey on the real ASGI server (uvicorn, as `make dev` runs it) with the
+real workers: log in, upload, wait for `ready`, ask, and watch the answer stream in.
+A screenshot is kept in artifacts/. Needs Debian's chromium + chromium-driver."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy import services
+from tests.conftest import ROOT, _test_database_url, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = ROOT / "artifacts"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        not CHROMIUM.exists() or not shutil.which("chromedriver"),
+        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
+    ),
+]
+
+
+@pytest.fixture
+def asgi_server(django_db_blocker, tmp_path):
+    with django_db_blocker.unblock():
+        database_url = _test_database_url()
+    port = services.free_port()
+    log = tmp_path / "uvicorn.log"
+    env = {**os.environ, "DATABASE_URL": database_url}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1",
+         "--port", str(port)],
+        cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: not services.port_is_free(port), timeout=60, what="uvicorn")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--disable-background-networking", "--window-size=1300,1000"):  # fmt: skip
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def test_log_in_upload_ask_and_watch_the_answer_stream(
+    celery_worker_process, inference_worker_process, asgi_server, browser, django_user_model, tmp_path
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    django_user_model.objects.create_user(username="carol", password="carol-passphrase")
+    browser.get(f"{asgi_server}/accounts/login/")
+    browser.find_element(By.ID, "id_username").send_keys("carol")
+    browser.find_element(By.ID, "id_password").send_keys("carol-passphrase")
+    browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()
+    wait_for(lambda: "/chat/" in browser.current_url, timeout=30, what="the chat page")
+
+    source = tmp_path / "harbour.md"
+    source.write_text(
+        "# Port Vellin\n\nThe harbour of Port Vellin was dug in 1712 by the shipwright Tomas Orle. "
+        "Its breakwater is two kilometres long and shelters forty fishing boats.\n"
+    )
+    browser.get(f"{asgi_server}/documents/")
+    browser.find_element(By.ID, "upload-files").send_keys(str(source))
+    browser.find_element(By.CSS_SELECTOR, "#upload-form button[type=submit]").click()
+
+    def ready() -> bool:
+        rows = browser.find_elements(By.CSS_SELECTOR, "#document-list tr.status-ready")
+        failed = browser.find_elements(By.CSS_SELECTOR, "#document-list tr.status-failed")
+        assert not failed, failed[0].text
+        return bool(rows)
+
+    wait_for(ready, timeout=240, interval=1, what="the document to be ready in the list")
+
+    browser.get(f"{asgi_server}/chat/")
+    browser.find_element(By.CSS_SELECTOR, "form[action='/chat/new'] button").click()
+    wait_for(lambda: browser.find_elements(By.ID, "ask-form"), timeout=30, what="a conversation")
+    browser.find_element(By.NAME, "question").send_keys("Who dug the harbour of Port Vellin?")
+    browser.find_element(By.CSS_SELECTOR, "#ask-form button[type=submit]").click()
+
+    # While the answer is open, its text grows token by token.
+    seen_lengths: list[int] = []
+
+    def finished() -> bool:
+        streaming = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .bubble.streaming")
+        if streaming:
+            seen_lengths.append(len(streaming[0].text))
+            return False
+        return bool(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-status=done]"))
+
+    wait_for(finished, timeout=240, interval=0.05, what="the streamed answer")
+    partial = [n for n in seen_lengths if n > 0]
+    assert len(set(partial)) >= 2, f"no partial text was seen while streaming: {seen_lengths[-20:]}"
+
+    answer = browser.find_element(By.CSS_SELECTOR, ".msg.assistant[data-status=done]")
+    assert answer.find_element(By.CSS_SELECTOR, ".bubble").text.strip()
+    assert "harbour.md" in answer.find_element(By.CSS_SELECTOR, ".citations").text
+    assert "TTFT" in answer.find_element(By.CSS_SELECTOR, ".metrics").text
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "chat-answer.png"))
+    assert (ARTIFACTS / "chat-answer.png").stat().st_size > 10_000
