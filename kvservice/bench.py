@@ -36,6 +36,7 @@ from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.engine import PromptFormat
 from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.store.benchio import TIERS, store_bench
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions using the given passages."
 INSTRUCTION = (
@@ -54,11 +55,13 @@ TF_TOKENS = 16
 # Hooks and metrics
 
 
-def chunk_sources(chunks: Sequence[ChunkKV], args: argparse.Namespace) -> list[LayeredKV]:
-    """Where the blender reads chunk KV from. Here: the precomputed ChunkKVs in CPU memory.
-    The store replaces this (``--tier cpu|disk|s3``, ``--no-pipeline``) with loaders that
-    return one layer at a time."""
-    return list(chunks)
+def chunk_sources(
+    chunks: Sequence[ChunkKV], args: argparse.Namespace, mode: str = "blend"
+) -> list[LayeredKV | None]:
+    """Where the blender reads chunk KV from: the store's loader over the tier the chunks
+    were staged in (``--tier cpu|disk|s3``), layer by layer, prefetching unless
+    ``--no-pipeline``."""
+    return store_bench(args.tier, not args.no_pipeline).sources(chunks, mode)
 
 
 def _normalize(text: str) -> list[str]:
@@ -139,6 +142,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     prompt = fmt.build(texts, example["question"])
     head_kv = precompute_head(model, prompt.head_ids)
     chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
+    store_bench(args.tier, not args.no_pipeline).stage(chunks)  # before any timing
     extra = TF_TOKENS + args.max_new_tokens
     modes: list[Mode] = args.modes
 
@@ -146,7 +150,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
         result = blend_prefill(
             model,
             prompt.head_ids,
-            chunk_sources(chunks, args),
+            chunk_sources(chunks, args, mode),
             prompt.question_ids,
             mode=mode,
             recompute_ratio=args.ratio,
@@ -191,6 +195,12 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
             "gold_f1": max(token_f1(answer, gold) for gold in example["answers"]),
             "answer": answer,
             "recompute_ratio": result.recompute_ratio_effective,
+            **store_bench(args.tier, not args.no_pipeline).report(
+                mode,
+                prompt_tokens=full.num_tokens,
+                num_layers=model.config.n_layers,
+                full_ttft_s=statistics.median(ttft["full"]) if ttft.get("full") else None,
+            ),
         }
     if ttft["hf_full"]:
         row["hf_full"] = {"ttft_s": statistics.median(ttft["hf_full"])}
@@ -220,6 +230,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=1, help="timed prefills per mode and example"
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--tier", choices=TIERS, default="cpu", help="where chunk KV starts")
+    parser.add_argument("--no-pipeline", action="store_true", help="load all KV, then compute")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
@@ -244,10 +256,20 @@ def summarize(rows: list[dict], modes: Sequence[str]) -> dict:
             "fidelity_f1": statistics.fmean(v["fidelity_f1"] for v in values),
             "gold_f1": statistics.fmean(v["gold_f1"] for v in values),
             "recompute_ratio": statistics.fmean(v["recompute_ratio"] for v in values),
+            **_store_means(values),
         }
     hf = [r["hf_full"]["ttft_s"] for r in rows if "hf_full" in r]
     summary["hf_full"] = {"ttft_median_s": statistics.median(hf) if hf else None}
     return summary
+
+
+def _store_means(values: list[dict]) -> dict:
+    """Per-mode means of the store's numbers (None where the mode read no cached KV)."""
+    out = {}
+    for name in ("load_s", "hidden_load_fraction", "ratio_chosen"):
+        known = [v[name] for v in values if v.get(name) is not None]
+        out[name] = statistics.fmean(known) if known else None
+    return out
 
 
 def print_table(summary: dict) -> None:
@@ -288,7 +310,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     stop_ids = {t for t in stop_ids if isinstance(t, int) and t != tokenizer.unk_token_id}
     examples = json.loads(args.data.read_text())[: args.examples]
     load_before = os.getloadavg()
-    rows = []
+    rows: list[dict] = []
+
+    def env() -> dict:
+        return _env(args, model, model_dir, rows, load_before)
+
     with torch.no_grad():
         for index, example in enumerate(examples):
             row = run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids)
@@ -301,8 +327,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
             print(
                 f"[{index + 1}/{len(examples)}] {row['num_tokens']} tokens  {brief}{hf}", flush=True
             )
-    summary = summarize(rows, args.modes)
-    summary["env"] = {
+            if args.json:  # a partial summary after every example, in case of interruption
+                partial = {**summarize(rows, args.modes), "env": env(), "examples": rows}
+                args.json.write_text(json.dumps(partial, indent=2))
+    summary = {**summarize(rows, args.modes), "env": env(), "examples": rows}
+    print_table(summary)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _env(args, model, model_dir, rows, load_before) -> dict:
+    return {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": _cpu_name(),
@@ -313,15 +349,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "examples": len(rows),
         "passages": args.passages,
         "ratio": args.ratio,
+        "tier": args.tier,
+        "pipeline": not args.no_pipeline,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),
         "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
+        "load_avg_after": os.getloadavg(),  # other processes share these cores
     }
-    summary["examples"] = rows
-    print_table(summary)
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 if __name__ == "__main__":
