@@ -167,3 +167,20 @@ def test_precompute_again_puts_the_document_back_through_the_kv_step(
     batches = -(-document.chunks.count() // settings.KV_PRECOMPUTE_BATCH)
     assert kv_queue.llen("kv") == before + batches
     kv_queue.delete("kv")
+
+
+def test_django_admin_lists_the_models_and_keeps_measurements_read_only(
+    client, django_user_model, alice
+) -> None:
+    make_answers(alice, make_document(alice))
+    admin = django_user_model.objects.create_superuser(username="root", password="root-pass")
+    client.force_login(admin)
+    for name in ("chat_message", "chat_conversation", "chat_citation", "dashboard_fidelityaudit",
+                 "dashboard_dashboardsettings", "documents_chunk"):  # fmt: skip
+        assert client.get(reverse(f"admin:{name}_changelist")).status_code == 200, name
+    from webapp.chat.models import Message
+
+    answer = Message.objects.filter(role="assistant").first()
+    page = client.get(reverse("admin:chat_message_change", args=[answer.pk])).content.decode()
+    assert 'name="ttft_s"' not in page and 'name="recompute_ratio"' not in page
+    assert 'name="content"' in page  # moderation of the text stays possible
