@@ -25,6 +25,7 @@ from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 from kvservice.protocol import (
     EVICT_TASK,
     GENERATE_TASK,
+    INFERENCE_QUEUE,
     RECORD_QUEUE,
     RECORD_TASK,
     WARM_TASK,
@@ -42,6 +43,7 @@ class ServerConfig:
     model_path: str | None
     model_cache_dir: Path
     concurrency: int
+    queue: str
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -56,6 +58,7 @@ class ServerConfig:
             model_path=os.environ.get("MODEL_PATH") or None,
             model_cache_dir=Path(cache),
             concurrency=int(os.environ.get("INFERENCE_CONCURRENCY", "8")),
+            queue=os.environ.get("INFERENCE_QUEUE", INFERENCE_QUEUE),
         )
 
 
@@ -69,7 +72,7 @@ def redis_client() -> redis.Redis:
 _redis = redis.Redis.from_url(config.redis_url, socket_timeout=10)
 app = Celery("ragblend-inference", broker=config.redis_url, backend=config.redis_url)
 app.conf.update(
-    task_default_queue="inference",
+    task_default_queue=config.queue,
     task_acks_late=False,  # a request is answered at most once; a lost one errors to its user
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
@@ -196,7 +199,7 @@ def main() -> int:
     threading.Thread(target=_heartbeat_forever, args=(_redis, stop), daemon=True).start()
     try:
         app.worker_main(
-            ["worker", "-Q", "inference", "-P", "threads", "-c", str(config.concurrency),
+            ["worker", "-Q", config.queue, "-P", "threads", "-c", str(config.concurrency),
              "--hostname", "inference@%h", "--loglevel", "INFO"]
         )  # fmt: skip
     finally:

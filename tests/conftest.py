@@ -22,6 +22,9 @@ import pytest
 from deploy import services
 
 TEST_S3_BUCKETS = ("documents", "kvcache")
+# The real inference worker serves its own queue in tests, so that fast tests can inspect
+# what lands on the default ``inference`` queue while the worker (a session fixture) runs.
+LIVE_INFERENCE_QUEUE = "inference-live"
 ROOT = Path(__file__).resolve().parent.parent
 
 _started: list[services.RunningService] = []
@@ -164,7 +167,8 @@ def inference_worker_process(
     from webapp.redis import redis_client
 
     log_path = tmp_path_factory.mktemp("logs") / "inference.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_CONCURRENCY": "4"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_CONCURRENCY": "4",
+           "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE}  # fmt: skip
     process = _spawn_worker([sys.executable, "-m", "kvservice.server"], log_path, env)
     try:
         wait_for(
@@ -179,3 +183,15 @@ def inference_worker_process(
         yield process
     finally:
         _stop(process, log_path)
+
+
+@pytest.fixture(autouse=True)
+def _route_requests_to_the_live_worker(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests that use the real inference worker send their requests to its queue."""
+    if "inference_worker_process" not in request.fixturenames:
+        yield
+        return
+    from django.test import override_settings
+
+    with override_settings(INFERENCE_QUEUE=LIVE_INFERENCE_QUEUE):
+        yield

@@ -155,6 +155,8 @@ DATA_UPLOAD_MAX_NUMBER_FILES = env.int("DATA_UPLOAD_MAX_NUMBER_FILES", default=5
 
 # --- chat -------------------------------------------------------------------------------------
 
+# The Celery queue the inference worker serves (kvservice.server reads the same variable).
+INFERENCE_QUEUE = env.str("INFERENCE_QUEUE", default="inference")
 RETRIEVAL_TOP_K = env.int("RETRIEVAL_TOP_K", default=6)
 CHAT_MAX_NEW_TOKENS = env.int("CHAT_MAX_NEW_TOKENS", default=256)
 CHAT_MAX_QUESTION_CHARS = env.int("CHAT_MAX_QUESTION_CHARS", default=4000)

@@ -11,7 +11,6 @@ from django.utils import timezone
 
 from kvservice.protocol import (
     GENERATE_TASK,
-    INFERENCE_QUEUE,
     ChunkRef,
     GenerateRequest,
     Turn,
@@ -58,7 +57,7 @@ def _send(answer: Message, question: str, history: list[Turn], citations: list[C
         recompute_ratio=fixed_recompute_ratio(),  # None: the worker's controller decides
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
     )
-    celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=INFERENCE_QUEUE)
+    celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=settings.INFERENCE_QUEUE)
 
 
 @transaction.atomic
@@ -186,5 +185,3 @@ def _count(values) -> dict[str, int]:
     for value in values:
         counts[value] = counts.get(value, 0) + 1
     return counts
-
-

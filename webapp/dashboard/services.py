@@ -25,7 +25,6 @@ from django.utils import timezone
 from kvservice.protocol import (
     EVICT_TASK,
     GENERATE_TASK,
-    INFERENCE_QUEUE,
     WARM_TASK,
     ChunkRef,
     GenerateRequest,
@@ -48,7 +47,7 @@ class DashboardError(ValueError):
 
 def _send_inference(task: str, args: list[Any]) -> None:
     transaction.on_commit(
-        lambda: celery_app.send_task(task, args=args, queue=INFERENCE_QUEUE), robust=True
+        lambda: celery_app.send_task(task, args=args, queue=settings.INFERENCE_QUEUE), robust=True
     )
 
 
@@ -228,7 +227,9 @@ def fidelity_maybe_audit(
             )
             payload = request.to_dict()
             transaction.on_commit(
-                lambda: celery_app.send_task(GENERATE_TASK, args=[payload], queue=INFERENCE_QUEUE),
+                lambda: celery_app.send_task(
+                    GENERATE_TASK, args=[payload], queue=settings.INFERENCE_QUEUE
+                ),
                 robust=True,
             )
     except IntegrityError:
