@@ -14,6 +14,7 @@ from functools import cache
 from typing import Any
 
 from kvservice.chunk import token_ids_sha256
+from kvservice.prompt import chunk_token_ids
 
 # A sentence ends at . ! ? (optionally followed by closing quotes/brackets) before whitespace;
 # paragraph breaks always end one. Abbreviations split wrongly now and then; a chunk boundary
@@ -138,9 +139,9 @@ def chunk_text(text: str, *, tokenizer: Any, max_tokens: int = 512) -> list[Text
     if current:
         groups.append(current)
 
-    texts = [_join(group) for group in groups]
-    texts = [t for t in texts if t]
+    texts = [t for t in (_join(group) for group in groups) if t]
+    # The stored ids come from the one function the inference side uses for a chunk's ids.
     return [
-        TextChunk(index=i, text=t, token_ids=ids)
-        for i, (t, ids) in enumerate(zip(texts, tokenize(tokenizer, texts), strict=True))
+        TextChunk(index=i, text=t, token_ids=chunk_token_ids(tokenizer, t))
+        for i, t in enumerate(texts)
     ]

@@ -36,7 +36,7 @@ def embedder() -> Any:
 def _windows(model: Any, text: str) -> list[str]:
     tokenizer = model.tokenizer
     limit = model.max_seq_length - 2  # [CLS] and [SEP]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if len(ids) <= limit:
         return [text]
     step = limit

@@ -62,8 +62,9 @@ def kv_store() -> KVStoreClient:
 
 
 def prompt_head_ids(tokenizer: Any) -> list[int]:
-    """The deployment's fixed prompt head, as the engine defines it (every chunk is computed
-    after it, and its hash is part of the chunk key)."""
+    """The deployment's fixed prompt head as the inference worker builds it
+    (``kvservice.prompt.PromptFormat``): every chunk is computed after it, and its hash is
+    part of the chunk key, so the worker's lookups hit what we store."""
     from kvservice.prompt import PromptFormat
 
     return list(PromptFormat.for_tokenizer(tokenizer).head_ids)
@@ -98,9 +99,27 @@ class KVPrecomputer:
         """Each chunk's KV (``ChunkKV``) computed after the prompt head, in order."""
         from kvservice.model import precompute_chunks
 
-        if not chunks_ids:
-            return []
-        return precompute_chunks(self.model, self.head_ids, chunks_ids)
+        out: list[Any] = [None] * len(chunks_ids)
+        for group in length_groups([len(ids) for ids in chunks_ids]):
+            kvs = precompute_chunks(self.model, self.head_ids, [chunks_ids[i] for i in group])
+            for index, kv in zip(group, kvs, strict=True):
+                out[index] = kv
+        return out
+
+
+def length_groups(lengths: Sequence[int], *, min_fill: float = 0.8) -> list[list[int]]:
+    """Indices grouped so each group's chunks are within ``min_fill`` of its longest.
+
+    One forward pads every chunk of a batch to the longest; a document's last chunk is
+    often short, and padding it to 512 tokens would waste most of its compute."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    groups: list[list[int]] = []
+    for index in order:
+        if groups and lengths[index] >= min_fill * lengths[groups[-1][0]]:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
 
 
 @cache
