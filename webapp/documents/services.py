@@ -115,10 +115,14 @@ def document_upload(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> 
                    "error_message": refusal, "object_key": ""}  # fmt: skip
     else:
         key = original_object_key(owner_id=owner.pk, content_sha256=sha)
-        object_store().put_object(
-            settings.S3_DOCUMENTS_BUCKET, key, io.BytesIO(data), length=size,
-            content_type="application/octet-stream",
-        )  # fmt: skip
+        try:
+            object_store().put_object(
+                settings.S3_DOCUMENTS_BUCKET, key, io.BytesIO(data), length=size,
+                content_type="application/octet-stream",
+            )  # fmt: skip
+        except (S3Error, urllib3.exceptions.HTTPError, OSError) as err:
+            log.exception("could not store the original of %s", name)
+            raise TransientError("Storage is unavailable right now; try again shortly.") from err
         fields |= {"status": Status.QUEUED, "stage": Stage.UPLOADED, "progress": 0,
                    "error_message": "", "object_key": key}  # fmt: skip
 

@@ -26,9 +26,12 @@ def _get_document_for_user(request: HttpRequest, document_id: int) -> Document:
     return document
 
 
-def _list_response(request: HttpRequest, *, status: int = 200) -> HttpResponse:
+def _list_response(
+    request: HttpRequest, *, status: int = 200, errors: list[str] | None = None
+) -> HttpResponse:
     documents = list(selectors.document_list(owner=request.user))
     context = {
+        "errors": errors or [],
         "documents": documents,
         "polling": selectors.documents_active(documents),
         "poll_seconds": POLL_SECONDS,
@@ -41,15 +44,20 @@ def _list_response(request: HttpRequest, *, status: int = 200) -> HttpResponse:
 @login_required
 @require_http_methods(["GET", "POST"])
 def document_list(request: HttpRequest) -> HttpResponse:
-    if request.method == "POST":
-        files = request.FILES.getlist("files")
-        if not files:
-            messages.error(request, "Choose one or more files to upload.")
-        for uploaded_file in files:
+    if request.method != "POST":
+        return _list_response(request)
+    files = request.FILES.getlist("files")
+    errors = [] if files else ["Choose one or more files to upload."]
+    for uploaded_file in files:
+        try:
             services.document_upload(owner=request.user, uploaded_file=uploaded_file)
-        if not request.htmx:
-            return redirect("documents:list")
-    return _list_response(request)
+        except services.TransientError as err:
+            errors.append(f"{uploaded_file.name}: {err}")
+    if request.htmx:
+        return _list_response(request, errors=errors)
+    for error in errors:
+        messages.error(request, error)
+    return redirect("documents:list")
 
 
 @login_required

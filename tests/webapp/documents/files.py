@@ -15,9 +15,7 @@ SENTENCES = [
 
 
 def paragraph(topic: str, n: int = 5) -> str:
-    return " ".join(f"{s} ({topic} {i})" for i, s in enumerate(SENTENCES * (n // 5 + 1)))[
-        : 10_000
-    ]
+    return " ".join(f"{s} ({topic} {i})" for i, s in enumerate(SENTENCES * (n // 5 + 1)))[:10_000]
 
 
 def text_bytes(topic: str = "text", encoding: str = "utf-8") -> bytes:
@@ -81,9 +79,11 @@ def pdf_bytes(topic: str = "pdf", lines: list[str] | None = None) -> bytes:
     if lines is None:
         words = paragraph(topic).split(" ")
         lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
-    content = "BT /F1 10 Tf 14 TL 50 780 Td " + " ".join(
-        f"({_pdf_escape(line)}) Tj T*" for line in lines
-    ) + " ET"
+    content = (
+        "BT /F1 10 Tf 14 TL 50 780 Td "
+        + " ".join(f"({_pdf_escape(line)}) Tj T*" for line in lines)
+        + " ET"
+    )
     objects = [
         "<< /Type /Catalog /Pages 2 0 R >>",
         "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",

@@ -144,3 +144,19 @@ def test_retry_and_delete_need_post(alice_client, user) -> None:
     document = Document.objects.create(owner=user, title="x", content_sha256="9" * 64)
     assert alice_client.get(reverse("documents:delete", args=[document.pk])).status_code == 405
     assert Document.objects.filter(pk=document.pk).exists()
+
+
+def test_upload_without_files_says_so(alice_client) -> None:
+    response = alice_client.post(reverse("documents:list"), {}, HTTP_HX_REQUEST="true")
+    assert "Choose one or more files" in response.content.decode()
+
+
+def test_htmx_upload_returns_the_list_with_the_new_document(alice_client) -> None:
+    response = alice_client.post(
+        reverse("documents:list"),
+        {"files": [upload("fresh.txt", files.text_bytes("fresh"))]},
+        HTTP_HX_REQUEST="true",
+    )
+    html = response.content.decode()
+    assert response.status_code == 200 and "fresh.txt" in html
+    assert 'hx-trigger="every' in html  # it is queued, so the list polls
