@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvservice.store.benchio import StoreBench
+
+from .conftest import L, make_chunk
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk", "s3"])
+def test_bench_stages_in_one_tier_and_reports_loading(tier, s3_service):
+    chunks = [make_chunk(60 + i) for i in range(3)]
+    bench = StoreBench(tier, environ=dict(s3_service.env))
+    try:
+        bench.stage(chunks)
+        key = bench._keys[id(chunks[0])]
+        assert bench.store.where(key) == tier
+        assert bench.sources(chunks, "full") == chunks  # full reads no cached KV
+        prefix = bench.sources(chunks, "prefix")
+        assert prefix[1:] == [None, None]
+        for mode in ("blend", "blend"):
+            sources = bench.sources(chunks, mode)
+            for i in range(L):
+                for source, chunk in zip(sources, chunks, strict=True):
+                    assert torch.equal(source.layer(i)[0], chunk.k[i])
+        report = bench.report("blend", prompt_tokens=60, num_layers=L, full_ttft_s=0.5)
+        assert report["tier"] == tier and report["load_s"] > 0
+        assert 0.0 <= report["hidden_load_fraction"] <= 1.0
+        assert 0.15 <= report["ratio_chosen"] <= 1.0
+        assert (
+            bench.report("full", prompt_tokens=60, num_layers=L, full_ttft_s=0.5)["load_s"] == 0.0
+        )
+        assert bench.store.where(key) == tier  # no promotion: every repeat starts there
+    finally:
+        bench.close()
