@@ -38,13 +38,13 @@ def _fit_context(
 ) -> tuple[list[int], list[list[int]], list[int], list[int]]:
     """(chunk ids kept, their token ids, suffix ids, dropped chunk ids): drop old turns, then
     the least relevant (last) chunks, until the prompt and the answer fit the context."""
-    tokenizer, prompt = runtime.tokenizer, runtime.prompt
+    prompt = runtime.prompt
     budget = runtime.context_len - request.max_new_tokens - len(prompt.head_ids)
     history = [(turn.role, turn.content) for turn in request.history]
-    suffix = prompt.suffix_ids(tokenizer, request.question, history)
+    suffix = prompt.question_ids(request.question, history)
     while history and len(suffix) > budget // 4:
         history = history[2:]
-        suffix = prompt.suffix_ids(tokenizer, request.question, history)
+        suffix = prompt.question_ids(request.question, history)
     chunks = list(request.chunks)
     while chunks and sum(len(c.token_ids) for c in chunks) + len(suffix) > budget:
         chunks.pop()

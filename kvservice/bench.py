@@ -34,8 +34,8 @@ import torch
 from kvservice.blend import MODES, BlendResult, Mode, blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.engine import PromptFormat
 from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.prompt import PromptFormat
 from kvservice.store.benchio import TIERS, store_bench
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions using the given passages."

@@ -52,7 +52,9 @@ class ChunkKV:
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4:
-            raise ValueError(f"K and V must both be [L, H_kv, T, D]; got {self.k.shape}, {self.v.shape}")
+            raise ValueError(
+                f"K and V must both be [L, H_kv, T, D]; got {self.k.shape}, {self.v.shape}"
+            )
         if self.k.shape[2] != len(self.token_ids):
             raise ValueError(f"KV has {self.k.shape[2]} tokens but {len(self.token_ids)} token ids")
 

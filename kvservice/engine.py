@@ -17,75 +17,8 @@ import torch
 
 from kvservice.blend import BlendResult, Mode, blend_prefill
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.model import KVCache, Transformer, head_hash, precompute_chunks, precompute_head
-
-_SENTINEL = "\x00RAGBLEND-USER-CONTENT\x00"
-
-
-# --------------------------------------------------------------------------------------------
-# Prompt format
-
-
-@dataclass
-class Prompt:
-    head_ids: list[int]
-    chunk_ids: list[list[int]]
-    question_ids: list[int]
-
-    @property
-    def token_ids(self) -> list[int]:
-        ids = list(self.head_ids)
-        for chunk in self.chunk_ids:
-            ids += chunk
-        return ids + list(self.question_ids)
-
-
-class PromptFormat:
-    """Builds the parts of the prompt with the model's chat template.
-
-    The user turn is ``instruction + chunks + question_prefix + question``; the template's
-    text before the user content plus the instruction is the head, the text after it (end of
-    the user turn, assistant opening) closes the question part."""
-
-    def __init__(
-        self,
-        tokenizer,
-        system_prompt: str | None = None,
-        instruction: str = "",
-        question_prefix: str = "Question: ",
-        chunk_separator: str = "\n\n",
-    ):
-        self.tokenizer = tokenizer
-        self.instruction = instruction
-        self.question_prefix = question_prefix
-        self.chunk_separator = chunk_separator
-        messages = [{"role": "user", "content": _SENTINEL}]
-        if system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        before, after = rendered.split(_SENTINEL)
-        self.head_text = before + instruction
-        self.tail_text = after
-        self.head_ids = self._encode(self.head_text)
-        self.head_hash = head_hash(self.head_ids)
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def chunk_ids(self, text: str) -> list[int]:
-        """A chunk's token ids: tokenized on its own, the same way at precompute and query."""
-        return self._encode(text + self.chunk_separator)
-
-    def question_ids(self, question: str) -> list[int]:
-        return self._encode(self.question_prefix + question + self.tail_text)
-
-    def build(self, chunk_texts: Sequence[str], question: str) -> Prompt:
-        return Prompt(
-            self.head_ids, [self.chunk_ids(t) for t in chunk_texts], self.question_ids(question)
-        )
-
+from kvservice.model import KVCache, Transformer, precompute_chunks, precompute_head
+from kvservice.prompt import Prompt, PromptFormat
 
 # --------------------------------------------------------------------------------------------
 # Sampling

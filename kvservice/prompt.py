@@ -1,15 +1,16 @@
-"""The product's prompt, as token ids: ``[head][chunk 1]…[chunk n][suffix]``.
+"""The prompt, as token ids: ``[head][chunk 1]…[chunk n][question part]``.
 
-- The head (chat-template opening, system prompt, the user turn's opening) is the same for
-  every question of a deployment. Chunks are precomputed *after* it, and its hash is part of
-  every chunk's cache key, so changing the system prompt never serves stale KV.
-- Each chunk is its stored token ids (the chunk's text tokenized on its own, without special
-  tokens), exactly as at precompute time.
-- The suffix carries the recent conversation, the question and the assistant turn's opening;
-  it is always computed fresh.
+- The head (chat-template opening, system prompt, the user turn's opening and instruction) is
+  the same for every question of a deployment. Chunks are precomputed *after* it, and its
+  hash is part of every chunk's cache key, so changing the system prompt never serves stale KV.
+- Each chunk is its text tokenized on its own, without special tokens, exactly the same way
+  at precompute and at query time (so the cached tokens are exactly the prompt's tokens).
+- The question part carries the recent conversation, the question, the end of the user turn
+  and the assistant turn's opening; it is always computed fresh.
 
 The chat template comes from the model's own tokenizer, so any Llama/Mistral/Qwen2 checkpoint
-gets its own format.
+gets its own format. One class serves the product (``PromptFormat.for_tokenizer``) and the
+benchmark (the paper's Musique prompt, built with other texts).
 """
 
 from __future__ import annotations
@@ -28,18 +29,36 @@ SOURCES_INTRO = "Sources:\n\n"
 _MARK = "\u2063RAGBLEND_USER_CONTENT\u2063"
 
 
-@dataclass(frozen=True)
-class PromptFormat:
-    head_ids: tuple[int, ...]
-    head_text: str
-    suffix_template: str  # text after the user's content: end of turn + assistant opening
+@dataclass
+class Prompt:
+    head_ids: list[int]
+    chunk_ids: list[list[int]]
+    question_ids: list[int]
 
     @property
-    def head_hash(self) -> str:
-        return token_ids_sha256(self.head_ids)
+    def token_ids(self) -> list[int]:
+        ids = list(self.head_ids)
+        for chunk in self.chunk_ids:
+            ids += chunk
+        return ids + list(self.question_ids)
 
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Any, system_prompt: str = SYSTEM_PROMPT) -> PromptFormat:
+
+class PromptFormat:
+    """Builds the parts of the prompt with the model's chat template: the user turn is
+    ``instruction + chunks + question_prefix + question``."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        system_prompt: str | None = None,
+        instruction: str = "",
+        question_prefix: str = "Question: ",
+        chunk_separator: str = "\n\n",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.instruction = instruction
+        self.question_prefix = question_prefix
+        self.chunk_separator = chunk_separator
         messages = [{"role": "user", "content": _MARK}]
         if system_prompt:
             messages.insert(0, {"role": "system", "content": system_prompt})
@@ -48,30 +67,51 @@ class PromptFormat:
                 messages, tokenize=False, add_generation_prompt=True
             )
         else:  # a base model: plain text turns
-            rendered = f"{system_prompt}\n\nUser: {_MARK}\nAssistant:"
+            rendered = f"{system_prompt or ''}\n\nUser: {_MARK}\nAssistant:"
         before, after = rendered.split(_MARK)
-        head_text = before + SOURCES_INTRO
-        head_ids = tuple(tokenizer(head_text, add_special_tokens=False)["input_ids"])
-        return cls(head_ids=head_ids, head_text=head_text, suffix_template=after)
+        self.head_text = before + instruction
+        self.tail_text = after
+        self.head_ids = self._encode(self.head_text)
+        self.head_hash = token_ids_sha256(self.head_ids)
 
-    def suffix_text(self, question: str, history: Sequence[tuple[str, str]] = ()) -> str:
-        """``history`` is (role, content) pairs, oldest first."""
-        lines = ["", ""]
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, system_prompt: str = SYSTEM_PROMPT) -> PromptFormat:
+        """The product's prompt. Chunks are stored as their bare text's ids (documents keep
+        exactly those), so the blank line goes before the question instead."""
+        return cls(
+            tokenizer,
+            system_prompt,
+            instruction=SOURCES_INTRO,
+            question_prefix="\n\nQuestion: ",
+            chunk_separator="",
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chunk_ids(self, text: str) -> list[int]:
+        """A chunk's token ids: tokenized on its own, the same way at precompute and query."""
+        return self._encode(text + self.chunk_separator)
+
+    def question_ids(self, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """``history`` is (role, content) pairs, oldest first, put before the question."""
+        earlier = ""
         if history:
-            lines.append("Earlier in this conversation:")
-            lines += [f"{'User' if role == 'user' else 'Assistant'}: {text}" for role, text in history]
-            lines.append("")
-        lines.append(f"Question: {question}")
-        return "\n".join(lines) + self.suffix_template
+            turns = [
+                f"{'User' if role == 'user' else 'Assistant'}: {text}" for role, text in history
+            ]
+            earlier = "\n\nEarlier in this conversation:\n" + "\n".join(turns)
+        return self._encode(earlier + self.question_prefix + question + self.tail_text)
 
-    def suffix_ids(
-        self, tokenizer: Any, question: str, history: Sequence[tuple[str, str]] = ()
-    ) -> list[int]:
-        return list(
-            tokenizer(self.suffix_text(question, history), add_special_tokens=False)["input_ids"]
+    def build(self, chunk_texts: Sequence[str], question: str) -> Prompt:
+        return Prompt(
+            list(self.head_ids),
+            [self.chunk_ids(t) for t in chunk_texts],
+            self.question_ids(question),
         )
 
 
 def chunk_token_ids(tokenizer: Any, text: str) -> list[int]:
-    """A chunk's ids: its text tokenized on its own, the same at ingest and at query time."""
+    """The product's chunk ids (``PromptFormat.for_tokenizer``: the bare text, no separator),
+    for ingest code that has a tokenizer but no prompt format at hand."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -106,7 +106,7 @@ class Runtime:
         self.model = Transformer.from_pretrained(path, device=device)
         self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
         self.head_kv = precompute_head(self.model, list(self.prompt.head_ids))
-        self.engine = Engine(self.model, self.tokenizer)
+        self.engine = Engine(self.model, self.tokenizer, self.prompt)
         self.store = TieredStore.from_config(StoreConfig.from_env())
         self.loader = KVLoader(self.store)
         self.controller = LoadingController()

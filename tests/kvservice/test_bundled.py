@@ -53,7 +53,8 @@ def test_minilm_dir_loads_offline():
 def test_bundled_dir_answers_a_prompt_like_our_engine(smollm2_dir, smollm2, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvservice.engine import Engine, PromptFormat, Request, SamplingParams
+    from kvservice.engine import Engine, Request, SamplingParams
+    from kvservice.prompt import PromptFormat
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.engine import Engine, PromptFormat, Request, SamplingParams, sample_next
+from kvservice.engine import Engine, Request, SamplingParams, sample_next
+from kvservice.prompt import PromptFormat
 
 PASSAGES = [
     "Paris is the capital and largest city of France.",
