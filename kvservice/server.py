@@ -125,6 +125,11 @@ class Runtime:
         if self.model is not None:
             state["store"] = self.store.stats().to_dict()
             state["controller"] = self.controller.snapshot()
+            config = self.model.config  # K and V, every layer, at the model's dtype
+            element = self.model.embed_tokens.weight.element_size()
+            state["kv_bytes_per_token"] = (
+                2 * config.n_layers * config.n_kv_heads * config.head_dim * element
+            )
             state["batch"] = {"active": self.batcher.active, "steps": self.batcher.steps}
         return state
 
