@@ -54,6 +54,9 @@ class Document(models.Model):
     stage = models.CharField(max_length=16, choices=Stage.choices, default=Stage.UPLOADED)
     progress = models.PositiveSmallIntegerField(default=0)  # 0..100
     error_message = models.TextField(blank=True)
+    # Ingest runs started since the last upload/retry: a file that kills the worker process
+    # (redelivered each time) is given up on instead of looping forever.
+    ingest_attempts = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     ready_at = models.DateTimeField(null=True, blank=True)

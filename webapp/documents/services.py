@@ -34,6 +34,8 @@ Status, Stage = Document.Status, Document.Stage
 # Progress milestones: the ingest stages share 0..70 %, the KV step fills 70..100 %.
 PROGRESS = {Stage.PARSING: 5, Stage.CHUNKING: 25, Stage.EMBEDDING: 40, Stage.KV: 70}
 _S3_MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
+# Task retries (transient errors) count too, so this sits above the task's max_retries.
+MAX_INGEST_ATTEMPTS = 8
 
 
 class TransientError(RuntimeError):
@@ -124,7 +126,7 @@ def document_upload(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> 
             log.exception("could not store the original of %s", name)
             raise TransientError("Storage is unavailable right now; try again shortly.") from err
         fields |= {"status": Status.QUEUED, "stage": Stage.UPLOADED, "progress": 0,
-                   "error_message": "", "object_key": key}  # fmt: skip
+                   "error_message": "", "object_key": key, "ingest_attempts": 0}  # fmt: skip
 
     try:
         with transaction.atomic():
@@ -171,7 +173,7 @@ def document_retry(*, document: Document) -> Document:
         raise RetryNotPossible("This file was refused at upload; upload a corrected file instead.")
     with transaction.atomic():
         _update(document.pk, status=Status.QUEUED, stage=Stage.UPLOADED, progress=0,
-                error_message="")  # fmt: skip
+                error_message="", ingest_attempts=0)  # fmt: skip
         Chunk.objects.filter(document=document, kv_status=Chunk.KVStatus.FAILED).update(
             kv_status=Chunk.KVStatus.PENDING, kv_error=""
         )
@@ -209,11 +211,31 @@ def _claim(document_id: int) -> Document | None:
         document = Document.objects.select_for_update().filter(pk=document_id).first()
         if document is None or document.status not in (Status.QUEUED, Status.PROCESSING):
             return None
+        document.ingest_attempts += 1
+        if document.ingest_attempts > MAX_INGEST_ATTEMPTS:
+            document.status = Status.FAILED
+            document.error_message = (
+                "Processing this file stopped the worker several times; it may be too large "
+                "or malformed."
+            )
+            document.save(
+                update_fields=["status", "error_message", "ingest_attempts", "updated_at"]
+            )
+            return None
         document.status = Status.PROCESSING
         document.stage = Stage.PARSING
         document.progress = PROGRESS[Stage.PARSING]
         document.error_message = ""
-        document.save(update_fields=["status", "stage", "progress", "error_message", "updated_at"])
+        document.save(
+            update_fields=[
+                "status",
+                "stage",
+                "progress",
+                "error_message",
+                "ingest_attempts",
+                "updated_at",
+            ]  # fmt: skip
+        )
         return document
 
 

@@ -99,3 +99,18 @@ def test_upload_reads_from_a_file_object_position_independent(user) -> None:
     document = services.document_upload(owner=user, uploaded_file=uploaded)
     stored = object_store().get_object(settings.S3_DOCUMENTS_BUCKET, document.object_key)
     assert io.BytesIO(stored.read()).getvalue() == files.text_bytes("position")
+
+
+def test_a_document_that_keeps_killing_the_worker_is_given_up_on(user) -> None:
+    document = services.document_upload(
+        owner=user, uploaded_file=upload("loop.txt", files.text_bytes("loop"))
+    )
+    # Each redelivery after a worker death claims it again; past the limit it fails.
+    for _ in range(services.MAX_INGEST_ATTEMPTS):
+        assert services._claim(document.pk) is not None
+    assert services._claim(document.pk) is None
+    document.refresh_from_db()
+    assert document.status == "failed" and "stopped the worker" in document.error_message
+    services.document_retry(document=document)
+    document.refresh_from_db()
+    assert (document.status, document.ingest_attempts) == ("queued", 0)
