@@ -330,11 +330,22 @@ def _lock_kv_key(key: str) -> None:
         cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [key])
 
 
-def document_precompute_kv(*, chunk_ids: Sequence[int]) -> None:
-    """Compute and store the KV of these chunks (skipping any the store already holds), mark
-    them ready, and finish their documents. Store outages raise ``TransientError``."""
+def document_precompute_kv(
+    *, chunk_ids: Sequence[int] | None = None, document_id: int | None = None
+) -> None:
+    """Compute and store the KV of these chunks (or of all of a document's chunks), skipping
+    any the store already holds; mark them ready and finish their documents. Store outages
+    raise ``TransientError``."""
     from webapp.documents.kv import kv_precomputer, kv_store
 
+    if (chunk_ids is None) == (document_id is None):
+        raise ValueError("pass exactly one of chunk_ids and document_id")
+    if chunk_ids is None:
+        chunk_ids = list(
+            Chunk.objects.filter(document_id=document_id)
+            .order_by("index")
+            .values_list("pk", flat=True)
+        )
     chunks = list(
         Chunk.objects.filter(pk__in=chunk_ids, document__status=Status.PROCESSING)
         .exclude(kv_status=Chunk.KVStatus.READY)

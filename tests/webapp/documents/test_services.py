@@ -114,3 +114,37 @@ def test_a_document_that_keeps_killing_the_worker_is_given_up_on(user) -> None:
     services.document_retry(document=document)
     document.refresh_from_db()
     assert (document.status, document.ingest_attempts) == ("queued", 0)
+
+
+def _processing_document(user, name: str, texts: list[str]) -> Document:
+    from kvservice.chunk import token_ids_sha256
+    from webapp.documents.chunking import llm_tokenizer
+
+    tokenizer = llm_tokenizer()
+    document = Document.objects.create(owner=user, title=name, content_sha256=name.ljust(64, "0"),
+                                       status="processing", stage="kv", progress=70)  # fmt: skip
+    for index, text in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        sha = token_ids_sha256(ids)
+        Chunk.objects.create(document=document, index=index, text=text, token_ids=ids,
+                             token_count=len(ids), token_ids_sha256=sha)  # fmt: skip
+    return document
+
+
+def test_precompute_by_document_stores_shared_kv_once_and_finishes_documents(user) -> None:
+    first = _processing_document(user, "first", ["The keeper lit the lamp.", "Storms came."])
+    second = _processing_document(user, "second", ["Storms came."])  # the same chunk again
+
+    services.document_precompute_kv(document_id=first.pk)
+    first.refresh_from_db()
+    assert (first.status, first.stage, first.progress) == ("ready", "done", 100)
+    keys = dict(first.chunks.values_list("text", "kv_key"))
+    assert all(kv_store().contains(key) for key in keys.values())
+
+    services.document_precompute_kv(chunk_ids=list(second.chunks.values_list("pk", flat=True)))
+    second.refresh_from_db()
+    assert second.status == "ready"
+    assert second.chunks.get().kv_key == keys["Storms came."]  # one content-addressed object
+
+    with pytest.raises(ValueError):
+        services.document_precompute_kv()
