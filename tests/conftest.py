@@ -136,7 +136,9 @@ def celery_worker_process(
     with django_db_blocker.unblock():
         database_url = _test_database_url()
     log_path = tmp_path_factory.mktemp("logs") / "celery.log"
-    env = {**os.environ, "DATABASE_URL": database_url, "PYTHONUNBUFFERED": "1"}
+    # What this worker sends to the inference worker (fidelity audits) goes to the live one.
+    env = {**os.environ, "DATABASE_URL": database_url, "PYTHONUNBUFFERED": "1",
+           "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE}  # fmt: skip
     process = _spawn_worker(
         [sys.executable, "-m", "celery", "-A", "worker", "worker", "-Q", "ingest,kv",
          "--concurrency", "1", "--hostname", "ingest-test@%h", "--loglevel", "INFO",

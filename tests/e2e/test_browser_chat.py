@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from deploy import services
-from tests.conftest import ROOT, _test_database_url, wait_for
+from tests.conftest import LIVE_INFERENCE_QUEUE, ROOT, _test_database_url, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = ROOT / "artifacts"
@@ -34,7 +34,7 @@ def asgi_server(django_db_blocker, tmp_path):
         database_url = _test_database_url()
     port = services.free_port()
     log = tmp_path / "uvicorn.log"
-    env = {**os.environ, "DATABASE_URL": database_url}
+    env = {**os.environ, "DATABASE_URL": database_url, "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE}
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1",
          "--port", str(port)],
