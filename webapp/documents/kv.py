@@ -71,7 +71,7 @@ def prompt_head_ids(tokenizer: Any) -> list[int]:
 
 
 class KVPrecomputer:
-    """The LLM (loaded once per process) plus the prompt head: token ids -> encoded KV."""
+    """The LLM (loaded once per process) plus the prompt head: token ids -> ChunkKV."""
 
     def __init__(self) -> None:
         import torch
