@@ -5,6 +5,7 @@ entry disappears on its own; /healthz and the dashboard read it."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -13,12 +14,18 @@ HEARTBEAT_INTERVAL_S = 5.0
 HEARTBEAT_TTL_S = 20
 
 
+def heartbeat_key() -> str:
+    """The Redis key; ``HEARTBEAT_KEY`` in the environment names another (two workers on
+    one Redis that must not be confused, as in the test suite)."""
+    return os.environ.get("HEARTBEAT_KEY") or HEARTBEAT_KEY
+
+
 def write_heartbeat(client: Any, **status: Any) -> None:
     payload = {"ts": time.time(), **status}
-    client.set(HEARTBEAT_KEY, json.dumps(payload), ex=HEARTBEAT_TTL_S)
+    client.set(heartbeat_key(), json.dumps(payload), ex=HEARTBEAT_TTL_S)
 
 
 def read_heartbeat(client: Any) -> dict[str, Any] | None:
     """The last heartbeat, or None when the worker has not written one within the TTL."""
-    raw = client.get(HEARTBEAT_KEY)
+    raw = client.get(heartbeat_key())
     return json.loads(raw) if raw else None

@@ -8,6 +8,7 @@ against the same services and the test database.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ TEST_S3_BUCKETS = ("documents", "kvcache")
 # The real inference worker serves its own queue in tests, so that fast tests can inspect
 # what lands on the default ``inference`` queue while the worker (a session fixture) runs.
 LIVE_INFERENCE_QUEUE = "inference-live"
+LIVE_HEARTBEAT_KEY = "ragblend:inference:heartbeat:live"  # likewise for its heartbeat
 ROOT = Path(__file__).resolve().parent.parent
 
 _started: list[services.RunningService] = []
@@ -99,9 +101,7 @@ def _test_database_url() -> str:
     from django.db import connection
 
     cfg = connection.settings_dict
-    return (
-        f"postgres://{cfg['USER']}:{cfg['PASSWORD']}@{cfg['HOST']}:{cfg['PORT']}/{cfg['NAME']}"
-    )
+    return f"postgres://{cfg['USER']}:{cfg['PASSWORD']}@{cfg['HOST']}:{cfg['PORT']}/{cfg['NAME']}"
 
 
 def wait_for(predicate, *, timeout: float, interval: float = 0.2, what: str = "condition"):
@@ -165,17 +165,19 @@ def inference_worker_process(
     redis_service, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[subprocess.Popen]:
     """The real inference worker (``python -m kvservice.server``) with the bundled model."""
-    from kvservice.heartbeat import read_heartbeat
     from webapp.redis import redis_client
 
     log_path = tmp_path_factory.mktemp("logs") / "inference.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_CONCURRENCY": "4",
-           "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE}  # fmt: skip
+           "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE,
+           "HEARTBEAT_KEY": LIVE_HEARTBEAT_KEY}  # fmt: skip
     process = _spawn_worker([sys.executable, "-m", "kvservice.server"], log_path, env)
     try:
         wait_for(
-            lambda: process.poll() is not None
-            or (read_heartbeat(redis_client()) or {}).get("model_loaded"),
+            lambda: (
+                process.poll() is not None
+                or (json.loads(redis_client().get(LIVE_HEARTBEAT_KEY) or "{}")).get("model_loaded")
+            ),
             timeout=300,
             interval=1,
             what="the inference worker's heartbeat",
@@ -189,11 +191,16 @@ def inference_worker_process(
 
 @pytest.fixture(autouse=True)
 def _route_requests_to_the_live_worker(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Tests that use the real inference worker send their requests to its queue."""
+    """Tests that use the real inference worker send their requests to its queue and read
+    its heartbeat."""
     if "inference_worker_process" not in request.fixturenames:
         yield
         return
     from django.test import override_settings
 
-    with override_settings(INFERENCE_QUEUE=LIVE_INFERENCE_QUEUE):
+    with (
+        override_settings(INFERENCE_QUEUE=LIVE_INFERENCE_QUEUE),
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        mp.setenv("HEARTBEAT_KEY", LIVE_HEARTBEAT_KEY)
         yield

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from deploy import services
-from tests.conftest import LIVE_INFERENCE_QUEUE, ROOT, _test_database_url, wait_for
+from tests.conftest import (
+    LIVE_HEARTBEAT_KEY,
+    LIVE_INFERENCE_QUEUE,
+    ROOT,
+    _test_database_url,
+    wait_for,
+)
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = ROOT / "artifacts"
@@ -34,7 +40,8 @@ def asgi_server(django_db_blocker, tmp_path):
         database_url = _test_database_url()
     port = services.free_port()
     log = tmp_path / "uvicorn.log"
-    env = {**os.environ, "DATABASE_URL": database_url, "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE}
+    env = {**os.environ, "DATABASE_URL": database_url, "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE,
+           "HEARTBEAT_KEY": LIVE_HEARTBEAT_KEY}  # fmt: skip
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1",
          "--port", str(port)],
@@ -66,7 +73,12 @@ def browser():
 
 
 def test_log_in_upload_ask_and_watch_the_answer_stream(
-    celery_worker_process, inference_worker_process, asgi_server, browser, django_user_model, tmp_path
+    celery_worker_process,
+    inference_worker_process,
+    asgi_server,
+    browser,
+    django_user_model,
+    tmp_path,
 ) -> None:
     from selenium.webdriver.common.by import By
 

@@ -28,7 +28,9 @@ TEXT = (
 
 def upload_ready(user, text: str = TEXT, name: str = "kelmora.txt") -> Document:
     with TestCase.captureOnCommitCallbacks(execute=True):
-        document = document_upload(owner=user, uploaded_file=SimpleUploadedFile(name, text.encode()))
+        document = document_upload(
+            owner=user, uploaded_file=SimpleUploadedFile(name, text.encode())
+        )
 
     def ready():
         document.refresh_from_db()
@@ -65,7 +67,9 @@ def test_upload_ask_and_stream_a_cited_answer(
 
     conversation = chat.conversation_create(owner=user)
     with TestCase.captureOnCommitCallbacks(execute=True):
-        answer = chat.chat_ask(user=user, conversation=conversation, question="Who built the Zorbian lighthouse?")
+        answer = chat.chat_ask(
+            user=user, conversation=conversation, question="Who built the Zorbian lighthouse?"
+        )
     tokens, kind, payload = collect_stream(str(answer.request_id))
     assert kind == "done", payload
     assert len(tokens) > 1  # streamed piece by piece, not in one block
@@ -103,7 +107,9 @@ def test_another_user_cannot_see_the_conversation_or_retrieve_the_chunks(
     assert client.get(f"/chat/messages/{answer.id}/stream").status_code == 404
     other_conversation = chat.conversation_create(owner=other)
     with TestCase.captureOnCommitCallbacks(execute=True):
-        theirs = chat.chat_ask(user=other, conversation=other_conversation, question="Quillan lighthouse?")
+        theirs = chat.chat_ask(
+            user=other, conversation=other_conversation, question="Quillan lighthouse?"
+        )
     assert theirs.citations.count() == 0  # nothing of the owner's is retrievable
     _tokens, kind, payload = collect_stream(str(theirs.request_id))
     assert kind == "done", payload
@@ -112,13 +118,20 @@ def test_another_user_cannot_see_the_conversation_or_retrieve_the_chunks(
 def test_staff_modes_all_answer_and_full_reads_no_cache(
     celery_worker_process, inference_worker_process, django_user_model
 ) -> None:
-    staff = django_user_model.objects.create_user(username="ops", password="ops-pass", is_staff=True)
+    staff = django_user_model.objects.create_user(
+        username="ops", password="ops-pass", is_staff=True
+    )
     upload_ready(staff, TEXT.replace("Zorbian", "Merrow"), "merrow.txt")
     conversation = chat.conversation_create(owner=staff)
     seen = {}
     for mode in ("full", "reuse", "prefix", "blend"):
         with TestCase.captureOnCommitCallbacks(execute=True):
-            answer = chat.chat_ask(user=staff, conversation=conversation, question="Where is the Merrow lighthouse?", mode=mode)
+            answer = chat.chat_ask(
+                user=staff,
+                conversation=conversation,
+                question="Where is the Merrow lighthouse?",
+                mode=mode,
+            )
         _tokens, kind, payload = collect_stream(str(answer.request_id))
         assert kind == "done", (mode, payload)
         seen[mode] = payload["metrics"]

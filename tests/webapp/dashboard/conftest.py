@@ -8,7 +8,7 @@ import torch
 
 from kvservice.chunk import ChunkKV
 from kvservice.controller import LoadingController
-from kvservice.heartbeat import HEARTBEAT_KEY, write_heartbeat
+from kvservice.heartbeat import heartbeat_key, write_heartbeat
 from kvservice.store.disk import DiskTier
 from kvservice.store.memory import MemoryTier
 from kvservice.store.tiered import TieredStore
@@ -66,4 +66,4 @@ def worker_heartbeat(tmp_path) -> Iterator[dict]:
 
     write_heartbeat(redis_client(), **beat)
     yield beat
-    redis_client().delete(HEARTBEAT_KEY)
+    redis_client().delete(heartbeat_key())
