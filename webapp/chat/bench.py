@@ -103,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"uploaded {len(documents)} passages; waiting for ready (KV included)…", flush=True)
     deadline = time.monotonic() + 900
     while True:
-        states = [api.json("GET", f"/api/v1/documents/{d['id']}")["status"] for d in documents]
-        if all(s in ("ready", "failed") for s in states):
+        listing = api.json("GET", "/api/v1/documents?limit=100")  # one request: rate limits
+        wanted = {d["id"] for d in documents}
+        states = [item["status"] for item in listing["items"] if item["id"] in wanted]
+        if len(states) == len(wanted) and all(s in ("ready", "failed") for s in states):
             break
         if time.monotonic() > deadline:
             print("documents did not become ready in 15 minutes", file=sys.stderr)
             return 1
-        time.sleep(2)
+        time.sleep(3)
 
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for example in examples:
