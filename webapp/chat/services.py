@@ -3,6 +3,7 @@ answer when it is complete, stop, regenerate, feedback."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from django.conf import settings
@@ -170,7 +171,7 @@ def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> Non
         answer.prompt_tokens = metrics.get("prompt_tokens")
         answer.completion_tokens = metrics.get("completion_tokens")
         chunk_tiers: dict[str, str] = metrics.get("chunk_tiers") or {}
-        answer.tiers = _count(chunk_tiers.values())
+        answer.tiers = dict(Counter(chunk_tiers.values()))
         answer.completed_at = timezone.now()
         answer.save()
         for citation in answer.citations.all():
@@ -178,10 +179,3 @@ def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> Non
             if tier:
                 citation.tier = tier
                 citation.save(update_fields=["tier"])
-
-
-def _count(values) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for value in values:
-        counts[value] = counts.get(value, 0) + 1
-    return counts
