@@ -1,24 +1,26 @@
 """Waiting for an answer: the inference worker's token stream in Redis, read with a deadline.
 
-The browser's SSE relay (webapp/chat/views.py) reads the same stream with an asyncio client;
-programs get it here either whole (``wait_for_answer``) or event by event (``answer_events``).
+Programs get the answer either event by event (``answer_events``, an async iterator, so that a
+streamed response under ASGI sends each token as it comes) or whole (``wait_for_answer``).
 Nothing waits forever: past ``API_ANSWER_TIMEOUT_S`` the caller gets a timeout."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import async_to_sync
 from django.conf import settings
 
-from kvservice.protocol import read_events
+from kvservice.protocol import answer_stream, decode_events
 from webapp.chat.models import Message
-from webapp.redis import redis_client
+from webapp.redis import async_redis_client
 
-# Below the client's socket timeout (5 s), so a quiet stream is a timeout, not an error.
+# How long one read blocks before the deadline is checked again.
 BLOCK_MS = 4000
 
 
@@ -34,23 +36,30 @@ class FinishedAnswer:
     metrics: dict[str, Any]
 
 
-def answer_events(request_id: str, *, timeout_s: float | None = None) -> Iterator[tuple[str, dict]]:
+async def answer_events(
+    request_id: str, *, timeout_s: float | None = None
+) -> AsyncIterator[tuple[str, dict]]:
     """(type, payload) of each event until ``done``/``error`` (included); raises
     ``AnswerTimeout`` when the end has not come within ``timeout_s``."""
     timeout_s = settings.API_ANSWER_TIMEOUT_S if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
-    client, last_id = redis_client(), "0"
-    while True:
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0:
-            raise AnswerTimeout(f"The model did not answer within {timeout_s:g} s.")
-        for entry_id, kind, payload in read_events(
-            client, request_id, last_id, block_ms=max(1, min(remaining_ms, BLOCK_MS))
-        ):
-            last_id = entry_id
-            yield kind, payload
-            if kind in ("done", "error"):
-                return
+    client, last_id = async_redis_client(), "0"
+    try:
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise AnswerTimeout(f"The model did not answer within {timeout_s:g} s.")
+            block_ms = max(1, min(remaining_ms, BLOCK_MS))
+            reply = await client.xread(
+                {answer_stream(request_id): last_id}, block=block_ms, count=256
+            )
+            for entry_id, kind, payload in decode_events(reply):
+                last_id = entry_id
+                yield kind, payload
+                if kind in ("done", "error"):
+                    return
+    finally:
+        await client.aclose()
 
 
 def finished(kind: str, payload: dict[str, Any]) -> FinishedAnswer:
@@ -60,19 +69,21 @@ def finished(kind: str, payload: dict[str, Any]) -> FinishedAnswer:
                           metrics=payload.get("metrics") or {})  # fmt: skip
 
 
-def wait_for_answer(answer: Message, *, timeout_s: float | None = None) -> FinishedAnswer:
-    for kind, payload in answer_events(str(answer.request_id), timeout_s=timeout_s):
+async def _wait(request_id: str, timeout_s: float | None) -> FinishedAnswer:
+    async for kind, payload in answer_events(request_id, timeout_s=timeout_s):
         if kind in ("done", "error"):
             return finished(kind, payload)
     raise AnswerTimeout("The answer stream ended without a result.")  # pragma: no cover
 
 
+def wait_for_answer(answer: Message, *, timeout_s: float | None = None) -> FinishedAnswer:
+    """The whole answer (a sync view's wait; it blocks only its own thread)."""
+    return async_to_sync(_wait)(str(answer.request_id), timeout_s)
+
+
 def tier_counts(metrics: dict[str, Any]) -> dict[str, int]:
     """{"cpu": 4, "s3": 2}: how many cited chunks each tier served."""
-    counts: dict[str, int] = {}
-    for tier in (metrics.get("chunk_tiers") or {}).values():
-        counts[str(tier)] = counts.get(str(tier), 0) + 1
-    return counts
+    return dict(Counter(str(tier) for tier in (metrics.get("chunk_tiers") or {}).values()))
 
 
 def metrics_of(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:

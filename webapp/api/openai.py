@@ -8,7 +8,7 @@ standard fields: ``citations`` (what the answer cites) and ``ragblend`` (metrics
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from django.http import HttpRequest
@@ -103,9 +103,9 @@ def _usage(metrics: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def _extras(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:
+def _extras(answer: Message, metrics: dict[str, Any], citations: list[dict]) -> dict[str, Any]:
     return {
-        "citations": answers.citations_of(answer),
+        "citations": citations,
         "ragblend": {
             "conversation_id": answer.conversation_id,
             "message_id": answer.pk,
@@ -120,10 +120,12 @@ def _chunk(answer: Message, model: str, delta: dict, finish: str | None = None) 
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
 
 
-def _completion_events(answer: Message, model: str) -> Iterator[str]:
+async def _completion_events(
+    answer: Message, model: str, citations: list[dict]
+) -> AsyncIterator[str]:
     yield answers.sse(None, _chunk(answer, model, {"role": "assistant", "content": ""}))
     try:
-        for kind, payload in answers.answer_events(str(answer.request_id)):
+        async for kind, payload in answers.answer_events(str(answer.request_id)):
             if kind == "token":
                 yield answers.sse(None, _chunk(answer, model, {"content": payload.get("text", "")}))
                 continue
@@ -133,7 +135,7 @@ def _completion_events(answer: Message, model: str) -> Iterator[str]:
                 yield answers.sse(None, _openai_error(error))
                 return
             last = _chunk(answer, model, {}, finish="stop")
-            last |= {"usage": _usage(result.metrics)} | _extras(answer, result.metrics)
+            last |= {"usage": _usage(result.metrics)} | _extras(answer, result.metrics, citations)
             yield answers.sse(None, last)
     except AnswerTimeout as err:
         yield answers.sse(None, _openai_error(ApiError(504, "timeout", str(err))))
@@ -151,7 +153,9 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
     except ChatError as err:
         raise ApiError(400, "invalid_request", str(err)) from err
     if payload.stream:
-        return event_stream_response(_completion_events(answer, payload.model))
+        return event_stream_response(
+            _completion_events(answer, payload.model, answers.citations_of(answer))
+        )
     try:
         result = answers.wait_for_answer(answer)
     except AnswerTimeout as err:
@@ -171,4 +175,4 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
             }
         ],  # fmt: skip
         "usage": _usage(result.metrics),
-    } | _extras(answer, result.metrics)
+    } | _extras(answer, result.metrics, answers.citations_of(answer))

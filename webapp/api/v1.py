@@ -5,7 +5,7 @@ Every operation needs an API key (``Authorization: Bearer``) or a browser sessio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 from django.db.models import Avg, Count
 from django.http import HttpRequest, StreamingHttpResponse
@@ -150,28 +150,27 @@ def ask(request: HttpRequest, *, question: str, mode: str, conversation_id: int 
         raise ApiError(422, "invalid_request", str(err)) from err
 
 
-def _query_out(answer: Message, result: answers.FinishedAnswer) -> dict:
+def _query_out(answer: Message, result: answers.FinishedAnswer, citations: list[dict]) -> dict:
     return {
         "answer": result.text,
-        "citations": answers.citations_of(answer),
+        "citations": citations,
         "metrics": answers.metrics_of(answer, result.metrics),
         "conversation_id": answer.conversation_id,
         "message_id": answer.pk,
     }
 
 
-def _query_events(answer: Message) -> Iterator[str]:
+async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator[str]:
     yield answers.sse("start", {"conversation_id": answer.conversation_id,
-                                "message_id": answer.pk,
-                                "citations": answers.citations_of(answer)})  # fmt: skip
+                                "message_id": answer.pk, "citations": citations})  # fmt: skip
     try:
-        for kind, payload in answers.answer_events(str(answer.request_id)):
+        async for kind, payload in answers.answer_events(str(answer.request_id)):
             if kind == "token":
                 yield answers.sse("token", {"text": payload.get("text", "")})
             elif kind in ("done", "error"):
                 result = answers.finished(kind, payload)
                 if result.ok:
-                    yield answers.sse("done", _query_out(answer, result))
+                    yield answers.sse("done", _query_out(answer, result, citations))
                 else:
                     yield answers.sse("error", {"code": "generation_failed",
                                                 "message": result.error})  # fmt: skip
@@ -179,7 +178,9 @@ def _query_events(answer: Message) -> Iterator[str]:
         yield answers.sse("error", {"code": "timeout", "message": str(err)})
 
 
-def event_stream_response(events: Iterator[str]) -> StreamingHttpResponse:
+def event_stream_response(events: AsyncIterator[str]) -> StreamingHttpResponse:
+    """Server-sent events from an async iterator: under ASGI each event is sent as it comes
+    (Django would buffer a sync iterator whole before sending anything)."""
     response = StreamingHttpResponse(events, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
@@ -196,14 +197,14 @@ def query(request: HttpRequest, payload: QueryIn):
     answer = ask(request, question=payload.question, mode=payload.mode,
                  conversation_id=payload.conversation_id)  # fmt: skip
     if payload.stream:
-        return event_stream_response(_query_events(answer))
+        return event_stream_response(_query_events(answer, answers.citations_of(answer)))
     try:
         result = answers.wait_for_answer(answer)
     except AnswerTimeout as err:
         raise ApiError(504, "timeout", str(err)) from err
     if not result.ok:
         raise ApiError(502, "generation_failed", result.error)
-    return _query_out(answer, result)
+    return _query_out(answer, result, answers.citations_of(answer))
 
 
 # --- conversations ---------------------------------------------------------------------------

@@ -3,10 +3,14 @@ users, validation, rate limits, answers (a stand-in worker streams them through 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from asgiref.sync import sync_to_async
+from django.db import connections
 
+from kvservice.protocol import publish_event
 from tests.webapp.api.conftest import bearer
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import PASSAGES, make_document
@@ -221,13 +225,65 @@ def test_query_streams_server_sent_events(client, alice, alice_auth, worker) -> 
                            content_type="application/json", **alice_auth)  # fmt: skip
     assert response.status_code == 200 and response["Content-Type"] == "text/event-stream"
     events = []
-    for block in b"".join(response.streaming_content).decode().strip().split("\n\n"):
+    for block in b"".join(response).decode().strip().split("\n\n"):
         lines = dict(line.split(": ", 1) for line in block.split("\n"))
         events.append((lines["event"], json.loads(lines["data"])))
     kinds = [kind for kind, _ in events]
     assert kinds == ["start", "token", "token", "token", "done"]
     assert "".join(data["text"] for kind, data in events if kind == "token") == "Arborio rice [1]."
     assert events[-1][1]["citations"][0]["text"] == PASSAGES["cooking"]
+
+
+async def _asgi_query(auth: str, question: str):
+    """POST a streamed query to the ASGI application; returns the pending call and the
+    queue its ASGI messages arrive on, one ``http.response.body`` per event sent."""
+    from django.core.asgi import get_asgi_application
+
+    inbox, outbox = asyncio.Queue(), asyncio.Queue()
+    body = json.dumps({"question": question, "stream": True}).encode()
+    await inbox.put({"type": "http.request", "body": body, "more_body": False})
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/api/v1/query",
+             "raw_path": b"/api/v1/query", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                         (b"authorization", auth.encode())],
+             "client": ("127.0.0.1", 40000), "server": ("testserver", 80)}  # fmt: skip
+    call = asyncio.create_task(get_asgi_application()(scope, inbox.get, outbox.put))
+    return call, outbox
+
+
+async def _next_body(outbox: asyncio.Queue) -> bytes:
+    while True:
+        message = await asyncio.wait_for(outbox.get(), 30)
+        if message["type"] == "http.response.body" and message.get("body"):
+            return message["body"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_streamed_query_sends_each_token_as_it_comes_under_asgi(alice, alice_auth) -> None:
+    """Under ASGI (uvicorn) a token reaches the client while the answer is still being
+    written: the stream is not buffered until the worker's ``done``."""
+    make_document(alice, "notes", list(PASSAGES.values()))
+    client = redis_client()
+
+    async def scenario() -> None:
+        call, outbox = await _asgi_query(alice_auth["HTTP_AUTHORIZATION"], "Risotto rice?")
+        head = await asyncio.wait_for(outbox.get(), 30)
+        assert head["type"] == "http.response.start" and head["status"] == 200
+        start = await _next_body(outbox)
+        assert start.startswith(b"event: start")
+        message_id = json.loads(start.decode().split("data: ", 1)[1])["message_id"]
+        answer = await Message.objects.aget(pk=message_id)
+        publish_event(client, str(answer.request_id), "token", text="Arborio")
+        token = await _next_body(outbox)  # no done event exists yet
+        assert token.startswith(b"event: token") and b"Arborio" in token
+        publish_event(client, str(answer.request_id), "done", text="Arborio", metrics={})
+        done = await _next_body(outbox)
+        assert done.startswith(b"event: done") and b'"answer": "Arborio"' in done
+        await asyncio.wait_for(call, 30)
+        await sync_to_async(connections.close_all)()  # the ORM thread's connection
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.django_db(transaction=True)
