@@ -15,6 +15,7 @@
 | ``KV_DISK_CAPACITY_BYTES`` | ``20 GiB`` | local-disk tier (``0`` turns it off) |
 | ``KV_DISK_DIR`` | ``/tmp/ragblend-kv`` | local-disk tier directory |
 | ``KV_QUANTIZE`` | ``false`` | write new objects as 8-bit per-token quantized K/V |
+| ``KV_STORE_DTYPE`` | ``float16`` | float32 KV stored as ``float16``, ``bfloat16`` or ``float32`` |
 | ``KV_LOAD_WORKERS`` | ``16`` | background fetch threads of the pipelined loader |
 | ``KV_PREFETCH_DEPTH`` | ``2`` | layers fetched ahead of the one in use, per chunk |
 
@@ -67,6 +68,7 @@ class StoreConfig:
     disk_capacity_bytes: int = 20 << 30
     disk_dir: str = "/tmp/ragblend-kv"
     quantize: bool = False
+    store_dtype: str = "float16"
     load_workers: int = 16
     prefetch_depth: int = 2
 
@@ -91,6 +93,7 @@ class StoreConfig:
             ("KV_DISK_CAPACITY_BYTES", "disk_capacity_bytes", parse_size),
             ("KV_DISK_DIR", "disk_dir", str),
             ("KV_QUANTIZE", "quantize", _parse_bool),
+            ("KV_STORE_DTYPE", "store_dtype", str),
             ("KV_LOAD_WORKERS", "load_workers", int),
             ("KV_PREFETCH_DEPTH", "prefetch_depth", int),
         ]
@@ -104,10 +107,20 @@ class StoreConfig:
         config.validate()
         return config
 
+    @property
+    def narrow_to(self):
+        """The 16-bit type float32 KV is stored as, or None to store it as is."""
+        import torch
+
+        return None if self.store_dtype == "float32" else getattr(torch, self.store_dtype)
+
     def validate(self) -> None:
         for name in ("device_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.store_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"KV_STORE_DTYPE must be float32, float16 or bfloat16, "
+                             f"not {self.store_dtype!r}")  # fmt: skip
         if self.load_workers < 1:
             raise ValueError("KV_LOAD_WORKERS must be >= 1")
         if self.prefetch_depth < 0:

@@ -149,14 +149,26 @@ def encode_chunk(
     quantize: bool = False,
     k_storage: int = K_PRE_ROPE,
     rope_base_position: int = 0,
+    narrow_to: torch.dtype | None = None,
 ) -> bytearray:
-    """Serialize a chunk into one contiguous object (see the module docstring)."""
+    """Serialize a chunk into one contiguous object (see the module docstring).
+
+    ``narrow_to`` (float16 or bfloat16) stores a float32 chunk at half the bytes; a chunk
+    already in 16 bits, or one whose values do not fit the narrower type, is stored as is."""
     if chunk.k.dtype not in _DTYPE_CODES:
         raise ValueError(
             f"unsupported KV dtype {chunk.k.dtype}; store float32, float16 or bfloat16"
         )
+    if narrow_to is not None and narrow_to not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"KV can be narrowed to float16 or bfloat16, not {narrow_to}")
     num_layers, heads, tokens, dim = chunk.k.shape
     dtype = chunk.k.dtype
+    if narrow_to is not None and dtype == torch.float32 and not quantize:
+        narrow_k, narrow_v = chunk.k.to(narrow_to), chunk.v.to(narrow_to)
+        if bool(narrow_k.isfinite().all()) and bool(narrow_v.isfinite().all()):
+            chunk = ChunkKV(chunk.token_ids, narrow_k, narrow_v, chunk.model_fingerprint,
+                            chunk.head_hash)  # fmt: skip
+            dtype = narrow_to
     sections = _sections(dtype, quantize, heads, tokens, dim)
     layer_bytes = _block_bytes(sections)
     fingerprint = chunk.model_fingerprint.encode()

@@ -139,7 +139,11 @@ class TieredStore:
         :class:`StoreUnavailable` after the local copies are in place.
         """
         key = ChunkKey.of(chunk)
-        data = encode_chunk(chunk, quantize=self.quantize if quantize is None else quantize)
+        data = encode_chunk(
+            chunk,
+            quantize=self.quantize if quantize is None else quantize,
+            narrow_to=self.config.narrow_to,
+        )
         self.put_encoded(key, data, tiers=tiers, write_through=write_through)
         return key
 

@@ -35,6 +35,7 @@ def store_config(s3_service, tmp_path: Path) -> StoreConfig:
         "KV_CPU_CAPACITY_BYTES": "64MiB",
         "KV_DISK_CAPACITY_BYTES": "64MiB",
         "KV_S3_BUCKET": "kvcache",
+        "KV_STORE_DTYPE": "float32",  # exact round trips; narrowing is tested in test_format
     })  # fmt: skip
     return StoreConfig.from_env(env)
 

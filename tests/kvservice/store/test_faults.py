@@ -91,7 +91,8 @@ def test_s3_down_recomputes_quickly_with_a_clear_log(tmp_path, recompute_from, c
         secret_key="sk-short-lived",
         buckets=("kvcache",),
     )
-    fast_fail = {"KV_S3_CONNECT_TIMEOUT_S": "0.5", "KV_S3_RETRIES": "1"}
+    fast_fail = {"KV_S3_CONNECT_TIMEOUT_S": "0.5", "KV_S3_RETRIES": "1",
+                 "KV_STORE_DTYPE": "float32"}  # fmt: skip
     config = StoreConfig.from_env({**s3.env, **fast_fail, "KV_DISK_CAPACITY_BYTES": "0"})
     store = TieredStore.from_config(config)
     chunk = make_chunk(24)

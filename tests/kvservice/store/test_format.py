@@ -28,6 +28,41 @@ def test_round_trip_is_exact(dtype):
     assert (back.model_fingerprint, back.head_hash) == (chunk.model_fingerprint, chunk.head_hash)
 
 
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16])
+def test_float32_is_narrowed_to_half_the_bytes(narrow):
+    chunk = make_chunk(3)
+    data = encode_chunk(chunk, narrow_to=narrow)
+    back = decode_chunk(data, ChunkKey.of(chunk))
+    assert back.k.dtype == narrow and len(data) < 0.6 * len(encode_chunk(chunk))
+    assert torch.equal(back.k, chunk.k.to(narrow)) and torch.equal(back.v, chunk.v.to(narrow))
+
+
+def test_narrowing_keeps_values_that_would_overflow_and_chunks_already_16_bit():
+    big = make_chunk(4)
+    big.v[0, 0, 0, 0] = 1e6  # beyond float16's range: stored as float32, not as inf
+    assert decode_chunk(encode_chunk(big, narrow_to=torch.float16), ChunkKey.of(big)).v.dtype == (
+        torch.float32
+    )
+    half = make_chunk(5, dtype=torch.bfloat16)  # never re-rounded into another 16-bit type
+    back = decode_chunk(encode_chunk(half, narrow_to=torch.float16), ChunkKey.of(half))
+    assert back.k.dtype == torch.bfloat16 and torch.equal(back.k, half.k)
+
+
+def test_the_store_narrows_by_its_setting(tmp_path):
+    from kvservice.store.config import StoreConfig
+    from kvservice.store.memory import MemoryTier
+    from kvservice.store.tiered import TieredStore
+
+    assert StoreConfig().store_dtype == "float16"  # the default: half the bytes
+    with pytest.raises(ValueError, match="KV_STORE_DTYPE"):
+        StoreConfig.from_env({"KV_STORE_DTYPE": "int4"})
+    chunk = make_chunk(6)
+    for setting, dtype in (("float16", torch.float16), ("float32", torch.float32)):
+        store = TieredStore([MemoryTier(1 << 20)], config=StoreConfig(store_dtype=setting))
+        key = store.put(chunk)
+        assert store.get(key).k.dtype == dtype
+
+
 def test_header_describes_the_chunk():
     chunk = make_chunk(2)
     header = decode_header(encode_chunk(chunk, k_storage=K_POST_ROPE, rope_base_position=42))

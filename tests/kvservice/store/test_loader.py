@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from kvservice.store.config import StoreConfig
 from kvservice.store.disk import DiskTier
 from kvservice.store.errors import ChunkMissing
 from kvservice.store.format import decode_header, encode_chunk
@@ -59,7 +60,8 @@ class SlowDisk(DiskTier):
 
 
 def _slow_store(tmp_path, chunk):
-    store = TieredStore([MemoryTier(1 << 20), SlowDisk(tmp_path / "slow", 1 << 20)])
+    store = TieredStore([MemoryTier(1 << 20), SlowDisk(tmp_path / "slow", 1 << 20)],
+                        config=StoreConfig(store_dtype="float32"))  # fmt: skip
     return store, store.put(chunk, tiers=["disk"])
 
 
@@ -156,7 +158,6 @@ def test_quantized_objects_load_close_to_the_original(store_config):
 
 def test_s3_unreachable_while_loading_recomputes_without_hanging(tmp_path, recompute_from, caplog):
     from deploy.services import free_port
-    from kvservice.store.config import StoreConfig
 
     closed = f"127.0.0.1:{free_port()}"  # nothing listens there
     config = StoreConfig(s3_endpoint=closed, disk_capacity_bytes=0, s3_connect_timeout_s=0.5)
