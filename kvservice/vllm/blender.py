@@ -1,0 +1,184 @@
+"""Our blender on vLLM's weights: the ``Transformer`` interface over vLLM's loaded layers.
+
+How the blender reaches the weights
+-----------------------------------
+``kvservice.blend.blend_prefill`` needs a model with our layer halves (``Block.project``
+then ``Block.attend_and_mlp``/``finish``), an embedding, a final norm and the logits. Two
+ways to give it one inside a vLLM deployment:
+
+1. **A second copy**: ``Transformer.from_pretrained`` in the worker. Simple, but it holds
+   every weight twice. For the bundled SmolLM2-135M in fp32 that is 0.54 GB of parameters
+   (measured: +0.62 GB RSS in the process that loads it, see below); for an 8B model in
+   bf16 it is 16 GB of GPU memory taken from the KV cache (vLLM sizes its paged cache from
+   what is left after the weights, so a second copy directly shrinks the batch it can hold).
+2. **vLLM's own modules** (chosen): ``VllmBackedTransformer`` wraps the layers of the model
+   vLLM has loaded in its worker process and calls them: ``input_layernorm``, the fused
+   ``qkv_proj`` (split into q, k, v), ``o_proj``, ``post_attention_layernorm`` and the
+   ``mlp`` (fused ``gate_up_proj``, SiLU-and-mul, ``down_proj``), the embedding and
+   ``compute_logits``. RoPE and attention are ours (pure functions, explicit positions), so
+   the blend can attend over any subset of tokens. No weight is copied: the extra memory
+   is the blend's activations and its one-prompt KV (``2 * L * H_kv * T * D`` floats; for
+   a 1,000-token prompt on SmolLM2 that is 46 MB in fp32).
+
+   Calling the modules rather than viewing their ``.weight`` tensors matters: vLLM's CPU
+   backend prepacks linear weights for oneDNN/SGL kernels and may drop the plain tensor,
+   and on GPU quantized checkpoints keep packed weights too; the module call is the one
+   interface that stays valid. It also means the blend's matmuls run through the same
+   kernels as vLLM's own prefill.
+
+The blender reaches the model through a worker extension method
+(``kvservice.vllm.connector.BlenderWorkerExtension.ragblend_attach_blender``) that the
+engine calls once after start (``collective_rpc``): it wraps ``model_runner.get_model()``
+and hands it to the worker-side connector in the same process. vLLM runs the connector's
+``start_load_kv`` in that process, just before the forward that prefills the question, so
+the blend runs where the paged KV cache is, with no transfer between processes.
+
+Supported: the Llama-family layer layout vLLM uses for Llama, Mistral and Qwen2 (what our
+``ModelConfig`` accepts); anything else is refused loudly at attach time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvservice.model import Block, ModelConfig, Transformer, apply_rope, rope_inv_freq
+
+_REQUIRED_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+_REQUIRED_ATTENTION_PARTS = ("qkv_proj", "o_proj")
+
+
+class VllmBlock(Block):
+    """One decoder layer: our two halves, computed by vLLM's modules of that layer."""
+
+    def __init__(self, layer: nn.Module, config: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        # Kept out of the module tree (a plain attribute in a tuple): these are vLLM's
+        # modules, not ours to move, save or count.
+        self._vllm = (layer,)
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
+
+    @property
+    def vllm_layer(self) -> nn.Module:
+        return self._vllm[0]
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, S, dim]`` -> rotated q ``[B, H, S, D]``, pre-RoPE k and v ``[B, H_kv, S, D]``."""
+        bsz, seqlen, dim = x.shape
+        layer = self.vllm_layer
+        h = layer.input_layernorm(x.reshape(bsz * seqlen, dim))  # vLLM ops take [N, dim]
+        qkv, _ = layer.self_attn.qkv_proj(h)  # [N, (H + 2 H_kv) * D], bias included
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k = k.reshape(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos[:, None], sin[:, None])
+        return q, k, v  # k, v: [B, H_kv, S, D]
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection of ``attn [B, H, S, D]``, residual, then the MLP and residual."""
+        bsz, seqlen, dim = x.shape
+        layer = self.vllm_layer
+        attn = attn.transpose(1, 2).reshape(bsz * seqlen, self.n_heads * self.head_dim)
+        out, _ = layer.self_attn.o_proj(attn)  # [N, dim]
+        x = x + out.reshape(bsz, seqlen, dim)
+        flat = x.reshape(bsz * seqlen, dim)
+        return x + layer.mlp(layer.post_attention_layernorm(flat)).reshape(bsz, seqlen, dim)
+
+
+class VllmBackedTransformer(Transformer):
+    """``Transformer`` whose layers, embedding, norm and head are vLLM's loaded modules.
+
+    Everything else (``forward``, ``rope``, ``mask``, the blend driver) is inherited, so
+    ``blend_prefill`` and ``precompute_head`` run on it unchanged."""
+
+    def __init__(self, vllm_model: nn.Module, config: ModelConfig, fingerprint: str = "") -> None:
+        nn.Module.__init__(self)
+        inner = getattr(vllm_model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if inner is None or layers is None or len(layers) != config.n_layers:
+            raise TypeError(
+                f"{type(vllm_model).__name__} does not have the Llama-family layout "
+                "(model.layers with one decoder layer per config layer)"
+            )
+        for index, layer in enumerate(layers):
+            missing = [p for p in _REQUIRED_LAYER_PARTS if not hasattr(layer, p)]
+            missing += [
+                f"self_attn.{p}"
+                for p in _REQUIRED_ATTENTION_PARTS
+                if not hasattr(getattr(layer, "self_attn", None), p)
+            ]
+            if missing:
+                raise TypeError(f"vLLM layer {index} lacks {missing}: not a Llama-family layer")
+        self.config = config
+        self._vllm = (vllm_model,)
+        self.embed_tokens = inner.embed_tokens  # has .weight: device and dtype come from it
+        self.layers = nn.ModuleList(VllmBlock(layer, config) for layer in layers)
+        self.norm = inner.norm
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(config).to(self.embed_tokens.weight.device), persistent=False
+        )
+        self.fingerprint = fingerprint
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of hidden states ``x [..., dim]`` through vLLM's head."""
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self._vllm[0].compute_logits(self.norm(flat))  # [N, V]
+        return logits.reshape(*x.shape[:-1], -1).float()
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """The fingerprint ``Transformer.from_pretrained(path)`` gives, without loading a model
+    (chunk cache keys carry it). Reads each tensor through safetensors' mmap, one at a time.
+    The recipe must stay the same as ``from_pretrained``'s: a test compares the two."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config = checkpoint_config(path)
+    digest = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensor = f.get_tensor(name)
+                flat = tensor.reshape(-1)
+                digest.update(name.encode() + str(tuple(tensor.shape)).encode())
+                digest.update(flat[:: max(1, flat.numel() // 64)].float().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def wrap_vllm_model(vllm_model: nn.Module, model_path: str | Path) -> VllmBackedTransformer:
+    """The blender's model over vLLM's loaded ``vllm_model`` of the checkpoint at
+    ``model_path`` (whose config our ``ModelConfig`` must accept)."""
+    return VllmBackedTransformer(
+        vllm_model, checkpoint_config(model_path), checkpoint_fingerprint(model_path)
+    )
+
+
+def parameter_bytes(module: Any) -> int:
+    """Bytes of a module's distinct parameter storage (tied weights counted once)."""
+    seen, total = set(), 0
+    for param in module.parameters():
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel() * param.element_size()
+    return total

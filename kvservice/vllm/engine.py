@@ -1,0 +1,305 @@
+"""``VllmEngine``: every prefill mode through one vLLM engine, with vLLM's own scheduling,
+continuous batching and paged attention.
+
+| mode | how | vLLM's prefix cache |
+|---|---|---|
+| ``full`` | vLLM prefills the whole prompt | own ``cache_salt``: a real full prefill |
+| ``prefix`` | vLLM's automatic prefix caching | shared with earlier prompts |
+| ``reuse`` | ``RagblendConnector`` writes re-positioned cached chunk KV | own salt |
+| ``blend`` | ``RagblendConnector`` writes CacheBlend's blended KV | own salt |
+
+vLLM runs in its own processes (engine core, worker); ``AsyncLLM`` is driven by an event
+loop in a background thread, so any number of caller threads (the inference worker's
+Celery threads, a test's 8 requests) can stream at once and vLLM batches them.
+
+vLLM spawns processes: a script that starts a ``VllmEngine`` needs the
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvservice.blend import MODES
+from kvservice.engine import Completion, SamplingParams, TokenEvent
+from kvservice.prompt import Prompt, PromptFormat
+from kvservice.store import StoreConfig
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_MODULE = "kvservice.vllm.connector"
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How the vLLM engine is started; ``from_env`` reads ``VLLM_*`` once.
+
+    | variable | default | meaning |
+    |---|---|---|
+    | ``VLLM_GPU_MEMORY_UTILIZATION`` | ``0.3`` | share of GPU memory (on CPU: of RAM) vLLM takes |
+    | ``VLLM_MAX_MODEL_LEN`` | ``4096`` | longest prompt + answer |
+    | ``VLLM_MAX_NUM_SEQS`` | ``8`` | requests batched together |
+    | ``VLLM_DTYPE`` | ``float32`` on CPU, ``auto`` on GPU | weights' dtype |
+    | ``VLLM_ENFORCE_EAGER`` | ``true`` on CPU | skip graph compilation (about 45 s start on CPU) |
+    """
+
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    dtype: str | None = None  # None: float32 on CPU (bf16 is emulated there), else "auto"
+    enforce_eager: bool | None = None  # None: True on CPU
+    seed: int = 0
+
+    @classmethod
+    def from_env(cls) -> VllmSettings:
+        env = os.environ
+
+        def flag(name: str) -> bool | None:
+            value = env.get(name)
+            return None if value is None else value.strip().lower() in {"1", "true", "yes"}
+
+        try:
+            return cls(
+                gpu_memory_utilization=float(env.get("VLLM_GPU_MEMORY_UTILIZATION", "0.3")),
+                max_model_len=int(env.get("VLLM_MAX_MODEL_LEN", "4096")),
+                max_num_seqs=int(env.get("VLLM_MAX_NUM_SEQS", "8")),
+                dtype=env.get("VLLM_DTYPE") or None,
+                enforce_eager=flag("VLLM_ENFORCE_EAGER"),
+            )
+        except ValueError as err:
+            raise ValueError(f"bad VLLM_* setting: {err}") from err
+
+
+@dataclass
+class VllmRequest:
+    """One request: the prompt's parts, the mode, and (for reuse/blend) the chunks' keys."""
+
+    prompt: Prompt
+    mode: str = "blend"
+    chunk_keys: Sequence[str] = ()  # ChunkKey strings of prompt.chunk_ids, same order
+    recompute_ratio: float = 0.15
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+    except Exception:  # noqa: BLE001
+        return True
+
+
+class VllmEngine:
+    """One vLLM ``AsyncLLM`` with ``RagblendConnector``, started once per process."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        store_config: StoreConfig | None = None,
+        settings: VllmSettings | None = None,
+        connector: bool = True,
+        prompt_format: PromptFormat | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.settings = settings or VllmSettings.from_env()
+        self.connector = connector
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.format = prompt_format or PromptFormat.for_tokenizer(self.tokenizer)
+        self.stop_ids = {self.tokenizer.eos_token_id} - {None}
+        for token in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
+            token_id = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
+                self.stop_ids.add(token_id)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
+        )
+        self._thread.start()
+        started = time.perf_counter()
+        self._llm = self._call(self._start(store_config or StoreConfig.from_env()))
+        self.attach_info: dict[str, Any] = {}
+        if connector:
+            self.attach_info = self._call(self._llm.collective_rpc("ragblend_attach_blender"))[0]
+        self.fingerprint = self.attach_info.get("fingerprint") or _fingerprint(self.model_path)
+        self.start_s = time.perf_counter() - started
+        log.info("vLLM engine up in %.1f s (connector %s)", self.start_s, connector)
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def _start(self, store_config: StoreConfig):
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_cpu = _on_cpu()
+        settings = self.settings
+        kv_transfer = None
+        extension = ""
+        if self.connector:
+            kv_transfer = KVTransferConfig(
+                kv_connector="RagblendConnector",
+                kv_connector_module_path=CONNECTOR_MODULE,
+                kv_role="kv_consumer",
+                kv_connector_extra_config={"store": asdict(store_config)},
+            )
+            extension = f"{CONNECTOR_MODULE}.BlenderWorkerExtension"
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            dtype=settings.dtype or ("float32" if on_cpu else "auto"),
+            enforce_eager=on_cpu if settings.enforce_eager is None else settings.enforce_eager,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            enable_prefix_caching=True,  # the `prefix` mode; the other modes salt it away
+            seed=settings.seed,
+            kv_transfer_config=kv_transfer,
+            worker_extension_cls=extension,
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def close(self) -> None:
+        if getattr(self, "_llm", None) is not None:
+            self._llm.shutdown()
+            self._llm = None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connector_stats(self) -> dict[str, Any]:
+        if not self.connector:
+            return {}
+        return self._call(self._llm.collective_rpc("ragblend_connector_stats"))[0]
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def chunk_key(self, token_ids: Sequence[int], head_hash: str | None = None) -> str:
+        from kvservice.store import ChunkKey
+
+        head = self.format.head_hash if head_hash is None else head_hash
+        return ChunkKey.for_tokens(self.fingerprint, head, list(token_ids)).to_string()
+
+    def _vllm_inputs(self, request: VllmRequest):
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from kvservice.vllm.connector import BlendPlan
+
+        if request.mode not in MODES:
+            raise ValueError(f"unknown mode {request.mode!r} (one of {MODES})")
+        prompt = request.prompt
+        inputs: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
+        extra_args = None
+        if request.mode != "prefix":
+            # Never read or offer another request's blocks: `full` is a real full prefill,
+            # and reused/blended KV depends on the whole prompt.
+            inputs["cache_salt"] = f"{request.mode}-{uuid.uuid4().hex}"
+        if request.mode in ("reuse", "blend"):
+            if not self.connector:
+                raise ValueError(f"mode {request.mode!r} needs the engine's KV connector")
+            keys = list(request.chunk_keys) or [self.chunk_key(ids) for ids in prompt.chunk_ids]
+            plan = BlendPlan(
+                mode=request.mode,
+                recompute_ratio=request.recompute_ratio,
+                head_ids=list(prompt.head_ids),
+                chunk_keys=keys,
+                chunk_ids=[list(ids) for ids in prompt.chunk_ids],
+            )
+            extra_args = {"kv_transfer_params": plan.to_params()}
+        sampling = request.sampling
+        params = VllmSamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop_token_ids=sorted(self.stop_ids | set(sampling.stop_token_ids)),
+            skip_special_tokens=True,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra_args,
+        )
+        return inputs, params
+
+    def stream(self, request: VllmRequest) -> Iterator[TokenEvent]:
+        """Token events as vLLM produces them; TTFT is taken at the first token."""
+        inputs, params = self._vllm_inputs(request)
+        events: queue.Queue = queue.Queue()
+        request_id = uuid.uuid4().hex
+        start = time.perf_counter()
+
+        async def pump() -> None:
+            try:
+                async for output in self._llm.generate(inputs, params, request_id):
+                    events.put(output)
+            except BaseException as err:  # noqa: BLE001 (handed to the caller's thread)
+                events.put(err)
+            finally:
+                events.put(None)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        index = 0
+        try:
+            while True:
+                item = events.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                completion = item.outputs[0]
+                finish = completion.finish_reason
+                ids = list(completion.token_ids)
+                for position, token in enumerate(ids):
+                    last = position == len(ids) - 1
+                    reason = None
+                    if last and finish is not None:
+                        reason = "stop" if finish == "stop" else "length"
+                    yield TokenEvent(
+                        token_id=token,
+                        text=completion.text if last else "",
+                        index=index,
+                        ttft_s=time.perf_counter() - start if index == 0 else None,
+                        finish_reason=reason,
+                    )
+                    index += 1
+        finally:
+            if not future.done():  # the caller stopped early: abort the request in vLLM
+                asyncio.run_coroutine_threadsafe(self._llm.abort(request_id), self._loop)
+
+    def generate(self, request: VllmRequest) -> Completion:
+        events = list(self.stream(request))
+        stops = self.stop_ids | set(request.sampling.stop_token_ids)
+        ids = [e.token_id for e in events if e.token_id not in stops]
+        return Completion(
+            token_ids=ids,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            ttft_s=(events[0].ttft_s or 0.0) if events else 0.0,
+            finish_reason=(events[-1].finish_reason or "length") if events else "length",
+        )
+
+
+def _fingerprint(model_path: str) -> str:
+    from kvservice.vllm.blender import checkpoint_fingerprint
+
+    return checkpoint_fingerprint(model_path)
