@@ -5,6 +5,12 @@ precompute, over the Musique passages (each passage one document, as a user woul
 
 Runs the same functions the Celery tasks run (no broker, database or S3 in the timed loops,
 so the numbers are the pipeline's compute); models are loaded and warmed before timing.
+
+With ``--url`` and ``--api-key`` it measures the issue's target instead, on a running stack
+(``make dev``): 20 passages uploaded through the REST API as 20 documents, timed until all
+are ``ready`` (KV in S3 included); the documents are deleted afterwards::
+
+    python -m webapp.documents.bench --url http://127.0.0.1:8000 --api-key KEY
 """
 
 from __future__ import annotations
@@ -113,6 +119,35 @@ def bench_twenty(passages: list[str], chunk_tokens: int, batch: int) -> dict:
             "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
 
 
+def bench_stack(url: str, api_key: str, passages: list[str], count: int = 20) -> dict:
+    """Upload ``count`` passages as documents to a running stack; seconds until all ready.
+    Each run marks its passages (a first line), so nothing is served from an earlier run."""
+    import uuid
+
+    from webapp.chat.bench import Api
+
+    api, run = Api(url, api_key), uuid.uuid4().hex[:8]
+    start = time.perf_counter()
+    ids = {api.upload(f"bench-{run}-{i}.txt", f"Passage {i} (run {run})\n\n{text}")["id"]
+           for i, text in enumerate(passages[:count])}  # fmt: skip
+    uploaded = time.perf_counter() - start
+    states: dict[int, str] = {}
+    while True:
+        listing = api.json("GET", "/api/v1/documents?limit=100")
+        states = {d["id"]: d["status"] for d in listing["items"] if d["id"] in ids}
+        if len(states) == len(ids) and all(s in ("ready", "failed") for s in states.values()):
+            break
+        if time.perf_counter() - start > 900:
+            raise SystemExit(f"not ready after 15 minutes: {states}")
+        time.sleep(0.5)
+    seconds = time.perf_counter() - start
+    for document_id in ids:
+        api.json("DELETE", f"/api/v1/documents/{document_id}")
+    failed = sorted(i for i, s in states.items() if s == "failed")
+    return {"documents": len(ids), "failed": failed,
+            "upload_s": round(uploaded, 2), "seconds_to_ready": round(seconds, 2)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -124,10 +159,22 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-batch", type=int, default=int(os.environ.get("KV_PRECOMPUTE_BATCH", 8))
     )
     parser.add_argument("--skip-kv", action="store_true")
+    parser.add_argument("--url", help="a running stack: time 20 documents to ready through it")
+    parser.add_argument("--api-key", help="an API key of that stack (with --url)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
 
     passages = load_passages(args.data, args.documents)
+    if args.url:
+        if not args.api_key:
+            parser.error("--url needs --api-key")
+        result = bench_stack(args.url, args.api_key, passages)
+        print(f"{result['documents']} passages as documents through the stack: all ready "
+              f"(KV included) in {result['seconds_to_ready']:.1f} s (uploads took "
+              f"{result['upload_s']:.1f} s; failed: {result['failed'] or 'none'})")  # fmt: skip
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return
     ingest, chunks_ids = bench_ingest(passages, args.chunk_tokens)
     steps = ingest["seconds_by_step"]
     print(

@@ -7,6 +7,7 @@ rather than silently truncated to its first half.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -16,8 +17,17 @@ import numpy as np
 EMBEDDING_DIM = 384
 
 
-@cache
+_embedder_lock = threading.Lock()
+
+
 def embedder() -> Any:
+    """The process's MiniLM, loaded on first use (thread-safe: one load per process)."""
+    with _embedder_lock:
+        return _load_embedder()
+
+
+@cache
+def _load_embedder() -> Any:
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -55,7 +65,11 @@ def embed_texts(texts: Sequence[str], *, batch_size: int = 32) -> list[list[floa
             windows.append(window)
             owners.append(index)
     vectors = model.encode(
-        windows, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True
+        windows,
+        batch_size=batch_size,
+        normalize_embeddings=True,
+        convert_to_numpy=True,
+        show_progress_bar=False,
     )
     out = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
     np.add.at(out, np.asarray(owners), vectors)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -122,8 +123,18 @@ def length_groups(lengths: Sequence[int], *, min_fill: float = 0.8) -> list[list
     return groups
 
 
-@cache
+_precomputer_lock = threading.Lock()
+
+
 def kv_precomputer() -> KVPrecomputer:
+    """The process's precomputer, built on first use (a worker's warm-up thread and its
+    first task may ask at once: one builds, the other waits)."""
+    with _precomputer_lock:
+        return _build_precomputer()
+
+
+@cache
+def _build_precomputer() -> KVPrecomputer:
     try:
         return KVPrecomputer()
     except (ImportError, AttributeError) as err:
