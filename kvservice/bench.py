@@ -232,6 +232,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--tier", choices=TIERS, default="cpu", help="where chunk KV starts")
     parser.add_argument("--no-pipeline", action="store_true", help="load all KV, then compute")
+    parser.add_argument(
+        "--engine", choices=("native", "vllm"), default="native",
+        help="vllm: the same modes through vLLM with the Ragblend KV connector (kvservice.vllm)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
@@ -296,6 +300,10 @@ def print_table(summary: dict) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.engine == "vllm":
+        from kvservice.vllm.bench import main as vllm_main
+
+        return vllm_main(args)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

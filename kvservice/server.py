@@ -44,6 +44,7 @@ class ServerConfig:
     model_cache_dir: Path
     concurrency: int
     queue: str
+    engine: str  # "native" (kvservice's engine) or "vllm" (kvservice.vllm)
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -53,12 +54,16 @@ class ServerConfig:
         cache = os.environ.get("RAGBLEND_MODEL_CACHE") or str(
             Path.home() / ".cache" / "ragblend" / "models"
         )
+        engine = os.environ.get("ENGINE", "native").strip().lower() or "native"
+        if engine not in ("native", "vllm"):
+            raise SystemExit(f"ENGINE must be 'native' or 'vllm', not {engine!r}")
         return cls(
             redis_url=redis_url,
             model_path=os.environ.get("MODEL_PATH") or None,
             model_cache_dir=Path(cache),
             concurrency=int(os.environ.get("INFERENCE_CONCURRENCY", "8")),
             queue=os.environ.get("INFERENCE_QUEUE", INFERENCE_QUEUE),
+            engine=engine,
         )
 
 
@@ -144,7 +149,15 @@ class Runtime:
         return precompute_chunks(self.model, list(self.prompt.head_ids), [list(token_ids)])[0]
 
 
-runtime = Runtime()
+def _make_runtime(engine: str):
+    if engine == "vllm":  # every mode through vLLM; the specifics live in kvservice.vllm
+        from kvservice.vllm.runtime import VllmRuntime
+
+        return VllmRuntime()
+    return Runtime()
+
+
+runtime = _make_runtime(config.engine)
 
 
 @app.task(name="kvservice.ping")
@@ -155,7 +168,10 @@ def ping() -> dict[str, object]:
 @app.task(name=GENERATE_TASK)
 def generate(request_data: dict) -> dict:
     """Answer one request: load its chunks' KV, blend, stream tokens, report the answer."""
-    from kvservice.answer import answer_request
+    if config.engine == "vllm":
+        from kvservice.vllm.answer import answer_request
+    else:
+        from kvservice.answer import answer_request
 
     request = GenerateRequest.from_dict(request_data)
     result = answer_request(runtime, request, redis_client())

@@ -157,6 +157,11 @@ DATA_UPLOAD_MAX_NUMBER_FILES = env.int("DATA_UPLOAD_MAX_NUMBER_FILES", default=5
 
 # The Celery queue the inference worker serves (kvservice.server reads the same variable).
 INFERENCE_QUEUE = env.str("INFERENCE_QUEUE", default="inference")
+# The inference worker's serving engine (kvservice.server reads the same variable): "native"
+# (kvservice's own engine) or "vllm" (vLLM, with cached/blended KV through kvservice.vllm).
+ENGINE = env.str("ENGINE", default="native").strip().lower()
+if ENGINE not in ("native", "vllm"):
+    raise ImproperlyConfigured(f"ENGINE must be 'native' or 'vllm', not {ENGINE!r}")
 RETRIEVAL_TOP_K = env.int("RETRIEVAL_TOP_K", default=6)
 CHAT_MAX_NEW_TOKENS = env.int("CHAT_MAX_NEW_TOKENS", default=256)
 CHAT_MAX_QUESTION_CHARS = env.int("CHAT_MAX_QUESTION_CHARS", default=4000)

@@ -106,3 +106,46 @@ def test_blend_plan_round_trips_through_kv_transfer_params():
     assert BlendPlan.from_params({"other": 1}) is None
     with pytest.raises(ValueError):
         BlendPlan("full", 1.0, [], [], [])
+
+
+def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
+    vllm_setup, vllm_engine, redis_service
+):
+    """``ENGINE=vllm``'s answer path (kvservice.vllm.answer) on the session's engine and the
+    real valkey: tokens and the done event reach the request's Redis stream."""
+    import json
+    import uuid
+
+    import redis
+
+    from kvservice.controller import LoadingController
+    from kvservice.protocol import ChunkRef, GenerateRequest, answer_stream
+    from kvservice.vllm.answer import answer_request
+    from kvservice.vllm.blender import checkpoint_config
+    from kvservice.vllm.runtime import VllmRuntime
+
+    runtime = VllmRuntime()
+    runtime.engine, runtime.store = vllm_engine, vllm_setup["store"]
+    runtime.prompt, runtime.controller = vllm_engine.format, LoadingController()
+    runtime.config = checkpoint_config(vllm_setup["path"])
+    runtime.context_len, runtime.model_name = 2048, "smollm2"
+    fmt = vllm_setup["format"]
+    chunks = [ChunkRef(chunk_id=i, token_ids=fmt.chunk_ids(text))
+              for i, text in enumerate(PASSAGES)]  # fmt: skip
+    request = GenerateRequest(
+        request_id=uuid.uuid4().hex, question=QUESTIONS[0], chunks=chunks, mode="blend",
+        recompute_ratio=0.15, max_new_tokens=MAX_TOKENS,
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
+    result = answer_request(runtime, request, client)
+
+    expected = vllm_engine.generate(_request(vllm_setup, QUESTIONS[0], "blend"))
+    assert result["status"] == "done", result
+    assert result["text"] == expected.text
+    events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
+              for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
+    assert "".join(data["text"] for kind, data in events if kind == "token") == expected.text
+    kind, done = events[-1]
+    assert kind == "done" and done["metrics"]["engine"] == "vllm"
+    assert set(done["metrics"]["chunk_tiers"].values()) == {"disk"}
+    assert done["metrics"]["ttft_s"] > 0

@@ -1,0 +1,100 @@
+"""One request through vLLM, inside the inference worker (``ENGINE=vllm``): fit the prompt
+into the context, choose the recompute ratio, send the request to vLLM (``reuse``/``blend``
+carry their blend plan to the connector), stream each token to Redis, and return the answer
+with its metrics, as ``kvservice.answer.answer_request`` does for the native engine."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvservice.answer import FIXED_RATIOS, _fit_context
+from kvservice.engine import SamplingParams
+from kvservice.prompt import Prompt
+from kvservice.protocol import GenerateRequest, publish_event, stop_requested
+from kvservice.vllm.engine import VllmRequest
+
+log = logging.getLogger(__name__)
+
+
+def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any]:
+    started = time.perf_counter()
+    request_id, mode = request.request_id, request.mode
+    pieces: list[str] = []
+    first_token_at = None
+    status, decision, completion_tokens = "done", None, 0
+    runtime.active += 1
+    try:
+        chunk_ids, chunks_tokens, suffix_ids, dropped = _fit_context(runtime, request)
+        keys = [runtime.chunk_key(ids) for ids in chunks_tokens]
+        tiers = [runtime.store.where(key) or "missing" for key in keys]
+        ratio = request.recompute_ratio
+        if ratio is None and mode == "blend":
+            load_bytes: dict[str, int] = {}
+            per_token = runtime.kv_bytes_per_token(element_size=2)  # stored as 16-bit
+            for tier, ids in zip(tiers, chunks_tokens, strict=True):
+                load_bytes[tier] = load_bytes.get(tier, 0) + per_token * len(ids)
+            load_bytes.pop("missing", None)
+            decision = runtime.controller.choose(
+                num_tokens=sum(map(len, chunks_tokens)),
+                num_layers=runtime.config.n_layers,
+                load_bytes_by_tier=load_bytes,
+            )
+            ratio = decision.recompute_ratio
+        elif ratio is None:
+            ratio = FIXED_RATIOS.get(mode) or 0.0
+        vllm_request = VllmRequest(
+            Prompt(list(runtime.prompt.head_ids), chunks_tokens, suffix_ids),
+            mode=mode,
+            chunk_keys=[key.to_string() for key in keys],
+            recompute_ratio=ratio,
+            sampling=SamplingParams(
+                max_tokens=request.max_new_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+            ),
+        )
+        deadline = time.monotonic() + request.timeout_s
+        events = runtime.engine.stream(vllm_request)
+        try:
+            for event in events:
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                if event.token_id not in runtime.engine.stop_ids:
+                    completion_tokens += 1
+                if event.text:
+                    pieces.append(event.text)
+                    publish_event(redis, request_id, "token", text=event.text)
+                if stop_requested(redis, request_id):
+                    status = "stopped"
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the engine did not finish the request in time")
+        finally:
+            events.close()  # aborts the request in vLLM when we left early
+    except Exception as err:
+        log.exception("request %s failed", request_id)
+        message = f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
+        publish_event(redis, request_id, "error", message=message, text="".join(pieces))
+        return {"status": "error", "text": "".join(pieces), "error": message, "metrics": {}}
+    finally:
+        runtime.active -= 1
+
+    text = "".join(pieces)
+    metrics: dict[str, Any] = {
+        "mode": mode,
+        "engine": "vllm",
+        "ttft_s": None if first_token_at is None else round(first_token_at - started, 4),
+        "total_s": round(time.perf_counter() - started, 4),
+        "prefill_s": None,
+        "recompute_ratio": ratio,
+        "prompt_tokens": len(vllm_request.prompt.token_ids),
+        "completion_tokens": completion_tokens,
+        "chunk_tiers": {str(cid): tier for cid, tier in zip(chunk_ids, tiers, strict=True)},
+        "dropped_chunks": dropped,
+    }
+    if decision is not None:
+        metrics["controller"] = {"source": decision.source, "why": decision.why}
+    publish_event(redis, request_id, "done", text=text, metrics=metrics, status=status)
+    return {"status": status, "text": text, "error": "", "metrics": metrics}

@@ -1,0 +1,187 @@
+"""TTFT of the prefill modes with vLLM as the engine, beside the native engine, same run.
+
+    python -m kvservice.bench --data ../shared/data/musique_dev.json --examples 3 \\
+        --passages 6 --modes full,blend --engine vllm --json vllm.json
+
+Per example the passages' KV is precomputed by the native model (after the bench's prompt
+head) and put in a disk-tier store in a temporary directory, which vLLM's connector opens
+too. Then, per mode:
+
+* ``native``: ``blend_prefill`` + the first token, chunk KV already in memory (as the native
+  bench's ``--tier cpu``);
+* ``vllm``: one request through ``VllmEngine`` with ``max_tokens=1``, timed from submit to
+  the first token in the caller's thread (so it includes vLLM's process hops and, for
+  ``reuse``/``blend``, the connector's store read and blend in vLLM's worker). An untimed
+  ``blend`` request per example first brings that example's chunks into the worker's
+  memory tier, so both engines read KV from memory.
+
+Then each engine's greedy answer (``--max-new-tokens``) per mode, to report whether the two
+engines agree token for token. TTFT ratios are to vLLM's own ``full`` (the issue's target:
+``blend`` through vLLM at least 3x lower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from kvservice.blend import blend_prefill
+from kvservice.bundled import default_cache_dir, resolve_llm_path
+from kvservice.engine import Engine, Request, SamplingParams
+from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.prompt import Prompt, PromptFormat
+from kvservice.store import ChunkKey, StoreConfig, TieredStore
+
+
+def _prompts(args: argparse.Namespace, fmt: PromptFormat) -> list[Prompt]:
+    """The bench's prompts: the first ``--passages`` passages and the question of each."""
+    prompts = []
+    for example in json.loads(args.data.read_text())[: args.examples]:
+        passages = example["ctxs"][: args.passages]
+        texts = [f"{p['title']}\n{p['text']}" if p.get("title") else p["text"] for p in passages]
+        prompts.append(fmt.build(texts, example["question"]))
+    return prompts
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the bench (``args`` as parsed by ``kvservice.bench.parse_args``)."""
+    from kvservice.bench import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT, _cpu_name
+    from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
+
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_llm_path(args.model_path, default_cache_dir())
+    model = Transformer.from_pretrained(model_dir, device="cpu", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
+    prompts = _prompts(args, fmt)
+    store_config = StoreConfig(disk_dir=tempfile.mkdtemp(prefix="ragblend-vllm-bench-"))
+    store = TieredStore.from_config(store_config)
+    head_kv = precompute_head(model, fmt.head_ids)
+    for prompt in prompts:  # before any timing, and before vLLM takes its memory
+        for chunk in precompute_chunks(model, fmt.head_ids, prompt.chunk_ids):
+            store.put(chunk, tiers=["disk"])
+    load_before = os.getloadavg()
+    engine = VllmEngine(
+        model_dir, store_config=store_config, prompt_format=fmt,
+        settings=VllmSettings(max_num_seqs=4, max_model_len=4096),
+    )  # fmt: skip
+    print(f"vLLM started in {engine.start_s:.1f} s; blender: {engine.attach_info}", flush=True)
+    native = Engine(model, tokenizer, fmt)
+    one = SamplingParams(max_tokens=1)
+    answer = SamplingParams(max_tokens=args.max_new_tokens)
+
+    def keys_of(prompt) -> list[str]:
+        return [engine.chunk_key(ids) for ids in prompt.chunk_ids]
+
+    engine.generate(VllmRequest(prompts[0], mode="full", sampling=one))  # warm-up
+    rows = []
+    try:
+        for index, prompt in enumerate(prompts):
+            keys = keys_of(prompt)
+            cached = [store.get(ChunkKey.from_string(key)) for key in keys]  # in memory
+            warm = VllmRequest(prompt, mode="blend", chunk_keys=keys, recompute_ratio=args.ratio,
+                               sampling=one)  # fmt: skip
+            engine.generate(warm)  # the worker's memory tier now holds these chunks
+            row: dict[str, Any] = {"num_tokens": len(prompt.token_ids), "modes": {}}
+            for mode in args.modes:
+                native_s, vllm_s = [], []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    result = blend_prefill(
+                        model, prompt.head_ids, cached, prompt.question_ids, mode=mode,
+                        recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
+                    )  # fmt: skip
+                    int(result.logits.argmax())
+                    native_s.append(time.perf_counter() - start)
+                    request = VllmRequest(prompt, mode=mode, chunk_keys=keys,
+                                          recompute_ratio=args.ratio, sampling=one)  # fmt: skip
+                    vllm_s.append(engine.generate(request).ttft_s)
+                native_ids = native.generate(
+                    Request(prompt, cached, mode=mode, recompute_ratio=args.ratio, sampling=answer)
+                ).token_ids
+                vllm_ids = engine.generate(
+                    VllmRequest(prompt, mode=mode, chunk_keys=keys, recompute_ratio=args.ratio,
+                                sampling=answer)
+                ).token_ids  # fmt: skip
+                row["modes"][mode] = {
+                    "native_ttft_s": statistics.median(native_s),
+                    "vllm_ttft_s": statistics.median(vllm_s),
+                    "same_tokens": native_ids == vllm_ids,
+                    "native_answer": tokenizer.decode(native_ids, skip_special_tokens=True),
+                    "vllm_answer": tokenizer.decode(vllm_ids, skip_special_tokens=True),
+                }
+            rows.append(row)
+            brief = "  ".join(
+                f"{m}: native {v['native_ttft_s']:.2f}s vllm {v['vllm_ttft_s']:.2f}s "
+                f"same={v['same_tokens']}"
+                for m, v in row["modes"].items()
+            )
+            print(f"[{index + 1}/{len(prompts)}] {row['num_tokens']} tokens  {brief}", flush=True)
+        stats = engine.connector_stats()
+    finally:
+        engine.close()
+    summary = _summarize(rows, args.modes)
+    summary["env"] = {
+        "engine": "vllm",
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "model": str(model_dir),
+        "examples": len(rows),
+        "passages": args.passages,
+        "ratio": args.ratio,
+        "repeats": args.repeats,
+        "vllm_start_s": engine.start_s,
+        "blender": engine.attach_info,
+        "connector": stats,
+        "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),  # other processes share these cores
+    }
+    summary["examples"] = rows
+    _print_table(summary)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summarize(rows: list[dict], modes: list[str]) -> dict:
+    out: dict[str, Any] = {"modes": {}}
+    vllm_full = (
+        statistics.median(r["modes"]["full"]["vllm_ttft_s"] for r in rows)
+        if "full" in modes
+        else None
+    )
+    for mode in modes:
+        values = [r["modes"][mode] for r in rows]
+        native = statistics.median(v["native_ttft_s"] for v in values)
+        vllm = statistics.median(v["vllm_ttft_s"] for v in values)
+        out["modes"][mode] = {
+            "native_ttft_median_s": native,
+            "vllm_ttft_median_s": vllm,
+            "vllm_speedup_vs_vllm_full": vllm_full / vllm if vllm_full else None,
+            "same_tokens_share": statistics.fmean(float(v["same_tokens"]) for v in values),
+        }
+    return out
+
+
+def _print_table(summary: dict) -> None:
+    header = f"{'mode':8} {'native s':>9} {'vllm s':>8} {'vllm full/x':>12} {'same tokens':>12}"
+    print(header)
+    print("-" * len(header))
+    for mode, m in summary["modes"].items():
+        speedup = m["vllm_speedup_vs_vllm_full"]
+        print(
+            f"{mode:8} {m['native_ttft_median_s']:9.3f} {m['vllm_ttft_median_s']:8.3f} "
+            f"{(f'{speedup:.2f}x' if speedup else 'n/a'):>12} {m['same_tokens_share']:12.2f}"
+        )

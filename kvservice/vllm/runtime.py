@@ -1,0 +1,74 @@
+"""The inference worker's runtime with ``ENGINE=vllm``: what ``kvservice.server`` holds for
+its lifetime when vLLM serves every mode (see ``kvservice.vllm.engine``).
+
+It offers what the server and the answer path use from the native ``Runtime``: the prompt
+format, the context length, chunk keys, the store (for tier reports, evict and warm), the
+controller and the heartbeat status. There is no ``Transformer`` here: the model lives in
+vLLM's worker process, and the blender runs there on vLLM's own layers.
+
+The store opened here is this process's view (tier reports, evict/warm of this process's
+tiers); the connector opens its own in vLLM's processes, from the same ``StoreConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from kvservice.vllm.engine import VllmEngine, VllmSettings
+
+
+class VllmRuntime:
+    engine_kind = "vllm"
+
+    def __init__(self) -> None:
+        self.model_name: str | None = None
+        self.engine: VllmEngine | None = None
+        self.active = 0
+
+    def load(self, cfg: Any) -> None:
+        from kvservice.bundled import resolve_llm_path
+        from kvservice.controller import LoadingController
+        from kvservice.store import StoreConfig, TieredStore
+        from kvservice.vllm.blender import checkpoint_config
+
+        path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
+        store_config = StoreConfig.from_env()
+        self.store = TieredStore.from_config(store_config)
+        self.controller = LoadingController()
+        self.config = checkpoint_config(path)  # refuses what the blender cannot run
+        self.engine = VllmEngine(path, store_config=store_config, settings=VllmSettings.from_env())
+        self.tokenizer = self.engine.tokenizer
+        self.prompt = self.engine.format
+        hf_config = json.loads((path / "config.json").read_text())
+        self.context_len = min(
+            int(hf_config.get("max_position_embeddings", 4096)), self.engine.settings.max_model_len
+        )
+        self.model_name = path.name
+
+    @property
+    def fingerprint(self) -> str:
+        return self.engine.fingerprint if self.engine else ""
+
+    def chunk_key(self, token_ids: list[int]):
+        from kvservice.store import ChunkKey
+
+        return ChunkKey.for_tokens(self.fingerprint, self.prompt.head_hash, token_ids)
+
+    def kv_bytes_per_token(self, element_size: int = 4) -> int:
+        config = self.config
+        return 2 * config.n_layers * config.n_kv_heads * config.head_dim * element_size
+
+    def status(self) -> dict[str, object]:
+        state: dict[str, object] = {
+            "pid": os.getpid(), "model": self.model_name, "model_loaded": self.engine is not None,
+            "engine": "vllm",
+        }  # fmt: skip
+        if self.engine is not None:
+            state["store"] = self.store.stats().to_dict()
+            state["controller"] = self.controller.snapshot()
+            state["kv_bytes_per_token"] = self.kv_bytes_per_token()
+            state["batch"] = {"active": self.active, "steps": None}
+            state["connector"] = self.engine.connector_stats()
+        return state
