@@ -8,11 +8,11 @@ head) and put in a disk-tier store in a temporary directory, which vLLM's connec
 too. Then, per mode:
 
 * ``native``: ``blend_prefill`` + the first token, chunk KV already in memory (as the native
-  bench's ``--tier cpu``);
+  bench's ``--tier cpu``), all examples before vLLM starts;
 * ``vllm``: one request through ``VllmEngine`` with ``max_tokens=1``, timed from submit to
   the first token in the caller's thread (so it includes vLLM's process hops and, for
   ``reuse``/``blend``, the connector's store read and blend in vLLM's worker). An untimed
-  ``blend`` request per example first brings that example's chunks into the worker's
+  ``reuse`` request per example first brings that example's chunks into the worker's
   memory tier, so both engines read KV from memory.
 
 Then each engine's greedy answer (``--max-new-tokens``) per mode, to report whether the two
@@ -70,56 +70,65 @@ def main(args: argparse.Namespace) -> dict:
         for chunk in precompute_chunks(model, fmt.head_ids, prompt.chunk_ids):
             store.put(chunk, tiers=["disk"])
     load_before = os.getloadavg()
+    native = Engine(model, tokenizer, fmt)
+    one = SamplingParams(max_tokens=1)
+    answer = SamplingParams(max_tokens=args.max_new_tokens)
+    keys = [[ChunkKey.for_tokens(model.fingerprint, fmt.head_hash, ids).to_string()
+             for ids in prompt.chunk_ids] for prompt in prompts]  # fmt: skip
+
+    # 1. The native engine, before vLLM starts (its idle worker threads would share the cores).
+    rows: list[dict[str, Any]] = []
+    for prompt, prompt_keys in zip(prompts, keys, strict=True):
+        cached = [store.get(ChunkKey.from_string(key)) for key in prompt_keys]  # in memory
+        row: dict[str, Any] = {"num_tokens": len(prompt.token_ids), "modes": {}}
+        for mode in args.modes:
+            seconds = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                result = blend_prefill(
+                    model, prompt.head_ids, cached, prompt.question_ids, mode=mode,
+                    recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
+                )  # fmt: skip
+                int(result.logits.argmax())
+                seconds.append(time.perf_counter() - start)
+            ids = native.generate(
+                Request(prompt, cached, mode=mode, recompute_ratio=args.ratio, sampling=answer)
+            ).token_ids
+            row["modes"][mode] = {"native_ttft_s": statistics.median(seconds), "native_ids": ids}
+        rows.append(row)
+        print(f"native {row['num_tokens']} tokens: "
+              + "  ".join(f"{m} {v['native_ttft_s']:.2f}s" for m, v in row["modes"].items()),
+              flush=True)  # fmt: skip
+
+    # 2. The same prompts through vLLM.
     engine = VllmEngine(
         model_dir, store_config=store_config, prompt_format=fmt,
         settings=VllmSettings(max_num_seqs=4, max_model_len=4096),
     )  # fmt: skip
     print(f"vLLM started in {engine.start_s:.1f} s; blender: {engine.attach_info}", flush=True)
-    native = Engine(model, tokenizer, fmt)
-    one = SamplingParams(max_tokens=1)
-    answer = SamplingParams(max_tokens=args.max_new_tokens)
-
-    def keys_of(prompt) -> list[str]:
-        return [engine.chunk_key(ids) for ids in prompt.chunk_ids]
-
     engine.generate(VllmRequest(prompts[0], mode="full", sampling=one))  # warm-up
-    rows = []
     try:
-        for index, prompt in enumerate(prompts):
-            keys = keys_of(prompt)
-            cached = [store.get(ChunkKey.from_string(key)) for key in keys]  # in memory
-            warm = VllmRequest(prompt, mode="blend", chunk_keys=keys, recompute_ratio=args.ratio,
-                               sampling=one)  # fmt: skip
-            engine.generate(warm)  # the worker's memory tier now holds these chunks
-            row: dict[str, Any] = {"num_tokens": len(prompt.token_ids), "modes": {}}
+        for index, (prompt, prompt_keys, row) in enumerate(zip(prompts, keys, rows, strict=True)):
+            # Untimed: the worker's memory tier now holds this prompt's chunks.
+            engine.generate(VllmRequest(prompt, mode="reuse", chunk_keys=prompt_keys, sampling=one))
             for mode in args.modes:
-                native_s, vllm_s = [], []
+                seconds = []
                 for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    result = blend_prefill(
-                        model, prompt.head_ids, cached, prompt.question_ids, mode=mode,
-                        recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
-                    )  # fmt: skip
-                    int(result.logits.argmax())
-                    native_s.append(time.perf_counter() - start)
-                    request = VllmRequest(prompt, mode=mode, chunk_keys=keys,
+                    request = VllmRequest(prompt, mode=mode, chunk_keys=prompt_keys,
                                           recompute_ratio=args.ratio, sampling=one)  # fmt: skip
-                    vllm_s.append(engine.generate(request).ttft_s)
-                native_ids = native.generate(
-                    Request(prompt, cached, mode=mode, recompute_ratio=args.ratio, sampling=answer)
-                ).token_ids
-                vllm_ids = engine.generate(
-                    VllmRequest(prompt, mode=mode, chunk_keys=keys, recompute_ratio=args.ratio,
-                                sampling=answer)
+                    seconds.append(engine.generate(request).ttft_s)
+                ids = engine.generate(
+                    VllmRequest(prompt, mode=mode, chunk_keys=prompt_keys,
+                                recompute_ratio=args.ratio, sampling=answer)
                 ).token_ids  # fmt: skip
-                row["modes"][mode] = {
-                    "native_ttft_s": statistics.median(native_s),
-                    "vllm_ttft_s": statistics.median(vllm_s),
-                    "same_tokens": native_ids == vllm_ids,
-                    "native_answer": tokenizer.decode(native_ids, skip_special_tokens=True),
-                    "vllm_answer": tokenizer.decode(vllm_ids, skip_special_tokens=True),
-                }
-            rows.append(row)
+                entry = row["modes"][mode]
+                native_ids = entry.pop("native_ids")
+                entry.update(
+                    vllm_ttft_s=statistics.median(seconds),
+                    same_tokens=native_ids == ids,
+                    native_answer=tokenizer.decode(native_ids, skip_special_tokens=True),
+                    vllm_answer=tokenizer.decode(ids, skip_special_tokens=True),
+                )
             brief = "  ".join(
                 f"{m}: native {v['native_ttft_s']:.2f}s vllm {v['vllm_ttft_s']:.2f}s "
                 f"same={v['same_tokens']}"

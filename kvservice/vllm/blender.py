@@ -6,25 +6,32 @@ How the blender reaches the weights
 then ``Block.attend_and_mlp``/``finish``), an embedding, a final norm and the logits. Two
 ways to give it one inside a vLLM deployment:
 
-1. **A second copy**: ``Transformer.from_pretrained`` in the worker. Simple, but it holds
-   every weight twice. For the bundled SmolLM2-135M in fp32 that is 0.54 GB of parameters
-   (measured: +0.62 GB RSS in the process that loads it, see below); for an 8B model in
-   bf16 it is 16 GB of GPU memory taken from the KV cache (vLLM sizes its paged cache from
-   what is left after the weights, so a second copy directly shrinks the batch it can hold).
+1. **A second copy**: ``Transformer.from_pretrained`` in the worker. Simple, but every
+   weight is held twice. Measured for the bundled SmolLM2-135M in fp32: 538 MB of
+   parameters, +0.51 GB RSS in the process that loads them. vLLM sizes its paged cache from
+   what is left after its own weights (here: 0.3 of the 16.2 GiB node = 4.86 GiB, of which
+   1.43 GiB non-KV, leaving 3.44 GiB = 80,000 tokens at 46,080 bytes of KV per token), so on
+   a GPU a second copy comes straight out of the KV cache: 11,700 tokens of it here; for an
+   8B model in bf16 on an 80 GB GPU at 0.9 utilization, 16 GB of the ~56 GB left for KV
+   (-29 % of the concurrent context). On this CPU it is RAM taken outside vLLM's accounting.
 2. **vLLM's own modules** (chosen): ``VllmBackedTransformer`` wraps the layers of the model
    vLLM has loaded in its worker process and calls them: ``input_layernorm``, the fused
    ``qkv_proj`` (split into q, k, v), ``o_proj``, ``post_attention_layernorm`` and the
    ``mlp`` (fused ``gate_up_proj``, SiLU-and-mul, ``down_proj``), the embedding and
    ``compute_logits``. RoPE and attention are ours (pure functions, explicit positions), so
-   the blend can attend over any subset of tokens. No weight is copied: the extra memory
-   is the blend's activations and its one-prompt KV (``2 * L * H_kv * T * D`` floats; for
-   a 1,000-token prompt on SmolLM2 that is 46 MB in fp32).
+   the blend can attend over any subset of tokens. No weight is copied (the wrapper holds
+   0 bytes of parameters of its own): the extra memory is the blend's activations and its
+   one-prompt KV while it runs (``2 * L * H_kv * T * D`` floats: 173 MB for a 3,760-token
+   six-passage Musique prompt on SmolLM2 in fp32), freed after the write into the paged
+   cache.
 
    Calling the modules rather than viewing their ``.weight`` tensors matters: vLLM's CPU
-   backend prepacks linear weights for oneDNN/SGL kernels and may drop the plain tensor,
-   and on GPU quantized checkpoints keep packed weights too; the module call is the one
-   interface that stays valid. It also means the blend's matmuls run through the same
-   kernels as vLLM's own prefill.
+   backend prepacks linear weights for oneDNN/SGL kernels and may drop the plain tensor
+   (here vLLM's ``parameters()`` add up to 113 MB against the checkpoint's 538 MB: the rest
+   was repacked), and on GPU quantized checkpoints keep packed weights too; the module call
+   is the one interface that stays valid. It also means the blend's matmuls run through the
+   same kernels as vLLM's own prefill, and the blend gives the native engine's tokens
+   (``tests/kvservice/vllm``; the bench's ``same_tokens``).
 
 The blender reaches the model through a worker extension method
 (``kvservice.vllm.connector.BlenderWorkerExtension.ragblend_attach_blender``) that the

@@ -160,7 +160,10 @@ class RagblendConnector(KVConnectorBase_V1):
         # Worker side
         self.blender_model: VllmBackedTransformer | None = None
         self._head_kv: dict[tuple[int, ...], Any] = {}
-        self.stats = {"requests": 0, "tokens_written": 0, "blend_s": 0.0, "missing_chunks": 0}
+        self.stats: dict[str, Any] = {
+            "requests": 0, "tokens_written": 0, "missing_chunks": 0,
+            "connector_s": 0.0, "load_s": 0.0, "write_s": 0.0,  # connector_s: all of it
+        }  # fmt: skip
 
     # -- shared ------------------------------------------------------------------------------
 
@@ -268,6 +271,7 @@ class RagblendConnector(KVConnectorBase_V1):
         for spec in meta.loads:
             started = time.perf_counter()
             keys, values = self._context_kv(spec)  # [L, H_kv, N, D] each
+            computed = time.perf_counter()
             positions = torch.arange(spec.start, spec.end)
             blocks = torch.tensor(spec.block_ids)
             slots = blocks[positions // self.block_size] * self.block_size + (
@@ -281,9 +285,16 @@ class RagblendConnector(KVConnectorBase_V1):
                 layer.impl.do_kv_cache_update(
                     layer, key, value.contiguous(), layer.kv_cache, slots.to(device)
                 )
+            done = time.perf_counter()
             self.stats["requests"] += 1
             self.stats["tokens_written"] += spec.end - spec.start
-            self.stats["blend_s"] += time.perf_counter() - started
+            self.stats["connector_s"] += done - started
+            self.stats["write_s"] += done - computed
+            by_mode = self.stats.setdefault("by_mode", {}).setdefault(
+                spec.plan.mode, {"requests": 0, "seconds": 0.0}
+            )
+            by_mode["requests"] += 1
+            by_mode["seconds"] += done - started
 
     @torch.no_grad()
     def _context_kv(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,6 +309,7 @@ class RagblendConnector(KVConnectorBase_V1):
         starts = plan.chunk_starts()
         n_chunks = sum(1 for stop in starts[1:] if stop <= spec.end)
         context_end = starts[n_chunks]  # == spec.end unless the prompt's last token cut it
+        load_started = time.perf_counter()
         sources: list[Any] = []
         for key in plan.chunk_keys[:n_chunks]:
             try:
@@ -306,6 +318,7 @@ class RagblendConnector(KVConnectorBase_V1):
                 log.warning("chunk %s could not be loaded (%s): computed fresh", key, err)
                 self.stats["missing_chunks"] += 1
                 sources.append(None)
+        self.stats["load_s"] += time.perf_counter() - load_started
         head = tuple(plan.head_ids)
         if head and head not in self._head_kv:
             self._head_kv[head] = precompute_head(model, list(head))
@@ -372,6 +385,7 @@ class BlenderWorkerExtension:
                 p.numel() * p.element_size() for p in blender.parameters(recurse=False)
             ),
             "vllm_parameter_bytes": parameter_bytes(model),
+            "torch_threads": torch.get_num_threads(),
         }
 
     def ragblend_connector_stats(self) -> dict[str, Any]:
