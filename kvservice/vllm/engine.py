@@ -176,9 +176,18 @@ class VllmEngine:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def close(self) -> None:
-        if getattr(self, "_llm", None) is not None:
-            self._llm.shutdown()
-            self._llm = None
+        """Shut vLLM's processes down and stop the loop (its pending tasks cancelled)."""
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is not None:
+
+            async def shutdown() -> None:
+                llm.shutdown()
+                pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+
+            self._call(shutdown())
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)

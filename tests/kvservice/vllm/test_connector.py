@@ -8,9 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvservice.vllm import vllm_available
 from tests.kvservice.vllm.conftest import MAX_TOKENS, PASSAGES, QUESTIONS
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (make vllm)"),
+]
 
 
 def _request(setup, question, mode, keys=None, passages=PASSAGES):
