@@ -225,6 +225,9 @@ def main() -> int:
         )  # fmt: skip
     finally:
         stop.set()
+        close = getattr(runtime, "close", None)
+        if close is not None:
+            close()  # ENGINE=vllm: vLLM's processes end with the worker
     return 0
 
 

@@ -60,6 +60,11 @@ class VllmRuntime:
         config = self.config
         return 2 * config.n_layers * config.n_kv_heads * config.head_dim * element_size
 
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
     def status(self) -> dict[str, object]:
         state: dict[str, object] = {
             "pid": os.getpid(), "model": self.model_name, "model_loaded": self.engine is not None,
