@@ -161,7 +161,7 @@ class RagblendConnector(KVConnectorBase_V1):
         self.blender_model: VllmBackedTransformer | None = None
         self._head_kv: dict[tuple[int, ...], Any] = {}
         self.stats: dict[str, Any] = {
-            "requests": 0, "tokens_written": 0, "missing_chunks": 0,
+            "requests": 0, "tokens_written": 0, "missing_chunks": 0, "max_loads_per_step": 0,
             "connector_s": 0.0, "load_s": 0.0, "write_s": 0.0,  # connector_s: all of it
         }  # fmt: skip
 
@@ -268,6 +268,9 @@ class RagblendConnector(KVConnectorBase_V1):
                 "ragblend_attach_blender after start (VllmEngine does)"
             )
         layers = _attention_layers(forward_context)
+        self.stats["max_loads_per_step"] = max(
+            self.stats["max_loads_per_step"], len(meta.loads)
+        )  # > 1: requests that arrived together were prefilled in one vLLM step
         for spec in meta.loads:
             started = time.perf_counter()
             keys, values = self._context_kv(spec)  # [L, H_kv, N, D] each

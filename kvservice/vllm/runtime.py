@@ -74,6 +74,7 @@ class VllmRuntime:
             state["store"] = self.store.stats().to_dict()
             state["controller"] = self.controller.snapshot()
             state["kv_bytes_per_token"] = self.kv_bytes_per_token()
+            # No connector stats here: they are an RPC into vLLM's worker, which waits while a
+            # long prefill runs, and the heartbeat must not.
             state["batch"] = {"active": self.active, "steps": None}
-            state["connector"] = self.engine.connector_stats()
         return state

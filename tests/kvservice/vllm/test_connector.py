@@ -81,6 +81,8 @@ def test_eight_simultaneous_blend_requests_each_get_their_own_answer(vllm_setup,
         together = list(pool.map(vllm_engine.generate, requests))
     assert [answer.token_ids for answer in together] == alone
     assert len({tuple(ids) for ids in alone}) > 1  # different questions, different answers
+    # vLLM batched them: several contexts were written in one scheduler step.
+    assert vllm_engine.connector_stats()["max_loads_per_step"] >= 2
 
 
 def test_missing_chunk_is_prefilled_by_vllm_and_the_answer_comes(vllm_setup, vllm_engine):
