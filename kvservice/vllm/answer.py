@@ -19,12 +19,16 @@ log = logging.getLogger(__name__)
 
 
 def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any]:
+    with runtime.request_in_flight():
+        return _answer(runtime, request, redis)
+
+
+def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any]:
     started = time.perf_counter()
     request_id, mode = request.request_id, request.mode
     pieces: list[str] = []
     first_token_at = None
     status, decision, completion_tokens = "done", None, 0
-    runtime.active += 1
     try:
         chunk_ids, chunks_tokens, suffix_ids, dropped = _fit_context(runtime, request)
         keys = [runtime.chunk_key(ids) for ids in chunks_tokens]
@@ -78,8 +82,6 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
         message = f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
         publish_event(redis, request_id, "error", message=message, text="".join(pieces))
         return {"status": "error", "text": "".join(pieces), "error": message, "metrics": {}}
-    finally:
-        runtime.active -= 1
 
     text = "".join(pieces)
     metrics: dict[str, Any] = {

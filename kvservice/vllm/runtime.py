@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvservice.vllm.engine import VllmEngine, VllmSettings
@@ -25,7 +28,18 @@ class VllmRuntime:
     def __init__(self) -> None:
         self.model_name: str | None = None
         self.engine: VllmEngine | None = None
-        self.active = 0
+        self.active = 0  # requests in flight (the heartbeat's batch size)
+        self._active_lock = threading.Lock()
+
+    @contextmanager
+    def request_in_flight(self) -> Iterator[None]:
+        with self._active_lock:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._active_lock:
+                self.active -= 1
 
     def load(self, cfg: Any) -> None:
         from kvservice.bundled import resolve_llm_path
