@@ -148,13 +148,13 @@ class RagblendConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
-        self.model_path = vllm_config.model_config.model
         self._store_fields: dict[str, Any] = dict(
             self._kv_transfer_config.get_from_extra_config("store", {}) or {}
         )
         self._store: TieredStore | None = None
         self._store_lock = threading.Lock()
-        # Scheduler side: request id -> (plan, context tokens provided, request)
+        # Scheduler side. _matched: request id -> (plan, context tokens provided);
+        # _pending: request id -> (plan, start, end, request) to write in the next step.
         self._matched: dict[str, tuple[BlendPlan, int]] = {}
         self._pending: dict[str, tuple[BlendPlan, int, int, Request]] = {}
         # Worker side
