@@ -13,7 +13,9 @@ def completion_ask(*, user, turns: list[tuple[str, str]], mode: str) -> Message:
     """Ask the last user turn of ``turns`` ((role, text), oldest first) in a new conversation
     whose earlier user/assistant turns are its history. System turns are not used: the
     deployment's prompt head is fixed (every chunk's KV was computed after it)."""
-    dialogue = [(role, text) for role, text in turns if role in ("user", "assistant")]
+    dialogue = [
+        (role, chat.clean_text(text)) for role, text in turns if role in ("user", "assistant")
+    ]
     if not dialogue or dialogue[-1][0] != "user":
         raise chat.ChatError("The last message must be the user's question.")
     *earlier, (_, question) = dialogue
@@ -21,6 +23,6 @@ def completion_ask(*, user, turns: list[tuple[str, str]], mode: str) -> Message:
     Message.objects.bulk_create(
         Message(conversation=conversation, role=role, content=text, status=Message.Status.DONE)
         for role, text in earlier
-        if text.strip()
+        if text
     )
     return chat.chat_ask(user=user, conversation=conversation, question=question, mode=mode)

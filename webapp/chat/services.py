@@ -3,6 +3,7 @@ answer when it is complete, stop, regenerate, feedback."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
@@ -25,7 +26,14 @@ from webapp.documents.embeddings import embed_texts
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 HISTORY_TURNS = 3  # recent question/answer pairs carried into a follow-up question
+
+
+def clean_text(text: str) -> str:
+    """User text without control characters (NUL above all, which PostgreSQL text refuses):
+    they carry no meaning in a question, so they are dropped rather than failed on."""
+    return CONTROL_CHARS.sub("", text).strip()
 
 
 class ChatError(ValueError):
@@ -67,7 +75,7 @@ def chat_ask(
 ) -> Message:
     """Record the question and a pending answer, retrieve its context, and queue generation.
     Returns the pending assistant message; its tokens stream under ``request_id``."""
-    question = question.strip()
+    question = clean_text(question)
     if not question:
         raise ChatError("Type a question first.")
     if len(question) > settings.CHAT_MAX_QUESTION_CHARS:

@@ -80,9 +80,12 @@ def test_retrieval_skips_documents_that_are_not_ready(alice) -> None:
     document = make_document(alice, "half done", [PASSAGES["rivers"]])
     Document.objects.filter(id=document.id).update(status=Document.Status.PROCESSING)
     question = "Danube"
-    assert retrieve_chunks(
-        user=alice, question=question, query_embedding=embed_texts([question])[0], top_k=6
-    ) == []
+    assert (
+        retrieve_chunks(
+            user=alice, question=question, query_embedding=embed_texts([question])[0], top_k=6
+        )
+        == []
+    )
 
 
 def test_identical_chunks_in_two_documents_are_cited_once(alice) -> None:
@@ -117,18 +120,31 @@ def test_non_staff_cannot_pick_another_mode(alice) -> None:
         services.chat_ask(user=alice, conversation=conversation, question="hi", mode="full")
     with pytest.raises(services.ChatError, match="Type a question"):
         services.chat_ask(user=alice, conversation=conversation, question="   ")
+    with pytest.raises(services.ChatError, match="Type a question"):
+        services.chat_ask(user=alice, conversation=conversation, question="\x00\x07 ")
+
+
+def test_control_characters_are_dropped_from_a_question(alice) -> None:
+    conversation = services.conversation_create(owner=alice)
+    services.chat_ask(user=alice, conversation=conversation, question="Risotto\x00 rice?\x1b")
+    assert conversation.messages.filter(role="user").get().content == "Risotto rice?"
 
 
 def test_record_answer_stores_metrics_and_is_idempotent(alice) -> None:
     conversation = services.conversation_create(owner=alice)
-    answer = Message.objects.create(conversation=conversation, role="assistant", status="pending", mode="blend")
+    answer = Message.objects.create(
+        conversation=conversation, role="assistant", status="pending", mode="blend"
+    )
     result = {"status": "done", "text": "Arborio [1].",
               "metrics": {"ttft_s": 0.12, "total_s": 1.5, "mode": "blend", "recompute_ratio": 0.15,
                           "chunk_tiers": {"7": "s3", "8": "cpu"}}}  # fmt: skip
     services.chat_record_answer(message_id=answer.id, result=result)
     answer.refresh_from_db()
     assert (answer.status, answer.content, answer.ttft_s, answer.tiers) == (
-        "done", "Arborio [1].", 0.12, {"s3": 1, "cpu": 1}
+        "done",
+        "Arborio [1].",
+        0.12,
+        {"s3": 1, "cpu": 1},
     )
     services.chat_record_answer(message_id=answer.id, result={"status": "error", "error": "late"})
     answer.refresh_from_db()
@@ -149,9 +165,13 @@ def test_answers_render_markdown_without_script_injection(alice) -> None:
     assert 'class="cite"' in html and "[1]</a>" in html
 
 
-def test_other_users_get_404_for_conversations_messages_and_citations(client, alice, mallory) -> None:
+def test_other_users_get_404_for_conversations_messages_and_citations(
+    client, alice, mallory
+) -> None:
     conversation = services.conversation_create(owner=alice)
-    answer = Message.objects.create(conversation=conversation, role="assistant", status="done", content="x")
+    answer = Message.objects.create(
+        conversation=conversation, role="assistant", status="done", content="x"
+    )
     citation = Citation.objects.create(message=answer, rank=1, document_title="d", text="secret")
     client.force_login(mallory)
     for url in (f"/chat/{conversation.id}/", f"/chat/messages/{answer.id}/",
