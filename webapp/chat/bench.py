@@ -36,12 +36,20 @@ class Api:
             self.url + path, data=body, method=method,
             headers={"Authorization": f"Bearer {self.key}", **(headers or {})},
         )  # fmt: skip
-        return urllib.request.urlopen(request, timeout=600)
+        for _ in range(10):
+            try:
+                return urllib.request.urlopen(request, timeout=600)
+            except urllib.error.HTTPError as err:
+                if err.code != 429:  # over the key's rate limit: wait as the server says
+                    raise
+                time.sleep(float(err.headers.get("Retry-After") or 5))
+        raise RuntimeError(f"{method} {path}: still rate-limited after 10 tries")
 
     def json(self, method: str, path: str, payload: Any = None) -> Any:
         body = None if payload is None else json.dumps(payload).encode()
         with self._request(method, path, body, {"Content-Type": "application/json"}) as response:
-            return json.load(response)
+            data = response.read()
+        return json.loads(data) if data else None  # 204 (delete) has no body
 
     def upload(self, name: str, text: str) -> dict:
         boundary = uuid.uuid4().hex

@@ -139,7 +139,7 @@ def bench_stack(url: str, api_key: str, passages: list[str], count: int = 20) ->
             break
         if time.perf_counter() - start > 900:
             raise SystemExit(f"not ready after 15 minutes: {states}")
-        time.sleep(0.5)
+        time.sleep(1)
     seconds = time.perf_counter() - start
     for document_id in ids:
         api.json("DELETE", f"/api/v1/documents/{document_id}")
