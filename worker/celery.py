@@ -33,8 +33,9 @@ def remember_pool_size(options: dict | None = None, **_kwargs) -> None:
 def share_cores() -> int:
     """Give this pool process its share of the cores for torch (``WORKER_TORCH_THREADS``
     overrides). With every process running all-core kernels, their OpenMP threads spin
-    against each other: measured here, two busy pool processes of two threads each took
-    12 s for a 160-token chunk's KV that takes 0.4 s alone."""
+    against each other: measured on 2 cores with two pool processes of two threads each,
+    20 one-passage documents were not all ready after two minutes (31 s with one thread
+    each), and a 160-token chunk's KV took 12 s beside them (about 0.4 s alone)."""
     import torch
 
     share = max(1, (os.cpu_count() or 1) // _pool_size)
