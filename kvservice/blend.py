@@ -244,11 +244,11 @@ def blend_prefill(
     chunk_ids: Sequence[Sequence[int]] | None = None,
     head_kv: LayeredKV | None = None,
     schedule: Sequence[float] | None = None,
-    measure: Measure = "kv",
+    measure: Measure = "v",
     extra_capacity: int = 0,
     question_weight: bool = True,
-    question_weight_floor: float = 1.0,
-    accumulate: bool = True,
+    question_weight_floor: float = 0.25,
+    accumulate: bool = False,
 ) -> BlendResult:
     """Prefill ``[head][chunks...][question]`` in one of the four modes; see the module doc.
 
@@ -262,12 +262,15 @@ def blend_prefill(
     exactly the positions it was computed at), so only later chunks are candidates for
     recompute. ``extra_capacity`` leaves room in the returned cache for decoding.
 
-    Selection: ``measure`` is the per-token deviation (``kv``: K and V, each relative to its
-    scale); with ``accumulate`` the deviations of all check layers so far are summed (so the
-    first check's signal keeps its weight as the set shrinks); with ``question_weight`` each
-    token's deviation is weighted by the attention the question pays it at that layer (plus
-    ``question_weight_floor`` times the mean), since a deviating token nobody reads matters
-    little. On Musique with SmolLM2 both lowered teacher-forced KL at the same ratio.
+    Selection: ``measure`` is the per-token deviation (``v``: of V, CacheBlend's; ``kv``: K and
+    V, each relative to its scale); with ``accumulate`` the deviations of all check layers so
+    far are summed (so the first check's signal keeps its weight as the set shrinks); with
+    ``question_weight`` each token's deviation is weighted by the attention the question pays
+    it at that layer (plus ``question_weight_floor`` times the mean), since a deviating token
+    nobody reads matters little. The defaults were chosen on Musique examples 10-29 with
+    SmolLM2 at ratio 0.15 (teacher-forced KL to full): V deviation, each check on its own,
+    floor 0.25 gave 0.064, against 0.081 for K+V, accumulated, floor 1, and 0.096 without
+    the question weight (reuse: 0.126).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (one of {MODES})")
