@@ -7,12 +7,15 @@ from kvservice.blend import (
     attend_selected,
     blend_prefill,
     gradual_schedule,
+    hkvd_scores,
     rerotate,
     select_hkvd,
+    smooth_scores,
     token_deviation,
 )
 from kvservice.chunk import ChunkKV
 from kvservice.model import (
+    KVCache,
     apply_rope,
     attend,
     position_mask,
@@ -98,6 +101,55 @@ def test_attend_selected_equals_one_masked_call():
     key_pos = torch.arange(30)
     expected = attend(q, k, v, position_mask(query_pos, key_pos))
     torch.testing.assert_close(attend_selected(q, k, v, query_pos, key_pos, n_groups=4), expected)
+
+
+def test_attend_selected_with_queries_bunched_at_the_end():
+    """The question alone (``reuse``): every query falls in the last span, one call."""
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    query_pos, key_pos = torch.arange(35, 40), torch.arange(40)
+    expected = attend(q, k, v, position_mask(query_pos, key_pos))
+    torch.testing.assert_close(attend_selected(q, k, v, query_pos, key_pos), expected)
+
+
+def test_smooth_scores_spreads_a_peak_over_its_neighbours():
+    scores = torch.tensor([0.0, 0.0, 9.0, 0.0, 0.0, 0.0])
+    assert smooth_scores(scores, 1).tolist() == scores.tolist()
+    torch.testing.assert_close(smooth_scores(scores, 3), torch.tensor([0.0, 3, 3, 3, 0, 0]))
+    # at the edges only the candidates that exist are averaged
+    torch.testing.assert_close(
+        smooth_scores(torch.tensor([6.0, 0, 0]), 3), torch.tensor([3.0, 2, 0])
+    )
+    with pytest.raises(ValueError, match="odd"):
+        smooth_scores(scores, 4)
+
+
+@pytest.mark.parametrize("measure", ["v", "impact"])
+def test_hkvd_scores_rank_read_deviating_tokens_first(measure):
+    """Two tokens deviate equally; the one the question attends to ranks first, and a token
+    whose KV did not change scores nothing."""
+    gen = torch.Generator().manual_seed(3)
+    n_kv, n, dim = 2, 6, 8
+    cached_k, cached_v = (
+        torch.randn(n_kv, n, dim, generator=gen),
+        torch.randn(n_kv, n, dim, generator=gen),
+    )
+    fresh_k, fresh_v = cached_k.clone(), cached_v.clone()
+    for token in (1, 4):
+        fresh_k[:, token] += 0.5
+        fresh_v[:, token] += 2.0
+    question = cached_k[:, 4].repeat_interleave(2, dim=0)[:, None] * 4.0  # [H, 1, D]: reads token 4
+    scores = hkvd_scores(
+        fresh_k, fresh_v, cached_k, cached_v, measure,
+        question=question, layer_k=fresh_k, layer_v=fresh_v, slots=torch.arange(n), floor=0.0,
+    )  # fmt: skip
+    assert scores.argmax().item() == 4 and scores[4] > scores[1] > 0
+    assert scores[0].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_kv_cache_zeroes_only_what_is_not_written_first(tiny_llama):
+    cache = KVCache(tiny_llama.config, 1, 10, torch.device("cpu"), written_before_read=6)
+    assert cache.k[:, :, :, 6:].abs().sum().item() == 0.0
+    assert cache.v[:, :, :, 6:].abs().sum().item() == 0.0
 
 
 # ---- the identities ------------------------------------------------------------------------
