@@ -48,7 +48,7 @@ from kvservice.model import (
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[Mode, ...] = ("full", "prefix", "reuse", "blend")
-Measure = Literal["v", "k", "kv", "impact"]
+Measure = Literal["v", "k", "kv"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,7 +106,6 @@ def hkvd_scores(
     *,
     question: torch.Tensor | None = None,
     layer_k: torch.Tensor | None = None,
-    layer_v: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     floor: float = 0.25,
 ) -> torch.Tensor:
@@ -114,50 +113,20 @@ def hkvd_scores(
     recomputed. ``fresh_*``/``cached_*``: ``[H_kv, n, D]``, K rotated.
 
     Without ``question`` it is the plain KV deviation (``token_deviation``). With the
-    question's rotated queries ``question [H, Sq, D]`` and the layer's keys and values
-    ``layer_k``/``layer_v [H_kv, T, D]`` (``slots [n]`` says where the candidates sit), the
-    deviation is weighted by the attention the question pays each token (plus ``floor``
-    times the mean attention, since the question's early-layer attention is only a hint of
-    what later layers read): a deviating token nobody reads matters little.
-
-    ``measure="impact"`` instead estimates, to first order, how much the token's stale KV
-    moves the question's attention output: ``p * (|dv| + |ds| * |v - o|)`` summed over heads
-    and question tokens, where ``p`` is the attention weight, ``dv`` the V deviation, ``ds``
-    the attention-logit deviation ``q . dk`` and ``o`` the attention output.
+    question's rotated queries ``question [H, Sq, D]`` and the layer's keys ``layer_k
+    [H_kv, T, D]`` (``slots [n]`` says where the candidates sit), the deviation is weighted
+    by the attention the question pays each token (plus ``floor`` times the mean attention,
+    since the question's early-layer attention is only a hint of what later layers read):
+    a deviating token nobody reads matters little.
     """
+    deviation = token_deviation(fresh_k, fresh_v, cached_k, cached_v, measure)  # [n]
     if question is None:
-        return token_deviation(
-            fresh_k, fresh_v, cached_k, cached_v, "kv" if measure == "impact" else measure
-        )
-    n_heads, n_kv_heads = question.shape[0], layer_k.shape[0]
-    group = n_heads // n_kv_heads
-    scale = 1.0 / math.sqrt(question.shape[-1])
-
-    def per_head(x: torch.Tensor) -> torch.Tensor:  # [H_kv, ...] -> [H, ...]
-        return x.repeat_interleave(group, dim=0)
-
-    probs = torch.softmax(
-        question @ per_head(layer_k).transpose(1, 2) * scale, dim=-1
-    )  # [H, Sq, T]
-    p = probs[:, :, slots]  # [H, Sq, n]
-    p = p + floor * p.mean(dim=-1, keepdim=True)
-    if measure != "impact":
-        deviation = token_deviation(fresh_k, fresh_v, cached_k, cached_v, measure)  # [n]
-        return deviation * p.mean(dim=(0, 1))
-    dv = per_head((fresh_v - cached_v).float().norm(dim=-1))[:, None]  # [H, 1, n]
-    ds = question @ per_head(fresh_k - cached_k).transpose(1, 2) * scale  # [H, Sq, n]
-    out = probs @ per_head(layer_v)  # [H, Sq, D]
-    v_new = per_head(fresh_v)  # [H, n, D]
-    spread = (
-        (
-            v_new.pow(2).sum(-1)[:, None]
-            - 2 * out @ v_new.transpose(1, 2)
-            + out.pow(2).sum(-1)[..., None]
-        )
-        .clamp_min(0)
-        .sqrt()
-    )  # |v - o|: [H, Sq, n]
-    return (p * (dv + ds.abs() * spread)).sum(dim=(0, 1))
+        return deviation
+    group = question.shape[0] // layer_k.shape[0]
+    keys = layer_k.repeat_interleave(group, dim=0)  # [H, T, D]
+    scores = question @ keys.transpose(1, 2) / math.sqrt(question.shape[-1])  # [H, Sq, T]
+    weight = torch.softmax(scores, dim=-1).mean(dim=(0, 1))[slots]  # [n]
+    return deviation * (weight + floor * weight.mean())
 
 
 def smooth_scores(scores: torch.Tensor, window: int) -> torch.Tensor:
@@ -351,8 +320,7 @@ def blend_prefill(
     recompute. ``extra_capacity`` leaves room in the returned cache for decoding.
 
     Selection (``hkvd_scores``): ``measure`` is the per-token deviation (``v``: of V,
-    CacheBlend's; ``kv``: K and V, each relative to its scale; ``impact``: a first-order
-    estimate of the change in the question's attention output); with ``question_weight`` it
+    CacheBlend's; ``kv``: K and V, each relative to its scale); with ``question_weight`` it
     is weighted by the attention the question pays each token at that layer (plus
     ``question_weight_floor`` times the mean), since a deviating token nobody reads matters
     little; ``smooth_window`` then averages neighbouring candidates' scores, so deviating
@@ -360,8 +328,8 @@ def blend_prefill(
     scores of all check layers so far are summed. The defaults were chosen on Musique
     examples 10-29 with SmolLM2 at ratio 0.15 (teacher-forced KL to full; reuse: 0.126):
     V, weighted with floor 0.25, smoothed over 11, each check on its own gave 0.050, against
-    0.067 unsmoothed, 0.081 for K+V, accumulated, floor 1, 0.096 without the question
-    weight, and 0.061 for ``impact`` unsmoothed.
+    0.067 unsmoothed, 0.081 for K+V, accumulated, floor 1, and 0.096 without the question
+    weight.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (one of {MODES})")
@@ -461,7 +429,6 @@ def blend_prefill(
                 measure,
                 question=q[0, :, -len(question_ids) :] if question_weight else None,
                 layer_k=cache.k[i, 0, :, :num_tokens],
-                layer_v=cache.v[i, 0, :, :num_tokens],
                 slots=slots,
                 floor=question_weight_floor,
             )
