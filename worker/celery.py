@@ -44,12 +44,23 @@ def share_cores() -> int:
     return threads
 
 
+def yield_to_inference() -> int:
+    """Lower this pool process's CPU priority by ``WORKER_NICE`` (default 10; 0 keeps it), so
+    that background ingest gives way to the inference worker, whose TTFT someone is waiting
+    on, when both run on the same cores. Measured on 2 cores: a blended 3.7k-token prefill
+    took 2.27 s alone, 7.01 s beside two busy KV-precompute processes at the same priority,
+    and 2.69 s beside the same two at nice 10. Returns the new niceness."""
+    return os.nice(max(0, int(os.environ.get("WORKER_NICE", "10"))))
+
+
 @worker_process_init.connect
 def warm_up(**_kwargs) -> None:
-    """Share the cores out, then load the LLM and the embedder as each pool process starts,
-    in the background (the process must report ready within seconds), so the first document
-    does not wait for them. ``WORKER_WARM_UP=0`` turns the loading off."""
+    """Share the cores out and give way to inference, then load the LLM and the embedder as
+    each pool process starts, in the background (the process must report ready within
+    seconds), so the first document does not wait for them. ``WORKER_WARM_UP=0`` turns the
+    loading off."""
     share_cores()
+    yield_to_inference()
     if os.environ.get("WORKER_WARM_UP", "1") == "0":
         return
     threading.Thread(target=_load_models, name="warm-up", daemon=True).start()
