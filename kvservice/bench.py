@@ -12,12 +12,18 @@ HF ``transformers`` prefills it too (``hf_full``), and fidelity to ``full`` is m
 * ``fidelity_f1`` / ``gold_f1``: token F1 of the mode's free-running greedy answer against
   the ``full`` answer and against the gold answers.
 
+``--first``/``--examples`` pick the examples (the blend defaults were tuned on 10-29);
+``--blend NAME=VALUE`` passes a ``blend_prefill`` setting (e.g. ``smooth_window=1``) to
+compare selections on the same prompts.
+
 Storage tiers plug in through ``chunk_sources`` (the store replaces it: ``--tier``, pipelining).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
 import os
 import platform
@@ -157,6 +163,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
             chunk_ids=prompt.chunk_ids,
             head_kv=head_kv,
             extra_capacity=extra,
+            **args.blend,
         )
         int(result.logits.argmax())  # the first token: TTFT ends here
         return result
@@ -217,6 +224,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data", required=True, type=Path)
     parser.add_argument("--examples", type=int, default=10)
+    parser.add_argument("--first", type=int, default=0, help="index of the first example")
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--modes", default="full,prefix,reuse,blend")
     parser.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
@@ -236,12 +244,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--engine", choices=("native", "vllm"), default="native",
         help="vllm: the same modes through vLLM with the Ragblend KV connector (kvservice.vllm)",
     )  # fmt: skip
+    parser.add_argument(
+        "--blend", action="append", default=[], metavar="NAME=VALUE",
+        help="a blend_prefill setting for every mode, e.g. smooth_window=1 (repeatable)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    try:
+        args.blend = blend_settings(args.blend)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.blend and args.engine != "native":
+        parser.error("--blend applies to the native engine only")
     return args
+
+
+# Settings of blend_prefill that the bench sets itself and --blend may not.
+_BENCH_OWNED = {"model", "head_ids", "chunks", "question_ids", "mode", "recompute_ratio",
+                "chunk_ids", "head_kv", "extra_capacity"}  # fmt: skip
+
+
+def blend_settings(pairs: Sequence[str]) -> dict:
+    """``["smooth_window=1", "measure=kv"]`` -> keyword arguments of ``blend_prefill``, values
+    read as Python literals (numbers, True/False), else kept as text."""
+    known = set(inspect.signature(blend_prefill).parameters) - _BENCH_OWNED
+    settings = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in known:
+            raise ValueError(f"--blend {pair!r}: expected NAME=VALUE, NAME one of {sorted(known)}")
+        try:
+            settings[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            settings[name] = text
+    return settings
 
 
 def summarize(rows: list[dict], modes: Sequence[str]) -> dict:
@@ -316,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
     stop_ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
     stop_ids = {t for t in stop_ids if isinstance(t, int) and t != tokenizer.unk_token_id}
-    examples = json.loads(args.data.read_text())[: args.examples]
+    examples = json.loads(args.data.read_text())[args.first : args.first + args.examples]
     load_before = os.getloadavg()
     rows: list[dict] = []
 
@@ -355,8 +394,10 @@ def _env(args, model, model_dir, rows, load_before) -> dict:
         "model_fingerprint": model.fingerprint,
         "dtype": "float32",
         "examples": len(rows),
+        "first_example": args.first,
         "passages": args.passages,
         "ratio": args.ratio,
+        "blend_settings": args.blend,
         "tier": args.tier,
         "pipeline": not args.no_pipeline,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),
