@@ -127,8 +127,13 @@ def test_dashboard_with_the_real_workers_evict_warm_and_screenshot(
     client.force_login(staff)
     client.post(reverse("dashboard:audit"), {"sample_rate": "1"})
 
-    def cpu_entries() -> int | None:
-        tiers = {t["name"]: t for t in selectors.tier_rows(read_heartbeat(redis_client()))}
+    def cpu_entries(after: float = 0.0) -> int | None:
+        """CPU-tier entries in the worker's heartbeat (one written after ``after``: the
+        heartbeat comes every few seconds, so an older one may predate the last promotion)."""
+        beat = read_heartbeat(redis_client())
+        if beat is None or beat["ts"] <= after:
+            return None
+        tiers = {t["name"]: t for t in selectors.tier_rows(beat)}
         return tiers.get("cpu", {}).get("entries")
 
     # The worker is shared by the whole session (other tests' chunks may sit in its tiers),
@@ -141,10 +146,11 @@ def test_dashboard_with_the_real_workers_evict_warm_and_screenshot(
             answer = chat.chat_ask(user=staff, conversation=conversation, question=question,
                                    mode=mode)  # fmt: skip
         assert collect_stream(str(answer.request_id))[1] == "done"
-    # Every question retrieved all three one-chunk documents, so blend/reuse promoted each
-    # chunk into CPU memory; evicting two documents removes two entries, warming adds one.
-    before = cpu_entries() or 0
-    assert before >= 3
+    # Every question retrieved both one-chunk documents, so blend/reuse promoted each chunk
+    # into CPU memory; evicting the two documents removes two entries, warming adds one.
+    answered = time.time() + 1.0  # promotion finishes just after the stream does
+    before = wait_for(lambda: cpu_entries(after=answered), timeout=20, what="a fresh heartbeat")
+    assert before >= len(documents)
     client.post(reverse("dashboard:document_evict", args=[documents[0].pk]))
     client.post(reverse("dashboard:document_evict", args=[documents[1].pk]))
     wait_for(lambda: (cpu_entries() or 0) <= before - 2, timeout=20, what="the eviction")
