@@ -3,7 +3,6 @@ answer when it is complete, stop, regenerate, feedback."""
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from typing import Any
 
@@ -23,10 +22,10 @@ from webapp.chat.retrieval import retrieve_chunks
 from webapp.dashboard.selectors import fixed_recompute_ratio
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
+from webapp.documents.parsing import CONTROL_CHARS
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
-CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 HISTORY_TURNS = 3  # recent question/answer pairs carried into a follow-up question
 
 

@@ -187,10 +187,15 @@ def parse(data: bytes, doc_type: str, *, docx_limits: DocxLimits | None = None) 
     return parsed
 
 
+# Control characters other than tab and newlines: no meaning in text, and PostgreSQL's text
+# type refuses NUL. (Carriage returns and form feeds are turned into newlines first.)
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
 def normalize_text(text: str) -> str:
     """Unify newlines, drop control characters, collapse runs of blank lines and spaces."""
     text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x0c", "\n\n")
-    text = re.sub(r"[\x00-\x08\x0b\x0e-\x1f\x7f]", "", text)
+    text = CONTROL_CHARS.sub("", text)
     text = re.sub(r"[ \t\u00a0]+", " ", text)
     text = re.sub(r" *\n *", "\n", text)
     text = re.sub(r"\n{3,}", "\n\n", text)
