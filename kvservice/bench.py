@@ -9,12 +9,23 @@ HF ``transformers`` prefills it too (``hf_full``), and fidelity to ``full`` is m
 
 * ``tf_agreement`` / ``tf_kl``: the first 16 tokens of the ``full`` answer are fed after the
   mode's prefill; top-1 agreement with ``full`` and mean KL(mode || full) per position;
+* ``tf_logprob_gap``: the ``full`` answer up to 32 tokens (through its stop token) fed the
+  same way; the mean of ``log p_full(token) - log p_mode(token)`` over its tokens (how much
+  less likely the mode finds full's own answer, further into the answer than ``tf_kl``);
 * ``fidelity_f1`` / ``gold_f1``: token F1 of the mode's free-running greedy answer against
   the ``full`` answer and against the gold answers.
 
-``--first``/``--examples`` pick the examples (the blend defaults were tuned on 10-29);
-``--blend NAME=VALUE`` passes a ``blend_prefill`` setting (e.g. ``smooth_window=1``) to
-compare selections on the same prompts.
+The summary gives each mode's ``tf_kl`` as a distribution (mean with a bootstrap 95 %
+interval, median, p90) and counts the examples where it is worse or better than ``reuse``'s
+on the same prompt: a mean can hide a few prompts that blend gets badly wrong.
+
+``--ratios 0.05,0.10,...`` also runs blend at each ratio (run keys ``blend@0.05``) and adds
+the ``curve`` users choose a ratio from: TTFT relative to full against fidelity, for full,
+reuse and each blend ratio; ``--plot curve.svg`` draws it (``kvservice.curve``).
+
+``--first``/``--examples`` pick the examples: tune on 0-19, report on 20-39 (the earlier
+blend defaults were tuned on 10-29); ``--blend NAME=VALUE`` passes a ``blend_prefill``
+setting (e.g. ``smooth_window=1``) to compare selections on the same prompts.
 
 Storage tiers plug in through ``chunk_sources`` (the store replaces it: ``--tier``, pipelining).
 """
@@ -25,14 +36,16 @@ import argparse
 import ast
 import inspect
 import json
+import math
 import os
 import platform
+import random
 import re
 import statistics
 import string
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -40,6 +53,7 @@ import torch
 from kvservice.blend import MODES, BlendResult, Mode, blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
+from kvservice.curve import ratio_curve_svg
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat
 from kvservice.store.benchio import TIERS, store_bench
@@ -54,7 +68,9 @@ QUESTION_PREFIX = (
     "Answer the question directly based on the given passages. Do NOT repeat the question. "
     "The answer should be within 5 words.\nQuestion: "
 )
-TF_TOKENS = 16
+TF_TOKENS = 16  # tf_kl / tf_agreement: the first 16 tokens of full's answer
+GAP_TOKENS = 32  # tf_logprob_gap: up to 32 tokens of full's answer, through its stop token
+BETTER_OR_WORSE = 1e-4  # a tf_kl difference to reuse's smaller than this counts as a tie
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,12 +78,12 @@ TF_TOKENS = 16
 
 
 def chunk_sources(
-    chunks: Sequence[ChunkKV], args: argparse.Namespace, mode: str = "blend"
+    chunks: Sequence[ChunkKV], args: argparse.Namespace, mode: str = "blend", key: str | None = None
 ) -> list[LayeredKV | None]:
     """Where the blender reads chunk KV from: the store's loader over the tier the chunks
     were staged in (``--tier cpu|disk|s3``), layer by layer, prefetching unless
-    ``--no-pipeline``."""
-    return store_bench(args.tier, not args.no_pipeline).sources(chunks, mode)
+    ``--no-pipeline``. The loads are reported under the run ``key`` (``blend@0.05``)."""
+    return store_bench(args.tier, not args.no_pipeline).sources(chunks, mode, key=key)
 
 
 def _normalize(text: str) -> list[str]:
@@ -84,6 +100,47 @@ def token_f1(prediction: str, reference: str) -> float:
         return 0.0
     precision, recall = common / len(pred), common / len(ref)
     return 2 * precision * recall / (precision + recall)
+
+
+def teacher_forced_fidelity(
+    mode_logits: torch.Tensor, full_logits: torch.Tensor, answer: Sequence[int], tf_positions: int
+) -> dict[str, float]:
+    """Fidelity of a mode to full prefill, both fed full's ``answer`` after their prefill:
+    next-token logits ``[len(answer), V]`` (position i predicts ``answer[i]``).
+
+    ``tf_agreement`` (top-1) and ``tf_kl`` (mean KL(mode || full)) over the first
+    ``tf_positions`` positions; ``tf_logprob_gap`` over all: the mean of
+    ``log p_full(token) - log p_mode(token)`` for the answer's own tokens."""
+    logp = torch.log_softmax(mode_logits.float(), dim=-1)  # [T, V]
+    full = torch.log_softmax(full_logits.float(), dim=-1)  # [T, V]
+    head, full_head = logp[:tf_positions], full[:tf_positions]
+    agreement = (head.argmax(-1) == full_head.argmax(-1)).float().mean().item()
+    kl = (head.exp() * (head - full_head)).sum(-1).mean().item()
+    tokens = torch.tensor(answer, device=logp.device)[:, None]  # [T, 1]
+    gap = (full.gather(-1, tokens) - logp.gather(-1, tokens)).mean().item()
+    return {"tf_agreement": agreement, "tf_kl": max(kl, 0.0), "tf_logprob_gap": gap}
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile, linear between the order statistics (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def bootstrap_ci(
+    values: Sequence[float], *, confidence: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile-bootstrap interval for the mean of ``values``: the means of ``resamples``
+    resamples with replacement, cut at both tails. Seeded, so a rerun prints the same."""
+    if not values:
+        raise ValueError("bootstrap_ci needs at least one value")
+    rng = random.Random(seed)
+    means = [statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples)]
+    tail = (1 - confidence) / 2
+    return quantile(means, tail), quantile(means, 1 - tail)
 
 
 def _cpu_name() -> str:
@@ -119,13 +176,14 @@ def _teacher_forced_logits(
 
 @torch.no_grad()
 def _greedy(model: Transformer, result: BlendResult, max_new: int, stop_ids: set[int]) -> list[int]:
-    """Free-running greedy answer from the prefill (the cache is rolled back afterwards)."""
+    """Free-running greedy answer from the prefill, at most ``max_new`` tokens, ending with
+    the stop token if one is chosen (the cache is rolled back afterwards)."""
     n, logits, out = result.num_tokens, result.logits, []
     for step in range(max_new):
         token = int(logits.argmax())
+        out.append(token)
         if token in stop_ids:
             break
-        out.append(token)
         logits, _ = model(
             torch.tensor([[token]], device=model.device),
             torch.tensor([[n + step]], device=model.device),
@@ -134,6 +192,10 @@ def _greedy(model: Transformer, result: BlendResult, max_new: int, stop_ids: set
         logits = logits[0]
     result.cache.truncate(n)
     return out
+
+
+def _without_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
 def _timed(fn):
@@ -149,17 +211,19 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     head_kv = precompute_head(model, prompt.head_ids)
     chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
     store_bench(args.tier, not args.no_pipeline).stage(chunks)  # before any timing
-    extra = TF_TOKENS + args.max_new_tokens
-    modes: list[Mode] = args.modes
+    # Room after the prompt for the longest greedy answer or teacher-forced answer (each is
+    # rolled back before the next).
+    extra = max(args.max_new_tokens, GAP_TOKENS)
+    plan: dict[str, tuple[Mode, float]] = args.plan
 
-    def prefill(mode: Mode) -> BlendResult:
+    def prefill(key: str, mode: Mode, ratio: float) -> BlendResult:
         result = blend_prefill(
             model,
             prompt.head_ids,
-            chunk_sources(chunks, args, mode),
+            chunk_sources(chunks, args, mode, key),
             prompt.question_ids,
             mode=mode,
-            recompute_ratio=args.ratio,
+            recompute_ratio=ratio,
             chunk_ids=prompt.chunk_ids,
             head_kv=head_kv,
             extra_capacity=extra,
@@ -169,41 +233,49 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
         return result
 
     # Timed runs, the modes interleaved so that load from other processes hits all alike.
-    ttft: dict[str, list[float]] = {m: [] for m in [*modes, "hf_full"]}
+    ttft: dict[str, list[float]] = {key: [] for key in [*plan, "hf_full"]}
     results: dict[str, BlendResult] = {}
     ids = torch.tensor([prompt.token_ids])
     for _ in range(args.repeats):
-        for mode in modes:
-            results[mode], seconds = _timed(lambda mode=mode: prefill(mode))
-            ttft[mode].append(seconds)
+        for key, (mode, ratio) in plan.items():
+            results[key], seconds = _timed(
+                lambda key=key, mode=mode, ratio=ratio: prefill(key, mode, ratio)
+            )
+            ttft[key].append(seconds)
         if hf_model is not None:
             _, seconds = _timed(lambda: int(hf_model(ids, logits_to_keep=1).logits[0, -1].argmax()))
             ttft["hf_full"].append(seconds)
 
-    full = results["full"] if "full" in results else prefill("full")
-    full_answer = _greedy(model, full, args.max_new_tokens, stop_ids)
-    tf_answer = (full_answer + [next(iter(stop_ids))])[:TF_TOKENS]
-    full_tf = torch.log_softmax(_teacher_forced_logits(model, full, tf_answer), dim=-1)
+    full = results["full"] if "full" in results else prefill("full", "full", args.ratio)
+    # Full's greedy answer, long enough for both teacher-forced windows: tf_kl's is the first
+    # TF_TOKENS positions of the answer cut at --max-new-tokens then a stop token, as before
+    # tf_logprob_gap existed; the logits there depend only on the tokens fed, which are the
+    # first tokens of the gap's answer, so one forward serves both.
+    answer_ids = _greedy(model, full, max(args.max_new_tokens, GAP_TOKENS), stop_ids)
+    full_answer = _without_stop(answer_ids, stop_ids)[: args.max_new_tokens]
+    forced = answer_ids[:GAP_TOKENS]
+    tf_positions = min(len(full_answer) + 1, TF_TOKENS)
+    full_logits = _teacher_forced_logits(model, full, forced)
     full_text = tokenizer.decode(full_answer, skip_special_tokens=True)
     row: dict = {"num_tokens": full.num_tokens, "full_answer": full_text, "modes": {}}
-    for mode in modes:
-        result = results[mode]
-        logp = torch.log_softmax(_teacher_forced_logits(model, result, tf_answer), dim=-1)
-        agreement = (logp.argmax(-1) == full_tf.argmax(-1)).float().mean().item()
-        kl = (logp.exp() * (logp - full_tf)).sum(-1).mean().item()
-        answer = tokenizer.decode(
-            _greedy(model, result, args.max_new_tokens, stop_ids), skip_special_tokens=True
+    for key in plan:
+        result = results[key]
+        fidelity = teacher_forced_fidelity(
+            _teacher_forced_logits(model, result, forced), full_logits, forced, tf_positions
         )
-        row["modes"][mode] = {
-            "ttft_s": statistics.median(ttft[mode]),
-            "tf_agreement": agreement,
-            "tf_kl": max(kl, 0.0),
+        answer = tokenizer.decode(
+            _without_stop(_greedy(model, result, args.max_new_tokens, stop_ids), stop_ids),
+            skip_special_tokens=True,
+        )
+        row["modes"][key] = {
+            "ttft_s": statistics.median(ttft[key]),
+            **fidelity,
             "fidelity_f1": token_f1(answer, full_text),
             "gold_f1": max(token_f1(answer, gold) for gold in example["answers"]),
             "answer": answer,
             "recompute_ratio": result.recompute_ratio_effective,
             **store_bench(args.tier, not args.no_pipeline).report(
-                mode,
+                key,
                 prompt_tokens=full.num_tokens,
                 num_layers=model.config.n_layers,
                 full_ttft_s=statistics.median(ttft["full"]) if ttft.get("full") else None,
@@ -228,7 +300,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--modes", default="full,prefix,reuse,blend")
     parser.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    parser.add_argument(
+        "--ratios", default="", metavar="R1,R2,...",
+        help="also run blend at each of these ratios (e.g. 0.05,0.10,0.15,0.25,0.40): the curve",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the --ratios curve (SVG)")
     parser.add_argument(
         "--model-path", default=os.environ.get("MODEL_PATH"), help="HF checkpoint dir"
     )
@@ -259,7 +336,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(err))
     if args.blend and args.engine != "native":
         parser.error("--blend applies to the native engine only")
+    try:
+        args.ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
+    except ValueError:
+        parser.error(f"--ratios {args.ratios!r}: expected numbers like 0.05,0.15")
+    if any(not 0 <= r <= 1 for r in [args.ratio, *args.ratios]):
+        parser.error("recompute ratios are between 0 and 1")
+    if args.ratios and args.engine != "native":
+        parser.error("--ratios applies to the native engine only")
+    if args.ratios and "full" not in args.modes:
+        parser.error("--ratios needs full in --modes (the curve's TTFT is relative to it)")
+    if args.plot and not args.ratios:
+        parser.error("--plot draws the --ratios curve: give --ratios too")
+    args.plan = run_plan(args.modes, args.ratio, args.ratios)
     return args
+
+
+def run_plan(
+    modes: Sequence[Mode], ratio: float, ratios: Sequence[float] = ()
+) -> dict[str, tuple[Mode, float]]:
+    """Run key -> (mode, recompute ratio): the modes asked at ``--ratio``, then blend at each
+    of ``--ratios`` under ``blend@R``, skipping a setting already run (``blend`` at ``--ratio``)."""
+    plan: dict[str, tuple[Mode, float]] = {mode: (mode, ratio) for mode in modes}
+    for extra in ratios:
+        if ("blend", extra) not in plan.values():
+            plan[f"blend@{extra:g}"] = ("blend", extra)
+    return plan
 
 
 # Settings of blend_prefill that the bench sets itself and --blend may not.
@@ -283,19 +385,26 @@ def blend_settings(pairs: Sequence[str]) -> dict:
     return settings
 
 
-def summarize(rows: list[dict], modes: Sequence[str]) -> dict:
+def summarize(
+    rows: list[dict], plan: Mapping[str, tuple[Mode, float]], *, curve: bool = False
+) -> dict:
+    """Per run key: TTFT medians, fidelity means and ``tf_kl``'s distribution, and against
+    ``reuse`` where it ran; with ``curve``, the points of :func:`ratio_curve`."""
     summary: dict = {"modes": {}}
     full_ttft = (
-        statistics.median(r["modes"]["full"]["ttft_s"] for r in rows) if "full" in modes else None
+        statistics.median(r["modes"]["full"]["ttft_s"] for r in rows) if "full" in plan else None
     )
-    for mode in modes:
-        values = [r["modes"][mode] for r in rows]
+    for key in plan:
+        values = [r["modes"][key] for r in rows]
         ttft = statistics.median(v["ttft_s"] for v in values)
-        summary["modes"][mode] = {
+        summary["modes"][key] = {
             "ttft_median_s": ttft,
             "ttft_ratio_to_full": ttft / full_ttft if full_ttft else None,
             "tf_agreement": statistics.fmean(v["tf_agreement"] for v in values),
-            "tf_kl": statistics.fmean(v["tf_kl"] for v in values),
+            **_distribution([v["tf_kl"] for v in values]),
+            "tf_logprob_gap": statistics.fmean(v["tf_logprob_gap"] for v in values),
+            "tf_logprob_gap_median": statistics.median(v["tf_logprob_gap"] for v in values),
+            **(_against_reuse(rows, key) if "reuse" in plan else {}),
             "fidelity_f1": statistics.fmean(v["fidelity_f1"] for v in values),
             "gold_f1": statistics.fmean(v["gold_f1"] for v in values),
             "recompute_ratio": statistics.fmean(v["recompute_ratio"] for v in values),
@@ -303,7 +412,54 @@ def summarize(rows: list[dict], modes: Sequence[str]) -> dict:
         }
     hf = [r["hf_full"]["ttft_s"] for r in rows if "hf_full" in r]
     summary["hf_full"] = {"ttft_median_s": statistics.median(hf) if hf else None}
+    if curve:
+        summary["curve"] = ratio_curve(summary["modes"], plan)
     return summary
+
+
+def _distribution(kl: list[float]) -> dict:
+    """``tf_kl`` (the mean, as always) and how it spreads over the examples."""
+    low, high = bootstrap_ci(kl)
+    return {
+        "tf_kl": statistics.fmean(kl),
+        "tf_kl_median": statistics.median(kl),
+        "tf_kl_p90": quantile(kl, 0.9),
+        "tf_kl_ci95": [low, high],
+    }
+
+
+def _against_reuse(rows: list[dict], key: str) -> dict:
+    """On how many examples ``key``'s tf_kl is worse (or better) than reuse's on the same
+    prompt, by more than a tie."""
+    diffs = [r["modes"][key]["tf_kl"] - r["modes"]["reuse"]["tf_kl"] for r in rows]
+    return {
+        "worse_than_reuse": sum(d > BETTER_OR_WORSE for d in diffs),
+        "better_than_reuse": sum(d < -BETTER_OR_WORSE for d in diffs),
+    }
+
+
+def ratio_curve(modes: Mapping[str, dict], plan: Mapping[str, tuple[Mode, float]]) -> list[dict]:
+    """The points users choose a ratio from, by recompute ratio: reuse (0), blend at each
+    ratio, full (1); each with its speed (TTFT) and fidelity to full."""
+    points = []
+    for key, (mode, ratio) in plan.items():
+        if mode not in ("full", "reuse", "blend"):
+            continue
+        m = modes[key]
+        points.append(
+            {
+                "label": f"blend@{ratio:g}" if mode == "blend" else mode,
+                "ratio": {"full": 1.0, "reuse": 0.0}.get(mode, ratio),
+                "ttft_median_s": m["ttft_median_s"],
+                "ttft_ratio_to_full": m["ttft_ratio_to_full"],
+                "tf_kl_mean": m["tf_kl"],
+                "tf_kl_median": m["tf_kl_median"],
+                "tf_kl_ci95": m["tf_kl_ci95"],
+                "tf_agreement": m["tf_agreement"],
+                "tf_logprob_gap_mean": m["tf_logprob_gap"],
+            }
+        )
+    return sorted(points, key=lambda point: point["ratio"])
 
 
 def _store_means(values: list[dict]) -> dict:
@@ -317,24 +473,29 @@ def _store_means(values: list[dict]) -> dict:
 
 def print_table(summary: dict) -> None:
     header = (
-        f"{'mode':8} {'TTFT s':>8} {'x full':>7} {'speedup':>8} {'tf_agree':>9} {'tf_kl':>7} "
-        f"{'fid_F1':>7} {'gold_F1':>8}"
+        f"{'run':11} {'TTFT s':>7} {'x full':>6} {'KL mean':>8} {'95% CI':>17} {'median':>7} "
+        f"{'p90':>7} {'lp gap':>7} {'agree':>6} {'vs reuse -/+':>12} {'gold_F1':>7}"
     )
     print(header)
     print("-" * len(header))
-    for mode, m in summary["modes"].items():
+    for key, m in summary["modes"].items():
         ratio = m["ttft_ratio_to_full"]
-        speedup = f"{1 / ratio:7.2f}x" if ratio else "     n/a"
-        print(
-            f"{mode:8} {m['ttft_median_s']:8.3f} {ratio or float('nan'):7.3f} {speedup:>8} "
-            f"{m['tf_agreement']:9.3f} {m['tf_kl']:7.4f} {m['fidelity_f1']:7.3f} "
-            f"{m['gold_f1']:8.3f}"
+        low, high = m["tf_kl_ci95"]
+        versus = (
+            f"{m['worse_than_reuse']}/{m['better_than_reuse']}" if "worse_than_reuse" in m else ""
         )
+        print(
+            f"{key:11} {m['ttft_median_s']:7.3f} {ratio or float('nan'):6.3f} "
+            f"{m['tf_kl']:8.4f} {f'[{low:.4f}, {high:.4f}]':>17} {m['tf_kl_median']:7.4f} "
+            f"{m['tf_kl_p90']:7.4f} {m['tf_logprob_gap']:7.3f} {m['tf_agreement']:6.3f} "
+            f"{versus:>12} {m['gold_f1']:7.3f}"
+        )
+    print("vs reuse -/+: examples whose tf_kl is worse / better than reuse's on the same prompt")
     hf = summary["hf_full"]["ttft_median_s"]
     if hf is not None:
         full = summary["modes"].get("full", {}).get("ttft_median_s")
         vs = f" (our full / hf_full = {full / hf:.3f})" if full else ""
-        print(f"{'hf_full':8} {hf:8.3f}{vs}")
+        print(f"{'hf_full':11} {hf:7.3f}{vs}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -356,11 +517,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     stop_ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
     stop_ids = {t for t in stop_ids if isinstance(t, int) and t != tokenizer.unk_token_id}
     examples = json.loads(args.data.read_text())[args.first : args.first + args.examples]
+    for out in (args.json, args.plot):  # e.g. docs/ratio_curve.json in a fresh checkout
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     rows: list[dict] = []
 
-    def env() -> dict:
-        return _env(args, model, model_dir, rows, load_before)
+    def report() -> dict:
+        summary = summarize(rows, args.plan, curve=bool(args.ratios))
+        return {**summary, "env": _env(args, model, model_dir, rows, load_before), "examples": rows}
 
     with torch.no_grad():
         for index, example in enumerate(examples):
@@ -375,12 +540,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 f"[{index + 1}/{len(examples)}] {row['num_tokens']} tokens  {brief}{hf}", flush=True
             )
             if args.json:  # a partial summary after every example, in case of interruption
-                partial = {**summarize(rows, args.modes), "env": env(), "examples": rows}
-                args.json.write_text(json.dumps(partial, indent=2))
-    summary = {**summarize(rows, args.modes), "env": env(), "examples": rows}
+                args.json.write_text(json.dumps(report(), indent=2))
+    summary = report()
     print_table(summary)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
+    if args.plot:
+        title = (
+            f"{Path(model_dir).name}: Musique {args.first}-{args.first + len(rows) - 1}, "
+            f"{args.passages} passages"
+        )
+        args.plot.write_text(ratio_curve_svg(summary["curve"], title))
     return summary
 
 
@@ -397,6 +567,9 @@ def _env(args, model, model_dir, rows, load_before) -> dict:
         "first_example": args.first,
         "passages": args.passages,
         "ratio": args.ratio,
+        "ratios": args.ratios,
+        "tf_tokens": TF_TOKENS,
+        "gap_tokens": GAP_TOKENS,
         "blend_settings": args.blend,
         "tier": args.tier,
         "pipeline": not args.no_pipeline,

@@ -84,16 +84,20 @@ class StoreBench:
             self._keys[id(chunk)] = key
         log.info("staged %d chunks in the %s tier", len(chunks), self.tier)
 
-    def sources(self, chunks: Sequence[ChunkKV], mode: str) -> list[LayeredKV | None]:
+    def sources(
+        self, chunks: Sequence[ChunkKV], mode: str, *, key: str | None = None
+    ) -> list[LayeredKV | None]:
         """What the blender reads in ``mode``: ``full`` reads no cached KV; ``prefix`` only
-        the first chunk's (the others are computed: None); ``reuse``/``blend`` every chunk's."""
+        the first chunk's (the others are computed: None); ``reuse``/``blend`` every chunk's.
+        The loads are reported under ``key`` (the bench's run key, e.g. ``blend@0.05``;
+        default the mode)."""
         self._settle()
         if mode == "full":
             return list(chunks)
         wanted = chunks[:1] if mode == "prefix" else chunks
         keys = [self._keys[id(chunk)] for chunk in wanted]
         batch = self.loader.open(keys, token_ids=[chunk.token_ids for chunk in wanted])
-        self._pending.setdefault(mode, []).append(batch)
+        self._pending.setdefault(key or mode, []).append(batch)
         return [*batch, *([None] * (len(chunks) - len(wanted)))]
 
     def _settle(self) -> None:
@@ -105,7 +109,8 @@ class StoreBench:
         self, mode: str, *, prompt_tokens: int, num_layers: int, full_ttft_s: float | None
     ) -> dict[str, Any]:
         """``load_s``, ``hidden_load_fraction`` (medians over the repeats) and the loading
-        controller's ``ratio_chosen`` for this example. The recompute throughput fed to the
+        controller's ``ratio_chosen`` for this example, for the loads made under ``mode`` (or
+        the run key given to :meth:`sources`). The recompute throughput fed to the
         controller is the ``full`` prefill's: ``prompt_tokens * num_layers / full_ttft_s``."""
         self._settle()
         stats = self._stats.get(mode, [])

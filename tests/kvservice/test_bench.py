@@ -1,16 +1,35 @@
-"""The bench's command line: which examples, and blend settings passed through."""
+"""The bench's command line (which examples, blend settings, the ratio curve) and the
+numbers it reports: fidelity measures, their distribution, the curve."""
 
 from __future__ import annotations
 
-import pytest
+import random
+import statistics
 
-from kvservice.bench import blend_settings, parse_args
+import pytest
+import torch
+
+from kvservice.bench import (
+    GAP_TOKENS,
+    TF_TOKENS,
+    _teacher_forced_logits,
+    blend_settings,
+    bootstrap_ci,
+    parse_args,
+    print_table,
+    quantile,
+    run_plan,
+    summarize,
+    teacher_forced_fidelity,
+)
+from kvservice.blend import blend_prefill
+from kvservice.model import precompute_chunks
 
 
 def test_blend_settings_are_read_as_literals_or_text():
-    settings = blend_settings(["smooth_window=1", "measure=kv", "question_weight=False"])
-    assert settings == {"smooth_window": 1, "measure": "kv", "question_weight": False}
-    assert blend_settings(["question_weight_floor=0.5"]) == {"question_weight_floor": 0.5}
+    # One setting that blend_prefill keeps, so that the test outlives changes to the others.
+    for text, value in [("1", 1), ("0.5", 0.5), ("False", False), ("kv", "kv")]:
+        assert blend_settings([f"smooth_window={text}"]) == {"smooth_window": value}
 
 
 @pytest.mark.parametrize("pair", ["smoothwindow=3", "smooth_window", "recompute_ratio=0.2"])
@@ -26,3 +45,127 @@ def test_command_line_picks_examples_and_settings(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--data", "x.json", "--blend", "smooth_window=5", "--engine", "vllm"])
     assert "native engine only" in capsys.readouterr().err
+
+
+def test_ratios_add_blend_runs_without_running_a_setting_twice(capsys):
+    args = parse_args(["--data", "x.json", "--modes", "full,reuse,blend", "--ratio", "0.15",
+                       "--ratios", "0.05,0.15,0.4", "--plot", "curve.svg"])  # fmt: skip
+    assert args.ratios == [0.05, 0.15, 0.4]
+    assert args.plan == {"full": ("full", 0.15), "reuse": ("reuse", 0.15),
+                         "blend": ("blend", 0.15), "blend@0.05": ("blend", 0.05),
+                         "blend@0.4": ("blend", 0.4)}  # fmt: skip
+    assert run_plan(["full"], 0.15, [0.1]) == {"full": ("full", 0.15), "blend@0.1": ("blend", 0.1)}
+    for argv, message in [(["--modes", "reuse,blend", "--ratios", "0.1"], "needs full"),
+                          (["--plot", "c.svg"], "give --ratios"),
+                          (["--ratios", "0.1,x"], "expected numbers"),
+                          (["--ratios", "1.5"], "between 0 and 1")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(["--data", "x.json", *argv])
+        assert message in capsys.readouterr().err
+
+
+def test_quantile_interpolates_between_order_statistics():
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([0.0, 10.0], 0.9) == pytest.approx(9.0)
+    assert quantile([4.0], 0.9) == 4.0
+
+
+def test_bootstrap_ci_is_seeded_and_close_to_the_normal_interval():
+    values = [random.Random(i).gauss(0.05, 0.02) for i in range(400)]
+    low, high = bootstrap_ci(values)
+    assert bootstrap_ci(values) == (low, high)  # the same seed, the same interval
+    assert bootstrap_ci(values, seed=1) != (low, high)
+    mean = statistics.fmean(values)
+    half = 1.96 * statistics.stdev(values) / len(values) ** 0.5
+    assert low < mean < high
+    assert low == pytest.approx(mean - half, rel=0.02) and high == pytest.approx(
+        mean + half, rel=0.02
+    )
+    assert bootstrap_ci([0.3] * 5) == pytest.approx((0.3, 0.3))
+    narrow = bootstrap_ci(values, confidence=0.5)
+    assert low < narrow[0] < narrow[1] < high
+    with pytest.raises(ValueError):
+        bootstrap_ci([])
+
+
+def test_teacher_forced_fidelity_kl_on_the_first_positions_gap_on_all():
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(6, 11, generator=gen)
+    answer = full.argmax(-1).tolist()
+    same = teacher_forced_fidelity(full, full, answer, tf_positions=4)
+    assert same["tf_agreement"] == 1.0 and same["tf_kl"] == 0.0 and same["tf_logprob_gap"] == 0.0
+
+    later = full.clone()
+    later[4:] = torch.randn(2, 11, generator=gen)  # only past the KL window
+    measured = teacher_forced_fidelity(later, full, answer, tf_positions=4)
+    assert measured["tf_agreement"] == 1.0 and measured["tf_kl"] == 0.0
+    logp, full_logp = later.log_softmax(-1), full.log_softmax(-1)
+    gap = sum(full_logp[i, t] - logp[i, t] for i, t in enumerate(answer)) / len(answer)
+    assert measured["tf_logprob_gap"] == pytest.approx(gap.item()) and gap > 0
+
+    flat = teacher_forced_fidelity(torch.zeros(6, 11), full, answer, tf_positions=4)
+    head = full_logp[:4]
+    kl = (torch.full_like(head, 1 / 11) * (torch.log(torch.tensor(1 / 11)) - head)).sum(-1).mean()
+    assert flat["tf_kl"] == pytest.approx(kl.item(), rel=1e-5)
+
+
+def _row(kl: dict[str, float], ttft: dict[str, float]) -> dict:
+    return {"num_tokens": 900, "modes": {key: {
+        "ttft_s": ttft[key], "tf_agreement": 1 - value, "tf_kl": value,
+        "tf_logprob_gap": value / 2, "fidelity_f1": 1.0, "gold_f1": 0.5,
+        "recompute_ratio": 0.1, "load_s": 0.0, "hidden_load_fraction": None,
+        "ratio_chosen": None} for key, value in kl.items()}}  # fmt: skip
+
+
+def test_summary_gives_distributions_counts_against_reuse_and_the_curve():
+    plan = run_plan(["full", "reuse", "blend"], 0.15, [0.05])
+    ttft = {"full": 2.0, "reuse": 0.2, "blend": 0.6, "blend@0.05": 0.4}
+    rows = [
+        _row({"full": 0.0, "reuse": 0.30, "blend": 0.05, "blend@0.05": 0.10}, ttft),
+        _row({"full": 0.0, "reuse": 0.20, "blend": 0.04, "blend@0.05": 0.20}, ttft),  # a tie
+        _row({"full": 0.0, "reuse": 0.10, "blend": 0.50, "blend@0.05": 0.40}, ttft),
+    ]
+    summary = summarize(rows, plan, curve=True)
+    blend = summary["modes"]["blend"]
+    assert blend["tf_kl"] == pytest.approx(statistics.fmean([0.05, 0.04, 0.50]))
+    assert blend["tf_kl_median"] == 0.05 and blend["tf_kl_p90"] == pytest.approx(0.41)
+    low, high = blend["tf_kl_ci95"]
+    assert 0.04 <= low < blend["tf_kl"] < high <= 0.50
+    assert blend["tf_logprob_gap"] == pytest.approx(blend["tf_kl"] / 2)
+    assert blend["ttft_median_s"] == 0.6 and blend["ttft_ratio_to_full"] == pytest.approx(0.3)
+    assert (blend["worse_than_reuse"], blend["better_than_reuse"]) == (1, 2)
+    at_005 = summary["modes"]["blend@0.05"]
+    assert (at_005["worse_than_reuse"], at_005["better_than_reuse"]) == (1, 1)
+    assert summary["modes"]["full"]["better_than_reuse"] == 3
+
+    curve = summary["curve"]
+    assert [p["label"] for p in curve] == ["reuse", "blend@0.05", "blend@0.15", "full"]
+    assert [p["ratio"] for p in curve] == [0.0, 0.05, 0.15, 1.0]
+    point = curve[2]
+    assert point["tf_kl_mean"] == blend["tf_kl"] and point["tf_kl_median"] == 0.05
+    assert point["ttft_ratio_to_full"] == pytest.approx(0.3)
+    assert set(point) >= {"label", "ratio", "ttft_median_s", "ttft_ratio_to_full", "tf_kl_mean",
+                          "tf_kl_median", "tf_agreement", "tf_logprob_gap_mean"}  # fmt: skip
+    assert "curve" not in summarize(rows, plan)
+    print_table(summary)  # every column it prints is there
+
+
+def test_the_kl_window_of_the_long_teacher_forcing_is_the_short_one(tiny_llama):
+    """tf_kl/tf_agreement read the first TF_TOKENS positions of the GAP_TOKENS teacher
+    forcing: the logits there are those of a TF_TOKENS teacher forcing (as the bench did
+    before tf_logprob_gap), and the cache is rolled back after each."""
+    gen = torch.Generator().manual_seed(3)
+    head = torch.randint(0, 128, (5,), generator=gen).tolist()
+    chunks = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (12, 17, 9)]
+    question = torch.randint(0, 128, (6,), generator=gen).tolist()
+    answer = torch.randint(0, 128, (GAP_TOKENS,), generator=gen).tolist()
+    kvs = precompute_chunks(tiny_llama, head, chunks)
+    for mode in ("full", "reuse"):
+        result = blend_prefill(tiny_llama, head, kvs, question, mode=mode,
+                               extra_capacity=GAP_TOKENS)  # fmt: skip
+        short = _teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
+        long = _teacher_forced_logits(tiny_llama, result, answer)
+        assert long.shape[0] == GAP_TOKENS
+        torch.testing.assert_close(long[:TF_TOKENS], short, atol=1e-5, rtol=1e-5)
+        again = _teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
+        torch.testing.assert_close(again, short, atol=0, rtol=0)  # rolled back

@@ -1,0 +1,91 @@
+"""The ratio curve's SVG and the JSON it is read from."""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from kvservice.curve import load_curve, ratio_curve_svg
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _point(label: str, ratio: float, ttft: float, kl: float) -> dict:
+    return {"label": label, "ratio": ratio, "ttft_median_s": ttft * 2.0,
+            "ttft_ratio_to_full": ttft, "tf_kl_mean": kl, "tf_kl_median": kl / 2,
+            "tf_kl_ci95": [kl * 0.8, kl * 1.2], "tf_agreement": 1 - kl,
+            "tf_logprob_gap_mean": kl / 3}  # fmt: skip
+
+
+POINTS = [
+    _point("reuse", 0.0, 0.12, 0.40),
+    _point("blend@0.05", 0.05, 0.20, 0.09),
+    _point("blend@0.15", 0.15, 0.31, 0.05),
+    _point("blend@0.4", 0.4, 0.55, 0.02),
+    _point("full", 1.0, 1.0, 0.0),
+]
+
+
+def _markers(svg: str) -> list[tuple[str, float, float]]:
+    """(class, x, y) of each marker, in the order drawn."""
+    root = ET.fromstring(svg)  # also shows the SVG is well-formed XML
+    found = []
+    for group in root.iter(f"{SVG}g"):
+        if "marker" in group.get("class", "").split():
+            x, y = re.fullmatch(r"translate\(([\d.]+) ([\d.]+)\)", group.get("transform")).groups()
+            found.append((group.get("class"), float(x), float(y)))
+    return found
+
+
+def test_one_marker_per_point_with_full_and_reuse_drawn_apart():
+    svg = ratio_curve_svg(POINTS, "Quality against speed")
+    markers = _markers(svg)
+    assert len(markers) == len(POINTS)
+    assert [cls for cls, _, _ in markers] == ["marker marker-reuse", *["marker marker-blend"] * 3,
+                                              "marker marker-full"]  # fmt: skip
+    for label in ("reuse", "0.05", "0.15", "0.4", "full"):  # blend points: their ratio
+        assert f'class="point-label">{label}</text>' in svg
+    line = ET.fromstring(svg).find(f"{SVG}polyline")
+    assert line is not None and len(line.get("points").split()) == 3  # the blend points only
+
+
+def test_x_grows_with_ttft_and_y_falls_with_kl():
+    markers = _markers(ratio_curve_svg(POINTS, "t"))
+    xs = [x for _, x, _ in markers]
+    ys = [y for _, _, y in markers]
+    assert xs == sorted(xs) and len(set(xs)) == len(xs)  # TTFT rises along POINTS
+    assert ys == sorted(ys) and len(set(ys)) == len(ys)  # KL falls: SVG y grows downwards
+    # The mapping is linear: equal steps in TTFT are equal steps on the page.
+    even = _markers(ratio_curve_svg([_point(f"blend@{i}", i / 10, i / 4, 0.1)
+                                     for i in range(1, 5)], "t"))  # fmt: skip
+    steps = [b[1] - a[1] for a, b in zip(even, even[1:], strict=False)]
+    assert min(steps) > 0 and max(steps) - min(steps) < 0.2
+
+
+def test_labels_and_title_are_escaped():
+    points = [_point("<script>x</script>&", 0.1, 0.3, 0.05), _point("blend@<i>", 0.1, 0.4, 0.04)]
+    svg = ratio_curve_svg(points, 'A "title" <b>')
+    assert "<script>" not in svg and "<b>" not in svg and "<i>" not in svg
+    assert ">&lt;script&gt;x&lt;/script&gt;&amp;</text>" in svg and ">&lt;i&gt;</text>" in svg
+    assert ET.fromstring(svg).find(f"{SVG}title").text == 'A "title" <b>'
+
+
+def test_no_drawable_points_says_so():
+    svg = ratio_curve_svg([{"label": "full", "ttft_ratio_to_full": None, "tf_kl_mean": 0.0}], "t")
+    assert _markers(svg) == [] and "No curve points" in svg
+
+
+def test_load_curve_reads_the_bench_json(tmp_path):
+    path = tmp_path / "curve.json"
+    assert load_curve(path) is None  # not measured yet
+    path.write_text(json.dumps({"modes": {}, "curve": POINTS}))
+    assert load_curve(path) == POINTS
+    path.write_text(json.dumps({"modes": {}}))  # a bench run without --ratios
+    with pytest.raises(ValueError, match="--ratios"):
+        load_curve(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError):
+        load_curve(path)
