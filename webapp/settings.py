@@ -179,6 +179,13 @@ for _name, _value in [("API_RATE_LIMIT_REQUESTS", API_RATE_LIMIT_REQUESTS),
     if _value <= 0:
         raise ImproperlyConfigured(f"{_name} must be positive, got {_value}.")
 
+# --- dashboard ------------------------------------------------------------------------------
+
+# The measured quality/speed curve of the recompute ratio that the dashboard draws: the JSON
+# written by `python -m kvservice.bench --ratios ... --json PATH` (relative to the repository
+# root unless absolute). Absent until a validation run writes it.
+RATIO_CURVE_PATH = BASE_DIR / env.str("RATIO_CURVE_PATH", default="docs/ratio_curve.json")
+
 # How long /healthz waits for a Celery worker to answer a ping.
 HEALTH_PING_TIMEOUT_S = env.float("HEALTH_PING_TIMEOUT_S", default=1.0)
 

@@ -13,6 +13,8 @@ from datetime import datetime
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
+from kvservice.curve import ratio_curve_svg
+
 WIDTH, HEIGHT = 520, 220
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 52, 16, 30, 42
 MODE_COLORS = {"blend": "#3056d3", "full": "#d92d20", "reuse": "#039855", "prefix": "#dc6803"}
@@ -110,6 +112,12 @@ class _Frame:
             f'xmlns="http://www.w3.org/2000/svg" aria-label="{escape(title)}">'
             f"<title>{escape(title)}</title>{body}</svg>"
         )
+
+
+def ratio_curve(points: list[dict]) -> SafeString:
+    """The bench's quality/speed curve (drawn by ``kvservice.curve``, as ``--plot`` draws it)."""
+    svg = ratio_curve_svg(points, "Teacher-forced KL to full against TTFT, per recompute ratio")
+    return mark_safe(svg)  # noqa: S308 - ratio_curve_svg escapes every label
 
 
 def empty_chart(title: str, message: str = "No data yet") -> SafeString:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import time
 from collections import Counter
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count, Q
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
+from kvservice.curve import bench_command, load_curve
 from kvservice.heartbeat import read_heartbeat
 from webapp.chat.models import Message
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
@@ -49,6 +52,20 @@ def audit_sample_rate() -> float:
         .first()
     )
     return rate or 0.0
+
+
+def ratio_curve() -> dict[str, Any]:
+    """The quality/speed curve the bench measured (the JSON at ``RATIO_CURVE_PATH``): its
+    ``points`` (None while none has been measured), or the ``error`` reading it; the
+    ``command`` that measures it."""
+    path = Path(settings.RATIO_CURVE_PATH)
+    shown = path.relative_to(settings.BASE_DIR) if path.is_relative_to(settings.BASE_DIR) else path
+    curve: dict[str, Any] = {"path": str(shown), "command": bench_command(str(shown))}
+    try:
+        curve.update(points=load_curve(path), error=None)
+    except (OSError, ValueError) as err:  # the dashboard says so, never a 500
+        curve.update(points=None, error=str(err))
+    return curve
 
 
 # --------------------------------------------------------------------------------------------

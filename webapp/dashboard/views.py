@@ -96,6 +96,12 @@ def _metrics() -> dict[str, object]:
     }
 
 
+def _ratio_curve() -> dict[str, object]:
+    curve = selectors.ratio_curve()
+    chart = None if curve["points"] is None else charts.ratio_curve(curve["points"])
+    return {"ratio_curve": curve, "ratio_curve_chart": chart}
+
+
 def _live_context() -> dict[str, object]:
     return {
         **selectors.live_state(),
@@ -113,6 +119,7 @@ def index(request: HttpRequest) -> HttpResponse:
     context = {
         **live,
         **_metrics(),
+        **_ratio_curve(),
         "health": health.run_checks(),
         "documents": selectors.documents_with_cache_counts(),
         "warmable_tiers": selectors.warmable_tiers(live["heartbeat"]),

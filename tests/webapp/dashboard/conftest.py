@@ -14,6 +14,13 @@ from kvservice.store.memory import MemoryTier
 from kvservice.store.tiered import TieredStore
 
 
+@pytest.fixture(autouse=True)
+def no_ratio_curve(settings, tmp_path):
+    """No measured ratio curve unless a test writes one (the repository's own
+    docs/ratio_curve.json would add a chart to every page)."""
+    settings.RATIO_CURVE_PATH = tmp_path / "ratio_curve.json"
+
+
 @pytest.fixture
 def alice(django_user_model):
     return django_user_model.objects.create_user(username="alice", password="pw-alice-123")

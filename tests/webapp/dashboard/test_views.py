@@ -92,6 +92,50 @@ def test_dashboard_shows_tiers_controller_and_metrics_from_a_real_heartbeat(
     assert "Rivers of Europe" in page and "3 / 3" in page
 
 
+def _curve_point(label: str, ratio: float, ttft: float, kl: float) -> dict:
+    return {"label": label, "ratio": ratio, "ttft_median_s": ttft * 3.0, "ttft_ratio_to_full": ttft,
+            "tf_kl_mean": kl, "tf_kl_median": kl * 0.7, "tf_kl_ci95": [kl * 0.8, kl * 1.3],
+            "tf_agreement": 1 - kl, "tf_logprob_gap_mean": kl / 2}  # fmt: skip
+
+
+def test_dashboard_draws_the_measured_ratio_curve(staff_client, settings, tmp_path) -> None:
+    points = [
+        _curve_point("reuse", 0.0, 0.1, 0.3125),
+        _curve_point("blend@0.05", 0.05, 0.2, 0.0875),
+        _curve_point("blend@0.15", 0.15, 0.3, 0.0431),
+        _curve_point("full", 1.0, 1.0, 0.0),
+    ]
+    path = tmp_path / "measured" / "curve.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"modes": {}, "curve": points, "env": {"first_example": 20}}))
+    settings.RATIO_CURVE_PATH = path
+    page = staff_client.get(reverse("dashboard:index")).content.decode()
+    panel = page.split('id="ratio-curve"')[1].split("</section>")[0]
+    assert "Quality against speed (measured)" in panel and str(path) in panel
+    svg = panel.split("<svg")[1].split("</svg>")[0]
+    assert svg.count('class="marker ') == 4 and "blend-line" in svg
+    rows = panel.split("<tbody>")[1].split("</tbody>")[0]
+    for label, kl in [("reuse", "0.3125"), ("blend@0.05", "0.0875"), ("blend@0.15", "0.0431"),
+                      ("full", "0.0000")]:  # fmt: skip
+        assert f'<th scope="row">{label}</th>' in rows and kl in rows
+    assert "No curve has been measured" not in panel
+    assert page.count("<svg") == 7  # the answers' six charts and the curve
+
+
+def test_dashboard_says_when_no_ratio_curve_was_measured(staff_client, settings, tmp_path) -> None:
+    settings.RATIO_CURVE_PATH = tmp_path / "absent.json"
+    panel = staff_client.get(reverse("dashboard:index")).content.decode()
+    panel = panel.split('id="ratio-curve"')[1].split("</section>")[0]
+    assert "No curve has been measured yet" in panel and "<svg" not in panel
+    assert "python -m kvservice.bench" in panel and "--ratios 0.05,0.10,0.15,0.25,0.40" in panel
+    assert f"--json {tmp_path / 'absent.json'}" in panel
+
+    settings.RATIO_CURVE_PATH.write_text(json.dumps({"modes": {}}))  # a run without --ratios
+    panel = staff_client.get(reverse("dashboard:index")).content.decode()
+    panel = panel.split('id="ratio-curve"')[1].split("</section>")[0]
+    assert "has no &#x27;curve&#x27;" in panel and "<svg" not in panel
+
+
 def test_htmx_poll_gets_only_the_live_panel(staff_client, worker_heartbeat) -> None:
     response = staff_client.get(reverse("dashboard:index"), HTTP_HX_REQUEST="true")
     page = response.content.decode()
