@@ -23,9 +23,9 @@ on the same prompt: a mean can hide a few prompts that blend gets badly wrong.
 the ``curve`` users choose a ratio from: TTFT relative to full against fidelity, for full,
 reuse and each blend ratio; ``--plot curve.svg`` draws it (``kvservice.curve``).
 
-``--first``/``--examples`` pick the examples: tune on 0-19, report on 20-39 (the earlier
-blend defaults were tuned on 10-29); ``--blend NAME=VALUE`` passes a ``blend_prefill``
-setting (e.g. ``smooth_window=1``) to compare selections on the same prompts.
+``--first``/``--examples`` pick the examples: the blend defaults were tuned on 0-19 and are
+reported on 20-39; ``--blend NAME=VALUE`` passes a ``blend_prefill`` setting (e.g.
+``attention_from_depth=0.5``) to compare selections on the same prompts.
 
 Storage tiers plug in through ``chunk_sources`` (the store replaces it: ``--tier``, pipelining).
 """
@@ -370,8 +370,8 @@ _BENCH_OWNED = {"model", "head_ids", "chunks", "question_ids", "mode", "recomput
 
 
 def blend_settings(pairs: Sequence[str]) -> dict:
-    """``["smooth_window=1", "measure=kv"]`` -> keyword arguments of ``blend_prefill``, values
-    read as Python literals (numbers, True/False), else kept as text."""
+    """``["smooth_window=3", "attention_from_depth=0.5"]`` -> keyword arguments of
+    ``blend_prefill``, values read as Python literals (numbers, True/False), else text."""
     known = set(inspect.signature(blend_prefill).parameters) - _BENCH_OWNED
     settings = {}
     for pair in pairs:

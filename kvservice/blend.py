@@ -11,18 +11,29 @@ Modes, for one prompt:
   reused; every later token is recomputed.
 * ``reuse``: every chunk's KV is reused as is, moved to its place by RoPE; only the question
   is computed.
-* ``blend``: like ``reuse``, but the tokens whose KV deviates most from what full prefill
-  would give (high-KV-deviation, HKVD) are recomputed and their fresh KV overwrites the
-  cached KV. Layer 0 runs over all chunk tokens; at each check layer the deviation between
-  fresh and cached K and V picks the tokens kept for the next layers, shrinking gradually
-  to the target ratio (gradual filtering); the question is always recomputed in full.
+* ``blend``: ``reuse``, then the chunk tokens whose stale KV matters most to this question are
+  recomputed from layer 0 on, over the whole prompt, and their fresh KV overwrites the cached
+  KV; the question is computed again over the result. Which tokens: the ones the question
+  attends to most in the ``reuse`` pass, across the deeper layers (``attention_importance``).
 
 ``blend`` at ratio 1.0 is ``full``; at ratio 0 it is ``reuse``.
 
+Why select by the question's attention and not by KV deviation (CacheBlend's HKVD)
+----------------------------------------------------------------------------------
+Measured with SmolLM2-135M on Musique (6 passages, ratio 0.15, teacher-forced KL of the first
+16 answer tokens to full prefill; ``kvservice.bench``; the numbers are in ``docs/blend.md``):
+an oracle that gives 15 % of the chunk tokens their true (full-prefill) KV recovers most of
+reuse's error when the tokens are the ones the question attends to, and almost nothing when
+they are the ones whose KV deviates most (the deviation concentrates on tokens nobody reads)
+or the first tokens of each chunk. Selecting by the question's attention in a cheap reuse
+pass, then recomputing those tokens, is the query-aware selection of ProphetKV / A^3; it
+also makes blend cheaper than CacheBlend's gradual filtering, which runs its first check
+layers over every chunk token.
+
 The algorithm is a set of pure tensor functions plus one driver, ``blend_prefill``, that
 writes into our ``KVCache``. A driver for another engine (vLLM's paged cache) reuses the
-functions and the model's two layer halves (``Block.project`` then ``Block.attend_and_mlp``)
-and decides itself where each layer's KV goes.
+driver over the model's two layer halves (``Block.project`` then ``Block.finish``) and decides
+itself where the resulting KV goes.
 """
 
 from __future__ import annotations
@@ -48,7 +59,11 @@ from kvservice.model import (
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[Mode, ...] = ("full", "prefix", "reuse", "blend")
-Measure = Literal["v", "k", "kv"]
+
+# Selection defaults, chosen on Musique dev examples 0-19 only (see docs/blend.md for the
+# validation numbers on 20-39 behind them).
+ATTENTION_FROM_DEPTH = 1 / 3
+SMOOTH_WINDOW = 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,76 +80,41 @@ def rerotate(k: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor, inv_
     return apply_rope(k, cos, sin)
 
 
-def token_deviation(
-    fresh_k: torch.Tensor,
-    fresh_v: torch.Tensor,
-    cached_k: torch.Tensor,
-    cached_v: torch.Tensor,
-    measure: Measure = "kv",
+def question_attention(
+    q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor
 ) -> torch.Tensor:
-    """Per-token KV deviation ``[S]`` between fresh and cached ``[H_kv, S, D]`` tensors.
-
-    ``v``: squared L2 distance of V (CacheBlend's measure). ``k``: of K. ``kv``: both, each
-    relative to the mean squared norm of the cached tensor, so neither dominates by scale.
-    K may be compared rotated: both sides sit at the same position, and rotation keeps norms.
-    """
-
-    def distance(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-        return (fresh.float() - cached.float()).pow(2).sum(dim=(0, 2))  # [S]
-
-    if measure == "v":
-        return distance(fresh_v, cached_v)
-    if measure == "k":
-        return distance(fresh_k, cached_k)
-    k_scale = cached_k.float().pow(2).sum(dim=(0, 2)).mean().clamp_min(1e-12)
-    v_scale = cached_v.float().pow(2).sum(dim=(0, 2)).mean().clamp_min(1e-12)
-    return distance(fresh_k, cached_k) / k_scale + distance(fresh_v, cached_v) / v_scale
+    """The attention the question's queries ``q [H, Sq, D]`` (rotated) pay each key of the
+    layer ``k [H_kv, T, D]`` (rotated), averaged over heads and queries: ``[T]``, summing to 1.
+    Causal by position: a query never reads a later key."""
+    group = q.shape[0] // k.shape[0]
+    keys = k.repeat_interleave(group, dim=0)  # [H, T, D]
+    scores = q @ keys.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, Sq, T]
+    visible = position_mask(query_pos, key_pos)  # [Sq, T]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).mean(dim=(0, 1))  # [T]
 
 
-def top_tokens(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the ``count`` highest scores, in increasing (position) order."""
-    count = max(0, min(count, scores.numel()))
-    return torch.topk(scores, count, sorted=False).indices.sort().values
-
-
-def hkvd_scores(
-    fresh_k: torch.Tensor,
-    fresh_v: torch.Tensor,
-    cached_k: torch.Tensor,
-    cached_v: torch.Tensor,
-    measure: Measure = "v",
-    *,
-    question: torch.Tensor | None = None,
-    layer_k: torch.Tensor | None = None,
-    slots: torch.Tensor | None = None,
-    floor: float = 0.25,
+def attention_importance(
+    attention: torch.Tensor, candidate: torch.Tensor, from_depth: float = ATTENTION_FROM_DEPTH
 ) -> torch.Tensor:
-    """How much each candidate token's stale KV would matter, ``[n]``; the highest are
-    recomputed. ``fresh_*``/``cached_*``: ``[H_kv, n, D]``, K rotated.
+    """How much each token's KV matters to the question, ``[T]`` (0 for non-candidates).
 
-    Without ``question`` it is the plain KV deviation (``token_deviation``). With the
-    question's rotated queries ``question [H, Sq, D]`` and the layer's keys ``layer_k
-    [H_kv, T, D]`` (``slots [n]`` says where the candidates sit), the deviation is weighted
-    by the attention the question pays each token (plus ``floor`` times the mean attention,
-    since the question's early-layer attention is only a hint of what later layers read):
-    a deviating token nobody reads matters little.
+    ``attention [L, T]`` is what ``question_attention`` gave per layer in the reuse pass;
+    ``candidate [T]`` marks the tokens that may be recomputed. Each layer's attention is
+    normalized over the candidates (so layers whose question reads mostly the head or
+    itself count as much as the others), then averaged over the layers from ``from_depth``
+    of the depth on: the early layers' attention is broad and positional, the deeper layers'
+    is what decides the answer.
     """
-    deviation = token_deviation(fresh_k, fresh_v, cached_k, cached_v, measure)  # [n]
-    if question is None:
-        return deviation
-    group = question.shape[0] // layer_k.shape[0]
-    keys = layer_k.repeat_interleave(group, dim=0)  # [H, T, D]
-    scores = question @ keys.transpose(1, 2) / math.sqrt(question.shape[-1])  # [H, Sq, T]
-    weight = torch.softmax(scores, dim=-1).mean(dim=(0, 1))[slots]  # [n]
-    return deviation * (weight + floor * weight.mean())
+    first = min(int(from_depth * attention.shape[0]), attention.shape[0] - 1)
+    over_candidates = attention[first:] * candidate  # [L', T]
+    share = over_candidates / over_candidates.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    return share.mean(dim=0)  # [T]
 
 
 def smooth_scores(scores: torch.Tensor, window: int) -> torch.Tensor:
-    """Each candidate's score averaged with its neighbours' (``window`` candidates in
-    position order, odd). A recomputed token reads mostly its neighbours; when they stay
-    stale its fresh KV is still off, so whole deviating neighbourhoods are worth more than
-    scattered single tokens. On Musique 10-29 at ratio 0.15 (SmolLM2, teacher-forced KL to
-    full): 0.067 unsmoothed, 0.058 with 7, 0.050 with 11, 0.051 with 15, 0.060 with 31."""
+    """Each token's score averaged with its neighbours' (``window`` tokens, odd): recomputed
+    neighbourhoods instead of scattered single tokens (CacheClip). 1: no smoothing."""
     if window <= 1 or scores.numel() <= 1:
         return scores
     if window % 2 == 0:
@@ -145,46 +125,17 @@ def smooth_scores(scores: torch.Tensor, window: int) -> torch.Tensor:
     return pooled[0, 0]
 
 
-def select_hkvd(fresh_v: torch.Tensor, cached_v: torch.Tensor, ratio: float) -> torch.Tensor:
-    """The HKVD tokens of CacheBlend's plain form: the ``ratio`` share of tokens whose V
-    deviates most. ``[H_kv, S, D]`` -> sorted indices ``[round(ratio * S)]``."""
-    scores = (fresh_v.float() - cached_v.float()).pow(2).sum(dim=(0, 2))
-    return top_tokens(scores, round(ratio * scores.numel()))
+def top_tokens(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` highest scores, in increasing (position) order."""
+    count = max(0, min(count, scores.numel()))
+    return torch.topk(scores, count, sorted=False).indices.sort().values
 
 
-def gradual_schedule(
-    target_ratio: float,
-    n_layers: int,
-    first_check_layer: int = 1,
-    n_checks: int = 2,
-    start: float = 2.0,
-) -> list[float]:
-    """Share of chunk tokens kept *after* each layer (so computed in the next one).
-
-    Layers before the first check keep everything (their KV is what the check compares).
-    Then the share falls geometrically from ``start * target`` to ``target`` over
-    ``n_checks`` check layers and stays there. Ratio 0 keeps nothing from layer 0 on (no
-    recompute: ``reuse``); ratio 1 keeps everything (``full``). The default (2x the target
-    after layer 1, the target after layer 2) fits as well on Musique 10-29 as 3x over three
-    checks (teacher-forced KL 0.050 both) and is 2-3 % faster."""
-    if not 0.0 <= target_ratio <= 1.0:
-        raise ValueError(f"recompute ratio must be in [0, 1], got {target_ratio}")
-    if target_ratio == 0.0:
-        return [0.0] * n_layers
-    if target_ratio == 1.0:
-        return [1.0] * n_layers
-    first = min(1.0, start * target_ratio)
-    n_checks = max(1, min(n_checks, n_layers - 1 - first_check_layer))  # small models: fit in
-    checks = [first * (target_ratio / first) ** (i / max(1, n_checks - 1)) for i in range(n_checks)]
-    checks[-1] = target_ratio
-    schedule = []
-    for layer in range(n_layers):
-        index = layer - first_check_layer
-        if index < 0:
-            schedule.append(1.0)
-        else:
-            schedule.append(checks[min(index, n_checks - 1)])
-    return schedule
+def select_recompute(importance: torch.Tensor, candidate: torch.Tensor, count: int) -> torch.Tensor:
+    """Slots ``[count]`` (sorted) of the most important candidates; never a non-candidate."""
+    count = min(count, int(candidate.sum()))
+    scores = importance.float().masked_fill(~candidate, float("-inf"))
+    return top_tokens(scores, count)
 
 
 def attend_selected(
@@ -242,7 +193,7 @@ class BlendResult:
     cache: KVCache  # batch 1; slots [0, num_tokens) hold the prompt (K rotated)
     num_tokens: int  # prompt length; the next token goes at this position
     recomputed_per_layer: list[int] = field(default_factory=list)  # tokens computed per layer
-    recompute_ratio_effective: float = 0.0  # chunk tokens recomputed past the check layers
+    recompute_ratio_effective: float = 0.0  # share of chunk tokens recomputed
 
     @property
     def next_position(self) -> int:
@@ -284,8 +235,78 @@ def _layout(
     return segments
 
 
+def _candidates(segments: list[Segment], head_ids: Sequence[int], num_tokens: int, device):
+    """``[T]`` bool: the cached chunk tokens blend may recompute. The first chunk is exact
+    when it was precomputed after this same head (it sits where it was computed), so it is
+    not one."""
+    candidate = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+    for index, seg in enumerate(s for s in segments if s.kind == "chunk"):
+        exact = index == 0 and getattr(seg.source, "head_hash", None) == head_hash(head_ids)
+        if seg.source is not None and not exact:
+            candidate[seg.start : seg.stop] = True
+    return candidate
+
+
 # --------------------------------------------------------------------------------------------
 # The driver over our KVCache
+
+
+@dataclass
+class _Pass:
+    """One pass over the layers: ``active`` slots are computed from layer 0 on, attending to
+    the whole cache; the rest of the cache is read as it stands."""
+
+    logits: torch.Tensor  # [V] after the last active token
+    attention: torch.Tensor | None  # [L, T] the question's attention per layer, if recorded
+
+
+@torch.no_grad()
+def _run_pass(
+    model: Transformer,
+    cache: KVCache,
+    token_ids: torch.Tensor,
+    active: torch.Tensor,
+    *,
+    sources: Sequence[Segment] = (),
+    question_length: int = 0,
+) -> _Pass:
+    """Compute the ``active`` slots (sorted; the last one is the prompt's last token) through
+    every layer. ``sources``' cached KV is written into the cache (rotated to its place) as each
+    layer begins, so ``.layer(i)`` is read once per layer in order and a loader may prefetch
+    the next one meanwhile. With ``question_length``, the attention of the last that many
+    active tokens (the question) is recorded per layer."""
+    device, config = model.device, model.config
+    num_tokens = token_ids.numel()
+    positions = torch.arange(num_tokens, device=device)  # [T] (slot = position)
+    cos_all, sin_all = model.rope(positions)  # [T, D]
+    x = model.embed_tokens(token_ids[active])[None]  # x: [1, S, dim]
+    attention = []
+    for i, layer in enumerate(model.layers):
+        for seg in sources:
+            k_pre, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE
+            span = slice(seg.start, seg.stop)
+            cache.k[i, 0, :, span] = apply_rope(k_pre.to(device), cos_all[span], sin_all[span])
+            cache.v[i, 0, :, span] = v.to(device)
+        cos_a, sin_a = cos_all[active][None], sin_all[active][None]  # [1, S, D]
+        q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
+        cache.k[i, 0, :, active] = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
+        cache.v[i, 0, :, active] = v[0]
+        k_layer, v_layer = cache.k[i, :, :, :num_tokens], cache.v[i, :, :, :num_tokens]
+        if question_length:
+            asking = active[-question_length:]
+            attention.append(
+                question_attention(q[0, :, -question_length:], k_layer[0], asking, positions)
+            )
+        if i == config.n_layers - 1:  # only the last token's output is needed after the
+            x, q, active = x[:, -1:], q[:, :, -1:], active[-1:]  # last layer
+        if active.numel() == num_tokens:  # everything computed: plain causal prefill
+            x = layer.attend_and_mlp(x, q, k_layer, v_layer, model.mask(positions, positions))
+        else:
+            window = config.sliding_window
+            x = layer.finish(
+                x, attend_selected(q, k_layer, v_layer, positions[active], positions, window)
+            )
+    return _Pass(model.logits(x[0, -1]), torch.stack(attention) if attention else None)
 
 
 @torch.no_grad()
@@ -299,13 +320,10 @@ def blend_prefill(
     recompute_ratio: float = 0.15,
     chunk_ids: Sequence[Sequence[int]] | None = None,
     head_kv: LayeredKV | None = None,
-    schedule: Sequence[float] | None = None,
-    measure: Measure = "v",
     extra_capacity: int = 0,
-    question_weight: bool = True,
-    question_weight_floor: float = 0.25,
-    accumulate: bool = False,
-    smooth_window: int = 11,
+    attention_from_depth: float = ATTENTION_FROM_DEPTH,
+    smooth_window: int = SMOOTH_WINDOW,
+    recompute_slots: Sequence[int] | None = None,
 ) -> BlendResult:
     """Prefill ``[head][chunks...][question]`` in one of the four modes; see the module doc.
 
@@ -315,24 +333,18 @@ def blend_prefill(
     ``chunk_ids`` are the chunks' token ids: needed by ``full`` and ``prefix`` (which compute
     chunk tokens from scratch) and by ``blend`` (which recomputes some); a ``ChunkKV`` carries
     its own. ``head_kv`` is the head's precomputed KV (computed here when absent; it is tiny).
-    The first chunk counts as exact when it was precomputed after this same head (it sits at
-    exactly the positions it was computed at), so only later chunks are candidates for
-    recompute. ``extra_capacity`` leaves room in the returned cache for decoding.
+    ``extra_capacity`` leaves room in the returned cache for decoding.
 
-    Selection (``hkvd_scores``): ``measure`` is the per-token deviation (``v``: of V,
-    CacheBlend's; ``kv``: K and V, each relative to its scale); with ``question_weight`` it
-    is weighted by the attention the question pays each token at that layer (plus
-    ``question_weight_floor`` times the mean), since a deviating token nobody reads matters
-    little; ``smooth_window`` then averages neighbouring candidates' scores, so deviating
-    neighbourhoods are recomputed together (``smooth_scores``); with ``accumulate`` the
-    scores of all check layers so far are summed. The defaults were chosen on Musique
-    examples 10-29 with SmolLM2 at ratio 0.15 (teacher-forced KL to full; reuse: 0.126):
-    V, weighted with floor 0.25, smoothed over 11, each check on its own gave 0.050, against
-    0.067 unsmoothed, 0.081 for K+V, accumulated, floor 1, and 0.096 without the question
-    weight.
+    ``blend`` recomputes ``ceil(recompute_ratio * chunk tokens)`` of the cached chunk tokens
+    (the first chunk is exact when precomputed after this head, and never recomputed): the
+    ones ``attention_importance`` ranks first (``attention_from_depth``), after
+    ``smooth_scores`` over ``smooth_window`` tokens; ``recompute_slots`` fixes the set
+    instead (positions in the prompt; for experiments and tests).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (one of {MODES})")
+    if not 0.0 <= recompute_ratio <= 1.0:
+        raise ValueError(f"recompute ratio must be in [0, 1], got {recompute_ratio}")
     if not question_ids:
         raise ValueError("the question part of the prompt must not be empty")
     device, config = model.device, model.config
@@ -349,125 +361,55 @@ def blend_prefill(
         ids += list(chunk_ids[j]) if chunk_ids is not None else [0] * seg.length
     ids += list(question_ids)
     token_ids = torch.tensor(ids, device=device)  # [T]
-    positions = torch.arange(num_tokens, device=device)  # [T]
     dtype = model.embed_tokens.weight.dtype
     cache = KVCache(config, 1, num_tokens + extra_capacity, device, dtype, num_tokens)
-    cache.reserve(positions[None])
-    cos_all, sin_all = model.rope(positions)  # [T, D]
+    cache.reserve(torch.arange(num_tokens, device=device)[None])
 
-    # Which tokens are computed, and which chunk tokens may be dropped by the HKVD filter.
-    exact_first = (
-        mode == "blend"
-        and len(chunks) > 0
-        and getattr(chunks[0], "head_hash", None) == head_hash(head_ids)
-    )
+    candidate = _candidates(segments, head_ids, num_tokens, device)
+    total_chunk_tokens = sum(s.length for s in segments if s.kind == "chunk")
+    budget = math.ceil(recompute_ratio * total_chunk_tokens - 1e-9)
+    if recompute_slots is not None:
+        budget = len(recompute_slots)
+    budget = min(budget, int(candidate.sum())) if mode == "blend" else 0
     computed = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    candidate = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    chunk_index = 0
     for seg in segments:
-        if seg.kind == "chunk":
-            is_candidate = (
-                mode == "blend"
-                and seg.source is not None
-                and not (exact_first and chunk_index == 0)
-            )
-            candidate[seg.start : seg.stop] = is_candidate
-            chunk_index += 1
         if seg.source is None:
             computed[seg.start : seg.stop] = True
-    total_chunk_tokens = sum(s.length for s in segments if s.kind == "chunk")
-    if mode == "blend":
-        if schedule is None:
-            schedule = gradual_schedule(recompute_ratio, config.n_layers)
-        keep_counts = [math.ceil(share * total_chunk_tokens - 1e-9) for share in schedule]
-        if keep_counts[0] > 0:
-            computed |= candidate
-    else:
-        keep_counts = None
+    if budget == int(candidate.sum()) and budget > 0:  # everything: one pass, as full
+        computed |= candidate
+        budget = 0
 
-    recomputed = 0
-    running_score: torch.Tensor | None = None
-    active = computed.nonzero().squeeze(1)  # [S] slots (= positions) computed at this layer
-    x = model.embed_tokens(token_ids[active])[None]  # x: [1, S, dim]
-    recomputed_per_layer = []
+    # Pass 1: what is not cached (the question, misses; everything in full), over the cache.
     sources = [seg for seg in segments if seg.source is not None]
-    for i, layer in enumerate(model.layers):
-        # 1. This layer's cached KV, rotated to its place in this prompt.
-        for seg in sources:
-            k_pre, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE
-            span = slice(seg.start, seg.stop)
-            k_rot = apply_rope(k_pre.to(device), cos_all[span], sin_all[span])
-            cache.k[i, 0, :, span] = k_rot
-            cache.v[i, 0, :, span] = v.to(device)
-        recomputed_per_layer.append(int(active.numel()))
-        if active.numel() == 0:
-            continue
-        # 2. Fresh q, k, v of the active tokens.
-        cos_a, sin_a = cos_all[active][None], sin_all[active][None]  # [1, S, D]
-        q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
-        k_rot = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])  # [1, H_kv, S, D]
-        # 3. Fresh KV of every computed token overwrites the cached KV of this layer (the
-        #    candidates' cached KV is kept aside for the comparison).
-        keep, check = None, False
-        if keep_counts is not None:
-            active_candidates = candidate[active]  # [S] bool
-            n_candidates = int(active_candidates.sum())
-            target = keep_counts[i] if i + 1 < len(keep_counts) else n_candidates
-            check = target < n_candidates  # the keep count shrinks at this layer
-        if check:
-            cand_pos = active_candidates.nonzero().squeeze(1)  # indices into active
-            slots = active[cand_pos]
-            cached_k, cached_v = cache.k[i, 0, :, slots], cache.v[i, 0, :, slots]
-        cache.k[i, 0, :, active] = k_rot[0]
-        cache.v[i, 0, :, active] = v[0]
-        # 4. HKVD filter: at a check layer, compare fresh and cached KV.
-        if check:
-            scores = hkvd_scores(
-                k_rot[0, :, cand_pos],
-                v[0, :, cand_pos],
-                cached_k,
-                cached_v,
-                measure,
-                question=q[0, :, -len(question_ids) :] if question_weight else None,
-                layer_k=cache.k[i, 0, :, :num_tokens],
-                slots=slots,
-                floor=question_weight_floor,
-            )
-            scores = smooth_scores(scores, smooth_window)
-            if accumulate:
-                # Rank by the deviation summed over the check layers so far (each layer's
-                # scores scaled to mean 1): the first check's signal keeps its weight.
-                scores = scores / scores.mean().clamp_min(1e-12)
-                if running_score is not None:
-                    scores = scores + running_score[slots]
-                running_score = torch.zeros(num_tokens, device=device)
-                running_score[slots] = scores
-            chosen = cand_pos[top_tokens(scores, target)]
-            keep_mask = ~active_candidates
-            keep_mask[chosen] = True
-            keep = keep_mask.nonzero().squeeze(1)  # indices into active, in order
-        # 5. Attention over the whole layer (causal by real position) and the MLP, only for
-        #    the tokens that go on to the next layer.
-        if keep_counts is not None:
-            recomputed = int(candidate[active if keep is None else active[keep]].sum())
-        if i == config.n_layers - 1:
-            keep = torch.tensor([active.numel() - 1], device=device)  # only the last token's
-            # output is needed after the last layer; the others' KV is already written
-        if keep is not None:
-            x, q, active = x[:, keep], q[:, :, keep], active[keep]
-        k_layer, v_layer = cache.k[i, :, :, :num_tokens], cache.v[i, :, :, :num_tokens]
-        if active.numel() == num_tokens:  # everything computed: plain causal prefill
-            x = layer.attend_and_mlp(x, q, k_layer, v_layer, model.mask(positions, positions))
-        else:
-            window = config.sliding_window
-            x = layer.finish(
-                x, attend_selected(q, k_layer, v_layer, positions[active], positions, window)
-            )
-    logits = model.logits(x[0, -1])  # the last question token is always active
+    first = _run_pass(
+        model,
+        cache,
+        token_ids,
+        computed.nonzero().squeeze(1),
+        sources=sources,
+        question_length=len(question_ids) if budget else 0,
+    )
+    recomputed_per_layer = [int(computed.sum())] * config.n_layers
+    if not budget:
+        recomputed = int((computed & candidate).sum()) if mode == "blend" else 0
+        share = recomputed / max(1, total_chunk_tokens)
+        return BlendResult(first.logits, cache, num_tokens, recomputed_per_layer, share)
+
+    # Pass 2: the selected chunk tokens and the question again, from layer 0 on.
+    if recompute_slots is None:
+        importance = attention_importance(first.attention, candidate, attention_from_depth)
+        selected = select_recompute(smooth_scores(importance, smooth_window), candidate, budget)
+    else:
+        selected = torch.as_tensor(list(recompute_slots), device=device).sort().values
+    again = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+    again[selected] = True
+    again[segments[-1].start :] = True
+    second = _run_pass(model, cache, token_ids, again.nonzero().squeeze(1))
+    recomputed_per_layer = [n + int(again.sum()) for n in recomputed_per_layer]
     return BlendResult(
-        logits=logits,
-        cache=cache,
-        num_tokens=num_tokens,
-        recomputed_per_layer=recomputed_per_layer,
-        recompute_ratio_effective=recomputed / max(1, total_chunk_tokens),
+        second.logits,
+        cache,
+        num_tokens,
+        recomputed_per_layer,
+        selected.numel() / max(1, total_chunk_tokens),
     )

@@ -5,13 +5,12 @@ import torch
 
 from kvservice.blend import (
     attend_selected,
+    attention_importance,
     blend_prefill,
-    gradual_schedule,
-    hkvd_scores,
+    question_attention,
     rerotate,
-    select_hkvd,
+    select_recompute,
     smooth_scores,
-    token_deviation,
 )
 from kvservice.chunk import ChunkKV
 from kvservice.model import (
@@ -77,22 +76,40 @@ def test_cached_chunk_k_moved_to_new_place_equals_k_computed_there(tiny_llama, p
     )
 
 
-def test_select_hkvd_picks_the_most_deviating_tokens():
-    cached = torch.randn(2, 10, 8)
-    fresh = cached.clone()
-    fresh[:, 7] += 5.0
-    fresh[:, 2] += 3.0
-    fresh[:, 5] += 0.1
-    assert select_hkvd(fresh, cached, 0.2).tolist() == [2, 7]
-    assert token_deviation(fresh, fresh, cached, cached, "kv").argmax().item() == 7
+def test_question_attention_is_causal_and_sums_to_one():
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(4, 3, 8, generator=gen), torch.randn(2, 10, 8, generator=gen)
+    query_pos, key_pos = torch.tensor([5, 6, 7]), torch.arange(10)
+    attention = question_attention(q, k, query_pos, key_pos)
+    assert attention.shape == (10,)
+    assert attention.sum().item() == pytest.approx(1.0, abs=1e-5)
+    assert attention[8:].abs().sum().item() == 0.0  # no query reads a later key
+    # A query aligned with key 2 (and scaled up) puts its attention there.
+    strong = k[:, 2].repeat_interleave(2, dim=0)[:, None] * 10.0  # [H, 1, D]
+    assert question_attention(strong, k, torch.tensor([9]), key_pos).argmax().item() == 2
 
 
-def test_gradual_schedule_shrinks_to_target():
-    schedule = gradual_schedule(0.15, 30)
-    assert schedule[0] == 1.0 and schedule[-1] == pytest.approx(0.15)
-    assert all(a >= b for a, b in zip(schedule, schedule[1:], strict=False))
-    assert schedule[1] > 0.15 and gradual_schedule(0.0, 4) == [0.0] * 4
-    assert gradual_schedule(1.0, 4) == [1.0] * 4
+def test_attention_importance_reads_deep_layers_each_normalized_over_candidates():
+    candidate = torch.tensor([False, True, True, True, False])
+    attention = torch.tensor(
+        [
+            [0.0, 0.9, 0.05, 0.05, 0.0],  # an early layer: ignored from depth 1/2 on
+            [0.8, 0.0, 0.1, 0.0, 0.1],  # mostly the head (a non-candidate): token 2 is all
+            [0.0, 0.1, 0.0, 0.3, 0.6],  # of the candidates' share here, token 3 three quarters
+            [0.0, 0.0, 0.5, 0.5, 0.0],
+        ]
+    )
+    importance = attention_importance(attention, candidate, from_depth=0.5)
+    torch.testing.assert_close(importance, torch.tensor([0.0, 0.125, 0.25, 0.625, 0.0]))
+    every_layer = attention_importance(attention, candidate, from_depth=0.0)
+    assert every_layer[1].item() == pytest.approx((0.9 + 0.0 + 0.25 + 0.0) / 4)
+
+
+def test_select_recompute_takes_the_most_important_candidates_only():
+    importance = torch.tensor([9.0, 1.0, 5.0, 3.0, 8.0, 0.0])
+    candidate = torch.tensor([False, True, True, True, False, True])
+    assert select_recompute(importance, candidate, 2).tolist() == [2, 3]
+    assert select_recompute(importance, candidate, 10).tolist() == [1, 2, 3, 5]
 
 
 def test_attend_selected_equals_one_masked_call():
@@ -121,29 +138,6 @@ def test_smooth_scores_spreads_a_peak_over_its_neighbours():
     )
     with pytest.raises(ValueError, match="odd"):
         smooth_scores(scores, 4)
-
-
-@pytest.mark.parametrize("measure", ["v", "kv"])
-def test_hkvd_scores_rank_read_deviating_tokens_first(measure):
-    """Two tokens deviate equally; the one the question attends to ranks first, and a token
-    whose KV did not change scores nothing."""
-    gen = torch.Generator().manual_seed(3)
-    n_kv, n, dim = 2, 6, 8
-    cached_k, cached_v = (
-        torch.randn(n_kv, n, dim, generator=gen),
-        torch.randn(n_kv, n, dim, generator=gen),
-    )
-    fresh_k, fresh_v = cached_k.clone(), cached_v.clone()
-    for token in (1, 4):
-        fresh_k[:, token] += 0.5
-        fresh_v[:, token] += 2.0
-    question = cached_k[:, 4].repeat_interleave(2, dim=0)[:, None] * 4.0  # [H, 1, D]: reads token 4
-    scores = hkvd_scores(
-        fresh_k, fresh_v, cached_k, cached_v, measure,
-        question=question, layer_k=fresh_k, slots=torch.arange(n), floor=0.0,
-    )  # fmt: skip
-    assert scores.argmax().item() == 4 and scores[4] > scores[1] > 0
-    assert scores[0].item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_kv_cache_zeroes_only_what_is_not_written_first(tiny_llama):
@@ -194,10 +188,11 @@ def test_partial_blend_recomputes_the_requested_share_and_is_closer_to_full(tiny
     blended = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.5)
     n_chunk = sum(len(c) for c in chunks)
     assert blended.recompute_ratio_effective == pytest.approx(0.5, abs=1.5 / n_chunk)
-    # Layer 0 runs over the head (not given cached here), every non-exact chunk token and
-    # the question; later layers over fewer.
-    assert blended.recomputed_per_layer[0] == len(head) + n_chunk - len(chunks[0]) + len(question)
-    assert blended.recomputed_per_layer[-1] < blended.recomputed_per_layer[0]
+    # Every layer runs the head (not given cached here) and the question in the reuse pass,
+    # then the selected chunk tokens and the question again.
+    selected = round(0.5 * n_chunk)
+    per_layer = len(head) + len(question) + selected + len(question)
+    assert blended.recomputed_per_layer == [per_layer] * tiny_llama.config.n_layers
     err_blend = (blended.logits - full.logits).abs().max()
     err_reuse = (reuse.logits - full.logits).abs().max()
     assert err_blend < err_reuse
@@ -208,8 +203,8 @@ def test_selected_tokens_never_see_later_tokens(tiny_llama, prompt):
     tokens, recomputed ones included, must not change. A bottom-right mask would fail this."""
     head, chunks, question, kvs = prompt
     other_question = [(t + 7) % 128 for t in question]
-    # Selection weighted by the question's attention would differ between the two; fix it.
-    options = dict(mode="blend", recompute_ratio=0.5, question_weight=False)
+    # The selection follows the question's attention, so it would differ: fix it.
+    options = dict(mode="blend", recompute_slots=[20, 21, 30, 40, 41, 42])
     a = blend_prefill(tiny_llama, head, kvs, question, **options)
     b = blend_prefill(tiny_llama, head, kvs, other_question, **options)
     n_chunks = len(head) + sum(len(c) for c in chunks)
