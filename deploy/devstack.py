@@ -87,6 +87,10 @@ def stop_all(processes: list) -> None:
             print(f"  could not stop {name}: {err}", file=sys.stderr)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], check=True, env=env)
 
@@ -130,7 +134,12 @@ def main() -> int:
         print(f"  Worker logs: {logs}/celery.log, {logs}/inference.log")
         print(f"  Same stack from another shell: DATA_DIR={data} .venv/bin/python manage.py …")
         print("  Ctrl-C stops everything.\n")
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        # Ctrl-C, a kill or a closed terminal all stop the stack. SIGINT is set explicitly: a
+        # launcher started in the background by a non-interactive shell inherits it ignored,
+        # and Python then never raises KeyboardInterrupt (seen: a CI run's stack that Ctrl-C
+        # could not stop).
+        for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(stop_signal, _interrupt)
         while True:
             for child in children:
                 if child.poll() is not None:

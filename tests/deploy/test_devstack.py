@@ -42,10 +42,17 @@ def _healthz(port: int) -> tuple[int, dict] | None:
         return None
 
 
+def _as_background_job() -> None:
+    """What a non-interactive shell does to a job it starts with ``&``: SIGINT ignored, which
+    the launcher inherits. Ctrl-C (SIGINT) must stop the stack all the same."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _start(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "deploy.devstack"],
         cwd=ROOT, env=_stack_env(data_dir, port), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+        preexec_fn=_as_background_job,
     )  # fmt: skip
 
 
