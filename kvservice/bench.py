@@ -55,7 +55,7 @@ from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.curve import ratio_curve_svg
 from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat
+from kvservice.prompt import Prompt, PromptFormat
 from kvservice.store.benchio import TIERS, store_bench
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions using the given passages."
@@ -204,10 +204,21 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
+def example_prompt(fmt: PromptFormat, example: dict, passages: int) -> Prompt:
+    """A Musique example's prompt: its first ``passages`` passages as chunks, its question."""
+    ctxs = example["ctxs"][:passages]
+    texts = [f"{p['title']}\n{p['text']}" if p.get("title") else p["text"] for p in ctxs]
+    return fmt.build(texts, example["question"])
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """The ids that end an answer: end of sequence and the chat template's end of turn."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    return {t for t in ids if isinstance(t, int) and t != tokenizer.unk_token_id}
+
+
 def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dict:
-    passages = example["ctxs"][: args.passages]
-    texts = [f"{p['title']}\n{p['text']}" if p.get("title") else p["text"] for p in passages]
-    prompt = fmt.build(texts, example["question"])
+    prompt = example_prompt(fmt, example, args.passages)
     head_kv = precompute_head(model, prompt.head_ids)
     chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
     store_bench(args.tier, not args.no_pipeline).stage(chunks)  # before any timing
@@ -514,8 +525,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not args.no_hf:
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
-    stop_ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
-    stop_ids = {t for t in stop_ids if isinstance(t, int) and t != tokenizer.unk_token_id}
+    stop_ids = stop_token_ids(tokenizer)
     examples = json.loads(args.data.read_text())[args.first : args.first + args.examples]
     for out in (args.json, args.plot):  # e.g. docs/ratio_curve.json in a fresh checkout
         if out is not None:

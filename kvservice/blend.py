@@ -201,6 +201,7 @@ class BlendResult:
     num_tokens: int  # prompt length; the next token goes at this position
     recomputed_per_layer: list[int] = field(default_factory=list)  # tokens computed per layer
     recompute_ratio_effective: float = 0.0  # share of chunk tokens recomputed
+    question_attention: torch.Tensor | None = None  # [L, T] what blend selected by, if it did
 
     @property
     def next_position(self) -> int:
@@ -374,17 +375,19 @@ def blend_prefill(
 
     candidate = _candidates(segments, head_ids, num_tokens, device)
     total_chunk_tokens = sum(s.length for s in segments if s.kind == "chunk")
+    n_candidates = int(candidate.sum())
     budget = math.ceil(recompute_ratio * total_chunk_tokens - 1e-9)
     if recompute_slots is not None:
         budget = len(recompute_slots)
-    budget = min(budget, int(candidate.sum())) if mode == "blend" else 0
+    budget = min(budget, n_candidates) if mode == "blend" else 0
     computed = torch.zeros(num_tokens, dtype=torch.bool, device=device)
     for seg in segments:
         if seg.source is None:
             computed[seg.start : seg.stop] = True
-    if budget == int(candidate.sum()) and budget > 0:  # everything: one pass, as full
+    if budget == n_candidates and budget > 0:  # everything: one pass, as full
         computed |= candidate
         budget = 0
+    select_by_attention = budget > 0 and recompute_slots is None
 
     # Pass 1: what is not cached (the question, misses; everything in full), over the cache.
     sources = [seg for seg in segments if seg.source is not None]
@@ -394,7 +397,7 @@ def blend_prefill(
         token_ids,
         computed.nonzero().squeeze(1),
         sources=sources,
-        question_length=len(question_ids) if budget else 0,
+        question_length=len(question_ids) if select_by_attention else 0,
     )
     recomputed_per_layer = [int(computed.sum())] * config.n_layers
     if not budget:
@@ -403,7 +406,7 @@ def blend_prefill(
         return BlendResult(first.logits, cache, num_tokens, recomputed_per_layer, share)
 
     # Pass 2: the selected chunk tokens and the question again, from layer 0 on.
-    if recompute_slots is None:
+    if select_by_attention:
         importance = attention_importance(first.attention, candidate, attention_from_depth)
         selected = select_recompute(smooth_scores(importance, smooth_window), candidate, budget)
     else:
@@ -419,4 +422,5 @@ def blend_prefill(
         num_tokens,
         recomputed_per_layer,
         selected.numel() / max(1, total_chunk_tokens),
+        first.attention,
     )

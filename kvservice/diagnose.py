@@ -39,19 +39,20 @@ from kvservice.bench import (
     TF_TOKENS,
     _greedy,
     _teacher_forced_logits,
+    example_prompt,
+    stop_token_ids,
     teacher_forced_fidelity,
 )
 from kvservice.blend import (
     BlendResult,
     attention_importance,
     blend_prefill,
-    question_attention,
     select_recompute,
 )
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV
 from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import Prompt, PromptFormat
+from kvservice.prompt import PromptFormat
 
 
 def with_true_kv(
@@ -77,29 +78,9 @@ def with_true_kv(
     return out
 
 
-def _question_attention_of_reuse(model: Transformer, result: BlendResult, prompt: Prompt):
-    """``[L, T]``: the question's attention per layer over ``result``'s (reuse) cache, from
-    the question's own queries, recomputed layer by layer."""
-    device, n = model.device, result.num_tokens
-    positions = torch.arange(n, device=device)
-    question = positions[n - len(prompt.question_ids) :]
-    token_ids = torch.tensor(prompt.token_ids, device=device)
-    cos, sin = model.rope(positions)
-    x = model.embed_tokens(token_ids[question])[None]
-    rows = []
-    for i, layer in enumerate(model.layers):
-        q, _, _ = layer.project(x, cos[question][None], sin[question][None])
-        k, v = result.cache.k[i, :, :, :n], result.cache.v[i, :, :, :n]
-        rows.append(question_attention(q[0], k[0], question, positions))
-        x = layer.attend_and_mlp(x, q, k, v, model.mask(question, positions))
-    return torch.stack(rows)
-
-
 @torch.no_grad()
 def diagnose_example(model, fmt, example, args, stop_ids) -> dict:
-    passages = example["ctxs"][: args.passages]
-    texts = [f"{p['title']}\n{p['text']}" if p.get("title") else p["text"] for p in passages]
-    prompt = fmt.build(texts, example["question"])
+    prompt = example_prompt(fmt, example, args.passages)
     head_kv = precompute_head(model, prompt.head_ids)
     chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
     extra = GAP_TOKENS
@@ -132,9 +113,9 @@ def diagnose_example(model, fmt, example, args, stop_ids) -> dict:
     candidate[starts[1] : starts[-1] + len(prompt.chunk_ids[-1])] = True  # first chunk exact
     budget = math.ceil(args.ratio * sum(len(c) for c in prompt.chunk_ids))
 
-    reuse = prefill(chunks)
-    rows = {"reuse": score(reuse), "blend": score(prefill(chunks, "blend"))}
-    importance = attention_importance(_question_attention_of_reuse(model, reuse, prompt), candidate)
+    blend = prefill(chunks, "blend")
+    rows = {"reuse": score(prefill(chunks)), "blend": score(blend)}
+    importance = attention_importance(blend.question_attention, candidate)  # blend's reuse pass
     deviation = torch.zeros(num_tokens)
     for chunk, start in zip(chunks, starts, strict=True):
         span = slice(start, start + chunk.num_tokens)
@@ -209,8 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model = Transformer.from_pretrained(model_dir, device="cpu", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
-    stop_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    stop_ids = {t for t in stop_ids if isinstance(t, int) and t != tokenizer.unk_token_id}
+    stop_ids = stop_token_ids(tokenizer)
     data = json.loads(args.data.read_text())[args.first : args.first + args.examples]
     examples = []
     for index, example in enumerate(data):

@@ -22,7 +22,8 @@ import platform
 import time
 from pathlib import Path
 
-DEFAULT_DATA = Path("/work/shared/data/musique_dev.json")
+# The CacheBlend paper's Musique examples, beside the checkout (../shared/data).
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
 
 
 def load_passages(path: Path, limit: int) -> list[str]:
