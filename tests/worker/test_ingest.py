@@ -23,7 +23,7 @@ from webapp.documents.models import Chunk, Document
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-MUSIQUE = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
+MUSIQUE = Path("/work/shared/data/musique_dev.json")
 
 
 @pytest.fixture
