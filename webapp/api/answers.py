@@ -18,10 +18,7 @@ from django.conf import settings
 
 from kvservice.protocol import answer_stream, decode_events
 from webapp.chat.models import Message
-from webapp.redis import async_redis_client
-
-# How long one read blocks before the deadline is checked again.
-BLOCK_MS = 4000
+from webapp.redis import STREAM_BLOCK_MS, async_redis_client
 
 
 class AnswerTimeout(Exception):
@@ -49,7 +46,7 @@ async def answer_events(
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 raise AnswerTimeout(f"The model did not answer within {timeout_s:g} s.")
-            block_ms = max(1, min(remaining_ms, BLOCK_MS))
+            block_ms = max(1, min(remaining_ms, STREAM_BLOCK_MS))
             reply = await client.xread(
                 {answer_stream(request_id): last_id}, block=block_ms, count=256
             )

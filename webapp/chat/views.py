@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 from collections.abc import AsyncIterator
 
 from asgiref.sync import sync_to_async
@@ -19,13 +21,17 @@ from django.http import (
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils.html import escape
 from django.views.decorators.http import require_GET, require_POST
+from redis.exceptions import RedisError
 
 from kvservice.protocol import answer_stream, decode_events
 from webapp.chat import services
 from webapp.chat.models import Citation, Conversation, Message
-from webapp.redis import async_redis_client
+from webapp.redis import STREAM_BLOCK_MS, async_redis_client
+
+logger = logging.getLogger(__name__)
 
 STREAM_IDLE_LIMIT_S = 330  # a bit over the worker's request timeout: never hang forever
+STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as SSE ``id:`` sends it
 
 
 def _get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Conversation:
@@ -93,7 +99,9 @@ def conversation_ask(request: HttpRequest, conversation_id: int) -> HttpResponse
 @login_required
 @require_GET
 def message_detail(request: HttpRequest, message_id: int) -> HttpResponse:
-    return render(request, "chat/_message.html", {"message": _get_answer_for_user(request, message_id)})
+    return render(
+        request, "chat/_message.html", {"message": _get_answer_for_user(request, message_id)}
+    )
 
 
 @login_required
@@ -142,21 +150,25 @@ def citation_detail(request: HttpRequest, citation_id: int) -> HttpResponse:
     return render(request, "chat/_citation.html", {"citation": citation})
 
 
-def _sse(event: str, data: str) -> str:
+def _sse(event: str, data: str, event_id: str = "") -> str:
     lines = "".join(f"data: {line}\n" for line in data.split("\n"))
-    return f"event: {event}\n{lines}\n"
+    head = f"id: {event_id}\n" if event_id else ""
+    return f"{head}event: {event}\n{lines}\n"
 
 
-async def _event_stream(answer: Message) -> AsyncIterator[str]:
-    """Relay the answer's Redis stream as server-sent events until done/error."""
+async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[str]:
+    """Relay the answer's Redis stream as server-sent events until done/error, from the entry
+    after ``last_id``. Each event carries its entry id, so a browser that reconnects (sending
+    it back as ``Last-Event-ID``) resumes where it was instead of receiving the answer twice."""
     client = async_redis_client()
-    last_id, idle = "0", 0.0
+    idle = 0.0
     try:
         yield ": connected\n\n"
         while True:
-            reply = await client.xread({answer_stream(str(answer.request_id)): last_id}, block=5000)
+            stream = {answer_stream(str(answer.request_id)): last_id}
+            reply = await client.xread(stream, block=STREAM_BLOCK_MS)
             if not reply:
-                idle += 5
+                idle += STREAM_BLOCK_MS / 1000
                 if idle >= STREAM_IDLE_LIMIT_S:
                     yield _sse("failed", "The model did not answer in time.")
                     return
@@ -166,12 +178,15 @@ async def _event_stream(answer: Message) -> AsyncIterator[str]:
             for entry_id, kind, payload in decode_events(reply):
                 last_id = entry_id
                 if kind == "token":
-                    yield _sse("token", escape(payload["text"]))
+                    yield _sse("token", escape(payload["text"]), entry_id)
                 elif kind in ("done", "error"):
-                    yield _sse(kind, json.dumps(payload))
+                    yield _sse(kind, json.dumps(payload), entry_id)
                     return
     except asyncio.CancelledError:  # the browser went away; the answer is still recorded
         raise
+    except RedisError as exc:  # the answer goes on and is recorded; only this view is lost
+        logger.warning("answer stream %s lost: %r", answer.request_id, exc)
+        yield _sse("failed", "Lost the connection to the answer stream. Reload to see the answer.")
     finally:
         await client.aclose()
 
@@ -187,7 +202,11 @@ async def message_stream(request: HttpRequest, message_id: int) -> StreamingHttp
     )()
     if answer is None:
         raise Http404
-    response = StreamingHttpResponse(_event_stream(answer), content_type="text/event-stream")
+    last_id = request.headers.get("Last-Event-ID", "")
+    last_id = last_id if STREAM_ID.fullmatch(last_id) else "0"
+    response = StreamingHttpResponse(
+        _event_stream(answer, last_id), content_type="text/event-stream"
+    )
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response

@@ -1,0 +1,102 @@
+"""The browser's answer stream (SSE) over the real Redis stream: long silences, reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import redis
+from django.conf import settings
+
+from kvservice.protocol import publish_event
+from webapp.chat.models import Conversation, Message
+from webapp.chat.views import _event_stream
+from webapp.redis import STREAM_SOCKET_TIMEOUT_S
+
+
+@pytest.fixture
+def publisher():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def answer(django_user_model) -> Message:
+    alice = django_user_model.objects.create_user(username="alice", password="alice-passphrase")
+    conversation = Conversation.objects.create(owner=alice, title="t")
+    return Message.objects.create(
+        conversation=conversation, role=Message.Role.ASSISTANT, status=Message.Status.PENDING
+    )
+
+
+def _collect(answer: Message, last_id: str = "0") -> list[str]:
+    async def run() -> list[str]:
+        return [event async for event in _event_stream(answer, last_id)]
+
+    return asyncio.run(run())
+
+
+def _body(response) -> list[str]:
+    async def read() -> bytes:
+        return b"".join([part async for part in response.streaming_content])
+
+    return asyncio.run(read()).decode().split("\n\n")
+
+
+def _events(frames: list[str]) -> list[tuple[str, str, str]]:
+    """(id, event, data) of each SSE frame that is an event (comments dropped)."""
+    events = []
+    for frame in frames:
+        fields = dict(line.split(": ", 1) for line in frame.strip().split("\n") if ": " in line)
+        if "event" in fields:
+            events.append((fields.get("id", ""), fields["event"], fields.get("data", "")))
+    return events
+
+
+@pytest.mark.django_db
+def test_a_silence_longer_than_the_socket_timeout_keeps_the_stream(answer, publisher) -> None:
+    """The model may be silent for longer than redis-py's default 5 s socket timeout (a long
+    prefill on a busy machine); the stream must keep waiting, not raise a TimeoutError."""
+    assert STREAM_SOCKET_TIMEOUT_S > 5
+
+    def later() -> None:
+        time.sleep(6.5)
+        publish_event(publisher, str(answer.request_id), "token", text="Vienna")
+        publish_event(publisher, str(answer.request_id), "done", text="Vienna", metrics={})
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    try:
+        frames = _collect(answer)
+    finally:
+        thread.join()
+    assert ": keep-alive\n\n" in frames  # the first 5 s block ended empty, and went on
+    assert [(e, d) for _, e, d in _events(frames)][0] == ("token", "Vienna")
+    assert _events(frames)[-1][1] == "done"
+
+
+@pytest.mark.django_db
+def test_a_reconnect_resumes_after_the_last_event_id(answer, publisher, client) -> None:
+    for word in ("The", " Danube", " flows"):
+        publish_event(publisher, str(answer.request_id), "token", text=word)
+    publish_event(publisher, str(answer.request_id), "done", text="The Danube flows", metrics={})
+    first = _events(_collect(answer))
+    assert [d for _, e, d in first if e == "token"] == ["The", " Danube", " flows"]
+    assert all(event_id for event_id, _, _ in first)  # every event names its entry
+
+    # The browser's EventSource sends back the last id it saw when it reconnects.
+    client.force_login(answer.conversation.owner)
+    response = client.get(f"/chat/messages/{answer.id}/stream", HTTP_LAST_EVENT_ID=first[1][0])
+    assert response.status_code == 200
+    again = _events(_body(response))
+    assert [d for _, e, d in again if e == "token"] == [" flows"]
+    assert again[-1][1] == "done"
+
+    # An id that is not a stream id is ignored: the whole answer again, nothing broken.
+    response = client.get(f"/chat/messages/{answer.id}/stream", HTTP_LAST_EVENT_ID="0; DROP")
+    assert [d for _, e, d in _events(_body(response)) if e == "token"] == [
+        "The", " Danube", " flows",
+    ]  # fmt: skip
