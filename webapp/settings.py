@@ -53,7 +53,10 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "webapp.outages.ServiceUnavailableMiddleware",  # a dead service: 503, not a 500
 ]
+# Error reports and the DEBUG page hide settings holding URLs with passwords too.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "webapp.outages.ReporterFilter"
 
 ROOT_URLCONF = "webapp.urls"
 ASGI_APPLICATION = "webapp.asgi.application"

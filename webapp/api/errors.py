@@ -15,6 +15,8 @@ from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
+from webapp import outages
+
 log = logging.getLogger(__name__)
 
 
@@ -33,15 +35,23 @@ class ErrorOut(Schema):
 
 
 def error_responses(*statuses: int) -> dict[int, type[ErrorOut]]:
-    """The documented error responses of an operation (every one has 400, 401, 422, 429)."""
-    return {status: ErrorOut for status in sorted({400, 401, 422, 429, *statuses})}
+    """The documented error responses of an operation (every one has 400, 401, 422, 429, and
+    503 when a service it needs is down)."""
+    return {status: ErrorOut for status in sorted({400, 401, 422, 429, 503, *statuses})}
 
 
 _CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
           405: "method_not_allowed", 413: "too_large", 422: "invalid_request",
-          429: "rate_limited", 500: "internal_error"}  # fmt: skip
+          429: "rate_limited", 500: "internal_error", 503: "service_unavailable"}  # fmt: skip
 
 AUTH_MESSAGE = "Send a valid API key as 'Authorization: Bearer <key>' (create one under API keys)."
+
+
+def unavailable(err: Exception) -> ApiError:
+    """503 with ``Retry-After``: a service the request needs is down; ``err`` says which."""
+    return ApiError(
+        503, "service_unavailable", str(err), {"Retry-After": str(outages.RETRY_AFTER_S)}
+    )
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> str:
@@ -64,6 +74,9 @@ def normalize(exc: Exception) -> ApiError:
         return ApiError(404, "not_found", str(exc) or "Not found.")
     if isinstance(exc, HttpError):
         return ApiError(exc.status_code, _CODES.get(exc.status_code, "error"), str(exc))
+    if outages.is_outage(exc):
+        log.warning("API request failed: service unavailable: %r", exc)
+        return unavailable(Exception(outages.MESSAGE))
     log.exception("API request failed", exc_info=exc)
     return ApiError(500, "internal_error", "Something went wrong on our side.")
 

@@ -18,11 +18,11 @@ from pydantic import ConfigDict, Field
 from webapp.api import answers
 from webapp.api.answers import AnswerTimeout
 from webapp.api.auth import API_AUTH
-from webapp.api.errors import ApiError, install_error_handlers
+from webapp.api.errors import ApiError, install_error_handlers, unavailable
 from webapp.api.services import completion_ask
 from webapp.api.v1 import event_stream_response
 from webapp.chat.models import Message
-from webapp.chat.services import ChatError
+from webapp.chat.services import AnswerServiceUnavailable, ChatError
 
 MODEL = "ragblend"  # blend; staff may also ask for "ragblend-full", "-reuse", "-prefix"
 CREATED = 1_767_225_600  # models' nominal creation time (2026-01-01)
@@ -150,6 +150,8 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
         answer = completion_ask(
             user=request.user, turns=[(m.role, m.text()) for m in payload.messages], mode=mode
         )
+    except AnswerServiceUnavailable as err:
+        raise unavailable(err) from err
     except ChatError as err:
         raise ApiError(400, "invalid_request", str(err)) from err
     if payload.stream:

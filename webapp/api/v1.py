@@ -17,7 +17,7 @@ from kvservice.heartbeat import read_heartbeat
 from webapp.api import answers
 from webapp.api.answers import AnswerTimeout
 from webapp.api.auth import API_AUTH
-from webapp.api.errors import ApiError, error_responses, install_error_handlers
+from webapp.api.errors import ApiError, error_responses, install_error_handlers, unavailable
 from webapp.api.schemas import (
     CacheStatsOut,
     ConversationDetailOut,
@@ -146,6 +146,8 @@ def ask(request: HttpRequest, *, question: str, mode: str, conversation_id: int 
         return chat.chat_ask(
             user=request.user, conversation=conversation, question=question, mode=mode
         )
+    except chat.AnswerServiceUnavailable as err:
+        raise unavailable(err) from err
     except chat.ChatError as err:
         raise ApiError(422, "invalid_request", str(err)) from err
 

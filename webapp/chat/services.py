@@ -17,6 +17,7 @@ from kvservice.protocol import (
     Turn,
     request_stop,
 )
+from webapp import outages
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.retrieval import retrieve_chunks
 from webapp.dashboard.selectors import fixed_recompute_ratio
@@ -37,6 +38,17 @@ def clean_text(text: str) -> str:
 
 class ChatError(ValueError):
     """A request the user can fix (shown to them as is)."""
+
+
+class AnswerServiceUnavailable(ChatError):
+    """The question was recorded but could not be sent to the model (the broker is down);
+    its answer is marked failed with this message, and asking again later works."""
+
+
+SEND_FAILED = (
+    "The answer service is not reachable right now, so this question was not sent. "
+    "Try again in a moment."
+)
 
 
 def conversation_create(*, owner, title: str = "") -> Conversation:
@@ -65,7 +77,15 @@ def _send(answer: Message, question: str, history: list[Turn], citations: list[C
         recompute_ratio=fixed_recompute_ratio(),  # None: the worker's controller decides
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
     )
-    celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=settings.INFERENCE_QUEUE)
+    try:
+        celery_app.send_task(
+            GENERATE_TASK, args=[request.to_dict()], queue=settings.INFERENCE_QUEUE
+        )
+    except outages.SERVICE_ERRORS as err:  # the broker is down: say so, leave nothing pending
+        Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
+            status=Message.Status.FAILED, error_message=SEND_FAILED
+        )
+        raise AnswerServiceUnavailable(SEND_FAILED) from err
 
 
 @transaction.atomic

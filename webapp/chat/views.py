@@ -87,7 +87,8 @@ def conversation_ask(request: HttpRequest, conversation_id: int) -> HttpResponse
         )
     except services.ChatError as err:
         if request.htmx:
-            return render(request, "chat/_error.html", {"error": str(err)}, status=422)
+            status = 503 if isinstance(err, services.AnswerServiceUnavailable) else 422
+            return render(request, "chat/_error.html", {"error": str(err)}, status=status)
         flash.error(request, str(err))
         return redirect("chat:conversation", conversation_id=conversation.id)
     if request.htmx:
@@ -120,6 +121,8 @@ def message_regenerate(request: HttpRequest, message_id: int) -> HttpResponse:
         new_answer = services.chat_regenerate(
             user=request.user, answer=answer, mode=request.POST.get("mode") or None
         )
+    except services.AnswerServiceUnavailable as err:
+        return HttpResponse(str(err), status=503)
     except services.ChatError as err:
         return HttpResponseBadRequest(str(err))
     if request.htmx:

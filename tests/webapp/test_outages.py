@@ -1,0 +1,129 @@
+"""The web app with its Redis/valkey (streams, stop flags, rate limit, Celery broker) stopped:
+a real valkey is started, then stopped, and the web app is pointed at it. Every request that
+needs it gets a 503 with ``Retry-After`` and a plain message; nothing is left ``pending``; the
+debug page never shows the service passwords."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import pytest
+from django.test import Client
+
+from deploy import services
+from webapp.chat import services as chat
+from webapp.chat.models import Conversation, Message
+from webapp.chat.views import _event_stream
+from webapp.redis import redis_client
+from worker.celery import app as celery_app
+
+PASSWORD = "vk-pass-that-must-not-leak"
+
+
+@pytest.fixture(scope="module")
+def stopped_valkey_url() -> str:
+    """The URL of a valkey that ran and was stopped (connections to it are refused)."""
+    with tempfile.TemporaryDirectory(prefix="ragblend-stopped-vk-") as directory:
+        valkey = services.start_valkey(
+            Path(directory), port=services.free_port(), password=PASSWORD
+        )
+        valkey.stop()
+        yield valkey.env["REDIS_URL"]
+
+
+def _reset_celery_connections() -> None:
+    """Celery keeps its broker connection pool once made; drop it (not closed: the live
+    broker's pool is taken up again afterwards) so the next send connects to the new URL."""
+    celery_app._pool = None
+    celery_app.amqp._producer_pool = None
+
+
+@pytest.fixture
+def valkey_down(settings, stopped_valkey_url):
+    """Point the web app's Redis client and Celery's broker at the stopped valkey."""
+    live_broker = celery_app.conf.broker_url
+    settings.REDIS_URL = stopped_valkey_url
+    settings.CELERY_BROKER_URL = stopped_valkey_url
+    celery_app.conf.broker_url = stopped_valkey_url
+    _reset_celery_connections()
+    redis_client.cache_clear()
+    yield
+    celery_app.conf.broker_url = live_broker
+    _reset_celery_connections()
+    redis_client.cache_clear()
+
+
+@pytest.fixture
+def alice(django_user_model):
+    return django_user_model.objects.create_user(username="alice", password="alice-passphrase")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_asking_with_the_broker_down_is_a_503_and_the_answer_does_not_stay_pending(
+    alice, valkey_down, client
+) -> None:
+    client.force_login(alice)
+    conversation = chat.conversation_create(owner=alice)
+    response = client.post(
+        f"/chat/{conversation.id}/ask", {"question": "Where does the Danube flow?"},
+        HTTP_HX_REQUEST="true",
+    )  # fmt: skip
+    assert response.status_code == 503
+    assert "not reachable" in response.content.decode()
+    answer = Message.objects.get(conversation=conversation, role=Message.Role.ASSISTANT)
+    assert answer.status == Message.Status.FAILED and "not reachable" in answer.error_message
+    # The question is kept: the user sees it, with the reason, after a reload.
+    assert Message.objects.filter(conversation=conversation, role=Message.Role.USER).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_api_answers_503_with_retry_after_when_redis_is_down(alice, valkey_down) -> None:
+    from webapp.accounts.services import api_key_create
+
+    _, key = api_key_create(user=alice, name="k")
+    response = Client().get("/api/v1/documents", HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 503, response.content  # the rate limit needs Redis
+    assert response["Retry-After"].isdigit()
+    assert response.json()["code"] == "service_unavailable"
+    assert PASSWORD not in response.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_debug_page_never_shows_the_redis_password(alice, valkey_down, settings) -> None:
+    """With DEBUG on (``make dev``), a request that fails for a reason other than an outage
+    shows Django's debug page: the settings holding URLs are masked there."""
+    settings.DEBUG = True
+    client = Client(raise_request_exception=False)
+    client.force_login(alice)
+    conversation = chat.conversation_create(owner=alice)
+    answer = Message.objects.create(
+        conversation=conversation, role=Message.Role.ASSISTANT, status=Message.Status.PENDING
+    )
+    # Stopping an answer sets a flag in Redis: an outage, so a plain 503 page.
+    response = client.post(f"/chat/messages/{answer.id}/stop")
+    assert response.status_code == 503 and PASSWORD not in response.content.decode()
+
+    from django.views.debug import ExceptionReporter
+
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError as exc:
+        html = ExceptionReporter(None, type(exc), exc, exc.__traceback__).get_traceback_html()
+    assert "REDIS_URL" in html and "CELERY_BROKER_URL" in html
+    assert PASSWORD not in html
+
+
+@pytest.mark.django_db
+def test_the_answer_stream_ends_with_a_clear_failure_when_redis_is_down(alice, valkey_down) -> None:
+    conversation = Conversation.objects.create(owner=alice, title="t")
+    answer = Message.objects.create(
+        conversation=conversation, role=Message.Role.ASSISTANT, status=Message.Status.PENDING
+    )
+
+    async def frames() -> list[str]:
+        return [frame async for frame in _event_stream(answer)]
+
+    events = asyncio.run(frames())
+    assert events[-1].startswith("event: failed") and "Lost the connection" in events[-1]
