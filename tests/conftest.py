@@ -116,7 +116,10 @@ def wait_for(predicate, *, timeout: float, interval: float = 0.2, what: str = "c
 
 def _spawn_worker(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
     log = open(log_path, "wb")  # noqa: SIM115 - closed when the process is reaped
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        preexec_fn=services.die_with_parent(),  # a killed test run leaves no worker behind
+    )  # fmt: skip
 
 
 def _stop(process: subprocess.Popen, log_path: Path) -> None:

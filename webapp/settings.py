@@ -182,6 +182,19 @@ for _name, _value in [("API_RATE_LIMIT_REQUESTS", API_RATE_LIMIT_REQUESTS),
     if _value <= 0:
         raise ImproperlyConfigured(f"{_name} must be positive, got {_value}.")
 
+# Answers nobody will finish are ended (webapp/chat/reaper.py), checked every
+# REAPER_INTERVAL_S by Celery beat: those of a worker that died, at once; those no worker took,
+# after ANSWER_PENDING_LIMIT_S (by then the browser and the API have stopped waiting).
+ANSWER_PENDING_LIMIT_S = env.float("ANSWER_PENDING_LIMIT_S", default=API_ANSWER_TIMEOUT_S + 30)
+REAPER_INTERVAL_S = env.float("REAPER_INTERVAL_S", default=5.0)
+CELERY_BEAT_SCHEDULE = {
+    "reap-stale-answers": {
+        "task": "worker.chat.reap_stale_answers",
+        "schedule": REAPER_INTERVAL_S,
+        "options": {"expires": REAPER_INTERVAL_S},  # a backlog of them is pointless
+    },
+}
+
 # --- dashboard ------------------------------------------------------------------------------
 
 # The measured quality/speed curve of the recompute ratio that the dashboard draws: the JSON

@@ -1,4 +1,5 @@
-"""Chat tasks: the inference worker reports each finished answer here to be stored."""
+"""Chat tasks: the inference worker reports each finished answer here to be stored; beat
+ends the answers nobody will finish."""
 
 from __future__ import annotations
 
@@ -14,3 +15,10 @@ def record_answer(message_id: int, result: dict[str, Any]) -> None:
     from webapp.chat.services import chat_record_answer
 
     chat_record_answer(message_id=message_id, result=result)
+
+
+@shared_task(name="worker.chat.reap_stale_answers", ignore_result=True)
+def reap_stale_answers() -> int:
+    from webapp.chat.reaper import reap_stale_answers as reap
+
+    return reap()

@@ -63,6 +63,18 @@ def _descendants(process: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
+def _inference_workers(process: subprocess.Popen) -> list[psutil.Process]:
+    found = []
+    for child in _descendants(process):
+        try:
+            title = " ".join(child.cmdline())  # Celery renames its process: "[celeryd: inference@…"
+            if "kvservice.server" in title or "inference@" in title:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def _stop(process: subprocess.Popen, log: Path) -> list[psutil.Process]:
     """Ctrl-C the launcher; return the processes it had started, for checking they are gone."""
     started = _descendants(process)
@@ -79,6 +91,7 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
     data_dir, port, log = tmp_path / "data", services.free_port(), tmp_path / "stack.log"
     process = _start(data_dir, port, log)
     try:
+
         def healthy():
             if process.poll() is not None:
                 raise AssertionError(f"launcher exited:\n{log.read_text()[-4000:]}")
@@ -92,7 +105,9 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
 
         # The stack's services bind to loopback only.
         stack = json.loads((data_dir / "stack.json").read_text())
-        assert "127.0.0.1" in stack["DATABASE_URL"] and stack["S3_ENDPOINT"].startswith("127.0.0.1:")
+        assert "127.0.0.1" in stack["DATABASE_URL"] and stack["S3_ENDPOINT"].startswith(
+            "127.0.0.1:"
+        )
         listening = set()
         for child in _descendants(process):
             try:
@@ -111,6 +126,11 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert "['root']" in out.stdout
+
+        # Beat runs in the Celery worker: the reaper of answers nobody will finish runs.
+        celery_log = data_dir / "logs" / "celery.log"
+        wait_for(lambda: "reap_stale_answers" in celery_log.read_text() and
+                 "succeeded" in celery_log.read_text(), timeout=60, what="the reaper task")  # fmt: skip
     finally:
         started = _stop(process, log) if process.poll() is None else []
     time.sleep(1)
@@ -120,6 +140,7 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
     # Restart on the same DATA_DIR: the data (the admin account) is still there.
     process = _start(data_dir, port, log)
     try:
+
         def healthy_again():
             if process.poll() is not None:
                 raise AssertionError(f"launcher exited on restart:\n{log.read_text()[-4000:]}")
@@ -127,5 +148,26 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
 
         wait_for(healthy_again, timeout=300, interval=2, what="/healthz after restart")
         assert "An admin account exists already." in log.read_text()
+
+        # A killed inference worker is started again; the rest of the stack stays up.
+        (killed,) = _inference_workers(process)
+        killed.send_signal(signal.SIGKILL)
+        wait_for(lambda: [p for p in _inference_workers(process) if p.pid != killed.pid],
+                 timeout=60, what="a new inference worker")  # fmt: skip
+        assert "inference worker exited with -9" in log.read_text()
+        assert process.poll() is None
+
+        # The launcher killed outright (no handler can run): its children die with it.
+        started = _descendants(process)
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+
+        def all_gone():
+            return not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+        wait_for(all_gone, timeout=60, what="the stack's processes to die with the launcher")
     finally:
-        _stop(process, log)
+        if process.poll() is None:
+            _stop(process, log)
+        for leftover in _descendants(process):  # only if the checks above failed
+            leftover.kill()

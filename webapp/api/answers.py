@@ -61,7 +61,7 @@ async def answer_events(
 
 def finished(kind: str, payload: dict[str, Any]) -> FinishedAnswer:
     ok = kind == "done" and payload.get("status", "done") != "error"
-    error = "" if ok else (payload.get("error") or payload.get("text") or "The model failed.")
+    error = "" if ok else (payload.get("error") or payload.get("message") or "The model failed.")
     return FinishedAnswer(ok=ok, text=payload.get("text", ""), error=str(error),
                           metrics=payload.get("metrics") or {})  # fmt: skip
 

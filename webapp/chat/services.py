@@ -15,6 +15,8 @@ from kvservice.protocol import (
     ChunkRef,
     GenerateRequest,
     Turn,
+    inflight_entries,
+    publish_event,
     request_stop,
 )
 from webapp import outages
@@ -160,8 +162,17 @@ def chat_regenerate(*, user, answer: Message, mode: str | None = None) -> Messag
 
 
 def chat_stop(*, answer: Message) -> None:
-    if answer.is_open:
-        request_stop(redis_client(), str(answer.request_id))
+    """Ask the worker to stop; an answer no worker has started is stopped here and now."""
+    if not answer.is_open:
+        return
+    client, request_id = redis_client(), str(answer.request_id)
+    request_stop(client, request_id)  # a worker that takes it later drops it
+    if request_id not in inflight_entries(client):
+        stopped = Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
+            status=Message.Status.STOPPED, completed_at=timezone.now()
+        )
+        if stopped:
+            publish_event(client, request_id, "done", text="", status="stopped", metrics={})
 
 
 def chat_feedback(*, answer: Message, value: int) -> Message:

@@ -1,0 +1,186 @@
+"""Answers nobody will finish are ended (webapp/chat/reaper.py), over the real Redis and
+PostgreSQL; the slow test kills a real inference worker in the middle of an answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from kvservice.protocol import (
+    GENERATE_TASK,
+    GenerateRequest,
+    answer_stream,
+    decode_events,
+    inflight_add,
+    inflight_entries,
+    inflight_remove,
+    mark_alive,
+    publish_event,
+    stop_requested,
+    worker_alive_key,
+)
+from tests.conftest import ROOT, wait_for
+from webapp.chat import services
+from webapp.chat.models import Conversation, Message
+from webapp.chat.reaper import NOBODY_ANSWERED, WORKER_DIED, reap_stale_answers
+from webapp.redis import redis_client
+from worker.celery import app as celery_app
+
+
+@pytest.fixture
+def alice(django_user_model):
+    return django_user_model.objects.create_user(username="alice", password="alice-passphrase")
+
+
+@pytest.fixture
+def new_answer(alice):
+    conversation = Conversation.objects.create(owner=alice, title="t")
+    made: list[Message] = []
+
+    def make(**fields) -> Message:
+        answer = Message.objects.create(
+            conversation=conversation, role=Message.Role.ASSISTANT,
+            status=Message.Status.PENDING, mode="blend", **fields,
+        )  # fmt: skip
+        made.append(answer)
+        return answer
+
+    yield make
+    for answer in made:  # the in-flight hash is shared with the suite's live worker
+        inflight_remove(redis_client(), str(answer.request_id))
+
+
+def _in_flight(answer: Message, worker: str) -> None:
+    request = GenerateRequest(str(answer.request_id), "q", [], message_id=answer.id)
+    inflight_add(redis_client(), worker, request)
+
+
+def _events(answer: Message) -> list[tuple[str, dict]]:
+    name = answer_stream(str(answer.request_id))
+    reply = [(name, redis_client().xrange(name))]
+    return [(kind, payload) for _id, kind, payload in decode_events(reply)]
+
+
+@pytest.mark.django_db
+def test_a_dead_workers_answer_fails_with_what_it_had_streamed(new_answer) -> None:
+    answer = new_answer()
+    _in_flight(answer, worker=f"gone:{uuid.uuid4()}")  # no alive key: the worker is dead
+    for word in ("The Danube", " flows"):
+        publish_event(redis_client(), str(answer.request_id), "token", text=word)
+
+    assert reap_stale_answers() >= 1
+
+    answer.refresh_from_db()
+    assert answer.status == Message.Status.FAILED and answer.error_message == WORKER_DIED
+    assert answer.content == "The Danube flows"  # the partial answer is kept
+    kind, payload = _events(answer)[-1]  # readers of the stream are told at once
+    assert kind == "error" and payload["error"] == WORKER_DIED
+    assert str(answer.request_id) not in inflight_entries(redis_client())
+
+
+@pytest.mark.django_db
+def test_an_answer_finished_on_the_stream_but_never_reported_is_recorded(new_answer) -> None:
+    answer = new_answer()
+    _in_flight(answer, worker=f"gone:{uuid.uuid4()}")
+    publish_event(redis_client(), str(answer.request_id), "token", text="Vienna")
+    publish_event(redis_client(), str(answer.request_id), "done", text="Vienna",
+                  metrics={"ttft_s": 0.5, "mode": "blend"})  # fmt: skip
+    reap_stale_answers()
+    answer.refresh_from_db()
+    assert answer.status == Message.Status.DONE and answer.content == "Vienna"
+    assert answer.ttft_s == 0.5
+
+
+@pytest.mark.django_db
+def test_a_live_workers_answer_is_left_alone(new_answer) -> None:
+    answer, worker = new_answer(), f"alive:{uuid.uuid4()}"
+    mark_alive(redis_client(), worker)
+    _in_flight(answer, worker)
+    try:
+        reap_stale_answers()
+        answer.refresh_from_db()
+        assert answer.status == Message.Status.PENDING
+        assert str(answer.request_id) in inflight_entries(redis_client())
+    finally:
+        redis_client().delete(worker_alive_key(worker))
+
+
+@pytest.mark.django_db
+def test_a_question_no_worker_took_fails_after_the_limit(new_answer, settings) -> None:
+    settings.ANSWER_PENDING_LIMIT_S = 60
+    old, recent = new_answer(), new_answer()
+    Message.objects.filter(pk=old.pk).update(created_at=timezone.now() - timedelta(seconds=61))
+    reap_stale_answers()
+    old.refresh_from_db()
+    recent.refresh_from_db()
+    assert old.status == Message.Status.FAILED and old.error_message == NOBODY_ANSWERED
+    assert stop_requested(redis_client(), str(old.request_id))  # a late worker drops it
+    assert recent.status == Message.Status.PENDING
+
+
+@pytest.mark.django_db
+def test_stop_on_an_answer_no_worker_started_stops_it_at_once(new_answer) -> None:
+    waiting, started = new_answer(), new_answer()
+    _in_flight(started, worker=f"alive:{uuid.uuid4()}")
+    services.chat_stop(answer=waiting)
+    services.chat_stop(answer=started)
+    waiting.refresh_from_db()
+    started.refresh_from_db()
+    assert waiting.status == Message.Status.STOPPED
+    assert _events(waiting)[-1][0] == "done"
+    # A started one is stopped by its worker, which reports it: only the flag is set here.
+    assert started.status == Message.Status.PENDING
+    assert stop_requested(redis_client(), str(started.request_id))
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_killing_the_inference_worker_mid_answer_fails_the_answer_within_seconds(
+    new_answer, tmp_path
+) -> None:
+    """A real inference worker, on a queue of its own, is killed with SIGKILL after its first
+    token: the reaper ends the answer as soon as the worker's alive key expires."""
+    queue = f"inference-reaper-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_QUEUE": queue,
+           "HEARTBEAT_KEY": f"ragblend:inference:heartbeat:{queue}"}  # fmt: skip
+    log = open(tmp_path / "inference.log", "wb")  # noqa: SIM115
+    worker = subprocess.Popen([sys.executable, "-m", "kvservice.server"], cwd=ROOT, env=env,
+                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        answer = new_answer()
+        request = GenerateRequest(
+            str(answer.request_id), "Write a long story about a river.", [],
+            message_id=answer.id, max_new_tokens=400,
+        )  # fmt: skip
+        celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=queue)
+        wait_for(lambda: worker.poll() is not None or _events(answer), timeout=300,
+                 interval=0.5, what="the first token")  # fmt: skip
+        assert worker.poll() is None, (tmp_path / "inference.log").read_text()[-3000:]
+        assert str(answer.request_id) in inflight_entries(redis_client())
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(10)
+        killed_at = time.monotonic()
+
+        def ended() -> bool:
+            reap_stale_answers()
+            return Message.objects.get(pk=answer.pk).status != Message.Status.PENDING
+
+        wait_for(ended, timeout=30, interval=0.5, what="the reaper to end the answer")
+        print(f"answer ended {time.monotonic() - killed_at:.1f} s after the kill")
+        answer.refresh_from_db()
+        assert answer.status == Message.Status.FAILED and answer.error_message == WORKER_DIED
+        assert answer.content  # what was streamed before the kill is kept
+        assert _events(answer)[-1][0] == "error"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(10)
+        log.close()
