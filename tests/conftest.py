@@ -57,6 +57,7 @@ def _start_services() -> None:
             "DEBUG": "false",
             "SECURE_COOKIES": "false",
             "HEALTH_PING_TIMEOUT_S": "2",
+            "HEALTH_CACHE_S": "0",  # each test sees the components as they are now
         }
     )
 

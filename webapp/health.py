@@ -1,7 +1,13 @@
-"""GET /healthz: one entry per component and an overall status (200 all up, 503 otherwise)."""
+"""GET /healthz: one entry per component and an overall status (200 all up, 503 otherwise).
+
+Anyone (a load balancer, a Kubernetes probe) gets the statuses; only staff get the details
+(endpoints, worker names and PIDs, the model, error messages, latencies). The checks run at
+most once per ``HEALTH_CACHE_S`` per process: a probe storm does not become a storm of
+Celery broadcast pings."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -97,10 +103,26 @@ def run_checks() -> dict[str, dict[str, Any]]:
     return results
 
 
+_cached: tuple[float, dict[str, dict[str, Any]]] | None = None
+_cache_lock = threading.Lock()
+
+
+def cached_checks() -> dict[str, dict[str, Any]]:
+    """``run_checks()``, reused for ``HEALTH_CACHE_S`` seconds."""
+    global _cached
+    with _cache_lock:
+        now = time.monotonic()
+        if _cached is None or now - _cached[0] >= settings.HEALTH_CACHE_S:
+            _cached = (now, run_checks())
+        return _cached[1]
+
+
 @never_cache
 @require_GET
 def healthz(request: HttpRequest) -> JsonResponse:
-    components = run_checks()
+    components = cached_checks()
     healthy = all(c["status"] == "up" for c in components.values())
+    if not request.user.is_staff:
+        components = {name: {"status": c["status"]} for name, c in components.items()}
     body = {"status": "ok" if healthy else "degraded", "components": components}
     return JsonResponse(body, status=200 if healthy else 503)

@@ -4,6 +4,7 @@ running stack's ``DATA_DIR/stack.json`` (see deploy/stack.py)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import environ
@@ -37,6 +38,7 @@ INSTALLED_APPS = [
     "django.contrib.postgres",
     "django_htmx",
     "ninja",  # its vendored Swagger UI static files (the API docs never load a CDN)
+    "axes",  # login throttling
     "webapp.accounts",
     "webapp.documents",
     "webapp.chat",
@@ -54,6 +56,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "webapp.outages.ServiceUnavailableMiddleware",  # a dead service: 503, not a 500
+    "axes.middleware.AxesMiddleware",  # last, as django-axes requires
 ]
 # Error reports and the DEBUG page hide settings holding URLs with passwords too.
 DEFAULT_EXCEPTION_REPORTER_FILTER = "webapp.outages.ReporterFilter"
@@ -92,6 +95,19 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Login throttling (django-axes): after AXES_FAILURE_LIMIT wrong passwords for one username
+# from one address, that pair is locked out for AXES_COOLOFF_TIME (a 429 page); a success
+# resets the count.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env.int("LOGIN_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(minutes=env.int("LOGIN_LOCKOUT_MINUTES", default=15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "accounts/locked.html"
+AXES_VERBOSE = False
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "login"
@@ -171,7 +187,8 @@ CHAT_MAX_QUESTION_CHARS = env.int("CHAT_MAX_QUESTION_CHARS", default=4000)
 
 # --- API (webapp/api) ---------------------------------------------------------------------------
 
-# Requests per API key per fixed window; over it the API answers 429 with Retry-After.
+# Requests per user (all their API keys, their session's API calls and their questions in the
+# browser) per fixed window; over it, 429 with Retry-After.
 API_RATE_LIMIT_REQUESTS = env.int("API_RATE_LIMIT_REQUESTS", default=120)
 API_RATE_LIMIT_WINDOW_S = env.int("API_RATE_LIMIT_WINDOW_S", default=60)
 # How long a non-streamed answer (or a quiet stream) is awaited before a 504.
@@ -202,8 +219,9 @@ CELERY_BEAT_SCHEDULE = {
 # root unless absolute). Absent until a validation run writes it.
 RATIO_CURVE_PATH = BASE_DIR / env.str("RATIO_CURVE_PATH", default="docs/ratio_curve.json")
 
-# How long /healthz waits for a Celery worker to answer a ping.
+# How long /healthz waits for a Celery worker to answer a ping, and reuses its results.
 HEALTH_PING_TIMEOUT_S = env.float("HEALTH_PING_TIMEOUT_S", default=1.0)
+HEALTH_CACHE_S = env.float("HEALTH_CACHE_S", default=5.0)
 
 LOGGING = {
     "version": 1,

@@ -21,9 +21,7 @@ def test_pgvector_nearest_neighbour_query_orders_by_distance() -> None:
         cursor.execute(
             "INSERT INTO probe VALUES (1, '[1,0,0]'), (2, '[0,1,0]'), (3, '[0.9,0.1,0]')"
         )
-        cursor.execute(
-            "SELECT id FROM probe ORDER BY embedding <=> '[1,0.05,0]'::vector LIMIT 2"
-        )
+        cursor.execute("SELECT id FROM probe ORDER BY embedding <=> '[1,0.05,0]'::vector LIMIT 2")
         assert [row[0] for row in cursor.fetchall()] == [1, 3]
 
 
@@ -56,6 +54,32 @@ def test_healthz_reports_each_component_and_is_503_without_workers(client) -> No
     assert body["status"] == "degraded"
 
 
+def test_healthz_details_are_for_staff_only(client, django_user_model, settings) -> None:
+    anonymous = client.get("/healthz")
+    assert all(set(c) == {"status"} for c in anonymous.json()["components"].values())
+    assert settings.S3_ENDPOINT not in anonymous.content.decode()
+    staff = django_user_model.objects.create_user("stella", password="pw-stella-1", is_staff=True)
+    client.force_login(staff)
+    body = client.get("/healthz").json()
+    assert body["components"]["object_store"]["endpoint"] == settings.S3_ENDPOINT
+    assert "error" in body["components"]["inference_worker"]  # none runs in this test
+
+
+def test_healthz_reuses_its_results_for_health_cache_s(client, settings) -> None:
+    settings.HEALTH_CACHE_S = 60
+    first, second = run_checks_via(client), run_checks_via(client)
+    assert first is second  # the same results object: the checks did not run again
+    settings.HEALTH_CACHE_S = 0
+    assert run_checks_via(client) is not first
+
+
+def run_checks_via(client):
+    from webapp import health
+
+    client.get("/healthz")
+    return health._cached[1]
+
+
 def test_object_store_check_fails_when_a_bucket_is_missing(settings) -> None:
     settings.S3_KV_BUCKET = "no-such-bucket"
     result = run_checks()["object_store"]
@@ -69,9 +93,7 @@ def test_login_page_renders_and_home_requires_login(client, django_user_model) -
     assert page.status_code == 200
     assert b"htmx-2.0.11.min.js" in page.content
     django_user_model.objects.create_user(username="ada", password="a-long-passphrase")
-    response = client.post(
-        "/accounts/login/", {"username": "ada", "password": "a-long-passphrase"}
-    )
+    response = client.post("/accounts/login/", {"username": "ada", "password": "a-long-passphrase"})
     assert response.status_code == 302
     page = client.get("/", follow=True)
     assert page.redirect_chain[-1][0] == "/chat/"
@@ -84,3 +106,17 @@ def test_wrong_password_is_refused(client, django_user_model) -> None:
     assert response.status_code == 200
     assert b"didn&#x27;t match" in response.content or b"didn't match" in response.content
     assert client.get("/chat/").status_code == 302
+
+
+def test_repeated_wrong_passwords_lock_the_login_out(client, django_user_model, settings) -> None:
+    """After ``AXES_FAILURE_LIMIT`` wrong passwords for one username from one address, even
+    the right password is refused (429) until the cool-off; other users are not affected."""
+    django_user_model.objects.create_user(username="bob", password="a-long-passphrase")
+    django_user_model.objects.create_user(username="eve", password="eve-passphrase-1")
+    for _ in range(settings.AXES_FAILURE_LIMIT):
+        client.post("/accounts/login/", {"username": "bob", "password": "guess"})
+    locked = client.post("/accounts/login/", {"username": "bob", "password": "a-long-passphrase"})
+    assert locked.status_code == 429 and b"Too many attempts" in locked.content
+    assert client.get("/chat/").status_code == 302  # not logged in
+    other = client.post("/accounts/login/", {"username": "eve", "password": "eve-passphrase-1"})
+    assert other.status_code == 302 and client.get("/chat/").status_code == 200

@@ -69,14 +69,15 @@ def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
     return api_key
 
 
-def api_key_rate_limit(*, api_key: ApiKey) -> int | None:
-    """Count one request against the key's fixed window in Redis; returns None when it is
-    allowed, or the seconds until the window resets when the key is over its limit."""
+def user_rate_limit(*, user) -> int | None:
+    """Count one request against the user's fixed window in Redis (every key, the session
+    and the browser's questions share it); returns None when it is allowed, or the seconds
+    until the window resets when the user is over the limit."""
     limit = settings.API_RATE_LIMIT_REQUESTS
     window = settings.API_RATE_LIMIT_WINDOW_S
     now = time.time()
     window_start = int(now // window) * window
-    name = f"ragblend:ratelimit:apikey:{api_key.pk}:{window_start}"
+    name = f"ragblend:ratelimit:user:{user.pk}:{window_start}"
     pipe = redis_client().pipeline()
     pipe.incr(name)
     pipe.expire(name, window + 1)

@@ -1,17 +1,29 @@
 """Who is calling: an API key (``Authorization: Bearer``), or the browser's session.
 
-A key's owner becomes ``request.user``, so the views read the same either way. Each key has
-a rate limit (a fixed window in Redis); over it, 429 with ``Retry-After``."""
+A key's owner becomes ``request.user``, so the views read the same either way. Each user has
+one rate limit (a fixed window in Redis) over all their keys and their session; over it, 429
+with ``Retry-After``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.http import HttpRequest
-from ninja.security import HttpBearer, django_auth
+from ninja.security import HttpBearer, SessionAuth
 
-from webapp.accounts.services import api_key_authenticate, api_key_rate_limit
+from webapp.accounts.services import api_key_authenticate, user_rate_limit
 from webapp.api.errors import ApiError
+
+
+def check_rate_limit(user) -> None:
+    retry_after = user_rate_limit(user=user)
+    if retry_after is not None:
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"You are over your rate limit; retry in {retry_after} s.",
+            {"Retry-After": str(retry_after)},
+        )
 
 
 class ApiKeyAuth(HttpBearer):
@@ -19,16 +31,19 @@ class ApiKeyAuth(HttpBearer):
         api_key = api_key_authenticate(plaintext=token)
         if api_key is None:
             return None
-        retry_after = api_key_rate_limit(api_key=api_key)
-        if retry_after is not None:
-            raise ApiError(
-                429,
-                "rate_limited",
-                f"This key is over its rate limit; retry in {retry_after} s.",
-                {"Retry-After": str(retry_after)},
-            )
+        check_rate_limit(api_key.user)
         request.user = api_key.user
         return api_key
 
 
-API_AUTH = [ApiKeyAuth(), django_auth]
+class RateLimitedSessionAuth(SessionAuth):
+    """The browser's session (with ninja's CSRF check), under the same per-user limit."""
+
+    def authenticate(self, request: HttpRequest, key: str | None) -> Any:
+        user = super().authenticate(request, key)
+        if user is not None:
+            check_rate_limit(user)
+        return user
+
+
+API_AUTH = [ApiKeyAuth(), RateLimitedSessionAuth()]

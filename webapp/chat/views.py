@@ -24,6 +24,7 @@ from django.views.decorators.http import require_GET, require_POST
 from redis.exceptions import RedisError
 
 from kvservice.protocol import answer_stream, decode_events
+from webapp.accounts.services import user_rate_limit
 from webapp.chat import services
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.redis import STREAM_BLOCK_MS, async_redis_client
@@ -78,6 +79,12 @@ def conversation_detail(request: HttpRequest, conversation_id: int) -> HttpRespo
 @require_POST
 def conversation_ask(request: HttpRequest, conversation_id: int) -> HttpResponse:
     conversation = _get_conversation_for_user(request, conversation_id)
+    retry_after = user_rate_limit(user=request.user)  # the same limit as the user's API calls
+    if retry_after is not None:
+        error = f"You are asking faster than your limit allows; try again in {retry_after} s."
+        response = render(request, "chat/_error.html", {"error": error}, status=429)
+        response["Retry-After"] = str(retry_after)
+        return response
     try:
         answer = services.chat_ask(
             user=request.user,

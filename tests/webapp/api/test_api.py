@@ -17,7 +17,7 @@ from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.accounts.models import ApiKey
 from webapp.accounts.services import api_key_revoke
 from webapp.chat import services as chat
-from webapp.chat.models import Message
+from webapp.chat.models import Conversation, Message
 from webapp.documents.models import Document
 from webapp.redis import redis_client
 
@@ -144,7 +144,7 @@ def test_revoked_key_is_refused(client, alice) -> None:
 
 
 @pytest.mark.django_db
-def test_rate_limit_answers_429_with_retry_after(client, alice, settings) -> None:
+def test_rate_limit_answers_429_with_retry_after(client, alice, mallory, settings) -> None:
     settings.API_RATE_LIMIT_REQUESTS = 3
     headers = bearer(alice)
     statuses = [client.get("/api/v1/documents", **headers).status_code for _ in range(4)]
@@ -152,7 +152,16 @@ def test_rate_limit_answers_429_with_retry_after(client, alice, settings) -> Non
     response = client.get("/api/v1/documents", **headers)
     assert response.json()["code"] == "rate_limited"
     assert 1 <= int(response["Retry-After"]) <= settings.API_RATE_LIMIT_WINDOW_S
-    assert client.get("/api/v1/documents", **bearer(alice, "another")).status_code == 200
+    # The limit is the user's: another of her keys, her session and her questions in the
+    # browser are over it too; another user is not.
+    assert client.get("/api/v1/documents", **bearer(alice, "another")).status_code == 429
+    client.force_login(alice)
+    assert client.get("/api/v1/documents").status_code == 429
+    conversation = Conversation.objects.create(owner=alice, title="t")
+    asked = client.post(f"/chat/{conversation.id}/ask", {"question": "q"}, HTTP_HX_REQUEST="true")
+    assert asked.status_code == 429 and asked["Retry-After"].isdigit()
+    client.logout()
+    assert client.get("/api/v1/documents", **bearer(mallory)).status_code == 200
 
 
 @pytest.mark.django_db
