@@ -37,7 +37,9 @@ def start_services(data: Path) -> tuple[list[services.RunningService], dict[str,
     previous = read_stack_env(data)
     ports = {k: v for k, v in previous.items() if k.endswith("_PORT")}
     started: list[services.RunningService] = []
-    env: dict[str, str] = {"SECRET_KEY": services.dev_secret(data, "django_secret_key")}
+    # 64 characters: as strong as Django's deploy check asks (the file name changed with it).
+    key = services.dev_secret(data, "django_secret_key_64", nbytes=48)
+    env: dict[str, str] = {"SECRET_KEY": key}
     try:
         if not os.environ.get("DATABASE_URL"):
             port = _port(ports, "POSTGRES_PORT")
@@ -146,9 +148,12 @@ def main() -> int:
         return 2
     print(f"Ragblend dev stack, data in {data}")
     backing, stack_env = start_services(data)
-    stack_env.setdefault("DEBUG", "true")
-    write_stack_env(stack_env, data)
-    env = {**stack_env, **os.environ, "DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"}
+    write_stack_env(stack_env, data)  # where the services are; no DEBUG: see below
+    # DEBUG is on for the processes this launcher starts only; a process that reads
+    # stack.json from another shell (or a production process pointed at this DATA_DIR)
+    # does not get it from there.
+    env = {**stack_env, "DEBUG": "true", **os.environ, "DATA_DIR": str(data),
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
     logs = data / "logs"
     children: list[Supervised] = []
     try:

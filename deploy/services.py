@@ -306,13 +306,13 @@ def start_valkey(data_dir: Path, *, port: int, password: str, timeout: float = 3
     return RunningService("valkey", process, log, {"REDIS_URL": url})
 
 
-def dev_secret(data_dir: Path, name: str) -> str:
+def dev_secret(data_dir: Path, name: str, nbytes: int = 24) -> str:
     """A random secret generated on first use and kept in DATA_DIR (0600), for dev stacks."""
     path = data_dir / "secrets" / name
     if path.exists():
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    value = secrets.token_urlsafe(24)
+    value = secrets.token_urlsafe(nbytes)
     path.write_text(value)
     path.chmod(0o600)
     return value

@@ -53,8 +53,9 @@ def _start_services() -> None:
     os.environ.update(
         {
             "DATA_DIR": str(_services_dir / "data"),
-            "SECRET_KEY": "test-secret-key-not-for-production",
+            "SECRET_KEY": "test-secret-key-not-for-production-" + "x1y2z3" * 4,
             "DEBUG": "false",
+            "HTTPS": "false",
             "SECURE_COOKIES": "false",
             "HEALTH_PING_TIMEOUT_S": "2",
             "HEALTH_CACHE_S": "0",  # each test sees the components as they are now

@@ -25,6 +25,14 @@ if not SECRET_KEY:
         "SECRET_KEY is not set: export it (production), or start the stack with `make dev`, "
         "which generates one under DATA_DIR."
     )
+# Outside DEBUG, a guessable key (sessions, CSRF and password-reset tokens are signed with
+# it) is refused at start, by the rule of Django's own deploy check (W009).
+if not DEBUG and (len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5
+                  or SECRET_KEY.startswith("django-insecure-")):  # fmt: skip
+    raise ImproperlyConfigured(
+        "SECRET_KEY is too weak: use at least 50 random characters, e.g. "
+        '`python -c "import secrets; print(secrets.token_urlsafe(48))"`.'
+    )
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
@@ -124,9 +132,22 @@ STATICFILES_DIRS = [BASE_DIR / "webapp" / "static"]
 STATIC_ROOT = env.str("STATIC_ROOT", default="") or None
 WHITENOISE_USE_FINDERS = STATIC_ROOT is None
 
+# HTTPS (on by default outside DEBUG): secure cookies, redirect plain HTTP (not /healthz, which
+# probes call over HTTP), HSTS. Behind a proxy that ends TLS, set BEHIND_TLS_PROXY so the
+# proxy's X-Forwarded-Proto says whether the request was secure.
+HTTPS = env.bool("HTTPS", default=not DEBUG)
 SESSION_COOKIE_HTTPONLY = True
-SESSION_COOKIE_SECURE = env.bool("SECURE_COOKIES", default=not DEBUG)
+SESSION_COOKIE_SECURE = env.bool("SECURE_COOKIES", default=HTTPS)
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+SECURE_SSL_REDIRECT = HTTPS
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SECURE_HSTS_SECONDS = env.int("HSTS_SECONDS", default=365 * 24 * 3600 if HTTPS else 0)
+if env.bool("BEHIND_TLS_PROXY", default=False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# HSTS for subdomains, and preloading, bind the operator's whole domain: theirs to opt into.
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = env.bool("HSTS_PRELOAD", default=False)
+SILENCED_SYSTEM_CHECKS = ["security.W005", "security.W021"]
 X_FRAME_OPTIONS = "DENY"
 
 # --- services --------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
 
         # The stack's services bind to loopback only.
         stack = json.loads((data_dir / "stack.json").read_text())
+        assert "DEBUG" not in stack  # only the launcher's own children run with DEBUG
         assert "127.0.0.1" in stack["DATABASE_URL"] and stack["S3_ENDPOINT"].startswith(
             "127.0.0.1:"
         )

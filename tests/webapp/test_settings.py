@@ -1,0 +1,36 @@
+"""Production settings: what `manage.py check --deploy` says, and keys that are refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+STRONG_KEY = "k3Y-" + "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"
+
+
+def _manage(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "DEBUG": "false", "HTTPS": "true", **env}, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_production_defaults_pass_djangos_deploy_check() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SECURE_COOKIES"}  # the defaults
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**env, "DEBUG": "false", "HTTPS": "true", "SECRET_KEY": STRONG_KEY},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no issues" in result.stdout
+
+
+def test_a_weak_secret_key_is_refused_outside_debug() -> None:
+    for weak in ("changeme", "django-insecure-" + "x" * 50, "ab" * 30):
+        result = _manage("check", SECRET_KEY=weak)
+        assert result.returncode != 0 and "SECRET_KEY is too weak" in result.stderr, weak
+    assert _manage("check", SECRET_KEY="changeme", DEBUG="true").returncode == 0  # dev
