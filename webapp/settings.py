@@ -231,6 +231,12 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": REAPER_INTERVAL_S,
         "options": {"expires": REAPER_INTERVAL_S},  # a backlog of them is pointless
     },
+    # S3 objects of deleted documents that S3 did not take at once (it was down).
+    "purge-orphan-objects": {
+        "task": "worker.tasks.purge_orphan_objects",
+        "schedule": 300.0,
+        "options": {"expires": 300.0},
+    },
 }
 
 # --- dashboard ------------------------------------------------------------------------------

@@ -82,3 +82,11 @@ def precompute_kv(self, chunk_ids: list[int]) -> None:
         services.document_fail_kv(
             chunk_ids=chunk_ids, message=f"unexpected error ({type(exc).__name__})."
         )
+
+
+@shared_task(name="worker.tasks.purge_orphan_objects", ignore_result=True)
+def purge_orphan_objects() -> int:
+    """Delete the S3 objects of deleted documents that S3 did not take at the time."""
+    from webapp.documents.services import purge_orphan_objects as purge
+
+    return purge()

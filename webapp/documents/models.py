@@ -125,3 +125,26 @@ class Chunk(models.Model):
 
     def __str__(self) -> str:
         return f"{self.document_id}#{self.index}"
+
+
+class OrphanObject(models.Model):
+    """An object in S3 that a deleted document (or a re-chunked one) no longer needs. Rows are
+    written in the same transaction as the delete, so nothing is forgotten when S3 is down;
+    ``services.purge_orphan_objects`` removes the object (at once, then periodically) unless
+    something references it again, and deletes the row."""
+
+    class Kind(models.TextChoices):
+        ORIGINAL = "original", "uploaded original"
+        KV = "kv", "chunk KV cache"
+
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    key = models.CharField(max_length=1024)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["kind", "key"], name="orphan_unique_key")]
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.key}"

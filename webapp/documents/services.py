@@ -20,11 +20,12 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.postgres.search import SearchVector
 from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, connection, transaction
+from django.db.models import F
 from django.utils import timezone
 from minio.error import S3Error
 
 from webapp.documents import parsing
-from webapp.documents.models import Chunk, Document
+from webapp.documents.models import Chunk, Document, OrphanObject
 from webapp.storage import object_store
 
 log = logging.getLogger(__name__)
@@ -307,8 +308,9 @@ def document_ingest(*, document_id: int) -> None:
         chunk_ids = [row.pk for row in rows]
         dropped = set(previous.values()) - {row.kv_key for row in rows}
         _enqueue_precompute(chunk_ids)
-        if dropped:
-            _on_commit(lambda: _delete_unreferenced_kv(dropped))
+        forgotten = _forget_objects(kv_keys=dropped)
+        if forgotten:
+            _on_commit(lambda: purge_orphan_objects(keys=forgotten))
 
 
 def _enqueue_precompute(chunk_ids: Sequence[int]) -> None:
@@ -437,32 +439,53 @@ def _finish_documents(document_ids: Iterable[int]) -> None:
 # Delete
 
 
-def _delete_unreferenced_kv(keys: Iterable[str]) -> list[str]:
-    """Delete the KV objects that no chunk references any more; returns the keys deleted.
-    Content-addressed objects are shared between identical chunks, so each key is checked
-    under its advisory lock (see ``document_precompute_kv``)."""
-    from webapp.documents.kv import KVUnavailable, kv_store
+def _forget_objects(*, originals: Iterable[str] = (), kv_keys: Iterable[str] = ()) -> list[str]:
+    """Record S3 objects no longer needed, in the caller's transaction; returns their keys,
+    for the caller to purge once its change is committed (``purge_orphan_objects`` also runs
+    periodically for what S3 did not take: nothing leaks while S3 is down)."""
+    rows = [OrphanObject(kind=OrphanObject.Kind.ORIGINAL, key=k) for k in originals if k]
+    rows += [OrphanObject(kind=OrphanObject.Kind.KV, key=k) for k in sorted(set(kv_keys)) if k]
+    OrphanObject.objects.bulk_create(rows, ignore_conflicts=True)
+    return [row.key for row in rows]
 
-    keys = sorted(set(k for k in keys if k))
-    if not keys:
-        return []
-    try:
-        store = kv_store()
-    except (KVUnavailable, ImportError) as err:
-        log.warning("KV objects not deleted (%s): %s", err, keys)
-        return []
-    deleted = []
-    for key in keys:
-        with transaction.atomic():
-            _lock_kv_key(key)
-            if Chunk.objects.filter(kv_key=key).exists():
-                continue
-            try:
-                store.delete(key)
-                deleted.append(key)
-            except Exception:  # noqa: BLE001 - an orphan object is harmless; log and go on
-                log.exception("could not delete KV object %s", key)
-    return deleted
+
+def _remove_object(orphan: OrphanObject) -> None:
+    if orphan.kind == OrphanObject.Kind.KV:
+        from webapp.documents.kv import kv_store
+
+        kv_store().delete(orphan.key)
+    else:
+        object_store().remove_object(settings.S3_DOCUMENTS_BUCKET, orphan.key)
+
+
+def purge_orphan_objects(*, keys: Iterable[str] | None = None, limit: int = 500) -> int:
+    """Delete recorded orphan objects from S3, unless a chunk or document references them
+    again (content-addressed objects are shared: each KV key is decided under its advisory
+    lock, see ``document_precompute_kv``). Returns how many were settled; stops at the first
+    failure (S3 down: the rest waits for the next run)."""
+    orphans = OrphanObject.objects.order_by("id")
+    if keys is not None:
+        orphans = orphans.filter(key__in=list(keys))
+    settled = 0
+    for orphan in orphans[:limit]:
+        try:
+            with transaction.atomic():
+                if orphan.kind == OrphanObject.Kind.KV:
+                    _lock_kv_key(orphan.key)
+                    in_use = Chunk.objects.filter(kv_key=orphan.key).exists()
+                else:
+                    in_use = Document.objects.filter(object_key=orphan.key).exists()
+                if not in_use:
+                    _remove_object(orphan)
+                OrphanObject.objects.filter(pk=orphan.pk).delete()
+            settled += 1
+        except Exception as err:  # noqa: BLE001 - kept for the next run, with the reason
+            log.warning("could not delete %s (kept for a later try): %s", orphan, err)
+            OrphanObject.objects.filter(pk=orphan.pk).update(
+                attempts=F("attempts") + 1, last_error=str(err)[:1000]
+            )
+            break
+    return settled
 
 
 def document_delete(*, document: Document) -> None:
@@ -480,9 +503,6 @@ def document_delete(*, document: Document) -> None:
             if key
         }
         Document.objects.filter(pk=document_id).delete()  # cascades to the chunks
-    if object_key and not Document.objects.filter(object_key=object_key).exists():
-        try:
-            object_store().remove_object(settings.S3_DOCUMENTS_BUCKET, object_key)
-        except Exception:  # noqa: BLE001 - the rows are gone; an orphan original is logged
-            log.exception("could not delete original %s", object_key)
-    _delete_unreferenced_kv(kv_keys)
+        shared = object_key and Document.objects.filter(object_key=object_key).exists()
+        forgotten = _forget_objects(originals=[] if shared else [object_key], kv_keys=kv_keys)
+    purge_orphan_objects(keys=forgotten)  # what S3 does not take now is retried later

@@ -148,3 +148,59 @@ def test_precompute_by_document_stores_shared_kv_once_and_finishes_documents(use
 
     with pytest.raises(ValueError):
         services.document_precompute_kv()
+
+
+def test_a_delete_while_s3_is_down_leaves_nothing_behind_once_s3_is_back(
+    user, settings, monkeypatch
+) -> None:
+    """The document goes at once; its objects are recorded, and the purge that runs after S3
+    comes back (beat runs it periodically) deletes them."""
+    from webapp.documents.models import OrphanObject
+
+    document = services.document_upload(
+        owner=user, uploaded_file=upload("gone.txt", files.text_bytes("gone"))
+    )
+    kv_key = _stored_kv(41)
+    _chunk(document, 0, kv_key)
+
+    live_endpoint = settings.S3_ENDPOINT
+    dead_endpoint = f"127.0.0.1:{services_free_port()}"  # S3 "stopped": connection refused
+    settings.S3_ENDPOINT = dead_endpoint
+    monkeypatch.setenv("S3_ENDPOINT", dead_endpoint)
+    object_store.cache_clear()
+    kv_store.cache_clear()
+    try:
+        services.document_delete(document=document)
+        assert not Document.objects.filter(pk=document.pk).exists()
+        left = OrphanObject.objects.filter(key__in=[document.object_key, kv_key])
+        # One tried and failed; the run stopped there instead of waiting on S3 for each.
+        assert sorted(o.attempts for o in left) == [0, 1]
+        assert services.purge_orphan_objects() == 0  # still down: kept
+    finally:
+        settings.S3_ENDPOINT = live_endpoint
+        monkeypatch.setenv("S3_ENDPOINT", live_endpoint)
+        object_store.cache_clear()
+        kv_store.cache_clear()
+
+    assert _original_exists(document.object_key) and kv_store().contains(kv_key)
+    assert services.purge_orphan_objects() == 2
+    assert not _original_exists(document.object_key) and not kv_store().contains(kv_key)
+    assert not OrphanObject.objects.exists()
+
+
+def test_a_purge_keeps_an_object_referenced_again(user) -> None:
+    """A KV object recorded as orphan but used again (the same text uploaded since) stays."""
+    from webapp.documents.models import OrphanObject
+
+    document = services.document_upload(owner=user, uploaded_file=upload("a.txt", b"again"))
+    kv_key = _stored_kv(42)
+    OrphanObject.objects.create(kind=OrphanObject.Kind.KV, key=kv_key)
+    _chunk(document, 0, kv_key)
+    assert services.purge_orphan_objects() == 1
+    assert kv_store().contains(kv_key) and not OrphanObject.objects.exists()
+
+
+def services_free_port() -> int:
+    from deploy.services import free_port
+
+    return free_port()
