@@ -190,8 +190,10 @@ for _name, _value in [("MAX_UPLOAD_BYTES", MAX_UPLOAD_BYTES), ("CHUNK_TOKENS", C
                       ("KV_PRECOMPUTE_BATCH", KV_PRECOMPUTE_BATCH)]:  # fmt: skip
     if _value < 1:
         raise ImproperlyConfigured(f"{_name} must be a positive integer, got {_value}.")
-# Requests carrying several files: allow a form's worth of them.
+# Requests carrying several files: allow a form's worth of them, and a whole request body of
+# at most MAX_REQUEST_BYTES (refused with 413 as it arrives, before it is read: webapp/asgi.py).
 DATA_UPLOAD_MAX_NUMBER_FILES = env.int("DATA_UPLOAD_MAX_NUMBER_FILES", default=50)
+MAX_REQUEST_BYTES = env.int("MAX_REQUEST_BYTES", default=4 * MAX_UPLOAD_BYTES)
 
 # --- chat -------------------------------------------------------------------------------------
 
