@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import transaction
 
 from webapp.chat import services as chat
@@ -12,17 +13,22 @@ from webapp.chat.models import Message
 def completion_ask(*, user, turns: list[tuple[str, str]], mode: str) -> Message:
     """Ask the last user turn of ``turns`` ((role, text), oldest first) in a new conversation
     whose earlier user/assistant turns are its history. System turns are not used: the
-    deployment's prompt head is fixed (every chunk's KV was computed after it)."""
+    deployment's prompt head is fixed (every chunk's KV was computed after it). Only the
+    history the model reads is kept (the last ``HISTORY_TURNS`` exchanges, each cut to
+    ``CHAT_MAX_QUESTION_CHARS``): a client resending a long conversation stores no more."""
     dialogue = [
         (role, chat.clean_text(text)) for role, text in turns if role in ("user", "assistant")
     ]
     if not dialogue or dialogue[-1][0] != "user":
         raise chat.ChatError("The last message must be the user's question.")
     *earlier, (_, question) = dialogue
+    earlier = [(role, text) for role, text in earlier if text][-2 * chat.HISTORY_TURNS :]
+    limit = settings.CHAT_MAX_QUESTION_CHARS
     conversation = chat.conversation_create(owner=user)
     Message.objects.bulk_create(
-        Message(conversation=conversation, role=role, content=text, status=Message.Status.DONE)
+        Message(
+            conversation=conversation, role=role, content=text[:limit], status=Message.Status.DONE
+        )
         for role, text in earlier
-        if text
     )
     return chat.chat_ask(user=user, conversation=conversation, question=question, mode=mode)

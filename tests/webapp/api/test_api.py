@@ -327,3 +327,21 @@ def test_chat_completions_uses_the_last_user_message_and_history(client, alice, 
         "To the Black Sea.",
     ]
     assert Message.objects.filter(conversation_id=body["ragblend"]["conversation_id"]).count() == 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_chat_completions_keeps_only_the_history_the_model_reads(client, alice, alice_auth,
+                                                                 worker, settings) -> None:  # fmt: skip
+    """A client that resends a long conversation (here 100 turns of 8 KB) stores what the
+    model reads: the last exchanges, each cut to the question limit."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "x" * 8000}
+             for i in range(100)]  # fmt: skip
+    payload = {"model": "ragblend", "messages": [*turns, {"role": "user", "content": "Rice?"}]}
+    response = client.post("/v1/chat/completions", payload, content_type="application/json",
+                           **alice_auth)  # fmt: skip
+    assert response.status_code == 200, response.content
+    stored = Message.objects.filter(conversation_id=response.json()["ragblend"]["conversation_id"])
+    history = [m.content for m in stored.order_by("id")][:-2]  # the question and its answer last
+    assert len(history) == 2 * chat.HISTORY_TURNS
+    assert history[0].startswith("94 ") and history[-1].startswith("99 ")
+    assert all(len(text) <= settings.CHAT_MAX_QUESTION_CHARS for text in history)
