@@ -53,6 +53,17 @@ def yield_to_inference() -> int:
     return os.nice(max(0, int(os.environ.get("WORKER_NICE", "10"))))
 
 
+# Set while no warm-up is loading models. Tasks wait for it: a task importing transformers
+# while the warm-up thread does saw half-initialized modules ("cannot import name
+# 'AutoTokenizer'", two of ten first uploads on a fresh stack failed so).
+_warm_up_done = threading.Event()
+_warm_up_done.set()
+
+
+def wait_for_warm_up(timeout: float = 600.0) -> bool:
+    return _warm_up_done.wait(timeout)
+
+
 @worker_process_init.connect
 def warm_up(**_kwargs) -> None:
     """Share the cores out and give way to inference, then load the LLM and the embedder as
@@ -63,6 +74,7 @@ def warm_up(**_kwargs) -> None:
     yield_to_inference()
     if os.environ.get("WORKER_WARM_UP", "1") == "0":
         return
+    _warm_up_done.clear()
     threading.Thread(target=_load_models, name="warm-up", daemon=True).start()
 
 
@@ -75,3 +87,5 @@ def _load_models() -> None:
         embedder()
     except Exception:  # the first task loads (and reports) it again
         logging.getLogger(__name__).exception("warm-up failed")
+    finally:
+        _warm_up_done.set()

@@ -18,6 +18,9 @@ def ingest_echo(value: str) -> dict[str, str]:
 # services are idempotent, so a redelivered or retried task never duplicates anything.
 
 MAX_RETRIES = 5
+# An unexpected error (a bug, a worker-side fault) is retried this many times before the
+# document fails: it is not necessarily the file's fault.
+MAX_UNEXPECTED_RETRIES = 2
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
@@ -38,7 +41,9 @@ def ingest_document(self, document_id: int) -> None:
     import logging
 
     from webapp.documents import services
+    from worker.celery import wait_for_warm_up
 
+    wait_for_warm_up()
     try:
         services.document_ingest(document_id=document_id)
     except _transient_errors() as exc:
@@ -51,6 +56,8 @@ def ingest_document(self, document_id: int) -> None:
         raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
     except Exception as exc:  # a bug or an unexpected file: fail this document, keep the worker
         logging.getLogger(__name__).exception("ingest of document %s failed", document_id)
+        if self.request.retries < MAX_UNEXPECTED_RETRIES:
+            raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
         services.document_fail(
             document_id=document_id,
             message=f"Processing failed unexpectedly ({type(exc).__name__}); press Retry, "
@@ -65,7 +72,9 @@ def precompute_kv(self, chunk_ids: list[int]) -> None:
 
     from webapp.documents import services
     from webapp.documents.kv import KVUnavailable
+    from worker.celery import wait_for_warm_up
 
+    wait_for_warm_up()
     try:
         services.document_precompute_kv(chunk_ids=chunk_ids)
     except _transient_errors() as exc:
@@ -79,6 +88,8 @@ def precompute_kv(self, chunk_ids: list[int]) -> None:
         services.document_fail_kv(chunk_ids=chunk_ids, message=str(exc))
     except Exception as exc:
         logging.getLogger(__name__).exception("KV precompute of chunks %s failed", chunk_ids)
+        if self.request.retries < MAX_UNEXPECTED_RETRIES:
+            raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
         services.document_fail_kv(
             chunk_ids=chunk_ids, message=f"unexpected error ({type(exc).__name__})."
         )
