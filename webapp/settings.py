@@ -174,6 +174,9 @@ CELERY_TASK_ROUTES = {
     "worker.tasks.precompute_*": {"queue": "kv"},
 }
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+# A pool process that grew past this (KiB) after a task is replaced: memory a parser or torch
+# kept is given back. The LLM and the embedder take about 1.5 GB.
+CELERY_WORKER_MAX_MEMORY_PER_CHILD = env.int("WORKER_MAX_MEMORY_MB", default=3072) * 1024
 
 # --- documents (upload, parsing, chunking, embedding) ------------------------------------------
 
@@ -184,6 +187,10 @@ EMBEDDING_DIM = 384  # all-MiniLM-L6-v2; the Chunk.embedding column is declared 
 # A .docx is a zip: refuse one that unpacks to more than this, or at a ratio above this.
 DOCX_MAX_UNCOMPRESSED_BYTES = env.int("DOCX_MAX_UNCOMPRESSED_BYTES", default=200 * 1024 * 1024)
 DOCX_MAX_COMPRESSION_RATIO = env.int("DOCX_MAX_COMPRESSION_RATIO", default=100)
+# Parsing runs in a child process under these limits (webapp/documents/sandbox.py): a file
+# that needs more memory or CPU time is refused, and the worker goes on.
+PARSE_MAX_MEMORY_MB = env.int("PARSE_MAX_MEMORY_MB", default=2048)
+PARSE_TIMEOUT_S = env.int("PARSE_TIMEOUT_S", default=120)
 # Chunks per KV precompute task (one forward pass batches them).
 KV_PRECOMPUTE_BATCH = env.int("KV_PRECOMPUTE_BATCH", default=8)
 for _name, _value in [("MAX_UPLOAD_BYTES", MAX_UPLOAD_BYTES), ("CHUNK_TOKENS", CHUNK_TOKENS),

@@ -26,6 +26,7 @@ from minio.error import S3Error
 
 from webapp.documents import parsing
 from webapp.documents.models import Chunk, Document, OrphanObject
+from webapp.documents.sandbox import SandboxLimits, parse_isolated
 from webapp.storage import object_store
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,12 @@ def document_ingest(*, document_id: int) -> None:
             max_uncompressed_bytes=settings.DOCX_MAX_UNCOMPRESSED_BYTES,
             max_compression_ratio=settings.DOCX_MAX_COMPRESSION_RATIO,
         )
-        parsed = parsing.parse(data, document.detected_type, docx_limits=limits)
+        parsed = parse_isolated(
+            data, document.detected_type, docx_limits=limits, limits=SandboxLimits(
+                memory_bytes=settings.PARSE_MAX_MEMORY_MB * 1024**2,
+                cpu_seconds=settings.PARSE_TIMEOUT_S,
+            ),
+        )  # fmt: skip
         _update(document_id, stage=Stage.CHUNKING, progress=PROGRESS[Stage.CHUNKING])
         chunks = chunk_text(
             parsed.text, tokenizer=llm_tokenizer(), max_tokens=settings.CHUNK_TOKENS

@@ -1,0 +1,37 @@
+"""Parsing in a limited child process: the same text as in-process, and a clear refusal when
+a file needs more CPU time or memory than allowed (the worker itself is never at risk)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.webapp.documents import files
+from webapp.documents import parsing
+from webapp.documents.sandbox import SandboxLimits, parse_isolated
+
+DOCX = parsing.DocxLimits()
+
+
+@pytest.mark.parametrize("kind", ["docx", "pdf", "html", "markdown", "text"])
+def test_the_sandbox_gives_the_same_text_as_parsing_in_process(kind) -> None:
+    data = getattr(files, f"{kind}_bytes")("Sandboxed parsing keeps every word of the file.")
+    expected = parsing.parse(data, kind, docx_limits=DOCX)
+    assert parse_isolated(data, kind, docx_limits=DOCX, limits=SandboxLimits()) == expected
+
+
+def test_a_file_that_takes_too_long_is_refused() -> None:
+    nested = b"<html><body>" + b"<div>" * 200_000 + b"deep" + b"</div>" * 200_000
+    with pytest.raises(parsing.ParseError, match="took longer than 2 s"):
+        parse_isolated(nested, "html", docx_limits=DOCX, limits=SandboxLimits(cpu_seconds=2))
+
+
+def test_a_file_that_needs_too_much_memory_is_refused() -> None:
+    wide = b"<html><body>" + b"<p>word</p>" * 2_000_000  # 22 MB of HTML, a big lxml tree
+    limits = SandboxLimits(memory_bytes=400 * 1024**2)
+    with pytest.raises(parsing.ParseError, match="more than 400 MB of memory"):
+        parse_isolated(wide, "html", docx_limits=DOCX, limits=limits)
+
+
+def test_a_refusal_by_the_parser_itself_comes_through() -> None:
+    with pytest.raises(parsing.ParseError, match="damaged"):
+        parse_isolated(b"PK\x03\x04 not a zip", "docx", docx_limits=DOCX, limits=SandboxLimits())
