@@ -70,7 +70,11 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
         if mode == "full":
             sources = [_TokensOnly(ids) for ids in chunks_tokens]
         else:
-            keys = [runtime.chunk_key(ids) for ids in chunks_tokens]
+            scopes = [ref.kv_scope for ref in request.chunks[: len(chunks_tokens)]]  # kept: first
+            keys = [
+                runtime.chunk_key(ids, scope)
+                for ids, scope in zip(chunks_tokens, scopes, strict=True)
+            ]
             batch = runtime.loader.open(
                 keys, token_ids=chunks_tokens, recompute_fn=runtime.recompute_chunk
             )

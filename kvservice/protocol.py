@@ -49,6 +49,7 @@ def stop_key(request_id: str) -> str:
 class ChunkRef:
     chunk_id: int
     token_ids: list[int]
+    kv_scope: str = ""  # whose KV objects to read and write (kvservice.store.keys.ChunkKey)
 
 
 @dataclass(frozen=True)

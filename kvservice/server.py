@@ -146,10 +146,11 @@ class Runtime:
             state["batch"] = {"active": self.batcher.active, "steps": self.batcher.steps}
         return state
 
-    def chunk_key(self, token_ids: list[int]):
+    def chunk_key(self, token_ids: list[int], scope: str = ""):
         from kvservice.store import ChunkKey
 
-        return ChunkKey.for_tokens(self.model.fingerprint, self.prompt.head_hash, token_ids)
+        fingerprint, head = self.model.fingerprint, self.prompt.head_hash
+        return ChunkKey.for_tokens(fingerprint, head, token_ids, scope)
 
     def recompute_chunk(self, token_ids):
         from kvservice.model import precompute_chunks

@@ -191,6 +191,12 @@ DOCX_MAX_COMPRESSION_RATIO = env.int("DOCX_MAX_COMPRESSION_RATIO", default=100)
 # that needs more memory or CPU time is refused, and the worker goes on.
 PARSE_MAX_MEMORY_MB = env.int("PARSE_MAX_MEMORY_MB", default=2048)
 PARSE_TIMEOUT_S = env.int("PARSE_TIMEOUT_S", default=120)
+# Whose chunk KV objects are shared: "user" (default) keeps each user's apart, so no timing or
+# tier reveals that another user uploaded the same text; "shared" stores identical text once
+# for everyone (for a single team that trusts itself: faster uploads of common text).
+KV_CACHE_SCOPE = env.str("KV_CACHE_SCOPE", default="user")
+if KV_CACHE_SCOPE not in ("user", "shared"):
+    raise ImproperlyConfigured(f"KV_CACHE_SCOPE must be 'user' or 'shared', not {KV_CACHE_SCOPE!r}")
 # Chunks per KV precompute task (one forward pass batches them).
 KV_PRECOMPUTE_BATCH = env.int("KV_PRECOMPUTE_BATCH", default=8)
 for _name, _value in [("MAX_UPLOAD_BYTES", MAX_UPLOAD_BYTES), ("CHUNK_TOKENS", CHUNK_TOKENS),

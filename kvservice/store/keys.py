@@ -1,5 +1,9 @@
 """The content address of a chunk's KV: identical token sequences under the same model and
-prompt head share one object, whatever document, position or order they come from."""
+prompt head share one object, whatever document, position or order they come from.
+
+A ``scope`` (e.g. ``u42``, one user) partitions that sharing: the same text uploaded by two
+users in different scopes has two objects, so neither can tell from the speed or the tier of
+an answer that the other uploaded it (``KV_CACHE_SCOPE`` in the web settings)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from urllib.parse import quote, unquote
 from kvservice.chunk import ChunkKV, token_ids_sha256
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_SCOPE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,7 @@ class ChunkKey:
     model_fingerprint: str
     head_hash: str
     tokens_sha256: str  # hex sha256 of the token ids (kvservice.chunk.token_ids_sha256)
+    scope: str = ""  # "" shared by everyone; otherwise whose (see the module doc)
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -26,30 +32,38 @@ class ChunkKey:
             raise ValueError(
                 f"tokens_sha256 must be 64 lowercase hex digits: {self.tokens_sha256!r}"
             )
+        if self.scope and not _SCOPE.fullmatch(self.scope):
+            raise ValueError(f"a scope is 1-64 of [a-z0-9-]: {self.scope!r}")
 
     @classmethod
     def for_tokens(
-        cls, model_fingerprint: str, head_hash: str, token_ids: Sequence[int]
+        cls, model_fingerprint: str, head_hash: str, token_ids: Sequence[int], scope: str = ""
     ) -> ChunkKey:
-        return cls(model_fingerprint, head_hash, token_ids_sha256(token_ids))
+        return cls(model_fingerprint, head_hash, token_ids_sha256(token_ids), scope)
 
     @classmethod
-    def of(cls, chunk: ChunkKV) -> ChunkKey:
-        return cls(chunk.model_fingerprint, chunk.head_hash, chunk.tokens_sha256)
+    def of(cls, chunk: ChunkKV, scope: str = "") -> ChunkKey:
+        return cls(chunk.model_fingerprint, chunk.head_hash, chunk.tokens_sha256, scope)
+
+    def unscoped(self) -> ChunkKey:
+        """The same content's key without a scope: what a chunk's own fields say."""
+        return ChunkKey(self.model_fingerprint, self.head_hash, self.tokens_sha256)
 
     def to_string(self) -> str:
-        """``<fingerprint>/<head hash>/<tokens sha256>``, each part percent-encoded, so the
-        string is a safe S3 object name and relative file path ("" head hash -> "_")."""
+        """``<fingerprint>/<head hash>[/<scope>]/<tokens sha256>``, each part percent-encoded,
+        so the string is a safe S3 object name and relative file path ("" head hash -> "_")."""
         head = quote(self.head_hash, safe="") if self.head_hash else "_"
-        return f"{quote(self.model_fingerprint, safe='')}/{head}/{self.tokens_sha256}"
+        scope = f"{self.scope}/" if self.scope else ""
+        return f"{quote(self.model_fingerprint, safe='')}/{head}/{scope}{self.tokens_sha256}"
 
     @classmethod
     def from_string(cls, text: str) -> ChunkKey:
         parts = text.split("/")
-        if len(parts) != 3:
+        if len(parts) not in (3, 4):
             raise ValueError(f"not a chunk key: {text!r}")
-        fingerprint, head, sha = parts
-        return cls(unquote(fingerprint), "" if head == "_" else unquote(head), sha)
+        fingerprint, head, *scope, sha = parts
+        head = "" if head == "_" else unquote(head)
+        return cls(unquote(fingerprint), head, sha, scope[0] if scope else "")
 
     def __str__(self) -> str:
         return self.to_string()

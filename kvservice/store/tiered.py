@@ -130,15 +130,15 @@ class TieredStore:
 
     def put(
         self, chunk: ChunkKV, *, tiers: Sequence[str] | None = None, quantize: bool | None = None,
-        write_through: bool = True,
+        write_through: bool = True, scope: str = "",
     ) -> ChunkKey:  # fmt: skip
-        """Encode and store a chunk; returns its content address.
+        """Encode and store a chunk under its content address in ``scope``; returns the key.
 
         ``tiers`` names the local tiers to fill (default: the fastest local tier); with
         ``write_through`` the object also goes to S3, and a failure there raises
         :class:`StoreUnavailable` after the local copies are in place.
         """
-        key = ChunkKey.of(chunk)
+        key = ChunkKey.of(chunk, scope)
         data = encode_chunk(
             chunk,
             quantize=self.quantize if quantize is None else quantize,
@@ -292,12 +292,12 @@ class TieredStore:
             key, fault_kind(cause), cause, len(token_ids),
         )  # fmt: skip
         chunk = recompute_fn(list(token_ids))
-        if ChunkKey.of(chunk) != key:
+        if ChunkKey.of(chunk) != key.unscoped():
             raise ValueError(f"recompute_fn returned chunk {ChunkKey.of(chunk)} for key {key}")
         with self._lock:
             self.recomputes += 1
         try:
-            self.put(chunk)
+            self.put(chunk, scope=key.scope)
         except StoreUnavailable as err:
             log.error(
                 "KV chunk %s recomputed but not written to S3 (%s); kept in local tiers", key, err

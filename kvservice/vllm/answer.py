@@ -31,7 +31,10 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
     status, decision, completion_tokens = "done", None, 0
     try:
         chunk_ids, chunks_tokens, suffix_ids, dropped = _fit_context(runtime, request)
-        keys = [runtime.chunk_key(ids) for ids in chunks_tokens]
+        scopes = [ref.kv_scope for ref in request.chunks[: len(chunks_tokens)]]  # kept: first
+        keys = [
+            runtime.chunk_key(ids, scope) for ids, scope in zip(chunks_tokens, scopes, strict=True)
+        ]
         tiers = [runtime.store.where(key) or "missing" for key in keys]
         ratio = request.recompute_ratio
         if ratio is None and mode == "blend":

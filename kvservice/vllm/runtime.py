@@ -65,10 +65,10 @@ class VllmRuntime:
     def fingerprint(self) -> str:
         return self.engine.fingerprint if self.engine else ""
 
-    def chunk_key(self, token_ids: list[int]):
+    def chunk_key(self, token_ids: list[int], scope: str = ""):
         from kvservice.store import ChunkKey
 
-        return ChunkKey.for_tokens(self.fingerprint, self.prompt.head_hash, token_ids)
+        return ChunkKey.for_tokens(self.fingerprint, self.prompt.head_hash, token_ids, scope)
 
     def kv_bytes_per_token(self, element_size: int = 4) -> int:
         config = self.config

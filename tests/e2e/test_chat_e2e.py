@@ -77,6 +77,8 @@ def test_upload_ask_and_stream_a_cited_answer(
     metrics = payload["metrics"]
     assert metrics["mode"] == "blend" and metrics["ttft_s"] > 0
     assert set(metrics["chunk_tiers"]) == {str(c.chunk_id) for c in answer.citations.all()}
+    # The worker found the KV the ingest worker stored, under the same (user-scoped) key.
+    assert "recomputed" not in metrics["chunk_tiers"].values(), metrics["chunk_tiers"]
 
     # The answer cites the uploaded document, and the worker's report is stored.
     assert {c.document_id for c in answer.citations.all()} == {document.id}

@@ -25,6 +25,7 @@ from webapp.chat.retrieval import retrieve_chunks
 from webapp.dashboard.selectors import fixed_recompute_ratio
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
+from webapp.documents.kv import kv_scope_for
 from webapp.documents.parsing import CONTROL_CHARS
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
@@ -67,13 +68,15 @@ def _history(conversation: Conversation, before: Message | None) -> list[Turn]:
 
 
 def _send(answer: Message, question: str, history: list[Turn], citations: list[Citation]) -> None:
+    scope = kv_scope_for(answer.conversation.owner_id)  # citations are the owner's chunks
     request = GenerateRequest(
         request_id=str(answer.request_id),
         message_id=answer.id,
         question=question,
         history=history,
         chunks=[
-            ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids)) for c in citations
+            ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids), kv_scope=scope)
+            for c in citations
         ],
         mode=answer.mode,
         recompute_ratio=fixed_recompute_ratio(),  # None: the worker's controller decides

@@ -33,6 +33,7 @@ from kvservice.protocol import (
 from webapp.chat.models import Message
 from webapp.dashboard import selectors
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
+from webapp.documents.kv import kv_scope_for
 from webapp.documents.models import Chunk, Document
 from worker.celery import app as celery_app
 
@@ -186,12 +187,14 @@ def _audit_request(answer: Message) -> GenerateRequest | None:
     citations = list(answer.citations.select_related("chunk").order_by("rank"))
     if any(c.chunk is None for c in citations):
         return None  # a cited document was deleted: the same context cannot be rebuilt
+    scope = kv_scope_for(conversation.owner_id)
     return GenerateRequest(
         request_id=str(uuid.uuid4()),
         question=question.content,
         history=[Turn(role=m.role, content=m.content) for m in recent if m.content],
         chunks=[
-            ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids)) for c in citations
+            ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids), kv_scope=scope)
+            for c in citations
         ],  # fmt: skip
         mode=Message.Mode.FULL,
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,

@@ -49,12 +49,21 @@ class KVStoreClient:
         assert s3 is not None
         return s3.contains(self.parse_key(key))
 
-    def put(self, chunk: Any) -> str:
-        """Store a ``ChunkKV`` in S3; returns its key string."""
-        return self.store.put(chunk, tiers=[], write_through=True).to_string()
+    def put(self, chunk: Any, scope: str = "") -> str:
+        """Store a ``ChunkKV`` in S3 under ``scope``; returns its key string."""
+        return self.store.put(chunk, tiers=[], write_through=True, scope=scope).to_string()
 
     def delete(self, key: str) -> None:
         self.store.delete(self.parse_key(key))
+
+
+def kv_scope_for(owner_id: int) -> str:
+    """The KV scope of a user's chunks: their own (``KV_CACHE_SCOPE=user``, the default), or
+    "" (``shared``: identical text of different users shares one object; faster, but an
+    upload's speed then tells whether someone else uploaded the same text)."""
+    from django.conf import settings
+
+    return f"u{owner_id}" if settings.KV_CACHE_SCOPE == "user" else ""
 
 
 @cache
@@ -91,10 +100,10 @@ class KVPrecomputer:
         log.info("KV precompute: model %s (%s), head of %d tokens", path, self.fingerprint,
                  len(self.head_ids))  # fmt: skip
 
-    def key_for(self, token_ids: Sequence[int]) -> str:
+    def key_for(self, token_ids: Sequence[int], scope: str = "") -> str:
         from kvservice.store.keys import ChunkKey
 
-        return ChunkKey.for_tokens(self.fingerprint, self.head_hash, token_ids).to_string()
+        return ChunkKey.for_tokens(self.fingerprint, self.head_hash, token_ids, scope).to_string()
 
     def compute(self, chunks_ids: Sequence[Sequence[int]]) -> list[Any]:
         """Each chunk's KV (``ChunkKV``) computed after the prompt head, in order."""

@@ -344,7 +344,7 @@ def document_precompute_kv(
     """Compute and store the KV of these chunks (or of all of a document's chunks), skipping
     any the store already holds; mark them ready and finish their documents. Store outages
     raise ``TransientError``."""
-    from webapp.documents.kv import kv_precomputer, kv_store
+    from webapp.documents.kv import kv_precomputer, kv_scope_for, kv_store
 
     if (chunk_ids is None) == (document_id is None):
         raise ValueError("pass exactly one of chunk_ids and document_id")
@@ -366,7 +366,13 @@ def document_precompute_kv(
         return
     precomputer = kv_precomputer()
     store = kv_store()
-    keys = {chunk.pk: precomputer.key_for(chunk.token_ids) for chunk in chunks}
+    owners = dict(
+        Document.objects.filter(pk__in={c.document_id for c in chunks}).values_list(
+            "pk", "owner_id"
+        )
+    )
+    scopes = {chunk.pk: kv_scope_for(owners[chunk.document_id]) for chunk in chunks}
+    keys = {chunk.pk: precomputer.key_for(chunk.token_ids, scopes[chunk.pk]) for chunk in chunks}
     try:
         missing = [chunk for chunk in chunks if not store.contains(keys[chunk.pk])]
         computed = dict(
@@ -389,7 +395,7 @@ def document_precompute_kv(
                 if kv is None and not store.contains(key):  # deleted since we looked
                     kv = precomputer.compute([chunk.token_ids])[0]
                 if kv is not None:
-                    stored_key = store.put(kv)
+                    stored_key = store.put(kv, scopes[chunk.pk])
                     assert stored_key == key, (stored_key, key)
                 Chunk.objects.filter(pk=chunk.pk).update(
                     kv_key=key, kv_status=Chunk.KVStatus.READY, kv_error=""

@@ -150,6 +150,30 @@ def test_precompute_by_document_stores_shared_kv_once_and_finishes_documents(use
         services.document_precompute_kv()
 
 
+def test_each_users_kv_is_their_own_unless_the_cache_is_shared(user, other_user, settings) -> None:
+    """The same text uploaded by two users: with ``KV_CACHE_SCOPE=user`` (the default) each
+    gets an object of their own, so the second upload is not faster than a new text would be
+    and answers never show another user's object served from a warm tier."""
+    assert settings.KV_CACHE_SCOPE == "user"
+    mine = _processing_document(user, "mine", ["The lighthouse keeper kept a log."])
+    theirs = _processing_document(other_user, "theirs", ["The lighthouse keeper kept a log."])
+    services.document_precompute_kv(document_id=mine.pk)
+    services.document_precompute_kv(document_id=theirs.pk)
+    my_key, their_key = mine.chunks.get().kv_key, theirs.chunks.get().kv_key
+    assert my_key != their_key
+    assert (
+        my_key.split("/")[-2] == f"u{user.pk}" and their_key.split("/")[-2] == f"u{other_user.pk}"
+    )
+    assert kv_store().contains(my_key) and kv_store().contains(their_key)
+
+    settings.KV_CACHE_SCOPE = "shared"
+    one = _processing_document(user, "one", ["Shared by the whole team."])
+    two = _processing_document(other_user, "two", ["Shared by the whole team."])
+    services.document_precompute_kv(document_id=one.pk)
+    services.document_precompute_kv(document_id=two.pk)
+    assert one.chunks.get().kv_key == two.chunks.get().kv_key
+
+
 def test_a_delete_while_s3_is_down_leaves_nothing_behind_once_s3_is_back(
     user, settings, monkeypatch
 ) -> None:
