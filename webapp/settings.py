@@ -187,6 +187,12 @@ EMBEDDING_DIM = 384  # all-MiniLM-L6-v2; the Chunk.embedding column is declared 
 # A .docx is a zip: refuse one that unpacks to more than this, or at a ratio above this.
 DOCX_MAX_UNCOMPRESSED_BYTES = env.int("DOCX_MAX_UNCOMPRESSED_BYTES", default=200 * 1024 * 1024)
 DOCX_MAX_COMPRESSION_RATIO = env.int("DOCX_MAX_COMPRESSION_RATIO", default=100)
+# Per-user quotas (0: unlimited), shown to the user: documents, and tokens of text, which is
+# also the KV cache stored for them (KV_BYTES_PER_TOKEN each: 22.5 KiB for the bundled
+# SmolLM2-135M in 16 bits, 30 layers x K and V x 3 heads x 64; set it for another model).
+QUOTA_DOCUMENTS = env.int("QUOTA_DOCUMENTS", default=1000)
+QUOTA_TOKENS = env.int("QUOTA_TOKENS", default=1_000_000)
+KV_BYTES_PER_TOKEN = env.int("KV_BYTES_PER_TOKEN", default=30 * 2 * 3 * 64 * 2)
 # Parsing runs in a child process under these limits (webapp/documents/sandbox.py): a file
 # that needs more memory or CPU time is refused, and the worker goes on.
 PARSE_MAX_MEMORY_MB = env.int("PARSE_MAX_MEMORY_MB", default=2048)

@@ -30,6 +30,17 @@ class DocumentOut(Schema):
     updated_at: datetime
 
 
+class UsageOut(Schema):
+    """What the caller uses of their quotas (a maximum of 0: unlimited)."""
+
+    documents: int
+    max_documents: int
+    tokens: int
+    max_tokens: int
+    kv_bytes: int
+    max_kv_bytes: int
+
+
 class DocumentListOut(Schema):
     count: int
     items: list[DocumentOut]

@@ -27,9 +27,11 @@ from webapp.api.schemas import (
     DocumentOut,
     QueryIn,
     QueryOut,
+    UsageOut,
 )
 from webapp.chat import services as chat
 from webapp.chat.models import Conversation, Message
+from webapp.documents import quotas
 from webapp.documents import selectors as documents
 from webapp.documents import services as document_services
 from webapp.documents.models import Chunk, Document
@@ -86,6 +88,12 @@ def document_list(request: HttpRequest, page: Query[Page]):
     found = documents.document_list(owner=request.user)
     items = found[page.offset : page.offset + page.limit]
     return {"count": found.count(), "items": [_document_out(d) for d in items]}
+
+
+@documents_router.get("/usage", response={200: UsageOut, **error_responses()})
+def document_usage(request: HttpRequest):
+    """Your documents and tokens of text (and the KV cache they take) against your quotas."""
+    return quotas.usage_of(request.user).to_dict()
 
 
 @documents_router.get("/{document_id}", response={200: DocumentOut, **error_responses(404)})

@@ -24,7 +24,7 @@ from django.db.models import F
 from django.utils import timezone
 from minio.error import S3Error
 
-from webapp.documents import parsing
+from webapp.documents import parsing, quotas
 from webapp.documents.models import Chunk, Document, OrphanObject
 from webapp.documents.sandbox import SandboxLimits, parse_isolated
 from webapp.storage import object_store
@@ -107,6 +107,7 @@ def document_upload(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> 
             detected = parsing.detect_type(data, name)
         except parsing.ParseError as err:
             refusal = str(err)
+    refusal = refusal or quotas.upload_refusal(owner)
 
     fields = {
         "title": _title_from(name),
@@ -272,6 +273,13 @@ def document_ingest(*, document_id: int) -> None:
         )
         if not chunks:
             raise parsing.ParseError("No text found in this file.")
+        over = quotas.tokens_refusal(
+            document.owner_id,
+            document_id=document_id,
+            new_tokens=sum(c.token_count for c in chunks),
+        )
+        if over:
+            raise parsing.ParseError(over)
     except parsing.ParseError as err:
         document_fail(document_id=document_id, message=str(err))
         return

@@ -12,7 +12,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
-from webapp.documents import selectors, services
+from webapp.documents import quotas, selectors, services
 from webapp.documents.models import Document
 
 POLL_SECONDS = 2
@@ -36,6 +36,7 @@ def _list_response(
         "polling": selectors.documents_active(documents),
         "poll_seconds": POLL_SECONDS,
         "max_upload_mb": settings.MAX_UPLOAD_BYTES // (1024 * 1024),
+        "usage": quotas.usage_of(request.user),
     }
     template = "documents/_list.html" if request.htmx else "documents/list.html"
     return render(request, template, context, status=status)

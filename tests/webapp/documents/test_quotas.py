@@ -1,0 +1,61 @@
+"""Per-user quotas of documents and tokens (hence KV bytes): refused with a message that says
+what is used and what is allowed; shown on the documents page and in the API."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.webapp.api.conftest import bearer
+from tests.webapp.documents import files
+from tests.webapp.documents.conftest import upload
+from webapp.documents import quotas, services
+from webapp.documents.models import Chunk, Document
+
+pytestmark = pytest.mark.django_db
+
+
+def test_an_upload_past_the_document_quota_is_refused_with_the_reason(user, settings) -> None:
+    settings.QUOTA_DOCUMENTS = 2
+    for name in ("a", "b"):
+        kept = services.document_upload(owner=user, uploaded_file=upload(f"{name}.txt",
+                                        files.text_bytes(name)))  # fmt: skip
+        assert kept.status == Document.Status.QUEUED
+    refused = services.document_upload(
+        owner=user, uploaded_file=upload("c.txt", files.text_bytes("c"))
+    )
+    assert refused.status == Document.Status.FAILED and not refused.object_key  # not stored
+    assert "quota of 2 documents" in refused.error_message
+
+
+def test_a_document_over_the_token_quota_fails_once_its_tokens_are_known(user, settings) -> None:
+    settings.QUOTA_TOKENS = 40
+    document = services.document_upload(
+        owner=user, uploaded_file=upload("long.txt", files.paragraph("quota", n=6).encode())
+    )
+    services.document_ingest(document_id=document.pk)
+    document.refresh_from_db()
+    assert document.status == Document.Status.FAILED
+    assert "left in your quota" in document.error_message and "40 tokens" in document.error_message
+    assert not Chunk.objects.filter(document=document).exists()
+
+
+def test_usage_is_shown_on_the_documents_page_and_in_the_api(
+    user, other_user, client, settings
+) -> None:
+    settings.QUOTA_DOCUMENTS, settings.QUOTA_TOKENS = 10, 1000
+    document = Document.objects.create(owner=user, title="t", content_sha256="1" * 64,
+                                       status=Document.Status.READY)  # fmt: skip
+    Chunk.objects.create(document=document, index=0, text="x", token_ids=[1] * 300,
+                         token_count=300, token_ids_sha256="2" * 64)  # fmt: skip
+    usage = quotas.usage_of(user)
+    assert (usage.documents, usage.tokens) == (1, 300)
+    assert usage.kv_bytes == 300 * settings.KV_BYTES_PER_TOKEN
+
+    client.force_login(user)
+    page = client.get("/documents/").content.decode()
+    assert "1 of 10 documents" in page and "300 of 1000 tokens" in page
+
+    mine = client.get("/api/v1/documents/usage", **bearer(user)).json()
+    assert mine["tokens"] == 300 and mine["max_kv_bytes"] == 1000 * settings.KV_BYTES_PER_TOKEN
+    theirs = client.get("/api/v1/documents/usage", **bearer(other_user)).json()
+    assert theirs["documents"] == 0 and theirs["tokens"] == 0
