@@ -86,16 +86,41 @@ def _split_long(sentence: str, tokenizer: Any, max_tokens: int) -> list[str]:
             current.append(word)
     if current:
         pieces.append(" ".join(current))
-    # A single "word" longer than the limit (a base64 blob, say): cut it by tokens.
+    # A single "word" longer than the limit (a base64 blob, say): cut it further.
     out: list[str] = []
     for piece in pieces:
-        piece_ids = tokenize(tokenizer, [piece])[0]
-        if len(piece_ids) <= max_tokens:
-            out.append(piece)
-            continue
-        for start in range(0, len(piece_ids), max_tokens):
-            out.append(tokenizer.decode(piece_ids[start : start + max_tokens]))
+        out.extend(_cut_by_characters(piece, tokenizer, max_tokens))
     return out
+
+
+def _cut_by_characters(text: str, tokenizer: Any, max_tokens: int) -> list[str]:
+    """``text`` in pieces of at most ``max_tokens`` tokens each, cut between characters (the
+    longest prefix that fits, found by bisection). Cutting the token ids instead and decoding
+    them broke characters of several bytes (found by fuzzing: one became two U+FFFD)."""
+    pieces: list[str] = []
+    while text:
+        fits, too_long = 0, len(text) + 1
+        while too_long - fits > 1:
+            middle = (fits + too_long) // 2
+            if len(tokenize(tokenizer, [text[:middle]])[0]) <= max_tokens:
+                fits = middle
+            else:
+                too_long = middle
+        fits = max(fits, 1)  # one character is at most 4 byte tokens, under any limit >= 8
+        pieces.append(text[:fits])
+        text = text[fits:]
+    return pieces
+
+
+def _fit(group: list[str], tokenizer: Any, max_tokens: int) -> list[list[str]]:
+    """``group`` split until each part, joined, is within ``max_tokens``: parts counted apart
+    may tokenize longer together (found by fuzzing, with characters of several tokens)."""
+    if len(chunk_token_ids(tokenizer, _join(group))) <= max_tokens:
+        return [group]
+    if len(group) == 1:
+        return [[piece] for piece in _cut_by_characters(group[0], tokenizer, max_tokens)]
+    middle = len(group) // 2
+    return _fit(group[:middle], tokenizer, max_tokens) + _fit(group[middle:], tokenizer, max_tokens)
 
 
 def _join(sentences: list[str]) -> str:
@@ -139,6 +164,7 @@ def chunk_text(text: str, *, tokenizer: Any, max_tokens: int = 512) -> list[Text
     if current:
         groups.append(current)
 
+    groups = [part for group in groups for part in _fit(group, tokenizer, max_tokens)]
     texts = [t for t in (_join(group) for group in groups) if t]
     # The stored ids come from the one function the inference side uses for a chunk's ids.
     return [
