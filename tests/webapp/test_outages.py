@@ -70,11 +70,16 @@ def test_asking_with_the_broker_down_is_a_503_and_the_answer_does_not_stay_pendi
         f"/chat/{conversation.id}/ask", {"question": "Where does the Danube flow?"},
         HTTP_HX_REQUEST="true",
     )  # fmt: skip
-    assert response.status_code == 503
-    assert "not reachable" in response.content.decode()
+    assert response.status_code == 503 and response["Retry-After"].isdigit()
+    assert "not responding" in response.content.decode()  # refused up front (rate limit)
+    assert not Message.objects.filter(conversation=conversation).exists()
+
+    # Past the checks, a question whose message cannot be sent is kept, its answer failed
+    # with the reason (the broker went down in between).
+    with pytest.raises(chat.AnswerServiceUnavailable):
+        chat.chat_ask(user=alice, conversation=conversation, question="And the Rhine?")
     answer = Message.objects.get(conversation=conversation, role=Message.Role.ASSISTANT)
     assert answer.status == Message.Status.FAILED and "not reachable" in answer.error_message
-    # The question is kept: the user sees it, with the reason, after a reload.
     assert Message.objects.filter(conversation=conversation, role=Message.Role.USER).exists()
 
 
@@ -127,3 +132,32 @@ def test_the_answer_stream_ends_with_a_clear_failure_when_redis_is_down(alice, v
 
     events = asyncio.run(frames())
     assert events[-1].startswith("event: failed") and "Lost the connection" in events[-1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_question_beyond_the_backlog_limit_is_refused_before_anything_is_recorded(
+    alice, client, settings
+) -> None:
+    """Admission control: with INFERENCE_MAX_BACKLOG questions waiting, the next one gets a
+    503 with Retry-After in the browser and the API, and no message is stored."""
+    from webapp.accounts.services import api_key_create
+
+    settings.INFERENCE_QUEUE = "inference-backlog-test"
+    settings.INFERENCE_MAX_BACKLOG = 3
+    redis_client().rpush(settings.INFERENCE_QUEUE, *["waiting"] * 3)
+    try:
+        client.force_login(alice)
+        conversation = chat.conversation_create(owner=alice)
+        page = client.post(f"/chat/{conversation.id}/ask", {"question": "Anyone there?"},
+                           HTTP_HX_REQUEST="true")  # fmt: skip
+        assert page.status_code == 503 and page["Retry-After"].isdigit()
+        assert "busy" in page.content.decode()
+        _, key = api_key_create(user=alice, name="k")
+        api = Client().post("/api/v1/query", {"question": "Anyone?"},
+                            content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")  # fmt: skip
+        assert api.status_code == 503 and api["Retry-After"].isdigit()
+        assert not Message.objects.filter(conversation__owner=alice).exists()
+        redis_client().lpop(settings.INFERENCE_QUEUE)  # one was taken: room again
+        assert chat.inference_backlog() == 2
+    finally:
+        redis_client().delete(settings.INFERENCE_QUEUE)

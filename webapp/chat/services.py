@@ -48,6 +48,13 @@ class AnswerServiceUnavailable(ChatError):
     its answer is marked failed with this message, and asking again later works."""
 
 
+class AnswerServiceBusy(AnswerServiceUnavailable):
+    """More questions are waiting for the model than ``INFERENCE_MAX_BACKLOG``: this one is
+    refused before anything is recorded (a queue that only grows helps nobody)."""
+
+
+BUSY = "The model is busy with other questions right now; ask again in a few seconds."
+
 SEND_FAILED = (
     "The answer service is not reachable right now, so this question was not sent. "
     "Try again in a moment."
@@ -108,6 +115,8 @@ def chat_ask(
         raise ChatError(f"Unknown mode {mode!r}.")
     if mode != Message.Mode.BLEND and not user.is_staff:
         raise ChatError("Only staff can choose another mode than blend.")
+    if inference_backlog() >= settings.INFERENCE_MAX_BACKLOG > 0:
+        raise AnswerServiceBusy(BUSY)
     history = _history(conversation, before=None)
     Message.objects.create(conversation=conversation, role=Message.Role.USER, content=question)
     answer = Message.objects.create(
@@ -122,6 +131,15 @@ def chat_ask(
     citations = _retrieve(user=user, answer=answer, question=question)
     transaction.on_commit(lambda: _send(answer, question, history, citations))
     return answer
+
+
+def inference_backlog() -> int:
+    """Questions waiting in the inference queue (not yet taken by a worker); 0 when the
+    broker does not answer (sending will then fail, and say so on the answer)."""
+    try:
+        return int(redis_client().llen(settings.INFERENCE_QUEUE))
+    except outages.SERVICE_ERRORS:
+        return 0
 
 
 def _retrieve(*, user, answer: Message, question: str) -> list[Citation]:

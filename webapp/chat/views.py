@@ -94,8 +94,13 @@ def conversation_ask(request: HttpRequest, conversation_id: int) -> HttpResponse
         )
     except services.ChatError as err:
         if request.htmx:
-            status = 503 if isinstance(err, services.AnswerServiceUnavailable) else 422
-            return render(request, "chat/_error.html", {"error": str(err)}, status=status)
+            unavailable = isinstance(err, services.AnswerServiceUnavailable)
+            response = render(
+                request, "chat/_error.html", {"error": str(err)}, status=503 if unavailable else 422
+            )
+            if unavailable:
+                response["Retry-After"] = "10"
+            return response
         flash.error(request, str(err))
         return redirect("chat:conversation", conversation_id=conversation.id)
     if request.htmx:
