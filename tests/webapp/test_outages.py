@@ -153,8 +153,9 @@ def test_a_question_beyond_the_backlog_limit_is_refused_before_anything_is_recor
         assert page.status_code == 503 and page["Retry-After"].isdigit()
         assert "busy" in page.content.decode()
         _, key = api_key_create(user=alice, name="k")
+        auth = {"HTTP_AUTHORIZATION": f"Bearer {key}"}
         api = Client().post("/api/v1/query", {"question": "Anyone?"},
-                            content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")  # fmt: skip
+                            content_type="application/json", **auth)  # fmt: skip
         assert api.status_code == 503 and api["Retry-After"].isdigit()
         assert not Message.objects.filter(conversation__owner=alice).exists()
         redis_client().lpop(settings.INFERENCE_QUEUE)  # one was taken: room again

@@ -120,9 +120,9 @@ _SSE_EVENT = {
         "data": {"type": "string"},
     },
 }
-_STREAM_DOC = {
+_STREAM_DOC = {  # merged into ninja's own responses: the same (int) key, or JSON gets two "200"
     "responses": {
-        "200": {
+        200: {
             "description": "The answer as JSON, or with ``stream``: server-sent events "
             "``start`` (citations), ``token`` ({text}) ..., then ``done`` (the JSON answer) "
             "or ``error`` ({code, message}).",

@@ -4,6 +4,7 @@ every response matches the schema (status codes, content types, bodies, headers)
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import schemathesis
@@ -78,8 +79,17 @@ def _run_schemathesis(api_schema, auth_headers) -> None:
             raise AssertionError(f"{operation.label} ({mode} data): {err}") from err
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), f"duplicated keys: {keys}"  # Swagger UI refuses them
+    return dict(pairs)
+
+
 def test_schema_and_docs_are_served(client) -> None:
-    schema = client.get("/api/v1/openapi.json").json()
+    response = client.get("/api/v1/openapi.json")
+    schema = json.loads(response.content, object_pairs_hook=_no_duplicate_keys)
+    streamed = schema["paths"]["/api/v1/query"]["post"]["responses"]["200"]["content"]
+    assert set(streamed) == {"application/json", "text/event-stream"}
     assert {"/api/v1/documents", "/api/v1/query", "/api/v1/conversations"} <= set(schema["paths"])
     docs = client.get("/api/v1/docs")
     assert docs.status_code == 200 and b"swagger-ui" in docs.content
