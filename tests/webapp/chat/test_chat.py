@@ -165,6 +165,25 @@ def test_answers_render_markdown_without_script_injection(alice) -> None:
     assert 'class="cite"' in html and "[1]</a>" in html
 
 
+def test_a_citation_marker_inside_a_link_or_code_never_becomes_markup(alice) -> None:
+    """[n] is rewritten in the answer's text only: inside a link's title it once broke out of
+    the attribute, letting the model's own words become attributes (an hx-get of its choice)."""
+    conversation = services.conversation_create(owner=alice)
+    content = ('See [the site](https://a.example "per [1] hx-get=/accounts/logout/") and '
+               "`code [1]`, but [1] here.")  # fmt: skip
+    answer = Message.objects.create(conversation=conversation, role="assistant", status="done",
+                                    content=content)  # fmt: skip
+    citation = Citation.objects.create(message=answer, rank=1, document_title="d", text="t")
+    html = Template("{% load chat_markdown %}{{ m.content|render_answer:m.citations.all }}").render(
+        Context({"m": answer})
+    )
+    # One hx-get: the citation's; the title's words stay words inside its (escaped) value.
+    assert html.count('hx-get="') == 1 and 'title="per [1] hx-get=/accounts/logout/"' in html
+    assert html.count('class="cite"') == 1 and f"/chat/citations/{citation.id}/" in html
+    assert "<code>code [1]</code>" in html
+    assert 'href="https://a.example"' in html
+
+
 def test_other_users_get_404_for_conversations_messages_and_citations(
     client, alice, mallory
 ) -> None:
