@@ -171,5 +171,7 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
     status = "stopped" if outcome.get("reason") == "stopped" else "done"
     text = "".join(pieces)
     metrics["completion_tokens"] = len(job.tokens)
+    # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise (stopped included).
+    metrics["finish_reason"] = "length" if outcome.get("reason") == "length" else "stop"
     publish_event(redis, request_id, "done", text=text, metrics=metrics, status=status)
     return {"status": status, "text": text, "error": "", "metrics": metrics}

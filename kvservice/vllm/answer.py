@@ -96,6 +96,7 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
         "recompute_ratio": ratio,
         "prompt_tokens": len(vllm_request.prompt.token_ids),
         "completion_tokens": completion_tokens,
+        "finish_reason": "length" if completion_tokens >= request.max_new_tokens else "stop",
         "chunk_tiers": {str(cid): tier for cid, tier in zip(chunk_ids, tiers, strict=True)},
         "dropped_chunks": dropped,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import TestCase
 
@@ -76,6 +77,8 @@ def test_upload_ask_and_stream_a_cited_answer(
     assert "".join(tokens) == payload["text"] and payload["text"].strip()
     metrics = payload["metrics"]
     assert metrics["mode"] == "blend" and metrics["ttft_s"] > 0
+    cut = metrics["completion_tokens"] >= settings.CHAT_MAX_NEW_TOKENS
+    assert metrics["finish_reason"] == ("length" if cut else "stop"), metrics
     assert set(metrics["chunk_tiers"]) == {str(c.chunk_id) for c in answer.citations.all()}
     # The worker found the KV the ingest worker stored, under the same (user-scoped) key.
     assert "recomputed" not in metrics["chunk_tiers"].values(), metrics["chunk_tiers"]

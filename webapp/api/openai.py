@@ -134,7 +134,7 @@ async def _completion_events(
                 error = ApiError(502, "generation_failed", result.error)
                 yield answers.sse(None, _openai_error(error))
                 return
-            last = _chunk(answer, model, {}, finish="stop")
+            last = _chunk(answer, model, {}, finish=result.metrics.get("finish_reason", "stop"))
             last |= {"usage": _usage(result.metrics)} | _extras(answer, result.metrics, citations)
             yield answers.sse(None, last)
     except AnswerTimeout as err:
@@ -172,7 +172,7 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
         "choices": [
             {
                 "index": 0,
-                "finish_reason": "stop",
+                "finish_reason": result.metrics.get("finish_reason", "stop"),
                 "message": {"role": "assistant", "content": result.text},
             }
         ],  # fmt: skip

@@ -12,8 +12,10 @@ from kvservice.protocol import INFERENCE_QUEUE, publish_event
 
 
 class FakeInferenceWorker:
-    def __init__(self, client, *, words=("Arborio", " rice", " [1]."), fail: bool = False):
+    def __init__(self, client, *, words=("Arborio", " rice", " [1]."), fail: bool = False,
+                 finish_reason: str = "stop"):  # fmt: skip
         self.client, self.words, self.fail = client, words, fail
+        self.finish_reason = finish_reason
         self.requests: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -48,5 +50,6 @@ class FakeInferenceWorker:
         tiers = {str(chunk["chunk_id"]): "cpu" for chunk in request["chunks"]}
         metrics = {"ttft_s": 0.05, "total_s": 0.2, "mode": request["mode"],
                    "recompute_ratio": 0.15, "chunk_tiers": tiers, "prompt_tokens": 40,
-                   "completion_tokens": len(self.words)}  # fmt: skip
+                   "completion_tokens": len(self.words),
+                   "finish_reason": self.finish_reason}  # fmt: skip
         publish_event(self.client, request_id, "done", text="".join(self.words), metrics=metrics)

@@ -345,3 +345,18 @@ def test_chat_completions_keeps_only_the_history_the_model_reads(client, alice, 
     assert len(history) == 2 * chat.HISTORY_TURNS
     assert history[0].startswith("94 ") and history[-1].startswith("99 ")
     assert all(len(text) <= settings.CHAT_MAX_QUESTION_CHARS for text in history)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_answer_cut_at_the_token_limit_says_length_not_stop(client, alice, alice_auth) -> None:
+    payload = {"model": "ragblend", "messages": [{"role": "user", "content": "Tell me more."}]}
+    for stream in (False, True):
+        with FakeInferenceWorker(redis_client(), finish_reason="length"):
+            response = client.post("/v1/chat/completions", payload | {"stream": stream},
+                                   content_type="application/json", **alice_auth)  # fmt: skip
+            assert response.status_code == 200, response.content
+            if stream:
+                body = b"".join(response).decode()
+                assert '"finish_reason": "length"' in body
+            else:
+                assert response.json()["choices"][0]["finish_reason"] == "length"
