@@ -330,8 +330,9 @@ def test_chat_completions_uses_the_last_user_message_and_history(client, alice, 
 
 
 @pytest.mark.django_db(transaction=True)
-def test_chat_completions_keeps_only_the_history_the_model_reads(client, alice, alice_auth,
-                                                                 worker, settings) -> None:  # fmt: skip
+def test_chat_completions_keeps_only_the_history_the_model_reads(
+    client, alice, alice_auth, worker, settings
+) -> None:
     """A client that resends a long conversation (here 100 turns of 8 KB) stores what the
     model reads: the last exchanges, each cut to the question limit."""
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "x" * 8000}
