@@ -6,7 +6,7 @@ from django.conf import settings
 from django.db import transaction
 
 from webapp.chat import services as chat
-from webapp.chat.models import Message
+from webapp.chat.models import Conversation, Message
 
 
 @transaction.atomic
@@ -24,7 +24,7 @@ def completion_ask(*, user, turns: list[tuple[str, str]], mode: str) -> Message:
     *earlier, (_, question) = dialogue
     earlier = [(role, text) for role, text in earlier if text][-2 * chat.HISTORY_TURNS :]
     limit = settings.CHAT_MAX_QUESTION_CHARS
-    conversation = chat.conversation_create(owner=user)
+    conversation = chat.conversation_create(owner=user, source=Conversation.Source.API)
     Message.objects.bulk_create(
         Message(
             conversation=conversation, role=role, content=text[:limit], status=Message.Status.DONE

@@ -149,7 +149,7 @@ def ask(request: HttpRequest, *, question: str, mode: str, conversation_id: int 
     if conversation_id is not None:
         conversation = _get_conversation_for_user(request, conversation_id)
     else:
-        conversation = chat.conversation_create(owner=request.user)
+        conversation = chat.conversation_create(owner=request.user, source=Conversation.Source.API)
     try:
         return chat.chat_ask(
             user=request.user, conversation=conversation, question=question, mode=mode

@@ -13,6 +13,14 @@ class Conversation(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="conversations"
     )
     title = models.CharField(max_length=200, default="New conversation")
+
+    # Where it was started: the browser's chat lists only its own; the API's are listed by
+    # the API (one per /v1/chat/completions call would otherwise bury them).
+    class Source(models.TextChoices):
+        BROWSER = "browser", "browser"
+        API = "api", "API"
+
+    source = models.CharField(max_length=16, choices=Source.choices, default=Source.BROWSER)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

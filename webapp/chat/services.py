@@ -61,8 +61,12 @@ SEND_FAILED = (
 )
 
 
-def conversation_create(*, owner, title: str = "") -> Conversation:
-    return Conversation.objects.create(owner=owner, title=title[:200] or "New conversation")
+def conversation_create(
+    *, owner, title: str = "", source: str = Conversation.Source.BROWSER
+) -> Conversation:
+    return Conversation.objects.create(
+        owner=owner, title=title[:200] or "New conversation", source=source
+    )
 
 
 def _history(conversation: Conversation, before: Message | None) -> list[Turn]:

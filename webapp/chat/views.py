@@ -35,6 +35,12 @@ STREAM_IDLE_LIMIT_S = 330  # a bit over the worker's request timeout: never hang
 STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as SSE ``id:`` sends it
 
 
+def _browser_conversations(request: HttpRequest):
+    """The sidebar: the user's conversations started here (not the API's)."""
+    mine = Conversation.objects.filter(owner=request.user, source=Conversation.Source.BROWSER)
+    return mine[:100]
+
+
 def _get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Conversation:
     return get_object_or_404(Conversation, id=conversation_id, owner=request.user)
 
@@ -51,7 +57,7 @@ def _get_answer_for_user(request: HttpRequest, message_id: int) -> Message:
 @login_required
 @require_GET
 def conversation_list(request: HttpRequest) -> HttpResponse:
-    conversations = Conversation.objects.filter(owner=request.user)[:100]
+    conversations = _browser_conversations(request)
     return render(request, "chat/index.html", {"conversations": conversations})
 
 
@@ -68,7 +74,7 @@ def conversation_detail(request: HttpRequest, conversation_id: int) -> HttpRespo
     conversation = _get_conversation_for_user(request, conversation_id)
     context = {
         "conversation": conversation,
-        "conversations": Conversation.objects.filter(owner=request.user)[:100],
+        "conversations": _browser_conversations(request),
         "messages_list": conversation.messages.prefetch_related("citations"),
         "modes": Message.Mode.choices,
     }

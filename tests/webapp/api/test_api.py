@@ -361,3 +361,21 @@ def test_an_answer_cut_at_the_token_limit_says_length_not_stop(client, alice, al
                 assert '"finish_reason": "length"' in body
             else:
                 assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_api_conversations_stay_out_of_the_browsers_sidebar(
+    client, alice, alice_auth, worker
+) -> None:
+    payload = {"model": "ragblend", "messages": [{"role": "user", "content": "Rice?"}]}
+    for _ in range(3):
+        client.post("/v1/chat/completions", payload, content_type="application/json", **alice_auth)
+    mine = chat.conversation_create(owner=alice, title="Asked in the browser")
+    client.force_login(alice)
+    page = client.get("/chat/").content.decode()
+    assert f'href="/chat/{mine.id}/"' in page  # how the sidebar links a conversation
+    assert Conversation.objects.filter(owner=alice, source="api").count() == 3
+    api_ids = set(Conversation.objects.filter(source="api").values_list("pk", flat=True))
+    assert not any(f'href="/chat/{pk}/"' in page for pk in api_ids)
+    listed = client.get("/api/v1/conversations", **alice_auth).json()
+    assert listed["count"] == 4  # the API lists them all
