@@ -13,6 +13,7 @@ import pytest
 from django.test import Client
 
 from deploy import services
+from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services as chat
 from webapp.chat.models import Conversation, Message
 from webapp.chat.views import _event_stream
@@ -76,6 +77,7 @@ def test_asking_with_the_broker_down_is_a_503_and_the_answer_does_not_stay_pendi
 
     # Past the checks, a question whose message cannot be sent is kept, its answer failed
     # with the reason (the broker went down in between).
+    make_document(alice, "notes", list(PASSAGES.values()))
     with pytest.raises(chat.AnswerServiceUnavailable):
         chat.chat_ask(user=alice, conversation=conversation, question="And the Rhine?")
     answer = Message.objects.get(conversation=conversation, role=Message.Role.ASSISTANT)

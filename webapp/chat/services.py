@@ -48,6 +48,12 @@ class AnswerServiceUnavailable(ChatError):
     its answer is marked failed with this message, and asking again later works."""
 
 
+NOTHING_FOUND = (
+    "I found nothing to answer from: you have no ready documents yet. Upload some on the "
+    "Documents page (or wait until they are Ready), then ask again."
+)
+
+
 class AnswerServiceBusy(AnswerServiceUnavailable):
     """More questions are waiting for the model than ``INFERENCE_MAX_BACKLOG``: this one is
     refused before anything is recorded (a queue that only grows helps nobody)."""
@@ -133,8 +139,29 @@ def chat_ask(
         conversation.title = question[:80]
     conversation.save(update_fields=["title", "updated_at"])
     citations = _retrieve(user=user, answer=answer, question=question)
+    if not citations:  # nothing to answer from: say so, rather than let the model invent
+        transaction.on_commit(lambda: _answer_nothing_found(answer))
+        return answer
     transaction.on_commit(lambda: _send(answer, question, history, citations))
     return answer
+
+
+def _answer_nothing_found(answer: Message) -> None:
+    """The answer when the user has no ready document to retrieve from: recorded, and put on
+    its stream like a model's answer, so the browser and the API read it the same way."""
+    Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
+        status=Message.Status.DONE, content=NOTHING_FOUND, completed_at=timezone.now(),
+        prompt_tokens=0, completion_tokens=0,
+    )  # fmt: skip
+    request_id = str(answer.request_id)
+    metrics = {"mode": answer.mode, "ttft_s": None, "total_s": None, "chunk_tiers": {},
+               "prompt_tokens": 0, "completion_tokens": 0, "finish_reason": "stop",
+               "nothing_retrieved": True}  # fmt: skip
+    try:
+        publish_event(redis_client(), request_id, "token", text=NOTHING_FOUND)
+        publish_event(redis_client(), request_id, "done", text=NOTHING_FOUND, metrics=metrics)
+    except outages.SERVICE_ERRORS as err:  # recorded already: a reload shows it
+        raise AnswerServiceUnavailable(SEND_FAILED) from err
 
 
 def inference_backlog() -> int:

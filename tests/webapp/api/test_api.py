@@ -297,6 +297,7 @@ def test_streamed_query_sends_each_token_as_it_comes_under_asgi(alice, alice_aut
 
 @pytest.mark.django_db(transaction=True)
 def test_failed_generation_is_a_502_with_the_reason(client, alice, alice_auth) -> None:
+    make_document(alice, "notes", list(PASSAGES.values()))
     with FakeInferenceWorker(redis_client(), fail=True):
         response = client.post("/api/v1/query", {"question": "anything"},
                                content_type="application/json", **alice_auth)  # fmt: skip
@@ -350,6 +351,7 @@ def test_chat_completions_keeps_only_the_history_the_model_reads(
 
 @pytest.mark.django_db(transaction=True)
 def test_an_answer_cut_at_the_token_limit_says_length_not_stop(client, alice, alice_auth) -> None:
+    make_document(alice, "notes", list(PASSAGES.values()))
     payload = {"model": "ragblend", "messages": [{"role": "user", "content": "Tell me more."}]}
     for stream in (False, True):
         with FakeInferenceWorker(redis_client(), finish_reason="length"):
@@ -379,3 +381,16 @@ def test_api_conversations_stay_out_of_the_browsers_sidebar(
     assert not any(f'href="/chat/{pk}/"' in page for pk in api_ids)
     listed = client.get("/api/v1/conversations", **alice_auth).json()
     assert listed["count"] == 4  # the API lists them all
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_no_documents_the_answer_says_nothing_was_found(client, alice, alice_auth) -> None:
+    """Nothing to retrieve: no request reaches the model (none runs here), and the answer,
+    streamed and stored like any other, says so instead of inventing one."""
+    response = client.post("/api/v1/query", {"question": "What is our leave policy?"},
+                           content_type="application/json", **alice_auth)  # fmt: skip
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert body["answer"] == chat.NOTHING_FOUND and body["citations"] == []
+    stored = Message.objects.get(pk=body["message_id"])
+    assert stored.status == Message.Status.DONE and stored.content == chat.NOTHING_FOUND

@@ -9,6 +9,7 @@ import pytest
 from django.urls import reverse
 
 from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE, GenerateRequest
+from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services as chat
 from webapp.redis import redis_client
 
@@ -20,6 +21,8 @@ def _ask_and_take_request(user, capture) -> GenerateRequest:
     no inference worker runs in this test)."""
     client = redis_client()
     client.delete(INFERENCE_QUEUE)
+    if not user.documents.exists():  # with nothing retrieved, no request is sent
+        make_document(user, "notes", list(PASSAGES.values()))
     conversation = chat.conversation_create(owner=user)
     with capture(execute=True):
         chat.chat_ask(user=user, conversation=conversation, question="Where is the Danube?")
