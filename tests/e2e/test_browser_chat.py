@@ -110,8 +110,16 @@ def test_log_in_upload_ask_and_watch_the_answer_stream(
     browser.get(f"{asgi_server}/chat/")
     browser.find_element(By.CSS_SELECTOR, "form[action='/chat/new'] button").click()
     wait_for(lambda: browser.find_elements(By.ID, "ask-form"), timeout=30, what="a conversation")
-    browser.find_element(By.NAME, "question").send_keys("Who dug the harbour of Port Vellin?")
-    browser.find_element(By.CSS_SELECTOR, "#ask-form button[type=submit]").click()
+    from selenium.webdriver.common.keys import Keys
+
+    # Enter sends the question (Shift+Enter would add a line).
+    question = browser.find_element(By.NAME, "question")
+    question.send_keys("Who dug the harbour of Port Vellin?")
+    question.send_keys(Keys.ENTER)
+    ask = browser.find_element(By.CSS_SELECTOR, "#ask-form button[type=submit]")
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"), timeout=30,
+             what="the question to be sent by Enter")  # fmt: skip
+    assert ask.get_attribute("disabled") is not None  # no second question while it streams
 
     # While the answer is open, its text grows token by token.
     seen_lengths: list[int] = []
@@ -132,6 +140,7 @@ def test_log_in_upload_ask_and_watch_the_answer_stream(
 
     answer = browser.find_element(By.CSS_SELECTOR, ".msg.assistant[data-status=done]")
     assert answer.find_element(By.CSS_SELECTOR, ".bubble").text.strip()
+    wait_for(lambda: ask.get_attribute("disabled") is None, timeout=10, what="Ask enabled again")
     assert "harbour.md" in answer.find_element(By.CSS_SELECTOR, ".citations").text
     assert "TTFT" in answer.find_element(By.CSS_SELECTOR, ".metrics").text
     ARTIFACTS.mkdir(exist_ok=True)
