@@ -39,8 +39,11 @@ SERVICE_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def is_outage(exc: BaseException) -> bool:
-    """A dead service, not a bug (a bad query is a ``ProgrammingError``, and stays a 500)."""
-    return isinstance(exc, SERVICE_ERRORS)
+    """A dead service, not a bug (a bad query is a ``ProgrammingError``, and stays a 500);
+    the documents' ``TransientError`` (storage unreachable) is one too."""
+    from webapp.documents.services import TransientError
+
+    return isinstance(exc, (*SERVICE_ERRORS, TransientError))
 
 
 def unavailable_response(request: HttpRequest) -> HttpResponse:

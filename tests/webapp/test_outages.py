@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 
 from deploy import services
@@ -164,3 +165,24 @@ def test_a_question_beyond_the_backlog_limit_is_refused_before_anything_is_recor
         assert chat.inference_backlog() == 2
     finally:
         redis_client().delete(settings.INFERENCE_QUEUE)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_upload_while_s3_is_down_is_a_503_and_stores_nothing(alice, settings) -> None:
+    from webapp.accounts.services import api_key_create
+    from webapp.documents.models import Document
+    from webapp.storage import object_store
+
+    _, key = api_key_create(user=alice, name="k")
+    settings.S3_ENDPOINT = f"127.0.0.1:{services.free_port()}"  # S3 stopped: refused
+    object_store.cache_clear()
+    try:
+        response = Client().post(
+            "/api/v1/documents", {"file": SimpleUploadedFile("a.txt", b"Some notes.")},
+            HTTP_AUTHORIZATION=f"Bearer {key}",
+        )  # fmt: skip
+    finally:
+        object_store.cache_clear()
+    assert response.status_code == 503, response.content
+    assert response["Retry-After"].isdigit() and response.json()["code"] == "service_unavailable"
+    assert not Document.objects.filter(owner=alice).exclude(status="failed").exists()
