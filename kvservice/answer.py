@@ -54,6 +54,15 @@ def _fit_context(
     return [c.chunk_id for c in chunks], [list(c.token_ids) for c in chunks], suffix, dropped
 
 
+def chunk_keys(runtime: Any, request: GenerateRequest, chunks_tokens: list[list[int]]) -> list:
+    """The store keys of the chunks ``_fit_context`` kept (the first of ``request.chunks``),
+    each in the scope the web side stored it in."""
+    kept = request.chunks[: len(chunks_tokens)]
+    return [
+        runtime.chunk_key(ids, ref.kv_scope) for ids, ref in zip(chunks_tokens, kept, strict=True)
+    ]
+
+
 def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any]:
     from kvservice.protocol import stop_requested
 
@@ -70,11 +79,7 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
         if mode == "full":
             sources = [_TokensOnly(ids) for ids in chunks_tokens]
         else:
-            scopes = [ref.kv_scope for ref in request.chunks[: len(chunks_tokens)]]  # kept: first
-            keys = [
-                runtime.chunk_key(ids, scope)
-                for ids, scope in zip(chunks_tokens, scopes, strict=True)
-            ]
+            keys = chunk_keys(runtime, request, chunks_tokens)
             batch = runtime.loader.open(
                 keys, token_ids=chunks_tokens, recompute_fn=runtime.recompute_chunk
             )

@@ -126,6 +126,10 @@ def inflight_add(client: Any, worker_id: str, request: GenerateRequest) -> None:
     client.hset(INFLIGHT_KEY, request.request_id, json.dumps(entry))
 
 
+def inflight_has(client: Any, request_id: str) -> bool:
+    return bool(client.hexists(INFLIGHT_KEY, request_id))
+
+
 def inflight_remove(client: Any, request_id: str) -> None:
     client.hdel(INFLIGHT_KEY, request_id)
 

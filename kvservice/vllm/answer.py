@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from kvservice.answer import FIXED_RATIOS, _fit_context
+from kvservice.answer import FIXED_RATIOS, _fit_context, chunk_keys
 from kvservice.engine import SamplingParams
 from kvservice.prompt import Prompt
 from kvservice.protocol import GenerateRequest, publish_event, stop_requested
@@ -31,10 +31,7 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
     status, decision, completion_tokens = "done", None, 0
     try:
         chunk_ids, chunks_tokens, suffix_ids, dropped = _fit_context(runtime, request)
-        scopes = [ref.kv_scope for ref in request.chunks[: len(chunks_tokens)]]  # kept: first
-        keys = [
-            runtime.chunk_key(ids, scope) for ids, scope in zip(chunks_tokens, scopes, strict=True)
-        ]
+        keys = chunk_keys(runtime, request, chunks_tokens)
         tiers = [runtime.store.where(key) or "missing" for key in keys]
         ratio = request.recompute_ratio
         if ratio is None and mode == "blend":

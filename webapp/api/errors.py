@@ -47,10 +47,10 @@ _CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_f
 AUTH_MESSAGE = "Send a valid API key as 'Authorization: Bearer <key>' (create one under API keys)."
 
 
-def unavailable(err: Exception) -> ApiError:
-    """503 with ``Retry-After``: a service the request needs is down; ``err`` says which."""
+def unavailable(message: str) -> ApiError:
+    """503 with ``Retry-After``: a service the request needs is down."""
     return ApiError(
-        503, "service_unavailable", str(err), {"Retry-After": str(outages.RETRY_AFTER_S)}
+        503, "service_unavailable", message, {"Retry-After": str(outages.RETRY_AFTER_S)}
     )
 
 
@@ -76,7 +76,7 @@ def normalize(exc: Exception) -> ApiError:
         return ApiError(exc.status_code, _CODES.get(exc.status_code, "error"), str(exc))
     if outages.is_outage(exc):
         log.warning("API request failed: service unavailable: %r", exc)
-        return unavailable(Exception(outages.MESSAGE))
+        return unavailable(outages.MESSAGE)
     log.exception("API request failed", exc_info=exc)
     return ApiError(500, "internal_error", "Something went wrong on our side.")
 

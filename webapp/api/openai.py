@@ -151,7 +151,7 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
             user=request.user, turns=[(m.role, m.text()) for m in payload.messages], mode=mode
         )
     except AnswerServiceUnavailable as err:
-        raise unavailable(err) from err
+        raise unavailable(str(err)) from err
     except ChatError as err:
         raise ApiError(400, "invalid_request", str(err)) from err
     if payload.stream:

@@ -155,7 +155,7 @@ def ask(request: HttpRequest, *, question: str, mode: str, conversation_id: int 
             user=request.user, conversation=conversation, question=question, mode=mode
         )
     except chat.AnswerServiceUnavailable as err:
-        raise unavailable(err) from err
+        raise unavailable(str(err)) from err
     except chat.ChatError as err:
         raise ApiError(422, "invalid_request", str(err)) from err
 

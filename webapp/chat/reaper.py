@@ -44,9 +44,8 @@ NOBODY_ANSWERED = "No model worker took this question in time. Ask again in a mo
 
 def _stream_so_far(client: Any, request_id: str) -> tuple[str, dict[str, Any] | None]:
     """The text streamed so far, and the final event's (type, payload) if there is one."""
-    text, final = [], None
-    reply = client.xrange(answer_stream(request_id))
-    for _id, kind, payload in decode_events([(answer_stream(request_id), reply)]):
+    text, final, name = [], None, answer_stream(request_id)
+    for _id, kind, payload in decode_events([(name, client.xrange(name))]):
         if kind == "token":
             text.append(payload.get("text", ""))
         elif kind in ("done", "error"):

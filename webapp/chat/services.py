@@ -15,7 +15,7 @@ from kvservice.protocol import (
     ChunkRef,
     GenerateRequest,
     Turn,
-    inflight_entries,
+    inflight_has,
     publish_event,
     request_stop,
 )
@@ -219,7 +219,7 @@ def chat_stop(*, answer: Message) -> None:
         return
     client, request_id = redis_client(), str(answer.request_id)
     request_stop(client, request_id)  # a worker that takes it later drops it
-    if request_id not in inflight_entries(client):
+    if not inflight_has(client, request_id):
         stopped = Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
             status=Message.Status.STOPPED, completed_at=timezone.now()
         )

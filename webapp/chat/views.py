@@ -24,6 +24,7 @@ from django.views.decorators.http import require_GET, require_POST
 from redis.exceptions import RedisError
 
 from kvservice.protocol import answer_stream, decode_events
+from webapp import outages
 from webapp.accounts.services import user_rate_limit
 from webapp.chat import services
 from webapp.chat.models import Citation, Conversation, Message
@@ -105,7 +106,7 @@ def conversation_ask(request: HttpRequest, conversation_id: int) -> HttpResponse
                 request, "chat/_error.html", {"error": str(err)}, status=503 if unavailable else 422
             )
             if unavailable:
-                response["Retry-After"] = "10"
+                response["Retry-After"] = str(outages.RETRY_AFTER_S)
             return response
         flash.error(request, str(err))
         return redirect("chat:conversation", conversation_id=conversation.id)
