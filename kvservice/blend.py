@@ -87,18 +87,32 @@ def rerotate(k: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor, inv_
     return apply_rope(k, cos, sin)
 
 
-def question_attention(
-    q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor
-) -> torch.Tensor:
-    """The attention the question's queries ``q [H, Sq, D]`` (rotated) pay each key of the
-    layer ``k [H_kv, T, D]`` (rotated), averaged over heads and queries: ``[T]``, summing to 1.
-    Causal by position: a query never reads a later key."""
-    group = q.shape[0] // k.shape[0]
-    keys = k.repeat_interleave(group, dim=0)  # [H, T, D]
-    scores = q @ keys.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, Sq, T]
-    visible = position_mask(query_pos, key_pos)  # [Sq, T]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).mean(dim=(0, 1))  # [T]
+def attend_and_weigh(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the question's queries ``q [H, S, D]`` (rotated) over a layer's keys
+    ``k, v [H_kv, T, D]`` (rotated), causal by position, and the weights it paid each key.
+
+    Returns the output ``[H, S, D]`` (what SDPA gives) and the weights averaged over heads
+    and queries, ``[T]``, summing to 1. One explicit computation gives both: for the few
+    question tokens it is faster than SDPA plus a second pass for the weights (5 against
+    10-12 ms a layer for 45 queries over 3,700 keys here), and the query heads that share a
+    key head are stacked into one matrix product instead of copying the keys per head."""
+    heads, length, dim = q.shape
+    kv_heads, num_keys = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    stacked = (q * (1.0 / math.sqrt(dim))).reshape(kv_heads, group * length, dim)
+    scores = (stacked @ k.transpose(1, 2)).view(kv_heads, group, length, num_keys)
+    visible = position_mask(query_pos, key_pos, sliding_window=sliding_window)  # [S, T]
+    scores.masked_fill_(~visible, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [H_kv, G, S, T]
+    out = (weights.view(kv_heads, group * length, num_keys) @ v).view(heads, length, dim)
+    return out, weights.float().mean(dim=(0, 1, 2))
 
 
 def attention_importance(
@@ -106,7 +120,7 @@ def attention_importance(
 ) -> torch.Tensor:
     """How much each token's KV matters to the question, ``[T]`` (0 for non-candidates).
 
-    ``attention [L, T]`` is what ``question_attention`` gave per layer in the reuse pass;
+    ``attention [L, T]`` is what ``attend_and_weigh`` gave per layer in the reuse pass;
     ``candidate [T]`` marks the tokens that may be recomputed. Each layer's attention is
     normalized over the candidates (so layers whose question reads mostly the head or
     itself count as much as the others), then averaged over the layers from ``from_depth``
@@ -300,17 +314,27 @@ def _run_pass(
         cache.k[i, 0, :, active] = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
         cache.v[i, 0, :, active] = v[0]
         k_layer, v_layer = cache.k[i, :, :, :num_tokens], cache.v[i, :, :, :num_tokens]
-        if question_length:
-            asking = active[-question_length:]
-            attention.append(
-                question_attention(q[0, :, -question_length:], k_layer[0], asking, positions)
+        window = config.sliding_window
+        if question_length:  # the question's attention, recorded; the rest as below
+            rest = active.numel() - question_length
+            out, weights = attend_and_weigh(
+                q[0, :, rest:], k_layer[0], v_layer[0], active[rest:], positions, window
             )
+            attention.append(weights)
+            if rest:
+                before = attend_selected(
+                    q[:, :, :rest], k_layer, v_layer, active[:rest], positions, window
+                )
+                out = torch.cat([before[0], out], dim=1)
+            if i == config.n_layers - 1:
+                x, out = x[:, -1:], out[:, -1:]
+            x = layer.finish(x, out[None])
+            continue
         if i == config.n_layers - 1:  # only the last token's output is needed after the
             x, q, active = x[:, -1:], q[:, :, -1:], active[-1:]  # last layer
         if active.numel() == num_tokens:  # everything computed: plain causal prefill
             x = layer.attend_and_mlp(x, q, k_layer, v_layer, model.mask(positions, positions))
         else:
-            window = config.sliding_window
             x = layer.finish(
                 x, attend_selected(q, k_layer, v_layer, positions[active], positions, window)
             )

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kvservice.blend import (
+    attend_and_weigh,
     attend_selected,
     attention_importance,
     blend_prefill,
-    question_attention,
     rerotate,
     select_recompute,
     smooth_scores,
@@ -76,17 +78,24 @@ def test_cached_chunk_k_moved_to_new_place_equals_k_computed_there(tiny_llama, p
     )
 
 
-def test_question_attention_is_causal_and_sums_to_one():
+def test_attend_and_weigh_gives_sdpas_output_and_causal_weights_summing_to_one():
     gen = torch.Generator().manual_seed(4)
-    q, k = torch.randn(4, 3, 8, generator=gen), torch.randn(2, 10, 8, generator=gen)
+    q = torch.randn(4, 3, 8, generator=gen)
+    k, v = torch.randn(2, 10, 8, generator=gen), torch.randn(2, 10, 8, generator=gen)
     query_pos, key_pos = torch.tensor([5, 6, 7]), torch.arange(10)
-    attention = question_attention(q, k, query_pos, key_pos)
+    out, attention = attend_and_weigh(q, k, v, query_pos, key_pos)
+    expected = attend(q[None], k[None], v[None], position_mask(query_pos, key_pos))[0]
+    torch.testing.assert_close(out, expected)
     assert attention.shape == (10,)
     assert attention.sum().item() == pytest.approx(1.0, abs=1e-5)
     assert attention[8:].abs().sum().item() == 0.0  # no query reads a later key
     # A query aligned with key 2 (and scaled up) puts its attention there.
     strong = k[:, 2].repeat_interleave(2, dim=0)[:, None] * 10.0  # [H, 1, D]
-    assert question_attention(strong, k, torch.tensor([9]), key_pos).argmax().item() == 2
+    _, attention = attend_and_weigh(strong, k, v, torch.tensor([9]), key_pos)
+    assert attention.argmax().item() == 2
+    # A sliding window hides the keys before it.
+    _, windowed = attend_and_weigh(q, k, v, query_pos, key_pos, sliding_window=2)
+    assert windowed[:4].abs().sum().item() == 0.0 and windowed[4:8].sum().item() > 0.99
 
 
 def test_attention_importance_reads_deep_layers_each_normalized_over_candidates():
@@ -241,6 +250,28 @@ def test_hundred_percent_hit_and_partial_hit(tiny_llama, prompt):
     )
     torch.testing.assert_close(hit.logits, full.logits, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(mixed.logits, full.logits, atol=ATOL, rtol=ATOL)
+
+
+def test_a_partial_hit_selected_by_attention_equals_the_same_slots_given(tiny_llama, prompt):
+    """With misses, the reuse pass computes them and the question, and records the question's
+    attention on the way: the recording path must compute what the plain path computes."""
+    head, chunks, question, kvs = prompt
+    partial = [kvs[0], None, kvs[2], kvs[3]]
+    selected = blend_prefill(
+        tiny_llama, head, partial, question, mode="blend", recompute_ratio=0.3, chunk_ids=chunks
+    )
+    candidate = torch.zeros(selected.num_tokens, dtype=torch.bool)
+    start = len(head) + len(chunks[0]) + len(chunks[1])  # chunk 0 is exact, chunk 1 a miss
+    candidate[start : start + len(chunks[2]) + len(chunks[3])] = True
+    budget = math.ceil(0.3 * sum(len(c) for c in chunks))
+    slots = select_recompute(
+        attention_importance(selected.question_attention, candidate), candidate, budget
+    )
+    given = blend_prefill(
+        tiny_llama, head, partial, question, mode="blend", chunk_ids=chunks,
+        recompute_slots=slots.tolist(),
+    )  # fmt: skip
+    torch.testing.assert_close(selected.logits, given.logits, atol=1e-5, rtol=1e-5)
 
 
 def test_same_prompt_twice_is_identical_and_leaves_chunks_untouched(tiny_llama, prompt):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import re
+import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -233,7 +234,8 @@ def parse_pdf(data: bytes) -> ParsedDocument:
 
 
 def check_zip_bomb(data: bytes, limits: DocxLimits) -> None:
-    """Refuse an archive that would inflate too far, before anything is decompressed."""
+    """Refuse an archive that would inflate too far: by what its directory says, then by what
+    each part really inflates to (counted in pieces, so never held whole)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             infos = archive.infolist()
@@ -254,6 +256,38 @@ def check_zip_bomb(data: bytes, limits: DocxLimits) -> None:
             f"This Word file is compressed {uncompressed / compressed:.0f}:1 (the limit is "
             f"{limits.max_compression_ratio}:1); it looks like a zip bomb and is refused."
         )
+    for info in infos:
+        if _real_size(data, info) != info.file_size:
+            raise ParseError(
+                f"This Word file's directory misstates the size of its part {info.filename!r}; "
+                "it looks damaged or crafted and is refused."
+            )
+
+
+def _real_size(data: bytes, info: zipfile.ZipInfo) -> int:
+    """How many bytes a member really inflates to, counted in 1 MB pieces and at most one
+    past what its directory entry says. ``zipfile`` trusts the directory and inflates a member
+    whole in one call, so a member that claims 1 KB and inflates to 3 GB takes 3 GB."""
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise ParseError(f"This Word file uses an unsupported compression in {info.filename!r}.")
+    try:
+        name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
+    except struct.error as err:
+        raise ParseError("This Word file is damaged (it is not a valid ZIP archive).") from err
+    start = info.header_offset + 30 + name_length + extra_length
+    packed = memoryview(data)[start : start + info.compress_size]
+    if info.compress_type == zipfile.ZIP_STORED:
+        return len(packed)
+    inflater, size, pending = zlib.decompressobj(-zlib.MAX_WBITS), 0, packed
+    try:
+        while pending and size <= info.file_size:
+            size += len(inflater.decompress(pending, 1 << 20))
+            pending = inflater.unconsumed_tail
+        if size <= info.file_size:
+            size += len(inflater.flush())
+    except zlib.error as err:
+        raise ParseError("This Word file could not be read: it looks damaged.") from err
+    return size
 
 
 def parse_docx(data: bytes, limits: DocxLimits) -> ParsedDocument:
@@ -270,6 +304,8 @@ def parse_docx(data: bytes, limits: DocxLimits) -> ParsedDocument:
         title = (document.core_properties.title or "").strip()
     except (PackageNotFoundError, KeyError, ValueError, zipfile.BadZipFile, OSError) as err:
         raise ParseError("This Word file could not be read: it looks damaged.") from err
+    except MemoryError:
+        raise
     except Exception as err:  # noqa: BLE001 - lxml and python-docx raise many kinds
         raise ParseError("This Word file could not be read: it looks damaged.") from err
     return ParsedDocument(text=normalize_text("\n\n".join(blocks)), title=title)

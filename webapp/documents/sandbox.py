@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from webapp.documents.parsing import DocxLimits, ParsedDocument, ParseError, parse
 
@@ -77,6 +78,24 @@ def _too_slow(limits: SandboxLimits) -> str:
     )
 
 
+def _near_memory_limit() -> bool:
+    """Whether this process came within 10 % of its address-space limit. A parser that fails
+    there ran out of memory, whatever it says: lxml reports a failed allocation as an
+    "unknown" syntax error, which would otherwise reach the user as a damaged file."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return False
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    peak_kb = next((int(line.split()[1]) for line in status.splitlines()
+                    if line.startswith("VmPeak:")), 0)  # fmt: skip
+    return peak_kb * 1024 >= 0.9 * limit
+
+
 def main() -> int:
     doc_type, max_uncompressed, max_ratio = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     limits = DocxLimits(max_uncompressed_bytes=max_uncompressed, max_compression_ratio=max_ratio)
@@ -85,7 +104,7 @@ def main() -> int:
         parsed = parse(data, doc_type, docx_limits=limits)
         reply = {"text": parsed.text, "title": parsed.title}
     except ParseError as err:
-        reply = {"error": str(err)}
+        reply = {"error": "memory" if _near_memory_limit() else str(err)}
     except MemoryError:
         reply = {"error": "memory"}
     sys.stdout.write(json.dumps(reply))

@@ -131,3 +131,52 @@ def zip_bomb_docx_bytes(inflated_bytes: int = 20 * 1024 * 1024) -> bytes:
 
 def png_bytes() -> bytes:
     return b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + b"\x00" * 64
+
+
+def lying_zip_docx_bytes(inflated_bytes: int, claimed_bytes: int = 1024) -> bytes:
+    """A valid .docx whose ``word/document.xml`` really inflates to ``inflated_bytes`` (XML
+    padded with a comment) while the archive's directory and local header claim
+    ``claimed_bytes``: the size checks read the directory, so only reading counts truly."""
+    import struct
+
+    out = io.BytesIO(docx_bytes("lying"))
+    with zipfile.ZipFile(out) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    xml = members["word/document.xml"]
+    head, tail = xml.split(b"<w:body>", 1)
+    padding = b" " * (inflated_bytes - len(xml) - len(b"<!---->"))
+    members["word/document.xml"] = head + b"<w:body><!--" + padding + b"-->" + tail
+    packed = io.BytesIO()
+    with zipfile.ZipFile(packed, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    data = bytearray(packed.getvalue())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+        info = archive.getinfo("word/document.xml")
+    # The uncompressed size: at byte 22 of the local header, at byte 24 of the directory
+    # entry (46 bytes before the entry's name).
+    struct.pack_into("<I", data, info.header_offset + 22, claimed_bytes)
+    entry = data.find(b"word/document.xml", data.find(b"PK\x01\x02")) - 46
+    assert data[entry : entry + 4] == b"PK\x01\x02"
+    struct.pack_into("<I", data, entry + 24, claimed_bytes)
+    return bytes(data)
+
+
+def wide_docx_bytes(paragraphs: int) -> bytes:
+    """A .docx of ``paragraphs`` short numbered paragraphs: within the size and compression
+    limits (about 20:1), yet a large tree for python-docx to build."""
+    out = io.BytesIO(docx_bytes("wide"))
+    with zipfile.ZipFile(out) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    xml = members["word/document.xml"]
+    head, tail = xml.split(b"<w:body>", 1)
+    body = b"".join(
+        b"<w:p><w:r><w:t>Line %d: the keeper logged ship %x.</w:t></w:r></w:p>" % (i, i * 7919)
+        for i in range(paragraphs)
+    )
+    members["word/document.xml"] = head + b"<w:body>" + body + tail
+    packed = io.BytesIO()
+    with zipfile.ZipFile(packed, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return packed.getvalue()

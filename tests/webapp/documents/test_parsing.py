@@ -87,6 +87,22 @@ def test_zip_bomb_is_refused_by_total_size_too() -> None:
         parsing.parse(files.zip_bomb_docx_bytes(2 * 1024 * 1024), parsing.DOCX, docx_limits=limits)
 
 
+def test_a_part_that_inflates_past_its_declared_size_is_refused_without_inflating_it() -> None:
+    """The directory and local header claim 1 KB; the part inflates to 32 MB. zipfile trusts
+    the claim and inflates the part whole in one call; the check counts in 1 MB pieces."""
+    import tracemalloc
+
+    data = files.lying_zip_docx_bytes(32 * 1024**2)
+    tracemalloc.start()
+    try:
+        with pytest.raises(parsing.ParseError, match="misstates the size of its part"):
+            parsing.parse(data, parsing.DOCX)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 1024**2
+
+
 def test_pdf_without_text_says_so() -> None:
     data = files.pdf_bytes(lines=[])
     with pytest.raises(parsing.ParseError, match="No text found in this PDF"):

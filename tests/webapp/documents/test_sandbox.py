@@ -35,3 +35,20 @@ def test_a_file_that_needs_too_much_memory_is_refused() -> None:
 def test_a_refusal_by_the_parser_itself_comes_through() -> None:
     with pytest.raises(parsing.ParseError, match="damaged"):
         parse_isolated(b"PK\x03\x04 not a zip", "docx", docx_limits=DOCX, limits=SandboxLimits())
+
+
+def test_a_docx_within_the_size_limits_that_needs_too_much_memory_is_refused_as_such() -> None:
+    """150k short paragraphs (1.2 MB, 10:1) pass every size check, and python-docx needs
+    ~220 MB to read them. lxml reports the failed allocation as an "unknown" syntax error;
+    the user must read that the file needs too much memory, not that it is damaged."""
+    data = files.wide_docx_bytes(150_000)
+    limits = SandboxLimits(memory_bytes=160 * 1024**2)
+    with pytest.raises(parsing.ParseError, match="more than 160 MB of memory"):
+        parse_isolated(data, "docx", docx_limits=DOCX, limits=limits)
+
+
+def test_a_docx_whose_directory_lies_is_refused_by_the_sandboxed_parser() -> None:
+    data = files.lying_zip_docx_bytes(64 * 1024**2)  # claims 1 KB
+    limits = SandboxLimits(memory_bytes=200 * 1024**2)  # less than the part inflates to
+    with pytest.raises(parsing.ParseError, match="misstates the size"):
+        parse_isolated(data, "docx", docx_limits=DOCX, limits=limits)
