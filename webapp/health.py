@@ -1,6 +1,13 @@
-"""GET /healthz: one entry per component and an overall status (200 all up, 503 otherwise).
+"""Health endpoints for people, load balancers and orchestrators.
 
-Anyone (a load balancer, a Kubernetes probe) gets the statuses; only staff get the details
+- ``GET /healthz``: one entry per component and an overall status (200 all up, 503 otherwise).
+- ``GET /livez``: 200 whenever this process serves requests (a liveness probe: restarting
+  the web server cannot fix a database that is down).
+- ``GET /readyz``: 200 when what the web server itself needs answers, the database and Redis
+  (a readiness probe: take this replica out of the load balancer otherwise). The workers are
+  not part of it: pages and uploads work without them, and questions get a clear error.
+
+Anyone gets the statuses of ``/healthz``; only staff get the details
 (endpoints, worker names and PIDs, the model, error messages, latencies). The checks run at
 most once per ``HEALTH_CACHE_S`` per process: a probe storm does not become a storm of
 Celery broadcast pings."""
@@ -126,3 +133,26 @@ def healthz(request: HttpRequest) -> JsonResponse:
         components = {name: {"status": c["status"]} for name, c in components.items()}
     body = {"status": "ok" if healthy else "degraded", "components": components}
     return JsonResponse(body, status=200 if healthy else 503)
+
+
+@never_cache
+@require_GET
+def livez(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"status": "ok"})
+
+
+READY_CHECKS = ("database", "broker")
+
+
+@never_cache
+@require_GET
+def readyz(request: HttpRequest) -> JsonResponse:
+    failed = []
+    for name in READY_CHECKS:
+        try:
+            CHECKS[name]()
+        except Exception:  # any failure means not ready; /healthz (staff) tells why
+            failed.append(name)
+    if failed:
+        return JsonResponse({"status": "unavailable", "failed": failed}, status=503)
+    return JsonResponse({"status": "ok"})

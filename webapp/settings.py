@@ -132,15 +132,15 @@ STATICFILES_DIRS = [BASE_DIR / "webapp" / "static"]
 STATIC_ROOT = env.str("STATIC_ROOT", default="") or None
 WHITENOISE_USE_FINDERS = STATIC_ROOT is None
 
-# HTTPS (on by default outside DEBUG): secure cookies, redirect plain HTTP (not /healthz, which
-# probes call over HTTP), HSTS. Behind a proxy that ends TLS, set BEHIND_TLS_PROXY so the
-# proxy's X-Forwarded-Proto says whether the request was secure.
+# HTTPS (on by default outside DEBUG): secure cookies, redirect plain HTTP (not the health
+# endpoints, which probes call over HTTP), HSTS. Behind a proxy that ends TLS, set
+# BEHIND_TLS_PROXY so the proxy's X-Forwarded-Proto says whether the request was secure.
 HTTPS = env.bool("HTTPS", default=not DEBUG)
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SECURE = env.bool("SECURE_COOKIES", default=HTTPS)
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 SECURE_SSL_REDIRECT = HTTPS
-SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SECURE_REDIRECT_EXEMPT = [r"^(healthz|livez|readyz)$"]
 SECURE_HSTS_SECONDS = env.int("HSTS_SECONDS", default=365 * 24 * 3600 if HTTPS else 0)
 if env.bool("BEHIND_TLS_PROXY", default=False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")

@@ -10,6 +10,8 @@ from webapp.api.v1 import api as api_v1
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
+    path("livez", health.livez, name="livez"),
+    path("readyz", health.readyz, name="readyz"),
     path("accounts/", include("webapp.accounts.urls")),
     path("documents/", include("webapp.documents.urls")),
     path("chat/", include("webapp.chat.urls")),

@@ -54,6 +54,28 @@ def test_healthz_reports_each_component_and_is_503_without_workers(client) -> No
     assert body["status"] == "degraded"
 
 
+def test_readyz_and_livez_are_200_without_workers(client) -> None:
+    """The web server is ready when its database and Redis answer: pages and uploads work
+    without the workers, so a probe must not take it out of service for them."""
+    assert client.get("/livez").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json() == {"status": "ok"}
+
+
+def test_ensure_buckets_creates_the_missing_bucket_and_keeps_the_rest(settings) -> None:
+    from django.core.management import call_command
+
+    settings.S3_KV_BUCKET = f"kv-ensure-{uuid.uuid4().hex[:8]}"
+    out = io.StringIO()
+    call_command("ensure_buckets", stdout=out)
+    try:
+        assert object_store().bucket_exists(settings.S3_KV_BUCKET)
+        assert f"Created bucket {settings.S3_KV_BUCKET!r}" in out.getvalue()
+        assert f"{settings.S3_DOCUMENTS_BUCKET!r} exists already" in out.getvalue()
+    finally:
+        object_store().remove_bucket(settings.S3_KV_BUCKET)
+
+
 def test_healthz_details_are_for_staff_only(client, django_user_model, settings) -> None:
     anonymous = client.get("/healthz")
     assert all(set(c) == {"status"} for c in anonymous.json()["components"].values())

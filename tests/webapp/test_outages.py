@@ -186,3 +186,13 @@ def test_an_upload_while_s3_is_down_is_a_503_and_stores_nothing(alice, settings)
     assert response.status_code == 503, response.content
     assert response["Retry-After"].isdigit() and response.json()["code"] == "service_unavailable"
     assert not Document.objects.filter(owner=alice).exclude(status="failed").exists()
+
+
+@pytest.mark.django_db
+def test_readiness_fails_while_redis_is_down_and_liveness_does_not(valkey_down, client) -> None:
+    """Kubernetes takes a web replica out of the load balancer while its Redis is down, and
+    does not restart it for that (a restart cannot fix Redis)."""
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and ready.json()["failed"] == ["broker"]
+    assert PASSWORD not in ready.content.decode()
+    assert client.get("/livez").status_code == 200
