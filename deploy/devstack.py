@@ -139,6 +139,28 @@ class Supervised:
         return True
 
 
+def inference_workers(
+    env: dict[str, str], data: Path, logs: Path
+) -> list[tuple[str, dict[str, str], Path]]:
+    """(name, environment, log) of each inference worker ``INFERENCE_WORKERS`` asks for: the
+    first is ``inference@host`` as always, the next ``inference2@host`` and so on, each with
+    its own disk tier."""
+    count = int(env.get("INFERENCE_WORKERS", "1"))
+    if count < 1:
+        raise SystemExit(f"INFERENCE_WORKERS must be at least 1, not {count}")
+    workers = []
+    for index in range(1, count + 1):
+        suffix = "" if index == 1 else str(index)
+        worker_env = {
+            **env,
+            "INFERENCE_NODE_NAME": f"inference{suffix}@%h",
+            "KV_DISK_DIR": env.get("KV_DISK_DIR", str(data / "kv-disk")) + suffix,
+        }
+        name = "inference worker" + (f" {index}" if count > 1 else "")
+        workers.append((name, worker_env, logs / f"inference{suffix}.log"))
+    return workers
+
+
 def main() -> int:
     data = data_dir()
     data.mkdir(parents=True, exist_ok=True)
@@ -168,17 +190,20 @@ def main() -> int:
             "--hostname", "ingest@%h", "--loglevel", "INFO",
             "-B", "--schedule", str(data / "celerybeat-schedule"),
         ], env, logs / "celery.log"))  # fmt: skip
-        children.append(Supervised(
-            "inference worker", [sys.executable, "-m", "kvservice.server"], env,
-            logs / "inference.log",
-        ))  # fmt: skip
+        # INFERENCE_WORKERS=2: two inference workers sharing the S3 tier, each with its own
+        # memory and disk tiers; questions go to the one that holds their chunks
+        # (kvservice.routing).
+        for name, worker_env, log in inference_workers(env, data, logs):
+            children.append(Supervised(
+                name, [sys.executable, "-m", "kvservice.server"], worker_env, log
+            ))  # fmt: skip
         children.append(Supervised("web server", [
             str(bin_dir / "uvicorn"), "webapp.asgi:application", "--host", "127.0.0.1",
             "--port", str(web_port), "--log-level", "info",
         ], env, None))  # fmt: skip
         print(f"\n  Ragblend is running at http://127.0.0.1:{web_port}/")
         print(f"  Health: http://127.0.0.1:{web_port}/healthz")
-        print(f"  Worker logs: {logs}/celery.log, {logs}/inference.log")
+        print(f"  Worker logs: {logs}/celery.log, {logs}/inference*.log")
         print(f"  Same stack from another shell: DATA_DIR={data} .venv/bin/python manage.py …")
         print("  Ctrl-C stops everything.\n")
         # Ctrl-C, a kill or a closed terminal all stop the stack. SIGINT is set explicitly: a

@@ -146,6 +146,7 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
     result = state["prefill"]
     metrics: dict[str, Any] = {
         "mode": mode,
+        "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
         "ttft_s": None if first is None else round(first - started, 4),
         "total_s": round(total_s, 4),
         "prefill_s": None if state["prefill_s"] is None else round(state["prefill_s"], 4),

@@ -1,10 +1,13 @@
 """The inference worker: one process that loads the model once and serves the ``inference``
-queue. Run: ``python -m kvservice.server`` (``make dev`` starts it).
+queue and a queue of its own. Run: ``python -m kvservice.server`` (``make dev`` starts it;
+``INFERENCE_WORKERS=2 make dev`` starts two).
 
 It is a Celery worker with a thread pool: each task thread hands its request to the shared
 runtime and streams the result; a heartbeat thread tells /healthz and the dashboard that the
-worker is alive and which model it holds. No Django here: configuration comes from the
-environment (and, in dev, the running stack's DATA_DIR/stack.json).
+worker is alive and which model it holds, and tells the web side which chunks it holds hot
+(``kvservice.routing``: questions over them are sent to this worker's own queue). No Django
+here: configuration comes from the environment (and, in dev, the running stack's
+DATA_DIR/stack.json).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvservice.protocol import (
     inflight_remove,
     mark_alive,
 )
+from kvservice.routing import advertise_hot, chunk_digest, worker_queue
 
 log = logging.getLogger("kvservice.server")
 
@@ -49,8 +53,9 @@ class ServerConfig:
     model_path: str | None
     model_cache_dir: Path
     concurrency: int
-    queue: str
+    queue: str  # the shared queue; this worker also serves routing.worker_queue(WORKER_ID)
     engine: str  # "native" (kvservice's engine) or "vllm" (kvservice.vllm)
+    node_name: str  # Celery's name for this worker; several on one host need their own
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -70,6 +75,7 @@ class ServerConfig:
             concurrency=int(os.environ.get("INFERENCE_CONCURRENCY", "8")),
             queue=os.environ.get("INFERENCE_QUEUE", INFERENCE_QUEUE),
             engine=engine,
+            node_name=os.environ.get("INFERENCE_NODE_NAME", "inference@%h"),
         )
 
 
@@ -146,6 +152,17 @@ class Runtime:
             state["batch"] = {"active": self.batcher.active, "steps": self.batcher.steps}
         return state
 
+    def hot_digests(self) -> list[str]:
+        """What this worker holds in memory (CPU and GPU tiers), as ``routing`` digests."""
+        if self.model is None:
+            return []
+        return [
+            chunk_digest(key.scope, key.tokens_sha256)
+            for tier in self.store.tiers
+            if tier.name in ("device", "cpu")
+            for key in tier.keys()
+        ]
+
     def chunk_key(self, token_ids: list[int], scope: str = ""):
         from kvservice.store import ChunkKey
 
@@ -167,6 +184,7 @@ def _make_runtime(engine: str):
 
 
 runtime = _make_runtime(config.engine)
+runtime.worker_id = WORKER_ID  # named in each answer's metrics
 
 
 @app.task(name="kvservice.ping")
@@ -219,6 +237,8 @@ def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
             mark_alive(client, WORKER_ID)
             if time.monotonic() - last_status >= HEARTBEAT_INTERVAL_S:
                 write_heartbeat(client, worker=WORKER_ID, **runtime.status())
+                hot = getattr(runtime, "hot_digests", None)
+                advertise_hot(client, WORKER_ID, hot() if hot else [], config.queue)
                 last_status = time.monotonic()
         except redis.RedisError as err:
             log.warning("heartbeat not written: %s", err)
@@ -239,8 +259,9 @@ def main() -> int:
     threading.Thread(target=_heartbeat_forever, args=(_redis, stop), daemon=True).start()
     try:
         app.worker_main(
-            ["worker", "-Q", config.queue, "-P", "threads", "-c", str(config.concurrency),
-             "--hostname", "inference@%h", "--loglevel", "INFO"]
+            ["worker", "-Q", f"{config.queue},{worker_queue(WORKER_ID, config.queue)}",
+             "-P", "threads", "-c", str(config.concurrency),
+             "--hostname", config.node_name, "--loglevel", "INFO"]
         )  # fmt: skip
     finally:
         stop.set()

@@ -67,8 +67,9 @@ def _broker() -> dict[str, Any]:
 def _celery_worker() -> dict[str, Any]:
     replies = celery_app.control.ping(timeout=settings.HEALTH_PING_TIMEOUT_S)
     names = sorted(name for reply in replies for name in reply)
-    # The inference worker answers pings too; this entry is about the ingest/kv workers.
-    if not [name for name in names if not name.startswith("inference@")]:
+    # The inference workers answer pings too (inference@host, inference2@host, ...); this
+    # entry is about the ingest/kv workers.
+    if not [name for name in names if not name.startswith("inference")]:
         raise RuntimeError("no ingest/kv Celery worker answered the ping")
     return {"workers": names}
 

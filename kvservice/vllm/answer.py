@@ -86,6 +86,7 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
     text = "".join(pieces)
     metrics: dict[str, Any] = {
         "mode": mode,
+        "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
         "engine": "vllm",
         "ttft_s": None if first_token_at is None else round(first_token_at - started, 4),
         "total_s": round(time.perf_counter() - started, 4),

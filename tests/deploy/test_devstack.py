@@ -172,3 +172,18 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
             _stop(process, log)
         for leftover in _descendants(process):  # only if the checks above failed
             leftover.kill()
+
+
+def test_inference_workers_asks_for_named_workers_with_their_own_disk_tiers(tmp_path) -> None:
+    from deploy.devstack import inference_workers
+
+    one = inference_workers({}, tmp_path, tmp_path / "logs")
+    assert [(name, env["INFERENCE_NODE_NAME"]) for name, env, _ in one] == [
+        ("inference worker", "inference@%h")
+    ]
+    two = inference_workers({"INFERENCE_WORKERS": "2"}, tmp_path, tmp_path / "logs")
+    assert [env["INFERENCE_NODE_NAME"] for _, env, _ in two] == ["inference@%h", "inference2@%h"]
+    assert len({env["KV_DISK_DIR"] for _, env, _ in two}) == 2
+    assert len({log for _, _, log in two}) == 2
+    with pytest.raises(SystemExit, match="at least 1"):
+        inference_workers({"INFERENCE_WORKERS": "0"}, tmp_path, tmp_path / "logs")

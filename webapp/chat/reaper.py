@@ -33,6 +33,7 @@ from kvservice.protocol import (
     request_stop,
     worker_alive,
 )
+from kvservice.routing import requeue_orphans
 from webapp.chat.models import Message
 from webapp.redis import redis_client
 
@@ -70,8 +71,11 @@ def _end(client: Any, request_id: str, message_id: int | None, reason: str) -> N
 
 
 def reap_stale_answers() -> int:
-    """End the answers described in the module doc; returns how many were ended."""
+    """End the answers described in the module doc; returns how many were ended. Questions
+    routed to a worker that died before taking them go back to the shared queue first."""
     client = redis_client()
+    if moved := requeue_orphans(client, settings.INFERENCE_QUEUE):
+        logger.warning("%d questions waited on a worker that is gone: requeued", moved)
     ended = 0
     inflight = inflight_entries(client)
     for request_id, entry in inflight.items():

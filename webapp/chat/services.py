@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from kvservice import routing
 from kvservice.protocol import (
     GENERATE_TASK,
     ChunkRef,
@@ -100,9 +101,9 @@ def _send(answer: Message, question: str, history: list[Turn], citations: list[C
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
     )
     try:
-        celery_app.send_task(
-            GENERATE_TASK, args=[request.to_dict()], queue=settings.INFERENCE_QUEUE
-        )
+        # To the worker that holds most of the chunks hot, or to whichever is free first.
+        route = routing.choose_queue(redis_client(), request.chunks, settings.INFERENCE_QUEUE)
+        celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=route.queue)
     except outages.SERVICE_ERRORS as err:  # the broker is down: say so, leave nothing pending
         Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
             status=Message.Status.FAILED, error_message=SEND_FAILED
@@ -165,10 +166,10 @@ def _answer_nothing_found(answer: Message) -> None:
 
 
 def inference_backlog() -> int:
-    """Questions waiting in the inference queue (not yet taken by a worker); 0 when the
-    broker does not answer (sending will then fail, and say so on the answer)."""
+    """Questions waiting for an inference worker (the shared queue and each worker's own);
+    0 when the broker does not answer (sending will then fail, and say so on the answer)."""
     try:
-        return int(redis_client().llen(settings.INFERENCE_QUEUE))
+        return routing.backlog(redis_client(), settings.INFERENCE_QUEUE)
     except outages.SERVICE_ERRORS:
         return 0
 

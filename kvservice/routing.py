@@ -1,0 +1,143 @@
+"""Cache-aware routing: a question goes to the inference worker that already holds its chunks.
+
+Several inference workers share the durable S3 tier of the KV cache; each keeps its own hot
+tiers (CPU memory, GPU memory). A question whose chunks are hot on one worker starts sooner
+there than on a worker that must fetch them from S3, so:
+
+* **Each worker advertises what it holds hot**: a Redis set ``hot_key(worker, queue)`` of
+  ``chunk_digest``s (scope and token hash: no model or tokenizer needed to compute one),
+  rewritten every few seconds with a TTL, so a dead worker's set goes with it.
+* **Each worker consumes two queues**: the shared ``inference`` queue and its own
+  ``worker_queue(worker)``.
+* **The web side picks a queue per question** (``choose_queue``): among the live workers,
+  the one whose hot set holds the largest share of the question's chunks, less
+  ``QUEUE_WEIGHT`` per request it already has queued or in flight. When no worker holds any
+  of the chunks, the shared queue: whichever worker is free first takes it.
+* **A worker that dies leaves nothing behind**: its own queue is moved back to the shared one
+  by ``requeue_orphans`` (the web side's reaper runs it), and the answers it had in flight end
+  through the reaper as before (``kvservice.protocol``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvservice.chunk import token_ids_sha256
+from kvservice.protocol import (
+    INFERENCE_QUEUE,
+    ChunkRef,
+    inflight_entries,
+    worker_alive_key,
+)
+
+HOT_PREFIX = "ragblend:inference:hot:"
+HOT_TTL_S = 15  # a worker rewrites its set every few seconds; a dead one's set expires
+# One request queued or in flight on a worker counts as much as this share of the question's
+# chunks being hot there: with 6 chunks, a worker holding all of them but already busy with
+# two requests is still preferred over an idle one holding two (1 - 0.5 > 1/3).
+QUEUE_WEIGHT = 0.25
+
+
+def chunk_digest(scope: str, tokens_sha256: str) -> str:
+    """What a worker advertises for a chunk it holds: the KV's scope and its tokens' hash."""
+    return f"{scope}/{tokens_sha256[:16]}"
+
+
+def ref_digest(ref: ChunkRef) -> str:
+    return chunk_digest(ref.kv_scope, token_ids_sha256(ref.token_ids))
+
+
+def hot_key(worker_id: str, shared: str = INFERENCE_QUEUE) -> str:
+    """The worker's hot set, as seen by the questions of the shared queue it serves (a worker
+    of another queue is never chosen for them)."""
+    return f"{HOT_PREFIX}{shared}:{worker_id}"
+
+
+def worker_queue(worker_id: str, shared: str = INFERENCE_QUEUE) -> str:
+    """The queue only this worker consumes (besides the shared one)."""
+    return f"{shared}.{re.sub(r'[^A-Za-z0-9_.-]', '-', worker_id)}"
+
+
+def advertise_hot(
+    client: Any, worker_id: str, digests: Iterable[str], shared: str = INFERENCE_QUEUE
+) -> None:
+    """Replace this worker's hot set with ``digests`` (atomically: readers never see half)."""
+    key = hot_key(worker_id, shared)
+    staging = f"{key}:staging"
+    members = sorted(set(digests))
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(staging)
+    if members:
+        pipe.sadd(staging, *members)
+        pipe.expire(staging, HOT_TTL_S)
+        pipe.rename(staging, key)
+    else:
+        pipe.delete(key)
+    pipe.execute()
+
+
+def live_workers(client: Any) -> list[str]:
+    prefix = worker_alive_key("")
+    names = (k.decode() if isinstance(k, bytes) else k for k in client.scan_iter(f"{prefix}*"))
+    return sorted(name[len(prefix) :] for name in names)
+
+
+@dataclass(frozen=True)
+class Route:
+    queue: str
+    worker: str | None  # None: the shared queue
+    hot_share: float  # share of the question's chunks hot on that worker
+    load: int  # requests queued or in flight there when chosen
+
+
+def choose_queue(client: Any, chunks: Sequence[ChunkRef], shared: str = INFERENCE_QUEUE) -> Route:
+    """The queue for a question over ``chunks``; see the module doc."""
+    workers = live_workers(client)
+    if not chunks or not workers:
+        return Route(shared, None, 0.0, 0)
+    digests = [ref_digest(ref) for ref in chunks]
+    in_flight: dict[str, int] = {}
+    for entry in inflight_entries(client).values():
+        in_flight[entry["worker"]] = in_flight.get(entry["worker"], 0) + 1
+    pipe = client.pipeline(transaction=False)
+    for worker in workers:
+        pipe.smismember(hot_key(worker, shared), digests)
+        pipe.llen(worker_queue(worker, shared))
+    replies = pipe.execute()
+    best: Route | None = None
+    best_score = 0.0
+    for index, worker in enumerate(workers):
+        share = sum(map(bool, replies[2 * index])) / len(digests)
+        load = int(replies[2 * index + 1]) + in_flight.get(worker, 0)
+        score = share - QUEUE_WEIGHT * load
+        if share > 0 and (best is None or score > best_score):
+            best, best_score = Route(worker_queue(worker, shared), worker, share, load), score
+    if best is None or best_score <= -QUEUE_WEIGHT:  # nobody holds them, or only a busy one
+        return Route(shared, None, 0.0, 0)
+    return best
+
+
+def backlog(client: Any, shared: str = INFERENCE_QUEUE) -> int:
+    """Requests waiting for a worker: the shared queue and every worker's own queue."""
+    names = [shared, *(worker_queue(w, shared) for w in live_workers(client))]
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.llen(name)
+    return sum(int(n) for n in pipe.execute())
+
+
+def requeue_orphans(client: Any, shared: str = INFERENCE_QUEUE) -> int:
+    """Move the requests waiting in the queue of a worker that is gone to the shared queue,
+    oldest first in line; returns how many moved."""
+    live = {worker_queue(worker, shared) for worker in live_workers(client)}
+    moved = 0
+    for raw in client.scan_iter(f"{shared}.*", _type="list"):
+        name = raw.decode() if isinstance(raw, bytes) else raw
+        if name in live:
+            continue
+        while client.lmove(name, shared, "LEFT", "RIGHT") is not None:
+            moved += 1
+    return moved
