@@ -12,7 +12,11 @@ there than on a worker that must fetch them from S3, so:
 * **The web side picks a queue per question** (``choose_queue``): among the live workers,
   the one whose hot set holds the largest share of the question's chunks, less
   ``QUEUE_WEIGHT`` per request it already has queued or in flight. When no worker holds any
-  of the chunks, the shared queue: whichever worker is free first takes it.
+  of them, the chunks' *home* (rendezvous hashing of their scope, i.e. their owner, over the
+  live workers): a user's documents gather on one worker instead of on whichever was free
+  (measured: two sets sent "to whoever is free" all went to one worker at first and evicted
+  each other). A home with ``HOME_MAX_LOAD`` requests already waiting gives way to the
+  shared queue: whichever worker is free first takes it.
 * **A worker that dies leaves nothing behind**: its own queue is moved back to the shared one
   by ``requeue_orphans`` (the web side's reaper runs it), and the answers it had in flight end
   through the reaper as before (``kvservice.protocol``).
@@ -20,6 +24,7 @@ there than on a worker that must fetch them from S3, so:
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,10 +40,12 @@ from kvservice.protocol import (
 
 HOT_PREFIX = "ragblend:inference:hot:"
 HOT_TTL_S = 15  # a worker rewrites its set every few seconds; a dead one's set expires
+SERVING = "-"  # in every hot set, chunks or none: the worker serves that shared queue
 # One request queued or in flight on a worker counts as much as this share of the question's
 # chunks being hot there: with 6 chunks, a worker holding all of them but already busy with
 # two requests is still preferred over an idle one holding two (1 - 0.5 > 1/3).
 QUEUE_WEIGHT = 0.25
+HOME_MAX_LOAD = 2  # a cold question's home busier than this: the shared queue instead
 
 
 def chunk_digest(scope: str, tokens_sha256: str) -> str:
@@ -67,22 +74,29 @@ def advertise_hot(
     """Replace this worker's hot set with ``digests`` (atomically: readers never see half)."""
     key = hot_key(worker_id, shared)
     staging = f"{key}:staging"
-    members = sorted(set(digests))
+    members = [SERVING, *sorted(set(digests))]
     pipe = client.pipeline(transaction=True)
     pipe.delete(staging)
-    if members:
-        pipe.sadd(staging, *members)
-        pipe.expire(staging, HOT_TTL_S)
-        pipe.rename(staging, key)
-    else:
-        pipe.delete(key)
+    pipe.sadd(staging, *members)
+    pipe.expire(staging, HOT_TTL_S)
+    pipe.rename(staging, key)
     pipe.execute()
 
 
 def live_workers(client: Any) -> list[str]:
+    """Every inference worker whose alive key is current, whatever queue it serves."""
     prefix = worker_alive_key("")
     names = (k.decode() if isinstance(k, bytes) else k for k in client.scan_iter(f"{prefix}*"))
     return sorted(name[len(prefix) :] for name in names)
+
+
+def serving_workers(client: Any, shared: str = INFERENCE_QUEUE) -> list[str]:
+    """The live workers that serve ``shared`` (and so advertise a hot set for it)."""
+    workers = live_workers(client)
+    pipe = client.pipeline(transaction=False)
+    for worker in workers:
+        pipe.exists(hot_key(worker, shared))
+    return [worker for worker, exists in zip(workers, pipe.execute(), strict=True) if exists]
 
 
 @dataclass(frozen=True)
@@ -95,7 +109,7 @@ class Route:
 
 def choose_queue(client: Any, chunks: Sequence[ChunkRef], shared: str = INFERENCE_QUEUE) -> Route:
     """The queue for a question over ``chunks``; see the module doc."""
-    workers = live_workers(client)
+    workers = serving_workers(client, shared)
     if not chunks or not workers:
         return Route(shared, None, 0.0, 0)
     digests = [ref_digest(ref) for ref in chunks]
@@ -109,20 +123,52 @@ def choose_queue(client: Any, chunks: Sequence[ChunkRef], shared: str = INFERENC
     replies = pipe.execute()
     best: Route | None = None
     best_score = 0.0
+    loads = {}
     for index, worker in enumerate(workers):
         share = sum(map(bool, replies[2 * index])) / len(digests)
-        load = int(replies[2 * index + 1]) + in_flight.get(worker, 0)
+        loads[worker] = load = int(replies[2 * index + 1]) + in_flight.get(worker, 0)
         score = share - QUEUE_WEIGHT * load
         if share > 0 and (best is None or score > best_score):
             best, best_score = Route(worker_queue(worker, shared), worker, share, load), score
-    if best is None or best_score <= -QUEUE_WEIGHT:  # nobody holds them, or only a busy one
-        return Route(shared, None, 0.0, 0)
-    return best
+    if best is not None and best_score > -QUEUE_WEIGHT:
+        return best
+    if best is None:  # nobody holds them: their home, unless it is busy
+        home = home_worker(workers, digests)
+        if loads[home] < HOME_MAX_LOAD:
+            return Route(worker_queue(home, shared), home, 0.0, loads[home])
+    return Route(shared, None, 0.0, 0)
+
+
+def home_worker(workers: Sequence[str], digests: Sequence[str]) -> str:
+    """Where chunks nobody holds go: each chunk's highest-weight worker by rendezvous hashing
+    of its scope (of the chunk itself when unscoped, i.e. shared by everyone), the question
+    going where most of its chunks do. While the workers stay the same, the same owner's
+    chunks go to the same worker; when one goes, only its share moves."""
+    votes: dict[str, int] = {}
+    for digest in digests:
+        scope = digest.split("/", 1)[0]
+        anchor = scope or digest
+        home = max(workers, key=lambda w: hashlib.blake2b(f"{w}|{anchor}".encode()).digest())
+        votes[home] = votes.get(home, 0) + 1
+    return max(sorted(votes), key=votes.__getitem__)
+
+
+def every_worker_queue(client: Any, shared: str = INFERENCE_QUEUE) -> list[str]:
+    """Each serving worker's own queue (what every worker must do, e.g. evict a document),
+    or the shared queue when none is up."""
+    return [worker_queue(w, shared) for w in serving_workers(client, shared)] or [shared]
+
+
+def home_queue(client: Any, digests: Sequence[str], shared: str = INFERENCE_QUEUE) -> str:
+    """The queue of the chunks' home worker (where questions over them will go), or the
+    shared queue when none is up."""
+    workers = serving_workers(client, shared)
+    return worker_queue(home_worker(workers, digests), shared) if workers else shared
 
 
 def backlog(client: Any, shared: str = INFERENCE_QUEUE) -> int:
     """Requests waiting for a worker: the shared queue and every worker's own queue."""
-    names = [shared, *(worker_queue(w, shared) for w in live_workers(client))]
+    names = [shared, *(worker_queue(w, shared) for w in serving_workers(client, shared))]
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.llen(name)

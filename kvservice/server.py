@@ -206,6 +206,7 @@ def generate(request_data: dict) -> dict:
         result = answer_request(runtime, request, redis_client())
     finally:
         inflight_remove(redis_client(), request.request_id)
+    _advertise_hot(redis_client())  # the chunks just loaded: routable to here at once
     report = {**result, "audit_of": request.audit_of}
     app.send_task(RECORD_TASK, args=[request.message_id, report], queue=RECORD_QUEUE)
     return {"status": result["status"], "request_id": request.request_id}
@@ -228,6 +229,15 @@ def warm(keys: list[str], tier: str) -> int:
     return sum(bool(runtime.store.warm(ChunkKey.from_string(key), tier)) for key in keys)
 
 
+def _advertise_hot(client: redis.Redis) -> None:
+    """Tell the web side which chunks this worker holds in memory (``kvservice.routing``)."""
+    hot = getattr(runtime, "hot_digests", None)  # the vLLM runtime has no store of its own
+    try:
+        advertise_hot(client, WORKER_ID, hot() if hot else [], config.queue)
+    except redis.RedisError as err:
+        log.warning("hot chunks not advertised: %s", err)
+
+
 def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
     """Renew this worker's alive key every ``ALIVE_INTERVAL_S`` and write the status heartbeat
     every ``HEARTBEAT_INTERVAL_S``."""
@@ -237,8 +247,7 @@ def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
             mark_alive(client, WORKER_ID)
             if time.monotonic() - last_status >= HEARTBEAT_INTERVAL_S:
                 write_heartbeat(client, worker=WORKER_ID, **runtime.status())
-                hot = getattr(runtime, "hot_digests", None)
-                advertise_hot(client, WORKER_ID, hot() if hot else [], config.queue)
+                _advertise_hot(client)
                 last_status = time.monotonic()
         except redis.RedisError as err:
             log.warning("heartbeat not written: %s", err)

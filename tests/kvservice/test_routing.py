@@ -67,12 +67,27 @@ def test_a_busy_worker_loses_to_an_idle_one_holding_less(client, shared) -> None
     assert routing.backlog(client, shared) == 2  # the shared queue is empty
 
 
-def test_the_shared_queue_when_no_live_worker_holds_the_chunks(client, shared) -> None:
+def test_chunks_nobody_live_holds_go_to_their_owners_home(client, shared) -> None:
     chunks = _chunks(3, scope="u7")
-    _worker(client, _chunks(3, scope="u8"), shared)  # the same text in another user's scope
+    other = _worker(client, _chunks(3, scope="u8"), shared)  # the same text, another owner
     _worker(client, chunks, shared, alive=False)  # holds them, but is gone
-    assert routing.choose_queue(client, chunks, shared) == routing.Route(shared, None, 0.0, 0)
+    assert routing.choose_queue(client, chunks, shared) == routing.Route(
+        routing.worker_queue(other, shared), other, 0.0, 0
+    )  # the only live worker is everyone's home
     assert routing.choose_queue(client, [], shared).queue == shared
+
+
+def test_a_home_is_stable_per_owner_spreads_owners_and_gives_way_when_busy(client, shared) -> None:
+    workers = [_worker(client, [], shared) for _ in range(3)]
+    homes = {}
+    for owner in range(30):
+        first, second = _chunks(2, f"o{owner}"), _chunks(4, f"o{owner}")[2:]  # other chunks
+        homes[owner] = routing.choose_queue(client, first, shared).worker
+        assert routing.choose_queue(client, second, shared).worker == homes[owner]
+    assert set(homes.values()) == set(workers)  # 30 owners over 3 workers: all get some
+    busy = homes[0]
+    _queue(client, routing.worker_queue(busy, shared), routing.HOME_MAX_LOAD)
+    assert routing.choose_queue(client, _chunks(2, "o0"), shared).queue == shared
 
 
 def test_only_a_very_busy_holder_sends_the_question_to_the_shared_queue(client, shared) -> None:
@@ -82,13 +97,15 @@ def test_only_a_very_busy_holder_sends_the_question_to_the_shared_queue(client, 
     assert routing.choose_queue(client, chunks, shared).worker is None
 
 
-def test_advertising_replaces_the_set_and_an_empty_one_removes_it(client, shared) -> None:
+def test_advertising_replaces_the_set_and_says_which_queue_it_serves(client, shared) -> None:
     worker = _worker(client, _chunks(3), shared)
     routing.advertise_hot(client, worker, ["u1/abc"], shared)
-    assert client.smembers(routing.hot_key(worker, shared)) == {b"u1/abc"}
+    assert client.smembers(routing.hot_key(worker, shared)) == {b"-", b"u1/abc"}
     assert 0 < client.ttl(routing.hot_key(worker, shared)) <= routing.HOT_TTL_S
-    routing.advertise_hot(client, worker, [], shared)
-    assert not client.exists(routing.hot_key(worker, shared))
+    routing.advertise_hot(client, worker, [], shared)  # holds nothing, still serves
+    assert client.smembers(routing.hot_key(worker, shared)) == {b"-"}
+    assert routing.serving_workers(client, shared) == [worker]
+    assert routing.serving_workers(client, f"{shared}-other") == []
 
 
 def test_a_worker_of_another_shared_queue_is_never_chosen(client, shared) -> None:

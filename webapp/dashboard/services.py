@@ -22,6 +22,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from kvservice import routing
+from kvservice.chunk import token_ids_sha256
 from kvservice.protocol import (
     EVICT_TASK,
     GENERATE_TASK,
@@ -35,6 +37,7 @@ from webapp.dashboard import selectors
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
 from webapp.documents.kv import kv_scope_for
 from webapp.documents.models import Chunk, Document
+from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
 log = logging.getLogger(__name__)
@@ -46,10 +49,12 @@ class DashboardError(ValueError):
     """An operator input that cannot be applied (shown to them as is)."""
 
 
-def _send_inference(task: str, args: list[Any]) -> None:
-    transaction.on_commit(
-        lambda: celery_app.send_task(task, args=args, queue=settings.INFERENCE_QUEUE), robust=True
-    )
+def _send_inference(task: str, args: list[Any], queues: list[str]) -> None:
+    def send() -> None:
+        for queue in queues:
+            celery_app.send_task(task, args=args, queue=queue)
+
+    transaction.on_commit(send, robust=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,7 +112,10 @@ def document_evict(*, document: Document) -> list[str]:
     keys = selectors.document_kv_keys(document=document)
     if not keys:
         raise DashboardError(f"“{document.title}” has no cached chunks to evict.")
-    _send_inference(EVICT_TASK, [keys])
+    # Every inference worker drops its copies (each holds its own memory tiers).
+    _send_inference(
+        EVICT_TASK, [keys], routing.every_worker_queue(redis_client(), settings.INFERENCE_QUEUE)
+    )
     return keys
 
 
@@ -118,7 +126,14 @@ def document_warm(*, document: Document, tier: str) -> list[str]:
     keys = selectors.document_kv_keys(document=document)
     if not keys:
         raise DashboardError(f"“{document.title}” has no cached chunks to warm.")
-    _send_inference(WARM_TASK, [keys, tier])
+    # Warmed where questions over the document will go: its owner's home worker.
+    scope = kv_scope_for(document.owner_id)
+    digests = [
+        routing.chunk_digest(scope, token_ids_sha256(token_ids))
+        for token_ids in document.chunks.values_list("token_ids", flat=True)
+    ]
+    queue = routing.home_queue(redis_client(), digests, settings.INFERENCE_QUEUE)
+    _send_inference(WARM_TASK, [keys, tier], [queue])
     return keys
 
 

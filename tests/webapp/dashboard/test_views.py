@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import base64
 import json
+import uuid
 
 import pytest
 from django.urls import reverse
 
-from kvservice.protocol import EVICT_TASK, INFERENCE_QUEUE, WARM_TASK
+from kvservice import routing
+from kvservice.chunk import token_ids_sha256
+from kvservice.protocol import (
+    EVICT_TASK,
+    INFERENCE_QUEUE,
+    WARM_TASK,
+    mark_alive,
+    worker_alive_key,
+)
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.dashboard import selectors
 from webapp.dashboard.models import DashboardSettings
 from webapp.dashboard.urls import urlpatterns
+from webapp.documents.kv import kv_scope_for
 from webapp.documents.models import Chunk, Document
 from webapp.redis import redis_client
 
@@ -34,11 +44,11 @@ def _all_urls(document_id: int) -> list[tuple[str, str]]:
     return urls
 
 
-def _inference_messages() -> list[dict]:
-    """Celery messages waiting in the inference queue, oldest first; drains it."""
+def _inference_messages(queue: str = INFERENCE_QUEUE) -> list[dict]:
+    """Celery messages waiting in an inference queue, oldest first; drains it."""
     client = redis_client()
-    raw = client.lrange(INFERENCE_QUEUE, 0, -1)[::-1]  # kombu pushes on the left
-    client.delete(INFERENCE_QUEUE)
+    raw = client.lrange(queue, 0, -1)[::-1]  # kombu pushes on the left
+    client.delete(queue)
     found = []
     for item in raw:
         envelope = json.loads(item)
@@ -195,6 +205,40 @@ def test_evict_and_warm_send_the_documents_kv_keys_to_the_inference_worker(
     )
     assert "Cannot warm into tier" in response.content.decode()
     assert _inference_messages() == []
+
+
+def test_with_several_workers_evict_reaches_each_and_warm_the_documents_home(
+    staff_client, alice, django_capture_on_commit_callbacks
+) -> None:
+    document = make_document(alice)
+    keys = sorted(document.chunks.values_list("kv_key", flat=True))
+    client = redis_client()
+    workers = [f"dash-{uuid.uuid4().hex[:6]}:1" for _ in range(2)]
+    for worker in workers:
+        mark_alive(client, worker)
+        routing.advertise_hot(client, worker, [], INFERENCE_QUEUE)
+    scope = kv_scope_for(alice.id)
+    digests = [
+        routing.chunk_digest(scope, token_ids_sha256(ids))
+        for ids in document.chunks.values_list("token_ids", flat=True)
+    ]
+    home = routing.home_worker(workers, digests)
+    try:
+        with django_capture_on_commit_callbacks(execute=True):
+            staff_client.post(reverse("dashboard:document_evict", args=[document.pk]))
+            staff_client.post(
+                reverse("dashboard:document_warm", args=[document.pk]), {"tier": "cpu"}
+            )
+        for worker in workers:
+            sent = _inference_messages(routing.worker_queue(worker))
+            expected = [{"task": EVICT_TASK, "args": [keys]}]
+            if worker == home:
+                expected.append({"task": WARM_TASK, "args": [keys, "cpu"]})
+            assert sent == expected, worker
+        assert _inference_messages() == []  # nothing on the shared queue
+    finally:
+        for worker in workers:
+            client.delete(worker_alive_key(worker), routing.hot_key(worker))
 
 
 def test_precompute_again_puts_the_document_back_through_the_kv_step(

@@ -1,0 +1,255 @@
+"""Cache-aware against random routing over two inference workers: hot-tier hit rate and TTFT.
+
+    .venv/bin/python -m deploy.routebench --data ../shared/data/musique_dev.json \\
+        --first 20 --per-set 4 --rounds 3 --json routing.json
+
+Two users' document sets (each the passages of ``--per-set`` Musique examples, a scope each)
+have their KV precomputed into S3 first, so every miss is a load from S3, never a recompute.
+Two real inference workers (``python -m kvservice.server``) then answer the same questions,
+the two sets' examples alternating, ``--rounds`` times over, one at a time, under each policy
+in turn, each policy with freshly started workers (cold memory tiers):
+
+* ``cache-aware``: the queue ``kvservice.routing.choose_queue`` picks, as the web app does;
+* ``random``: one of the two workers' own queues, uniformly.
+
+Each worker's memory tier holds about one set (``KV_CPU_CAPACITY_BYTES``; no disk tier), the
+situation routing is for: two workers cannot each hold everything. Reported per policy: the
+share of chunk loads served from memory (the rest came from S3) and TTFT (median, p90),
+as the worker measured it. Services (S3 gateway, valkey) run in a temporary directory and
+stop at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from deploy import services
+
+ROOT = Path(__file__).resolve().parent.parent
+BLEND_RATIO = 0.15
+
+
+def _documents(data: Path, first: int, per_set: int, tokenizer) -> list[list[dict]]:
+    """Two sets of questions, each ``{question, chunks: [token ids]}`` over its own
+    examples' passages."""
+    examples = json.loads(data.read_text())[first : first + 2 * per_set]
+    sets: list[list[dict]] = [[], []]
+    for index, example in enumerate(examples):
+        texts = [f"{p['title']}\n{p['text']}" if p.get("title") else p["text"]
+                 for p in example["ctxs"][:6]]  # fmt: skip
+        chunks = [tokenizer.encode(text) for text in texts]
+        sets[index // per_set].append({"question": example["question"], "chunks": chunks})
+    return sets
+
+
+def _precompute_into_s3(sets: list[list[dict]], scopes: list[str]) -> int:
+    """Every chunk's KV into S3 (the bench's own process): a miss is then an S3 load."""
+    from kvservice.bundled import default_cache_dir, resolve_llm_path
+    from kvservice.model import Transformer, precompute_chunks
+    from kvservice.prompt import PromptFormat
+    from kvservice.store import StoreConfig, TieredStore
+
+    path = resolve_llm_path(None, default_cache_dir())
+    from transformers import AutoTokenizer
+
+    model = Transformer.from_pretrained(path, device="cpu")
+    prompt = PromptFormat.for_tokenizer(AutoTokenizer.from_pretrained(path))
+    store = TieredStore.from_config(StoreConfig.from_env())
+    written = 0
+    for questions, scope in zip(sets, scopes, strict=True):
+        for item in questions:
+            for chunk in precompute_chunks(model, list(prompt.head_ids), item["chunks"]):
+                store.put(chunk, tiers=[], scope=scope)
+                written += 1
+    return written
+
+
+def _start_workers(shared: str, env: dict[str, str], logs: Path) -> list[subprocess.Popen]:
+    processes = []
+    for index in (1, 2):
+        worker_env = {
+            **env,
+            "INFERENCE_QUEUE": shared,
+            "INFERENCE_NODE_NAME": f"{shared}-{index}@%h",
+            "HEARTBEAT_KEY": f"routebench:{shared}:{index}",
+        }
+        log = open(logs / f"{shared}-{index}.log", "wb")  # noqa: SIM115 - the child keeps it
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "kvservice.server"], cwd=ROOT, env=worker_env, stdout=log,
+            stderr=subprocess.STDOUT, preexec_fn=services.die_with_parent(),
+        ))  # fmt: skip
+        log.close()
+    return processes
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any]]:
+    import redis
+    from celery import Celery
+
+    from kvservice import routing
+    from kvservice.protocol import (
+        GENERATE_TASK,
+        ChunkRef,
+        GenerateRequest,
+        answer_stream,
+        decode_events,
+        worker_alive,
+    )
+
+    client = redis.Redis.from_url(env["REDIS_URL"])
+    sender = Celery("routebench", broker=env["REDIS_URL"])
+    shared = f"routebench-{policy}-{uuid.uuid4().hex[:6]}"
+    processes = _start_workers(shared, env, logs)
+    workers = [f"{socket.gethostname()}:{p.pid}" for p in processes]
+    chooser = random.Random(args.seed)
+    rows = []
+    try:
+        _wait(lambda: all(worker_alive(client, w) for w in workers), 300, "both workers")
+        order = [(s, i) for i in range(args.per_set) for s in (0, 1)]
+        for round_index in range(args.rounds):
+            for set_index, item_index in order:
+                item = sets[set_index][item_index]
+                refs = [ChunkRef(chunk_id=n, token_ids=ids, kv_scope=scopes[set_index])
+                        for n, ids in enumerate(item["chunks"])]  # fmt: skip
+                if policy == "random":
+                    queue = routing.worker_queue(chooser.choice(workers), shared)
+                else:
+                    queue = routing.choose_queue(client, refs, shared).queue
+                request = GenerateRequest(
+                    request_id=str(uuid.uuid4()), question=item["question"], chunks=refs,
+                    mode="blend", recompute_ratio=BLEND_RATIO, max_new_tokens=1,
+                )  # fmt: skip
+                sender.send_task(GENERATE_TASK, args=[request.to_dict()], queue=queue)
+                name = answer_stream(request.request_id)
+
+                def final(name=name):
+                    events = decode_events([(name, client.xrange(name))])
+                    return next((p for _, k, p in events if k in ("done", "error")), None)
+
+                metrics = _wait(final, 300, "an answer").get("metrics") or {}
+                tiers = list(metrics.get("chunk_tiers", {}).values())
+                rows.append({
+                    "policy": policy, "round": round_index, "set": set_index,
+                    "worker": workers.index(metrics["worker"]) if metrics.get("worker") in
+                    workers else None, "ttft_s": metrics.get("ttft_s"),
+                    "hot": sum(t in ("cpu", "device") for t in tiers), "chunks": len(tiers),
+                })  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+                time.sleep(args.settle_s)  # the worker's hot set reaches Redis
+    finally:
+        _stop(processes)
+        client.close()
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for policy in sorted({r["policy"] for r in rows}):
+        mine = [r for r in rows if r["policy"] == policy]
+        ttft = sorted(r["ttft_s"] for r in mine if r["ttft_s"] is not None)
+        out[policy] = {
+            "questions": len(mine),
+            "hot_hit_rate": round(sum(r["hot"] for r in mine) / sum(r["chunks"] for r in mine), 3),
+            "ttft_median_s": round(statistics.median(ttft), 3),
+            "ttft_p90_s": round(ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], 3),
+            "per_worker": {str(w): sum(r["worker"] == w for r in mine) for w in (0, 1)},
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m deploy.routebench",
+                                     description=__doc__.split("\n")[0])  # fmt: skip
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--first", type=int, default=20, help="first Musique example")
+    parser.add_argument("--per-set", type=int, default=4, help="examples per document set")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--policies", default="cache-aware,random")
+    parser.add_argument("--cpu-tier", default="400MiB",
+                        help="each worker's memory tier (a set of 4 examples is ~320 MB)")
+    parser.add_argument("--settle-s", type=float, default=0.5,
+                        help="pause after each answer (the hot set reaches Redis)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from kvservice.bundled import default_cache_dir, resolve_llm_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_llm_path(None, default_cache_dir()))
+    sets = _documents(args.data, args.first, args.per_set, tokenizer)
+    scopes = ["rba", "rbb"]
+    with tempfile.TemporaryDirectory(prefix="ragblend-routebench-") as directory:
+        work = Path(directory)
+        started = []
+        try:
+            s3 = services.start_seaweedfs(
+                work, port=services.free_port(also_free_at_offset=10000),
+                access_key="bench", secret_key="bench-secret-key", buckets=("kvcache",),
+            )  # fmt: skip
+            started.append(s3)
+            valkey = services.start_valkey(work, port=services.free_port(), password="bench")
+            started.append(valkey)
+            env = {**os.environ, **s3.env, **valkey.env, "PYTHONUNBUFFERED": "1",
+                   "KV_S3_BUCKET": "kvcache", "KV_CPU_CAPACITY_BYTES": args.cpu_tier,
+                   "KV_DISK_CAPACITY_BYTES": "0", "INFERENCE_CONCURRENCY": "2"}  # fmt: skip
+            os.environ.update({k: env[k] for k in (*s3.env, "KV_S3_BUCKET")})
+            os.environ.update({"KV_CPU_CAPACITY_BYTES": "0", "KV_DISK_CAPACITY_BYTES": "0"})
+            print(f"precomputed {_precompute_into_s3(sets, scopes)} chunks into S3", flush=True)
+            rows = []
+            for policy in args.policies.split(","):
+                rows += run_policy(policy, sets, scopes, args, env, work)
+        finally:
+            for service in reversed(started):
+                service.stop()
+    summary = {"policies": summarize(rows), "rows": rows, "settings": {
+        "first": args.first, "per_set": args.per_set, "rounds": args.rounds,
+        "cpu_tier": args.cpu_tier, "blend_ratio": BLEND_RATIO, "cores": os.cpu_count(),
+        "load_avg_after": os.getloadavg(),
+    }}  # fmt: skip
+    for policy, figures in summary["policies"].items():
+        print(f"{policy:12s} hot-tier hit rate {figures['hot_hit_rate']:.0%}  TTFT median "
+              f"{figures['ttft_median_s']:.2f} s  p90 {figures['ttft_p90_s']:.2f} s  "
+              f"questions per worker {figures['per_worker']}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
