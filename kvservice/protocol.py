@@ -113,8 +113,14 @@ def worker_alive_key(worker_id: str) -> str:
     return f"ragblend:inference:alive:{worker_id}"
 
 
+WORKERS_KEY = "ragblend:inference:workers"  # set: every worker id with an alive key, or once
+
+
 def mark_alive(client: Any, worker_id: str) -> None:
-    client.set(worker_alive_key(worker_id), "1", ex=ALIVE_TTL_S)
+    pipe = client.pipeline(transaction=False)
+    pipe.set(worker_alive_key(worker_id), "1", ex=ALIVE_TTL_S)
+    pipe.sadd(WORKERS_KEY, worker_id)  # so live workers are listed without scanning keys
+    pipe.execute()
 
 
 def worker_alive(client: Any, worker_id: str) -> bool:

@@ -33,6 +33,7 @@ from typing import Any
 from kvservice.chunk import token_ids_sha256
 from kvservice.protocol import (
     INFERENCE_QUEUE,
+    WORKERS_KEY,
     ChunkRef,
     inflight_entries,
     worker_alive_key,
@@ -68,6 +69,11 @@ def worker_queue(worker_id: str, shared: str = INFERENCE_QUEUE) -> str:
     return f"{shared}.{re.sub(r'[^A-Za-z0-9_.-]', '-', worker_id)}"
 
 
+def queues_key(shared: str = INFERENCE_QUEUE) -> str:
+    """Hash: the own queue of every worker that served ``shared`` -> that worker's id."""
+    return f"ragblend:inference:queues:{shared}"
+
+
 def advertise_hot(
     client: Any, worker_id: str, digests: Iterable[str], shared: str = INFERENCE_QUEUE
 ) -> None:
@@ -80,14 +86,25 @@ def advertise_hot(
     pipe.sadd(staging, *members)
     pipe.expire(staging, HOT_TTL_S)
     pipe.rename(staging, key)
+    pipe.hset(queues_key(shared), worker_queue(worker_id, shared), worker_id)
     pipe.execute()
 
 
 def live_workers(client: Any) -> list[str]:
-    """Every inference worker whose alive key is current, whatever queue it serves."""
-    prefix = worker_alive_key("")
-    names = (k.decode() if isinstance(k, bytes) else k for k in client.scan_iter(f"{prefix}*"))
-    return sorted(name[len(prefix) :] for name in names)
+    """Every inference worker whose alive key is current, whatever queue it serves (from the
+    registry ``mark_alive`` keeps: a few keys read per question, never a scan of the
+    keyspace). Workers found dead leave the registry; a live one is back in 2 s."""
+    members = sorted(
+        m.decode() if isinstance(m, bytes) else m for m in client.smembers(WORKERS_KEY)
+    )
+    pipe = client.pipeline(transaction=False)
+    for worker in members:
+        pipe.exists(worker_alive_key(worker))
+    alive = pipe.execute() if members else []
+    dead = [worker for worker, up in zip(members, alive, strict=True) if not up]
+    if dead:
+        client.srem(WORKERS_KEY, *dead)
+    return [worker for worker, up in zip(members, alive, strict=True) if up]
 
 
 def serving_workers(client: Any, shared: str = INFERENCE_QUEUE) -> list[str]:
@@ -177,13 +194,18 @@ def backlog(client: Any, shared: str = INFERENCE_QUEUE) -> int:
 
 def requeue_orphans(client: Any, shared: str = INFERENCE_QUEUE) -> int:
     """Move the requests waiting in the queue of a worker that is gone to the shared queue,
-    oldest first in line; returns how many moved."""
-    live = {worker_queue(worker, shared) for worker in live_workers(client)}
+    oldest first in line; returns how many moved. A gone worker's queue is forgotten once its
+    hot set has expired too (15 s against the alive key's 6): a question routed in the instant
+    the worker died is still moved by a later run."""
+    live = set(live_workers(client))
     moved = 0
-    for raw in client.scan_iter(f"{shared}.*", _type="list"):
-        name = raw.decode() if isinstance(raw, bytes) else raw
-        if name in live:
+    for raw_queue, raw_worker in client.hgetall(queues_key(shared)).items():
+        queue = raw_queue.decode() if isinstance(raw_queue, bytes) else raw_queue
+        worker = raw_worker.decode() if isinstance(raw_worker, bytes) else raw_worker
+        if worker in live:
             continue
-        while client.lmove(name, shared, "LEFT", "RIGHT") is not None:
+        while client.lmove(queue, shared, "LEFT", "RIGHT") is not None:
             moved += 1
+        if not client.exists(hot_key(worker, shared)):
+            client.hdel(queues_key(shared), queue)
     return moved

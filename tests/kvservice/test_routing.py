@@ -10,7 +10,13 @@ import pytest
 import redis
 
 from kvservice import routing
-from kvservice.protocol import INFLIGHT_KEY, ChunkRef, mark_alive, worker_alive_key
+from kvservice.protocol import (
+    INFLIGHT_KEY,
+    WORKERS_KEY,
+    ChunkRef,
+    mark_alive,
+    worker_alive_key,
+)
 
 
 @pytest.fixture
@@ -120,7 +126,15 @@ def test_a_dead_workers_queue_goes_back_to_the_shared_queue_oldest_first(client,
     client.lpush(dead_queue, "first", "second", "third")  # a consumer pops from the right
     _queue(client, routing.worker_queue(live, shared), 1)
     client.delete(worker_alive_key(dead))
+    assert routing.live_workers(client).count(dead) == 0
     assert routing.requeue_orphans(client, shared) == 3
     assert not client.exists(dead_queue)
     assert client.llen(routing.worker_queue(live, shared)) == 1  # a live worker's: kept
     assert [client.rpop(shared) for _ in range(3)] == [b"first", b"second", b"third"]
+    # Routed in the instant it died: still moved by the next run, while its hot set lasts.
+    client.lpush(dead_queue, "late")
+    assert routing.requeue_orphans(client, shared) == 1 and client.rpop(shared) == b"late"
+    client.delete(routing.hot_key(dead, shared))  # its hot set expired: forgotten
+    routing.requeue_orphans(client, shared)
+    assert dead_queue.encode() not in client.hkeys(routing.queues_key(shared))
+    assert dead.encode() not in client.smembers(WORKERS_KEY)  # left the registry of workers
