@@ -7,6 +7,7 @@ rather than silently truncated to its first half.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from functools import cache
@@ -24,6 +25,21 @@ def embedder() -> Any:
     """The process's MiniLM, loaded on first use (thread-safe: one load per process)."""
     with _embedder_lock:
         return _load_embedder()
+
+
+def warm_up_in_background() -> threading.Thread:
+    """Load the embedder in a daemon thread: the web server calls this at start, so the
+    first question does not wait for the model (~25 s on a 2-core machine)."""
+
+    def load() -> None:
+        try:
+            embedder()
+        except Exception:  # the first question will raise it to whoever asks
+            logging.getLogger(__name__).exception("embedder warm-up failed")
+
+    thread = threading.Thread(target=load, name="embedder-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 @cache
