@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy import services
+from deploy.devstack import stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 BLEND_RATIO = 0.15
@@ -54,19 +55,19 @@ def _documents(data: Path, first: int, per_set: int, tokenizer) -> list[list[dic
     return sets
 
 
-def _precompute_into_s3(sets: list[list[dict]], scopes: list[str]) -> int:
-    """Every chunk's KV into S3 (the bench's own process): a miss is then an S3 load."""
-    from kvservice.bundled import default_cache_dir, resolve_llm_path
+def _precompute_into_s3(sets: list[list[dict]], scopes: list[str], model_dir: Path, env) -> int:
+    """Every chunk's KV into S3 (the bench's own process, S3 tier only): a miss is then an S3
+    load."""
+    from transformers import AutoTokenizer
+
     from kvservice.model import Transformer, precompute_chunks
     from kvservice.prompt import PromptFormat
     from kvservice.store import StoreConfig, TieredStore
 
-    path = resolve_llm_path(None, default_cache_dir())
-    from transformers import AutoTokenizer
-
-    model = Transformer.from_pretrained(path, device="cpu")
-    prompt = PromptFormat.for_tokenizer(AutoTokenizer.from_pretrained(path))
-    store = TieredStore.from_config(StoreConfig.from_env())
+    model = Transformer.from_pretrained(model_dir, device="cpu")
+    prompt = PromptFormat.for_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+    only_s3 = {**env, "KV_CPU_CAPACITY_BYTES": "0", "KV_DISK_CAPACITY_BYTES": "0"}
+    store = TieredStore.from_config(StoreConfig.from_env(only_s3))
     written = 0
     for questions, scope in zip(sets, scopes, strict=True):
         for item in questions:
@@ -92,18 +93,6 @@ def _start_workers(shared: str, env: dict[str, str], logs: Path) -> list[subproc
         ))  # fmt: skip
         log.close()
     return processes
-
-
-def _stop(processes: list[subprocess.Popen]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    for process in processes:
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
 
 
 def _wait(predicate, timeout: float, what: str):
@@ -171,7 +160,7 @@ def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any
                 print(json.dumps(rows[-1]), flush=True)
                 time.sleep(args.settle_s)  # the worker's hot set reaches Redis
     finally:
-        _stop(processes)
+        stop_all(processes)
         client.close()
     return rows
 
@@ -199,8 +188,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--per-set", type=int, default=4, help="examples per document set")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--policies", default="cache-aware,random")
-    parser.add_argument("--cpu-tier", default="400MiB",
-                        help="each worker's memory tier (a set of 4 examples is ~320 MB)")
+    parser.add_argument(
+        "--cpu-tier",
+        default="400MiB",
+        help="each worker's memory tier (a set of 4 examples is ~320 MB)",
+    )
     parser.add_argument("--settle-s", type=float, default=0.5,
                         help="pause after each answer (the hot set reaches Redis)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
@@ -211,8 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from kvservice.bundled import default_cache_dir, resolve_llm_path
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_llm_path(None, default_cache_dir()))
-    sets = _documents(args.data, args.first, args.per_set, tokenizer)
+    model_dir = resolve_llm_path(None, default_cache_dir())
+    sets = _documents(args.data, args.first, args.per_set, AutoTokenizer.from_pretrained(model_dir))
     scopes = ["rba", "rbb"]
     with tempfile.TemporaryDirectory(prefix="ragblend-routebench-") as directory:
         work = Path(directory)
@@ -228,15 +220,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             env = {**os.environ, **s3.env, **valkey.env, "PYTHONUNBUFFERED": "1",
                    "KV_S3_BUCKET": "kvcache", "KV_CPU_CAPACITY_BYTES": args.cpu_tier,
                    "KV_DISK_CAPACITY_BYTES": "0", "INFERENCE_CONCURRENCY": "2"}  # fmt: skip
-            os.environ.update({k: env[k] for k in (*s3.env, "KV_S3_BUCKET")})
-            os.environ.update({"KV_CPU_CAPACITY_BYTES": "0", "KV_DISK_CAPACITY_BYTES": "0"})
-            print(f"precomputed {_precompute_into_s3(sets, scopes)} chunks into S3", flush=True)
+            written = _precompute_into_s3(sets, scopes, model_dir, env)
+            print(f"precomputed {written} chunks into S3", flush=True)
             rows = []
             for policy in args.policies.split(","):
                 rows += run_policy(policy, sets, scopes, args, env, work)
         finally:
-            for service in reversed(started):
-                service.stop()
+            stop_all(started)
     summary = {"policies": summarize(rows), "rows": rows, "settings": {
         "first": args.first, "per_set": args.per_set, "rounds": args.rounds,
         "cpu_tier": args.cpu_tier, "blend_ratio": BLEND_RATIO, "cores": os.cpu_count(),

@@ -16,6 +16,7 @@ import pytest
 import redis
 from celery import Celery
 
+from deploy.devstack import stop_all
 from kvservice import routing
 from kvservice.protocol import (
     GENERATE_TASK,
@@ -118,13 +119,5 @@ def test_questions_go_to_the_worker_holding_their_chunks_and_survive_its_death(
                  timeout=240, interval=0.3, what="the requeued question's answer")  # fmt: skip
         assert ask(set_a)["worker"] == other
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+        stop_all(processes)
         client.close()
