@@ -11,6 +11,7 @@ from kvservice.blend import (
     attention_importance,
     blend_prefill,
     rerotate,
+    rotate_into,
     select_recompute,
     smooth_scores,
 )
@@ -60,6 +61,18 @@ def test_rerotate_equals_rotation_at_the_new_position(tiny_llama):
     expected = apply_rope(k, *rope_cos_sin(inv_freq, new))
     torch.testing.assert_close(rerotate(at_old, old, new, inv_freq), expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(at_old, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16])
+def test_rotate_into_writes_apply_rope_of_the_widened_keys_into_the_slice(tiny_llama, stored):
+    k_pre = torch.randn(2, 7, 16).to(stored)
+    cos, sin = rope_cos_sin(tiny_llama.inv_freq, torch.arange(100, 107))
+    cache = torch.zeros(2, 20, 16)
+    rotate_into(cache[:, 5:12], k_pre, cos, sin)
+    expected = apply_rope(k_pre.float(), cos, sin)
+    torch.testing.assert_close(cache[:, 5:12], expected, atol=1e-6, rtol=1e-6)
+    assert cache[:, :5].eq(0).all() and cache[:, 12:].eq(0).all()  # nothing outside the slice
+    assert not torch.allclose(cache[:, 5:12], k_pre.float(), atol=1e-3)  # it did rotate
 
 
 def test_cached_chunk_k_moved_to_new_place_equals_k_computed_there(tiny_llama, prompt):
