@@ -12,11 +12,16 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvservice.store.format import Buffer
 from kvservice.store.keys import ChunkKey
+
+
+class Readable(Protocol):
+    def readinto(self, buffer: memoryview) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class Tier(ABC):
     name: str = "tier"
     # Bytes held by a trusted tier were verified when they entered it: reads skip checksums.
     trusted: bool = False
+    # The tier implements ``open_stream``: a loader reads a chunk's layers from one request.
+    streams: bool = False
 
     def __init__(self) -> None:
         self._meter = ReadMeter()
@@ -108,6 +115,13 @@ class Tier(ABC):
         n = buffer_nbytes(data)
         out[:n] = memoryview(data).cast("B")
         return n
+
+    def open_stream(self, key: ChunkKey, start: int) -> AbstractContextManager[Readable | None]:
+        """The object from ``start`` to its end as one sequential read: a context giving a
+        reader (``readinto``), or None when the tier does not hold the object. A loader
+        then reads a chunk layer after layer from one request instead of one request per
+        layer. Tiers that can (``streams = True``: S3) override it."""
+        raise NotImplementedError(f"the {self.name} tier does not stream")
 
     @abstractmethod
     def put(self, key: ChunkKey, data: Buffer) -> None: ...

@@ -49,6 +49,24 @@ def test_loader_serves_exactly_the_stored_layers_in_order(store, where):
         assert all(store.tier("cpu").contains(k) for k in keys)
 
 
+def test_s3_chunk_layers_come_from_one_request_per_chunk(store):
+    """Streaming: a chunk's header (locate) and then all its layers in one GET, not a GET
+    per layer; served exactly, and still promoted once complete."""
+    chunks = [make_chunk(50 + i) for i in range(3)]
+    keys = [store.put(chunk, tiers=[]) for chunk in chunks]
+    s3 = store.tier("s3")
+    before = s3.hits
+    with KVLoader(store) as loader:
+        batch = loader.open(keys)
+        for source, chunk in zip(batch, chunks, strict=True):
+            _assert_serves(source, chunk)
+    assert s3.hits - before == 2 * len(chunks)  # per chunk: the header, then the stream
+    deadline = time.monotonic() + 2
+    while not all(store.tier("cpu").contains(k) for k in keys) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(store.tier("cpu").contains(k) for k in keys)
+
+
 class SlowDisk(DiskTier):
     """A disk whose every read takes ``delay`` seconds (a slow link, deterministic)."""
 
