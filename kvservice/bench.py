@@ -83,7 +83,8 @@ def chunk_sources(
     """Where the blender reads chunk KV from: the store's loader over the tier the chunks
     were staged in (``--tier cpu|disk|s3``), layer by layer, prefetching unless
     ``--no-pipeline``. The loads are reported under the run ``key`` (``blend@0.05``)."""
-    return store_bench(args.tier, not args.no_pipeline).sources(chunks, mode, key=key)
+    tier = args.run_tiers.get(key, args.tier)
+    return store_bench(tier, not args.no_pipeline).sources(chunks, mode, key=key)
 
 
 def _normalize(text: str) -> list[str]:
@@ -221,7 +222,8 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     prompt = example_prompt(fmt, example, args.passages)
     head_kv = precompute_head(model, prompt.head_ids)
     chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
-    store_bench(args.tier, not args.no_pipeline).stage(chunks)  # before any timing
+    for tier in {args.tier, *args.run_tiers.values()}:  # before any timing
+        store_bench(tier, not args.no_pipeline).stage(chunks)
     # Room after the prompt for the longest greedy answer or teacher-forced answer (each is
     # rolled back before the next).
     extra = max(args.max_new_tokens, GAP_TOKENS)
@@ -285,7 +287,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
             "gold_f1": max(token_f1(answer, gold) for gold in example["answers"]),
             "answer": answer,
             "recompute_ratio": result.recompute_ratio_effective,
-            **store_bench(args.tier, not args.no_pipeline).report(
+            **store_bench(args.run_tiers.get(key, args.tier), not args.no_pipeline).report(
                 key,
                 prompt_tokens=full.num_tokens,
                 num_layers=model.config.n_layers,
@@ -327,6 +329,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--tier", choices=TIERS, default="cpu", help="where chunk KV starts")
+    parser.add_argument(
+        "--also-tiers", default="", metavar="T1,...",
+        help="also run reuse/blend with the chunks starting in these tiers, interleaved with "
+        "the --tier runs on the same prompts (keys blend[s3]); reports TTFT(tier)/TTFT(--tier)",
+    )  # fmt: skip
     parser.add_argument("--no-pipeline", action="store_true", help="load all KV, then compute")
     parser.add_argument(
         "--engine", choices=("native", "vllm"), default="native",
@@ -360,6 +367,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.plot and not args.ratios:
         parser.error("--plot draws the --ratios curve: give --ratios too")
     args.plan = run_plan(args.modes, args.ratio, args.ratios)
+    also = [t.strip() for t in args.also_tiers.split(",") if t.strip() and t.strip() != args.tier]
+    if any(t not in TIERS for t in also):
+        parser.error(f"--also-tiers {args.also_tiers!r}: tiers are {', '.join(TIERS)}")
+    if also and args.engine != "native":
+        parser.error("--also-tiers applies to the native engine only")
+    args.run_tiers = {}  # run key -> the tier its chunks start in, where not --tier
+    for tier in also:
+        for mode in ("reuse", "blend"):
+            if mode in args.modes:
+                args.plan[f"{mode}[{tier}]"] = (mode, args.ratio)
+                args.run_tiers[f"{mode}[{tier}]"] = tier
     return args
 
 
@@ -397,10 +415,16 @@ def blend_settings(pairs: Sequence[str]) -> dict:
 
 
 def summarize(
-    rows: list[dict], plan: Mapping[str, tuple[Mode, float]], *, curve: bool = False
+    rows: list[dict],
+    plan: Mapping[str, tuple[Mode, float]],
+    *,
+    curve: bool = False,
+    run_tiers: Mapping[str, str] | None = None,
 ) -> dict:
     """Per run key: TTFT medians, fidelity means and ``tf_kl``'s distribution, and against
-    ``reuse`` where it ran; with ``curve``, the points of :func:`ratio_curve`."""
+    ``reuse`` where it ran; with ``curve``, the points of :func:`ratio_curve` (runs at
+    ``--ratios``, from ``--tier``); with ``run_tiers``, :func:`tier_slowdown`."""
+    run_tiers = run_tiers or {}
     summary: dict = {"modes": {}}
     full_ttft = (
         statistics.median(r["modes"]["full"]["ttft_s"] for r in rows) if "full" in plan else None
@@ -424,8 +448,32 @@ def summarize(
     hf = [r["hf_full"]["ttft_s"] for r in rows if "hf_full" in r]
     summary["hf_full"] = {"ttft_median_s": statistics.median(hf) if hf else None}
     if curve:
-        summary["curve"] = ratio_curve(summary["modes"], plan)
+        summary["curve"] = ratio_curve(
+            summary["modes"], {k: v for k, v in plan.items() if k not in run_tiers}
+        )
+    if run_tiers:
+        summary["tier_slowdown"] = tier_slowdown(rows, plan, run_tiers)
     return summary
+
+
+def tier_slowdown(
+    rows: list[dict], plan: Mapping[str, tuple[Mode, float]], run_tiers: Mapping[str, str]
+) -> dict:
+    """The honest cost of where the chunks start: per run from another tier (``blend[s3]``),
+    TTFT there over TTFT of the same mode from ``--tier`` on the same prompt, per example
+    and its median. Unlike ``hidden_load_fraction`` (the share of the load the prefill did
+    not wait for), it also counts the compute the loader took from the prefill."""
+    out: dict = {}
+    for key, tier in run_tiers.items():
+        mode = plan[key][0]
+        ratios = [r["modes"][key]["ttft_s"] / r["modes"][mode]["ttft_s"] for r in rows]
+        out[key] = {
+            "tier": tier,
+            "relative_to": mode,
+            "ttft_ratio_median": statistics.median(ratios),
+            "ttft_ratio_per_example": ratios,
+        }
+    return out
 
 
 def _distribution(kl: list[float]) -> dict:
@@ -502,6 +550,12 @@ def print_table(summary: dict) -> None:
             f"{versus:>12} {m['gold_f1']:7.3f}"
         )
     print("vs reuse -/+: examples whose tf_kl is worse / better than reuse's on the same prompt")
+    for key, slow in summary.get("tier_slowdown", {}).items():
+        each = ", ".join(f"{r:.2f}" for r in slow["ttft_ratio_per_example"])
+        print(
+            f"{key}: TTFT {slow['ttft_ratio_median']:.3f}x {slow['relative_to']}'s (median; "
+            f"per example {each})"
+        )
     hf = summary["hf_full"]["ttft_median_s"]
     if hf is not None:
         full = summary["modes"].get("full", {}).get("ttft_median_s")
@@ -534,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows: list[dict] = []
 
     def report() -> dict:
-        summary = summarize(rows, args.plan, curve=bool(args.ratios))
+        summary = summarize(rows, args.plan, curve=bool(args.ratios), run_tiers=args.run_tiers)
         return {**summary, "env": _env(args, model, model_dir, rows, load_before), "examples": rows}
 
     with torch.no_grad():
@@ -582,6 +636,7 @@ def _env(args, model, model_dir, rows, load_before) -> dict:
         "gap_tokens": GAP_TOKENS,
         "blend_settings": args.blend,
         "tier": args.tier,
+        "also_tiers": sorted(set(args.run_tiers.values())),
         "pipeline": not args.no_pipeline,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),
         "load_avg_before": load_before,

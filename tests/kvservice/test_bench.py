@@ -150,6 +150,31 @@ def test_summary_gives_distributions_counts_against_reuse_and_the_curve():
     print_table(summary)  # every column it prints is there
 
 
+def test_also_tiers_runs_reuse_and_blend_from_another_tier_and_reports_the_slowdown(capsys):
+    args = parse_args(["--data", "x.json", "--modes", "full,reuse,blend", "--tier", "cpu",
+                       "--also-tiers", "s3,cpu", "--ratios", "0.05"])  # fmt: skip
+    assert args.run_tiers == {"reuse[s3]": "s3", "blend[s3]": "s3"}  # cpu is --tier already
+    assert args.plan["blend[s3]"] == ("blend", 0.15) and args.plan["reuse[s3]"] == ("reuse", 0.15)
+    with pytest.raises(SystemExit):
+        parse_args(["--data", "x.json", "--also-tiers", "tape"])
+    assert "tiers are" in capsys.readouterr().err
+
+    ttft = {"full": 2.0, "reuse": 0.2, "blend": 0.6, "blend@0.05": 0.4}
+    rows = []
+    for slower in (1.1, 1.3, 1.2):  # blend from S3 against from CPU, on the same prompt
+        times = {**ttft, "reuse[s3]": 0.3, "blend[s3]": 0.6 * slower}
+        rows.append(_row({key: 0.1 for key in times}, times))
+    summary = summarize(rows, args.plan, curve=True, run_tiers=args.run_tiers)
+    slow = summary["tier_slowdown"]["blend[s3]"]
+    assert slow["tier"] == "s3" and slow["relative_to"] == "blend"
+    assert slow["ttft_ratio_per_example"] == pytest.approx([1.1, 1.3, 1.2])
+    assert slow["ttft_ratio_median"] == pytest.approx(1.2)
+    assert summary["tier_slowdown"]["reuse[s3]"]["ttft_ratio_median"] == pytest.approx(1.5)
+    assert [p["label"] for p in summary["curve"]] == ["reuse", "blend@0.05", "blend@0.15", "full"]
+    print_table(summary)
+    assert "blend[s3]: TTFT 1.200x blend's" in capsys.readouterr().out
+
+
 def test_the_kl_window_of_the_long_teacher_forcing_is_the_short_one(tiny_llama):
     """tf_kl/tf_agreement read the first TF_TOKENS positions of the GAP_TOKENS teacher
     forcing: the logits there are those of a TF_TOKENS teacher forcing (as the bench did
