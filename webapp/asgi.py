@@ -9,7 +9,7 @@ from webapp.bodylimit import BodySizeLimit
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 django_application = get_asgi_application()
-if os.environ.get("WEB_WARM_UP", "1") != "0":  # the embedding model, before the first question
+if settings.WEB_WARM_UP:  # the embedding model, before the first question
     from webapp.documents.embeddings import warm_up_in_background
 
     warm_up_in_background()

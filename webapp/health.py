@@ -1,6 +1,8 @@
 """Health endpoints for people, load balancers and orchestrators.
 
 - ``GET /healthz``: one entry per component and an overall status (200 all up, 503 otherwise).
+  Ready means warm: the web process's embedding model and an ingest worker's models are
+  loaded, and the inference worker holds its model.
 - ``GET /livez``: 200 whenever this process serves requests (a liveness probe: restarting
   the web server cannot fix a database that is down).
 - ``GET /readyz``: 200 when what the web server itself needs answers, the database and Redis
@@ -26,9 +28,11 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from kvservice.heartbeat import read_heartbeat
+from webapp.documents.embeddings import embedder_loaded
 from webapp.redis import redis_client
 from webapp.storage import object_store
 from worker.celery import app as celery_app
+from worker.celery import warm_key
 
 
 def _database() -> dict[str, Any]:
@@ -69,9 +73,24 @@ def _celery_worker() -> dict[str, Any]:
     names = sorted(name for reply in replies for name in reply)
     # The inference workers answer pings too (inference@host, inference2@host, ...); this
     # entry is about the ingest/kv workers.
-    if not [name for name in names if not name.startswith("inference")]:
+    ingest = [name for name in names if not name.startswith("inference")]
+    if not ingest:
         raise RuntimeError("no ingest/kv Celery worker answered the ping")
-    return {"workers": names}
+    client = redis_client()
+    warm = [name for name in ingest if client.exists(warm_key(name))]
+    if not warm:  # it answers, but a document would wait for its models (worker/celery.py)
+        raise RuntimeError(f"warming up: {', '.join(ingest)} still loading models")
+    return {"workers": names, "warm": warm}
+
+
+def _web_models() -> dict[str, Any]:
+    """This web process's embedding model, which every question needs: loaded in the
+    background at start (``WEB_WARM_UP``), else on the first question."""
+    if embedder_loaded():
+        return {"embedder": "loaded"}
+    if not settings.WEB_WARM_UP:
+        return {"embedder": "loads on the first question (WEB_WARM_UP=0)"}
+    raise RuntimeError("warming up: the embedding model is still loading")
 
 
 def _inference_worker() -> dict[str, Any]:
@@ -93,6 +112,7 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     "pgvector": _pgvector,
     "object_store": _object_store,
     "broker": _broker,
+    "web_models": _web_models,
     "celery_worker": _celery_worker,
     "inference_worker": _inference_worker,
     "model": _model_loaded,

@@ -224,6 +224,9 @@ ENGINE = env.str("ENGINE", default="native").strip().lower()
 if ENGINE not in ("native", "vllm"):
     raise ImproperlyConfigured(f"ENGINE must be 'native' or 'vllm', not {ENGINE!r}")
 RETRIEVAL_TOP_K = env.int("RETRIEVAL_TOP_K", default=6)
+# The web process loads the embedding model in the background at start (webapp/asgi.py), and
+# /healthz reports it not ready until then; 0: loaded on the first question.
+WEB_WARM_UP = env.bool("WEB_WARM_UP", default=True)
 # Admission control: with this many questions already waiting for the model, a new one is
 # refused with 503 and Retry-After instead of queueing behind them (0: never refused).
 INFERENCE_MAX_BACKLOG = env.int("INFERENCE_MAX_BACKLOG", default=32)

@@ -28,12 +28,37 @@ app.conf.imports = ("worker.tasks", "worker.chat")
 
 
 _pool_size = 1  # set in the main process before the pool forks; children inherit it
+_node_name = ""  # this worker's Celery name (what a ping answers with), likewise
+
+WARM_KEY_TTL_S = 7 * 24 * 3600  # a stale mark of a worker gone for a week is forgotten
+
+
+def warm_key(node_name: str) -> str:
+    """Set in Redis once a pool process of worker ``node_name`` has its models loaded;
+    /healthz reports an ingest worker up only then (webapp/health.py)."""
+    return f"ragblend:ingest:warm:{node_name}"
 
 
 @celeryd_init.connect
-def remember_pool_size(options: dict | None = None, **_kwargs) -> None:
-    global _pool_size
+def remember_pool_size(sender: str = "", options: dict | None = None, **_kwargs) -> None:
+    global _pool_size, _node_name
     _pool_size = max(1, int((options or {}).get("concurrency") or os.cpu_count() or 1))
+    _node_name = sender or ""
+    _mark_warm(False)  # a restarted worker is cold until a pool process has loaded again
+
+
+def _mark_warm(warm: bool) -> None:
+    if not _node_name:
+        return
+    try:
+        from webapp.redis import redis_client
+
+        if warm:
+            redis_client().set(warm_key(_node_name), "1", ex=WARM_KEY_TTL_S)
+        else:
+            redis_client().delete(warm_key(_node_name))
+    except Exception:  # Redis down: /healthz says so through its broker check
+        logging.getLogger(__name__).warning("could not record the warm-up state", exc_info=True)
 
 
 def share_cores() -> int:
@@ -74,11 +99,12 @@ def wait_for_warm_up(timeout: float = 600.0) -> bool:
 def warm_up(**_kwargs) -> None:
     """Share the cores out and give way to inference, then load the LLM and the embedder as
     each pool process starts, in the background (the process must report ready within
-    seconds), so the first document does not wait for them. ``WORKER_WARM_UP=0`` turns the
-    loading off."""
+    seconds), so the first document does not wait for them; /healthz reports the worker up
+    once they are loaded (``warm_key``). ``WORKER_WARM_UP=0`` turns the loading off."""
     share_cores()
     yield_to_inference()
     if os.environ.get("WORKER_WARM_UP", "1") == "0":
+        _mark_warm(True)  # nothing to wait for: the first task loads the models
         return
     _warm_up_done.clear()
     threading.Thread(target=_load_models, name="warm-up", daemon=True).start()
@@ -91,6 +117,7 @@ def _load_models() -> None:
 
         kv_precomputer()
         embedder()
+        _mark_warm(True)
     except Exception:  # the first task loads (and reports) it again
         logging.getLogger(__name__).exception("warm-up failed")
     finally:

@@ -43,7 +43,7 @@ def test_healthz_reports_each_component_and_is_503_without_workers(client) -> No
     response = client.get("/healthz")
     body = response.json()
     assert set(body["components"]) == {
-        "database", "pgvector", "object_store", "broker",
+        "database", "pgvector", "object_store", "broker", "web_models",
         "celery_worker", "inference_worker", "model",
     }  # fmt: skip
     for name in ("database", "pgvector", "object_store", "broker"):

@@ -1,7 +1,13 @@
 from __future__ import annotations
 
-import pytest
+import socket
 
+import pytest
+from django.contrib.auth import get_user_model
+
+from tests.conftest import wait_for
+from webapp.redis import redis_client
+from worker.celery import warm_key
 from worker.tasks import ingest_echo
 
 
@@ -16,6 +22,26 @@ def test_task_round_trips_through_real_broker_and_worker(celery_worker_process) 
 
 
 @pytest.mark.django_db(transaction=True)
-def test_healthz_sees_the_celery_worker(celery_worker_process, client) -> None:
-    body = client.get("/healthz").json()
-    assert body["components"]["celery_worker"]["status"] == "up", body["components"]
+def test_a_pool_process_marks_its_worker_warm_after_loading_models(celery_worker_process):
+    """The test worker runs with warm-up on: its pool process loads both models, then says
+    so (the next test relies on that mark being set already)."""
+    key = warm_key("ingest-test@" + socket.gethostname())
+    wait_for(lambda: redis_client().exists(key), timeout=300, what="the warm-up mark")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_healthz_sees_the_celery_worker_once_its_models_are_loaded(
+    celery_worker_process, client, settings
+) -> None:
+    settings.HEALTH_CACHE_S = 0
+    client.force_login(get_user_model().objects.create_user("ops", is_staff=True))
+    redis_client().delete(warm_key("ingest-test@" + socket.gethostname()))  # as if it restarted
+
+    def celery_check() -> dict:
+        return client.get("/healthz").json()["components"]["celery_worker"]
+
+    cold = celery_check()
+    assert cold["status"] == "down" and "warming up" in cold["error"], cold
+    redis_client().set(warm_key("ingest-test@" + socket.gethostname()), "1")  # what warm-up sets
+    warm = celery_check()
+    assert warm["status"] == "up" and warm["warm"] == ["ingest-test@" + socket.gethostname()]

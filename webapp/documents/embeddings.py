@@ -27,6 +27,11 @@ def embedder() -> Any:
         return _load_embedder()
 
 
+def embedder_loaded() -> bool:
+    """Whether this process has loaded the embedder (without loading it)."""
+    return _load_embedder.cache_info().currsize > 0
+
+
 def warm_up_in_background() -> threading.Thread:
     """Load the embedder in a daemon thread: the web server calls this at start, so the
     first question does not wait for the model (~25 s on a 2-core machine)."""
