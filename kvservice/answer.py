@@ -9,14 +9,30 @@ import threading
 import time
 from typing import Any
 
+from kvservice import citing
 from kvservice.batcher import Job
 from kvservice.blend import blend_prefill
 from kvservice.engine import SamplingParams
+from kvservice.prompt import TURN_MARKERS
 from kvservice.protocol import GenerateRequest, publish_event
 
 log = logging.getLogger(__name__)
 
 FIXED_RATIOS = {"full": 1.0, "prefix": None, "reuse": 0.0}
+
+# The product's decoding, the same for both engines (kvservice.engine.apply_penalties is
+# vLLM's). Measured with the bundled SmolLM2-135M, greedy, on the 19 handbook questions
+# (webapp/chat/answerbench.py): with no penalty 3 of 19 answers repeated a sentence to the
+# 256-token cap, and in one conversation 4 of 7 answers went on with "User:"/"Question:"
+# turns; with the turn markers as stop strings and a frequency penalty of 0.5 (on generated
+# tokens only) none loops, 8.5 tokens on average. vLLM's repetition penalty also counts the
+# prompt's tokens: at 1.2 it kept the answers from copying the passages ("27 days" became
+# "69 days", 7 of 8 answers invented), so it stays off.
+REPETITION_PENALTY = 1.0
+FREQUENCY_PENALTY = 0.5
+# Earlier questions carried into a follow-up's prompt, at most this many tokens (the oldest
+# go first): history made the first token 1.6-5x slower and was copied into answers.
+HISTORY_MAX_TOKENS = 192
 
 
 class _TokensOnly:
@@ -33,25 +49,50 @@ class _TokensOnly:
         raise RuntimeError("no cached KV for this chunk")
 
 
+def answer_sampling(runtime: Any, request: GenerateRequest) -> SamplingParams:
+    """How an answer is decoded, for either engine: the request's length and temperature,
+    the repetition penalty, and the prompt's turn markers as stop strings."""
+    return SamplingParams(
+        max_tokens=request.max_new_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        repetition_penalty=REPETITION_PENALTY,
+        frequency_penalty=FREQUENCY_PENALTY,
+        stop=TURN_MARKERS,
+    )
+
+
 def _fit_context(
     runtime: Any, request: GenerateRequest
 ) -> tuple[list[int], list[list[int]], list[int], list[int]]:
-    """(chunk ids kept, their token ids, suffix ids, dropped chunk ids): drop old turns, then
-    the least relevant (last) chunks, until the prompt and the answer fit the context."""
+    """(chunk ids kept, their token ids, suffix ids, dropped chunk ids): keep the newest
+    turns that fit ``HISTORY_MAX_TOKENS``, then drop the least relevant (last) chunks until
+    the prompt (passage markers included) and the answer fit the context."""
     prompt = runtime.prompt
     budget = runtime.context_len - request.max_new_tokens - len(prompt.head_ids)
     history = [(turn.role, turn.content) for turn in request.history]
+    bare = len(prompt.question_ids(request.question))
     suffix = prompt.question_ids(request.question, history)
-    while history and len(suffix) > budget // 4:
-        history = history[2:]
+    while history and len(suffix) - bare > HISTORY_MAX_TOKENS:
+        history = history[1:]
         suffix = prompt.question_ids(request.question, history)
     chunks = list(request.chunks)
-    while chunks and sum(len(c.token_ids) for c in chunks) + len(suffix) > budget:
+
+    def length(kept: list) -> int:
+        return sum(map(len, prompt.numbered([c.token_ids for c in kept])))
+
+    while chunks and length(chunks) + len(suffix) > budget:
         chunks.pop()
     if len(suffix) > budget:
         raise ValueError("the question is too long for the model's context")
     dropped = [c.chunk_id for c in request.chunks[len(chunks) :]]
     return [c.chunk_id for c in chunks], [list(c.token_ids) for c in chunks], suffix, dropped
+
+
+def complete_citation(runtime: Any, request: GenerateRequest, passages_ids, text: str):
+    """``kvservice.citing.complete_citation`` over the kept chunks' text, for either engine."""
+    passages = [runtime.engine.tokenizer.decode(ids) for ids in passages_ids]
+    return citing.complete_citation(text, passages, request.question)
 
 
 def chunk_keys(runtime: Any, request: GenerateRequest, chunks_tokens: list[list[int]]) -> list:
@@ -84,6 +125,9 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
                 keys, token_ids=chunks_tokens, recompute_fn=runtime.recompute_chunk
             )
             sources = list(batch)
+        # Each passage behind its number ("[1]"): the markers are computed fresh (None).
+        segments = runtime.prompt.numbered(chunks_tokens)
+        sources = [part for source in sources for part in (None, source)]
         decision = None
         ratio = request.recompute_ratio
         if ratio is None and mode == "blend":
@@ -100,7 +144,7 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
             t0 = time.perf_counter()
             result = blend_prefill(
                 model, list(runtime.prompt.head_ids), sources, suffix_ids, mode=mode,
-                recompute_ratio=ratio, chunk_ids=chunks_tokens, head_kv=runtime.head_kv,
+                recompute_ratio=ratio, chunk_ids=segments, head_kv=runtime.head_kv,
                 extra_capacity=extra_capacity,
             )  # fmt: skip
             state["prefill"], state["prefill_s"] = result, time.perf_counter() - t0
@@ -119,12 +163,9 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
 
         job = Job(
             prefill=prefill,
-            sampling=SamplingParams(
-                max_tokens=request.max_new_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-            ),  # fmt: skip
+            sampling=answer_sampling(runtime, request),
             stop_ids=set(runtime.engine.stop_ids),
+            prompt_ids=[*runtime.prompt.head_ids, *(i for s in segments for i in s), *suffix_ids],
             on_token=on_token,
             on_finish=on_finish,
             should_stop=lambda: stop_requested(redis, request_id),
@@ -151,9 +192,7 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
         "total_s": round(total_s, 4),
         "prefill_s": None if state["prefill_s"] is None else round(state["prefill_s"], 4),
         "recompute_ratio": ratio,
-        "prompt_tokens": len(runtime.prompt.head_ids)
-        + sum(map(len, chunks_tokens))
-        + len(suffix_ids),
+        "prompt_tokens": len(runtime.prompt.head_ids) + sum(map(len, segments)) + len(suffix_ids),
         "completion_tokens": None,
         "chunk_tiers": {},
         "dropped_chunks": dropped,
@@ -175,6 +214,13 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
     if decision is not None:
         metrics["controller"] = {"source": decision.source, "why": decision.why}
     status = "stopped" if outcome.get("reason") == "stopped" else "done"
+    if status == "done":
+        extra, metrics["citation"] = complete_citation(
+            runtime, request, chunks_tokens, "".join(pieces)
+        )
+        if extra:
+            pieces.append(extra)
+            publish_event(redis, request_id, "token", text=extra)
     text = "".join(pieces)
     metrics["completion_tokens"] = len(job.tokens)
     # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise (stopped included).

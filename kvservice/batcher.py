@@ -13,13 +13,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvservice.blend import BlendResult
-from kvservice.engine import SamplingParams, _Detokenizer, sample_next
+from kvservice.engine import (
+    SamplingParams,
+    StopStrings,
+    TokenHistory,
+    _Detokenizer,
+    sample_next,
+)
 from kvservice.model import KVCache, Transformer
 
 log = logging.getLogger(__name__)
@@ -37,6 +43,7 @@ class Job:
     on_finish: Callable[[str, BaseException | None], None]
     should_stop: Callable[[], bool] = lambda: False
     deadline: float = float("inf")  # time.monotonic() after which the request is cut off
+    prompt_ids: Sequence[int] = ()  # what the repetition penalty counts as seen
     # Filled in by the batcher:
     started: float = 0.0
     ttft_s: float | None = None
@@ -44,6 +51,8 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     detokenizer: _Detokenizer | None = None
+    history: TokenHistory | None = None
+    stop_strings: StopStrings | None = None
 
 
 class ContinuousBatcher:
@@ -114,7 +123,9 @@ class ContinuousBatcher:
             job.generator = torch.Generator(device=self.model.device)
             job.generator.manual_seed(job.sampling.seed)
         job.detokenizer = _Detokenizer(self.tokenizer)
-        token = int(sample_next(result.logits[None], job.sampling, job.generator)[0])
+        job.history = TokenHistory(job.prompt_ids)
+        job.stop_strings = StopStrings(job.sampling.stop)
+        token = int(sample_next(result.logits[None], job.sampling, job.generator, job.history)[0])
         job.ttft_s = time.perf_counter() - job.started
         if self._emit(job, token):
             return  # finished on its first token
@@ -126,17 +137,25 @@ class ContinuousBatcher:
             self._finish(job, "stop")
             return True
         job.tokens.append(token)
-        job.on_token(job.detokenizer.push(token), token)
+        job.history.observe(token)
+        job.on_token(job.stop_strings.push(job.detokenizer.push(token)), token)
+        if job.stop_strings.stopped:
+            self._finish(job, "stop")
+            return True
+        reason, error = None, None
         if len(job.tokens) >= job.sampling.max_tokens:
-            self._finish(job, "length")
-            return True
-        if job.should_stop():
-            self._finish(job, "stopped")
-            return True
-        if time.monotonic() > job.deadline:
-            self._finish(job, "error", TimeoutError("the request ran past its time limit"))
-            return True
-        return False
+            reason = "length"
+        elif job.should_stop():
+            reason = "stopped"
+        elif time.monotonic() > job.deadline:
+            reason, error = "error", TimeoutError("the request ran past its time limit")
+        if reason is None:
+            return False
+        held = job.stop_strings.flush()  # it turned out not to start a stop string
+        if held:
+            job.on_token(held, token)
+        self._finish(job, reason, error)
+        return True
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         try:
@@ -190,7 +209,9 @@ class ContinuousBatcher:
         keep: list[int] = []
         next_tokens: list[int] = []
         for row, job in enumerate(self._jobs):
-            token = int(sample_next(logits[row : row + 1], job.sampling, job.generator)[0])
+            token = int(
+                sample_next(logits[row : row + 1], job.sampling, job.generator, job.history)[0]
+            )
             if not self._emit(job, token):
                 keep.append(row)
                 next_tokens.append(token)

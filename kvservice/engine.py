@@ -31,12 +31,85 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's end-of-turn tokens
+    # vLLM's SamplingParams, same names and meaning (``apply_penalties``); 1.0 / 0.0: off.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # The answer ends before the first of these strings, which is not part of it.
+    stop: tuple[str, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    *,
+    repetition_penalty: float,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+) -> torch.Tensor:
+    """vLLM's penalties (``vllm.model_executor.layers.utils.apply_penalties``), so that both
+    engines decode alike: a token seen in the prompt or the output has its logit divided by
+    ``repetition_penalty`` (multiplied when negative); then OpenAI's frequency and presence
+    penalties are subtracted for tokens of the output. ``logits`` ``[B, V]``,
+    ``prompt_mask`` ``[B, V]`` bool, ``output_counts`` ``[B, V]``; returns new logits."""
+    seen = prompt_mask | (output_counts > 0)
+    penalties = torch.where(seen, repetition_penalty, 1.0)
+    logits = torch.where(logits > 0, logits / penalties, logits * penalties)
+    logits = logits - frequency_penalty * output_counts
+    return logits - presence_penalty * (output_counts > 0).to(logits.dtype)
+
+
+class TokenHistory:
+    """What the penalties of one sequence read: the prompt's tokens and how often each
+    token has been generated so far (built at the first step, when the vocabulary is known)."""
+
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self._prompt_mask: torch.Tensor | None = None  # [1, V]
+        self._output_counts: torch.Tensor | None = None  # [1, V]
+        self._pending: list[int] = []
+
+    def observe(self, token_id: int) -> None:
+        self._pending.append(token_id)
+
+    def apply(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        if self._prompt_mask is None:
+            vocab = logits.shape[-1]
+            self._prompt_mask = torch.zeros(1, vocab, dtype=torch.bool, device=logits.device)
+            ids = [i for i in self.prompt_ids if 0 <= i < vocab]
+            self._prompt_mask[0, ids] = True
+            self._output_counts = torch.zeros(1, vocab, dtype=torch.float32, device=logits.device)
+        assert self._output_counts is not None
+        for token in self._pending:
+            self._output_counts[0, token] += 1
+        self._pending.clear()
+        return apply_penalties(
+            logits.float(), self._prompt_mask, self._output_counts,
+            repetition_penalty=params.repetition_penalty,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+        )  # fmt: skip
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    history: TokenHistory | None = None,
 ) -> torch.Tensor:
-    """Next token ids ``[B]`` from logits ``[B, V]``: argmax, or temperature + top-p."""
+    """Next token ids ``[B]`` from logits ``[B, V]``: the penalties (with a ``history``),
+    then argmax, or temperature + top-p."""
+    if history is not None and params.penalized:
+        logits = history.apply(logits, params)
     if params.temperature <= 0.0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
@@ -100,6 +173,43 @@ class _Detokenizer:
         return delta
 
 
+class StopStrings:
+    """Stop strings over streamed text, as vLLM applies ``SamplingParams.stop``: text is
+    handed on once it cannot be the start of a stop string; at the first stop string the
+    answer ends, the string itself not included."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [stop for stop in stops if stop]
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        """The text that can be shown now (``stopped`` is set once a stop string is seen)."""
+        if not self.stops or self.stopped:
+            return "" if self.stopped else delta
+        text = self.pending + delta
+        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        if found:
+            self.stopped, self.pending = True, ""
+            return text[: min(found)]
+        held = max((_overlap(text, stop) for stop in self.stops), default=0)
+        self.pending = text[len(text) - held :]
+        return text[: len(text) - held]
+
+    def flush(self) -> str:
+        """What was held back, at the end of an answer that did not stop on a string."""
+        rest, self.pending = self.pending, ""
+        return rest
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``stop``."""
+    for size in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-size:]):
+            return size
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # The engine
 
@@ -148,19 +258,25 @@ class Engine:
         params = request.sampling
         generator = _generator(params.seed, self.device)
         stop = self.stop_ids | set(params.stop_token_ids)
+        history = TokenHistory(request.prompt.token_ids)
+        stop_strings = StopStrings(params.stop)
         result = self.prefill(request, extra_capacity=params.max_tokens)
         cache, position, logits = result.cache, result.num_tokens, result.logits[None]
         detok = _Detokenizer(self.tokenizer)
         for index in range(params.max_tokens):
-            token = int(sample_next(logits, params, generator)[0])
+            token = int(sample_next(logits, params, generator, history)[0])
+            history.observe(token)
             ttft = None
             if index == 0:
                 _synchronize(self.device)
                 ttft = time.perf_counter() - start
-            finish = (
-                "stop" if token in stop else ("length" if index + 1 == params.max_tokens else None)
-            )
-            yield TokenEvent(token, "" if token in stop else detok.push(token), index, ttft, finish)
+            text = "" if token in stop else stop_strings.push(detok.push(token))
+            finish = None
+            if token in stop or stop_strings.stopped:
+                finish = "stop"
+            elif index + 1 == params.max_tokens:
+                finish, text = "length", text + stop_strings.flush()
+            yield TokenEvent(token, text, index, ttft, finish)
             if finish:
                 return
             logits, _ = self.model(
@@ -179,7 +295,7 @@ class Engine:
         ]
         return Completion(
             token_ids=ids,
-            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            text="".join(e.text for e in events),
             ttft_s=events[0].ttft_s or 0.0,
             finish_reason=events[-1].finish_reason or "length",
         )
@@ -208,13 +324,19 @@ class Engine:
         logits = torch.stack([p.logits for p in prefills])  # [B, V]
         generators = [_generator(r.sampling.seed, self.device) for r in requests]
         stops = [self.stop_ids | set(r.sampling.stop_token_ids) for r in requests]
+        histories = [TokenHistory(r.prompt.token_ids) for r in requests]
+        texts = [StopStrings(r.sampling.stop) for r in requests]
+        detoks = [_Detokenizer(self.tokenizer) for _ in requests]
         outputs: list[list[int]] = [[] for _ in requests]
+        answers = [""] * batch
         finish: list[str | None] = [None] * batch
         ttft = [0.0] * batch
         for step in range(max_new):
             tokens = torch.stack(
                 [
-                    sample_next(logits[row : row + 1], r.sampling, generators[row])[0]
+                    sample_next(logits[row : row + 1], r.sampling, generators[row], histories[row])[
+                        0
+                    ]
                     for row, r in enumerate(requests)
                 ]
             )  # [B]
@@ -229,8 +351,12 @@ class Engine:
                     finish[row] = "stop"
                     continue
                 outputs[row].append(token)
-                if len(outputs[row]) >= r.sampling.max_tokens:
-                    finish[row] = "length"
+                histories[row].observe(token)
+                answers[row] += texts[row].push(detoks[row].push(token))
+                if texts[row].stopped:
+                    finish[row] = "stop"
+                elif len(outputs[row]) >= r.sampling.max_tokens:
+                    finish[row], answers[row] = "length", answers[row] + texts[row].flush()
             if all(f is not None for f in finish):
                 break
             # Finished rows keep stepping (their outputs are ignored): one shape for the batch.
@@ -239,7 +365,7 @@ class Engine:
         return [
             Completion(
                 token_ids=ids,
-                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                text=answers[row],
                 ttft_s=ttft[row],
                 finish_reason=finish[row] or "length",
                 prefill=prefills[row],

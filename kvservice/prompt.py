@@ -22,10 +22,15 @@ from typing import Any
 from kvservice.chunk import token_ids_sha256
 
 SYSTEM_PROMPT = (
-    "You are a helpful assistant. Answer the question using only the sources in the user's "
-    "message. Answer briefly. If the sources do not contain the answer, say so."
+    "You are a helpful assistant. Answer the question using only the numbered sources in the "
+    "user's message, and cite the source you used with its number in brackets, like [1]. "
+    "Answer briefly, in one or two sentences. If the sources do not contain the answer, say "
+    "that you could not find it in the documents."
 )
 SOURCES_INTRO = "Sources:\n\n"
+# Words the prompt puts at the start of its parts: an answer that writes one has started a
+# turn of its own ("Question: ... Answer: ..."), so it ends there (``SamplingParams.stop``).
+TURN_MARKERS = ("Question:", "User:", "Assistant:", "Earlier in this conversation", "Sources:")
 _MARK = "\u2063RAGBLEND_USER_CONTENT\u2063"
 
 
@@ -102,6 +107,21 @@ class PromptFormat:
             ]
             earlier = "\n\nEarlier in this conversation:\n" + "\n".join(turns)
         return self._encode(earlier + self.question_prefix + question + self.tail_text)
+
+    def passage_marker(self, number: int) -> list[int]:
+        """``[n]`` and a new line before passage n (and a blank line before it, from the
+        second on): the model cites passages by these numbers. A marker is a segment of its
+        own, so chunks keep their cached KV whatever their rank; it tokenizes as it would
+        inside the whole text (``[n]\\n`` rather than ``[n] ``, whose space BPE would merge
+        into the chunk's first word)."""
+        return self._encode(("" if number == 1 else "\n\n") + f"[{number}]\n")
+
+    def numbered(self, chunk_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The prompt's segments between head and question: ``[1] chunk 1 [2] chunk 2 ...``."""
+        segments: list[list[int]] = []
+        for number, ids in enumerate(chunk_ids, start=1):
+            segments += [self.passage_marker(number), list(ids)]
+        return segments
 
     def build(self, chunk_texts: Sequence[str], question: str) -> Prompt:
         return Prompt(

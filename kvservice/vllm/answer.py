@@ -9,8 +9,13 @@ import logging
 import time
 from typing import Any
 
-from kvservice.answer import FIXED_RATIOS, _fit_context, chunk_keys
-from kvservice.engine import SamplingParams
+from kvservice.answer import (
+    FIXED_RATIOS,
+    _fit_context,
+    answer_sampling,
+    chunk_keys,
+    complete_citation,
+)
 from kvservice.prompt import Prompt
 from kvservice.protocol import GenerateRequest, publish_event, stop_requested
 from kvservice.vllm.engine import VllmRequest
@@ -28,7 +33,7 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
     request_id, mode = request.request_id, request.mode
     pieces: list[str] = []
     first_token_at = None
-    status, decision, completion_tokens = "done", None, 0
+    status, decision, completion_tokens, finish_reason = "done", None, 0, "stop"
     try:
         chunk_ids, chunks_tokens, suffix_ids, dropped = _fit_context(runtime, request)
         keys = chunk_keys(runtime, request, chunks_tokens)
@@ -48,16 +53,20 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
             ratio = decision.recompute_ratio
         elif ratio is None:
             ratio = FIXED_RATIOS.get(mode) or 0.0
+        # Each passage behind its number ("[1]"); a marker is in no store, so vLLM
+        # prefills it itself.
+        segments = runtime.prompt.numbered(chunks_tokens)
+        segment_keys = [
+            part
+            for key, marker in zip(keys, segments[::2], strict=True)
+            for part in (runtime.chunk_key(marker).to_string(), key.to_string())
+        ]
         vllm_request = VllmRequest(
-            Prompt(list(runtime.prompt.head_ids), chunks_tokens, suffix_ids),
+            Prompt(list(runtime.prompt.head_ids), segments, suffix_ids),
             mode=mode,
-            chunk_keys=[key.to_string() for key in keys],
+            chunk_keys=segment_keys,
             recompute_ratio=ratio,
-            sampling=SamplingParams(
-                max_tokens=request.max_new_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-            ),
+            sampling=answer_sampling(runtime, request),
         )
         deadline = time.monotonic() + request.timeout_s
         events = runtime.engine.stream(vllm_request)
@@ -67,6 +76,7 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
                     first_token_at = time.perf_counter()
                 if event.token_id not in runtime.engine.stop_ids:
                     completion_tokens += 1
+                finish_reason = event.finish_reason or finish_reason
                 if event.text:
                     pieces.append(event.text)
                     publish_event(redis, request_id, "token", text=event.text)
@@ -83,6 +93,12 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
         publish_event(redis, request_id, "error", message=message, text="".join(pieces))
         return {"status": "error", "text": "".join(pieces), "error": message, "metrics": {}}
 
+    citation = None
+    if status == "done":
+        extra, citation = complete_citation(runtime, request, chunks_tokens, "".join(pieces))
+        if extra:
+            pieces.append(extra)
+            publish_event(redis, request_id, "token", text=extra)
     text = "".join(pieces)
     metrics: dict[str, Any] = {
         "mode": mode,
@@ -94,9 +110,10 @@ def _answer(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any
         "recompute_ratio": ratio,
         "prompt_tokens": len(vllm_request.prompt.token_ids),
         "completion_tokens": completion_tokens,
-        "finish_reason": "length" if completion_tokens >= request.max_new_tokens else "stop",
+        "finish_reason": finish_reason,  # vLLM's: "length" when cut at max_tokens
         "chunk_tiers": {str(cid): tier for cid, tier in zip(chunk_ids, tiers, strict=True)},
         "dropped_chunks": dropped,
+        "citation": citation,
     }
     if decision is not None:
         metrics["controller"] = {"source": decision.source, "why": decision.why}

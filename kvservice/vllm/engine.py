@@ -245,6 +245,12 @@ class VllmEngine:
             top_p=sampling.top_p,
             seed=sampling.seed,
             stop_token_ids=sorted(self.stop_ids | set(sampling.stop_token_ids)),
+            # The same decoding as the native engine (kvservice.engine.apply_penalties and
+            # StopStrings follow vLLM's definitions).
+            repetition_penalty=sampling.repetition_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            stop=list(sampling.stop) or None,
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args,
@@ -302,7 +308,7 @@ class VllmEngine:
         ids = [e.token_id for e in events if e.token_id not in stops]
         return Completion(
             token_ids=ids,
-            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            text="".join(e.text for e in events),  # vLLM's text leaves a stop string out
             ttft_s=(events[0].ttft_s or 0.0) if events else 0.0,
             finish_reason=(events[-1].finish_reason or "length") if events else "length",
         )
