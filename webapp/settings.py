@@ -227,10 +227,15 @@ RETRIEVAL_TOP_K = env.int("RETRIEVAL_TOP_K", default=6)
 # The web process loads the embedding model in the background at start (webapp/asgi.py), and
 # /healthz reports it not ready until then; 0: loaded on the first question.
 WEB_WARM_UP = env.bool("WEB_WARM_UP", default=True)
+# Chunks scoring below this (cosine similarity + a full-text bonus, webapp/chat/retrieval.py)
+# are not given to the model; with none left the answer is "not found" (0: keep them all).
+RETRIEVAL_MIN_SCORE = env.float("RETRIEVAL_MIN_SCORE", default=0.3)
 # Admission control: with this many questions already waiting for the model, a new one is
 # refused with 503 and Retry-After instead of queueing behind them (0: never refused).
 INFERENCE_MAX_BACKLOG = env.int("INFERENCE_MAX_BACKLOG", default=32)
-CHAT_MAX_NEW_TOKENS = env.int("CHAT_MAX_NEW_TOKENS", default=256)
+# An answer's length cap: answers are asked for in one or two sentences (20-40 tokens on the
+# handbook questions); 256 let a loop run for 75 s before it was cut.
+CHAT_MAX_NEW_TOKENS = env.int("CHAT_MAX_NEW_TOKENS", default=160)
 CHAT_MAX_QUESTION_CHARS = env.int("CHAT_MAX_QUESTION_CHARS", default=4000)
 
 # --- API (webapp/api) ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 from asgiref.sync import async_to_sync
 from django.conf import settings
 
+from kvservice.citing import cited_ranks, highlights
 from kvservice.protocol import answer_stream, decode_events
 from webapp.chat.models import Message
 from webapp.redis import STREAM_BLOCK_MS, async_redis_client
@@ -83,6 +84,20 @@ def tier_counts(metrics: dict[str, Any]) -> dict[str, int]:
     return dict(Counter(str(tier) for tier in (metrics.get("chunk_tiers") or {}).values()))
 
 
+def retrieval_of(answer: Message) -> list[dict[str, Any]]:
+    """Every passage given to the model for ``answer``, with retrieval's scores."""
+    return [
+        {
+            "rank": c.rank,
+            "chunk_id": c.chunk_id,
+            "score": c.score,
+            "similarity": c.similarity,
+            "text_rank": c.text_rank,
+        }  # fmt: skip
+        for c in answer.citations.all()
+    ]
+
+
 def metrics_of(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:
     """The API's metrics object, from the worker's ``done`` payload."""
     return {
@@ -93,20 +108,41 @@ def metrics_of(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:
         "tiers": tier_counts(metrics),
         "prompt_tokens": metrics.get("prompt_tokens"),
         "completion_tokens": metrics.get("completion_tokens"),
+        "retrieval": retrieval_of(answer),
+        "not_found": bool(metrics.get("nothing_retrieved")),
+        "citation": metrics.get("citation"),
     }
 
 
-def citations_of(answer: Message) -> list[dict[str, Any]]:
-    return [
-        {
-            "rank": c.rank,
-            "document_id": c.document_id,
-            "chunk_id": c.chunk_id,
-            "document_title": c.document_title,
-            "text": c.text,
-        }  # fmt: skip
-        for c in answer.citations.all()
-    ]
+def citations_of(answer: Message, text: str | None = None) -> list[dict[str, Any]]:
+    """Every passage given to the model; with the answer's ``text``, which ones it cites
+    and the sentence of each that supports it (else as recorded with the answer)."""
+    citations = list(answer.citations.all())
+    if text is None:
+        cited = {c.rank for c in citations if c.cited}
+        spans = {c.rank: (c.highlight_start, c.highlight_end) for c in citations
+                 if c.highlight_start is not None}  # fmt: skip
+    else:
+        cited = set(cited_ranks(text, len(citations)))
+        spans = highlights(text, [c.text for c in citations])
+    out = []
+    for c in citations:
+        span = spans.get(c.rank)
+        out.append({
+            "rank": c.rank, "document_id": c.document_id, "chunk_id": c.chunk_id,
+            "document_title": c.document_title, "text": c.text, "cited": c.rank in cited,
+            "score": c.score, "highlight": c.text[span[0] : span[1]] if span else None,
+        })  # fmt: skip
+    return out
+
+
+def sources_of(answer: Message, text: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """``citations`` (the passages the answer cites) and ``also_retrieved`` (the rest)."""
+    every = citations_of(answer, text)
+    return {
+        "citations": [c for c in every if c["cited"]],
+        "also_retrieved": [c for c in every if not c["cited"]],
+    }
 
 
 def sse(event: str | None, data: Any) -> str:

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest
 from ninja import NinjaAPI, Schema
 from pydantic import ConfigDict, Field
@@ -103,9 +104,10 @@ def _usage(metrics: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def _extras(answer: Message, metrics: dict[str, Any], citations: list[dict]) -> dict[str, Any]:
+def _extras(answer: Message, metrics: dict[str, Any], text: str) -> dict[str, Any]:
+    """``citations`` (what the answer cites), ``also_retrieved`` and ``ragblend``."""
     return {
-        "citations": citations,
+        **answers.sources_of(answer, text),
         "ragblend": {
             "conversation_id": answer.conversation_id,
             "message_id": answer.pk,
@@ -120,9 +122,7 @@ def _chunk(answer: Message, model: str, delta: dict, finish: str | None = None) 
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
 
 
-async def _completion_events(
-    answer: Message, model: str, citations: list[dict]
-) -> AsyncIterator[str]:
+async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
     yield answers.sse(None, _chunk(answer, model, {"role": "assistant", "content": ""}))
     try:
         async for kind, payload in answers.answer_events(str(answer.request_id)):
@@ -135,7 +135,8 @@ async def _completion_events(
                 yield answers.sse(None, _openai_error(error))
                 return
             last = _chunk(answer, model, {}, finish=result.metrics.get("finish_reason", "stop"))
-            last |= {"usage": _usage(result.metrics)} | _extras(answer, result.metrics, citations)
+            extras = await sync_to_async(_extras)(answer, result.metrics, result.text)
+            last |= {"usage": _usage(result.metrics)} | extras
             yield answers.sse(None, last)
     except AnswerTimeout as err:
         yield answers.sse(None, _openai_error(ApiError(504, "timeout", str(err))))
@@ -155,9 +156,7 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
     except ChatError as err:
         raise ApiError(400, "invalid_request", str(err)) from err
     if payload.stream:
-        return event_stream_response(
-            _completion_events(answer, payload.model, answers.citations_of(answer))
-        )
+        return event_stream_response(_completion_events(answer, payload.model))
     try:
         result = answers.wait_for_answer(answer)
     except AnswerTimeout as err:
@@ -177,4 +176,4 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
             }
         ],  # fmt: skip
         "usage": _usage(result.metrics),
-    } | _extras(answer, result.metrics, answers.citations_of(answer))
+    } | _extras(answer, result.metrics, result.text)

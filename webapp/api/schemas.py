@@ -47,11 +47,23 @@ class DocumentListOut(Schema):
 
 
 class CitationOut(Schema):
-    rank: int
+    rank: int  # the [n] of the answer
     document_id: int | None
     chunk_id: int | None
     document_title: str
     text: str
+    cited: bool = False  # the answer cites it inline
+    score: float | None = None  # retrieval's relevance score (cosine + full-text bonus)
+    # The passage's sentence that supports the answer (a cited passage's, when one does).
+    highlight: str | None = None
+
+
+class RetrievedOut(Schema):
+    rank: int
+    chunk_id: int | None
+    score: float | None
+    similarity: float | None
+    text_rank: float | None
 
 
 class MetricsOut(Schema):
@@ -62,6 +74,12 @@ class MetricsOut(Schema):
     tiers: dict[str, int]
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # Every passage retrieval gave the model, with its scores (none: "not found").
+    retrieval: list[RetrievedOut] = []
+    not_found: bool = False  # nothing relevant was retrieved; nothing was generated
+    # How the answer cites: "model" (its own [n]), "attributed" (the worker added the [n] of
+    # the passage holding its words), "unsupported", "not_found".
+    citation: str | None = None
 
 
 class QueryIn(Schema):
@@ -75,7 +93,8 @@ class QueryIn(Schema):
 
 class QueryOut(Schema):
     answer: str
-    citations: list[CitationOut]
+    citations: list[CitationOut]  # the passages the answer cites
+    also_retrieved: list[CitationOut] = []  # given to the model, not cited
     metrics: MetricsOut
     conversation_id: int
     message_id: int
@@ -102,6 +121,7 @@ class MessageOut(Schema):
     mode: str
     created_at: datetime
     citations: list[CitationOut]
+    also_retrieved: list[CitationOut] = []
     metrics: MetricsOut | None
 
 

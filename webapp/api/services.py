@@ -12,7 +12,8 @@ from webapp.chat.models import Conversation, Message
 @transaction.atomic
 def completion_ask(*, user, turns: list[tuple[str, str]], mode: str) -> Message:
     """Ask the last user turn of ``turns`` ((role, text), oldest first) in a new conversation
-    whose earlier user/assistant turns are its history. System turns are not used: the
+    whose earlier user/assistant turns are its history (the model reads the questions, not
+    the answers: ``chat._history``). System turns are not used: the
     deployment's prompt head is fixed (every chunk's KV was computed after it). Only the
     history the model reads is kept (the last ``HISTORY_TURNS`` exchanges, each cut to
     ``CHAT_MAX_QUESTION_CHARS``): a client resending a long conversation stores no more."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from asgiref.sync import sync_to_async
 from django.db.models import Avg, Count
 from django.http import HttpRequest, StreamingHttpResponse
 from ninja import Field as SchemaField
@@ -124,7 +125,8 @@ _STREAM_DOC = {  # merged into ninja's own responses: the same (int) key, or JSO
     "responses": {
         200: {
             "description": "The answer as JSON, or with ``stream``: server-sent events "
-            "``start`` (citations), ``token`` ({text}) ..., then ``done`` (the JSON answer) "
+            "``start`` (citations: every passage retrieved), ``token`` ({text}) ..., then "
+            "``done`` (the JSON answer: the passages it cites, the rest under also_retrieved) "
             "or ``error`` ({code, message}).",
             "content": {
                 "application/json": {"schema": {"$ref": "#/components/schemas/QueryOut"}},
@@ -160,10 +162,10 @@ def ask(request: HttpRequest, *, question: str, mode: str, conversation_id: int 
         raise ApiError(422, "invalid_request", str(err)) from err
 
 
-def _query_out(answer: Message, result: answers.FinishedAnswer, citations: list[dict]) -> dict:
+def _query_out(answer: Message, result: answers.FinishedAnswer) -> dict:
     return {
         "answer": result.text,
-        "citations": citations,
+        **answers.sources_of(answer, result.text),
         "metrics": answers.metrics_of(answer, result.metrics),
         "conversation_id": answer.conversation_id,
         "message_id": answer.pk,
@@ -180,7 +182,8 @@ async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator
             elif kind in ("done", "error"):
                 result = answers.finished(kind, payload)
                 if result.ok:
-                    yield answers.sse("done", _query_out(answer, result, citations))
+                    out = await sync_to_async(_query_out)(answer, result)  # reads citations
+                    yield answers.sse("done", out)
                 else:
                     yield answers.sse("error", {"code": "generation_failed",
                                                 "message": result.error})  # fmt: skip
@@ -214,7 +217,7 @@ def query(request: HttpRequest, payload: QueryIn):
         raise ApiError(504, "timeout", str(err)) from err
     if not result.ok:
         raise ApiError(502, "generation_failed", result.error)
-    return _query_out(answer, result, answers.citations_of(answer))
+    return _query_out(answer, result)
 
 
 # --- conversations ---------------------------------------------------------------------------
@@ -228,12 +231,13 @@ def _message_out(message: Message) -> dict:
         "id": message.pk, "role": message.role, "content": message.content,
         "status": message.status, "error": message.error_message, "mode": message.mode,
         "created_at": message.created_at,
-        "citations": answers.citations_of(message),
+        **answers.sources_of(message),
         "metrics": {
             "ttft_s": message.ttft_s, "total_s": message.total_s,
             "mode": message.mode, "recompute_ratio": message.recompute_ratio,
             "tiers": message.tiers or {}, "prompt_tokens": message.prompt_tokens,
             "completion_tokens": message.completion_tokens,
+            "retrieval": answers.retrieval_of(message),
         } if has_metrics else None,
     }  # fmt: skip
 

@@ -82,6 +82,16 @@ class Message(models.Model):
     def is_open(self) -> bool:
         return self.status in (self.Status.PENDING, self.Status.STREAMING)
 
+    @property
+    def sources(self) -> list[Citation]:
+        """The passages the answer cites inline."""
+        return [c for c in self.citations.all() if c.cited]
+
+    @property
+    def also_retrieved(self) -> list[Citation]:
+        """The passages given to the model that the answer does not cite."""
+        return [c for c in self.citations.all() if not c.cited]
+
 
 class Citation(models.Model):
     """Chunk ``rank`` (1-based, the [n] in the answer) given to the model for a message.
@@ -100,6 +110,24 @@ class Citation(models.Model):
     document_title = models.CharField(max_length=255)
     text = models.TextField()
     tier = models.CharField(max_length=16, blank=True)
+    # Retrieval's view of the chunk (webapp.chat.retrieval): cosine similarity, normalized
+    # full-text rank, and the score the relevance threshold applies to.
+    score = models.FloatField(null=True, blank=True)
+    similarity = models.FloatField(null=True, blank=True)
+    text_rank = models.FloatField(null=True, blank=True)
+    # Whether the answer cites it inline ([rank]): cited passages are its sources, the
+    # others were only retrieved. The cited sentence's span in ``text``, when one supports it.
+    cited = models.BooleanField(default=False)
+    highlight_start = models.PositiveIntegerField(null=True, blank=True)
+    highlight_end = models.PositiveIntegerField(null=True, blank=True)
+
+    @property
+    def highlighted(self) -> tuple[str, str, str] | None:
+        """(before, cited sentence, after) of the passage, when a sentence is highlighted."""
+        if self.highlight_start is None or self.highlight_end is None:
+            return None
+        start, end = self.highlight_start, self.highlight_end
+        return self.text[:start], self.text[start:end], self.text[end:]
 
     class Meta:
         ordering = ["message", "rank"]

@@ -11,6 +11,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from kvservice import routing
+from kvservice.citing import cited_ranks, highlights
 from kvservice.protocol import (
     GENERATE_TASK,
     ChunkRef,
@@ -22,7 +23,7 @@ from kvservice.protocol import (
 )
 from webapp import outages
 from webapp.chat.models import Citation, Conversation, Message
-from webapp.chat.retrieval import retrieve_chunks
+from webapp.chat.retrieval import has_ready_chunks, retrieve_chunks
 from webapp.dashboard.selectors import fixed_recompute_ratio
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
@@ -31,7 +32,7 @@ from webapp.documents.parsing import CONTROL_CHARS
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
-HISTORY_TURNS = 3  # recent question/answer pairs carried into a follow-up question
+HISTORY_TURNS = 3  # recent questions (and helpful answers) carried into a follow-up
 
 
 def clean_text(text: str) -> str:
@@ -52,6 +53,10 @@ class AnswerServiceUnavailable(ChatError):
 NOTHING_FOUND = (
     "I found nothing to answer from: you have no ready documents yet. Upload some on the "
     "Documents page (or wait until they are Ready), then ask again."
+)
+NOT_IN_DOCUMENTS = (
+    "I could not find this in your documents: no passage is close enough to the question. "
+    "Try other words, or upload a document that covers it."
 )
 
 
@@ -77,12 +82,18 @@ def conversation_create(
 
 
 def _history(conversation: Conversation, before: Message | None) -> list[Turn]:
-    """The last few finished question/answer pairs, oldest first."""
+    """The last few finished questions, oldest first, each with its answer only when the
+    user marked that answer helpful: earlier answers, wrong or looping, were copied into
+    later ones ("The answer is: 2019" four times), and made the first token slower."""
     messages = conversation.messages.filter(status=Message.Status.DONE)
     if before is not None:
         messages = messages.filter(id__lt=before.id)
     recent = list(messages.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
-    return [Turn(role=m.role, content=m.content) for m in recent if m.content]
+    return [
+        Turn(role=m.role, content=m.content)
+        for m in recent
+        if m.content and (m.role == Message.Role.USER or m.feedback > 0)
+    ]
 
 
 def _send(answer: Message, question: str, history: list[Turn], citations: list[Citation]) -> None:
@@ -139,28 +150,33 @@ def chat_ask(
     if conversation.title == "New conversation":
         conversation.title = question[:80]
     conversation.save(update_fields=["title", "updated_at"])
-    citations = _retrieve(user=user, answer=answer, question=question)
+    earlier = [turn.content for turn in history if turn.role == Message.Role.USER]
+    citations = _retrieve(
+        user=user, answer=answer, question=question, previous=earlier[-1] if earlier else ""
+    )
     if not citations:  # nothing to answer from: say so, rather than let the model invent
-        transaction.on_commit(lambda: _answer_nothing_found(answer))
+        text = NOT_IN_DOCUMENTS if has_ready_chunks(user) else NOTHING_FOUND
+        transaction.on_commit(lambda: _answer_nothing_found(answer, text))
         return answer
     transaction.on_commit(lambda: _send(answer, question, history, citations))
     return answer
 
 
-def _answer_nothing_found(answer: Message) -> None:
-    """The answer when the user has no ready document to retrieve from: recorded, and put on
-    its stream like a model's answer, so the browser and the API read it the same way."""
+def _answer_nothing_found(answer: Message, text: str = NOTHING_FOUND) -> None:
+    """The answer when nothing relevant was retrieved (no ready document, or none close
+    enough to the question): recorded, and put on its stream like a model's answer, so the
+    browser and the API read it the same way. No generation over zero sources."""
     Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
-        status=Message.Status.DONE, content=NOTHING_FOUND, completed_at=timezone.now(),
+        status=Message.Status.DONE, content=text, completed_at=timezone.now(),
         prompt_tokens=0, completion_tokens=0,
     )  # fmt: skip
     request_id = str(answer.request_id)
     metrics = {"mode": answer.mode, "ttft_s": None, "total_s": None, "chunk_tiers": {},
                "prompt_tokens": 0, "completion_tokens": 0, "finish_reason": "stop",
-               "nothing_retrieved": True}  # fmt: skip
+               "nothing_retrieved": True, "citation": "not_found"}  # fmt: skip
     try:
-        publish_event(redis_client(), request_id, "token", text=NOTHING_FOUND)
-        publish_event(redis_client(), request_id, "done", text=NOTHING_FOUND, metrics=metrics)
+        publish_event(redis_client(), request_id, "token", text=text)
+        publish_event(redis_client(), request_id, "done", text=text, metrics=metrics)
     except outages.SERVICE_ERRORS as err:  # recorded already: a reload shows it
         raise AnswerServiceUnavailable(SEND_FAILED) from err
 
@@ -174,13 +190,20 @@ def inference_backlog() -> int:
         return 0
 
 
-def _retrieve(*, user, answer: Message, question: str) -> list[Citation]:
-    chunks = retrieve_chunks(
-        user=user,
-        question=question,
-        query_embedding=embed_texts([question])[0],
-        top_k=settings.RETRIEVAL_TOP_K,
-    )
+def _retrieve(*, user, answer: Message, question: str, previous: str = "") -> list[Citation]:
+    """The passages for the question, best first; for a follow-up (``previous``: the
+    conversation's last question), those the question alone finds, then those it finds
+    joined to the previous question ("And in Aberdeen?" means little on its own)."""
+    queries = [question] + ([f"{previous}\n{question}"] if previous else [])
+    chunks: list = []
+    for vector in embed_texts(queries):
+        found = retrieve_chunks(
+            user=user, question=question,
+            query_embedding=vector, top_k=settings.RETRIEVAL_TOP_K,
+            min_score=settings.RETRIEVAL_MIN_SCORE,
+        )  # fmt: skip
+        known = {c.token_ids_sha256 for c in chunks}
+        chunks += [c for c in found if c.token_ids_sha256 not in known]
     return Citation.objects.bulk_create(
         [
             Citation(
@@ -190,8 +213,11 @@ def _retrieve(*, user, answer: Message, question: str) -> list[Citation]:
                 document=chunk.document,
                 document_title=chunk.document.title,
                 text=chunk.text,
+                score=round(chunk.score, 4),
+                similarity=round(chunk.similarity, 4),
+                text_rank=round(chunk.text_rank, 4),
             )
-            for rank, chunk in enumerate(chunks, start=1)
+            for rank, chunk in enumerate(chunks[: settings.RETRIEVAL_TOP_K], start=1)
         ]
     )
 
@@ -265,8 +291,13 @@ def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> Non
         answer.tiers = dict(Counter(chunk_tiers.values()))
         answer.completed_at = timezone.now()
         answer.save()
-        for citation in answer.citations.all():
-            tier = chunk_tiers.get(str(citation.chunk_id))
-            if tier:
-                citation.tier = tier
-                citation.save(update_fields=["tier"])
+        citations = list(answer.citations.all())
+        spans = highlights(answer.content, [c.text for c in citations])
+        cited = set(cited_ranks(answer.content, len(citations)))
+        for citation in citations:
+            citation.tier = chunk_tiers.get(str(citation.chunk_id)) or citation.tier
+            citation.cited = citation.rank in cited
+            citation.highlight_start, citation.highlight_end = spans.get(
+                citation.rank, (None, None)
+            )
+            citation.save(update_fields=["tier", "cited", "highlight_start", "highlight_end"])

@@ -299,7 +299,7 @@ def test_streamed_query_sends_each_token_as_it_comes_under_asgi(alice, alice_aut
 def test_failed_generation_is_a_502_with_the_reason(client, alice, alice_auth) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
     with FakeInferenceWorker(redis_client(), fail=True):
-        response = client.post("/api/v1/query", {"question": "anything"},
+        response = client.post("/api/v1/query", {"question": "Which rice for a risotto?"},
                                content_type="application/json", **alice_auth)  # fmt: skip
     assert response.status_code == 502 and "exploded" in response.json()["message"]
 
@@ -323,10 +323,8 @@ def test_chat_completions_uses_the_last_user_message_and_history(client, alice, 
     assert body["citations"][0]["text"] == PASSAGES["cooking"]
     request = worker.requests[-1]
     assert request["question"] == "Which rice for risotto?"
-    assert [t["content"] for t in request["history"]] == [
-        "Where does the Danube flow?",
-        "To the Black Sea.",
-    ]
+    # Earlier questions go to the model; earlier answers (the client's included) do not.
+    assert [t["content"] for t in request["history"]] == ["Where does the Danube flow?"]
     assert Message.objects.filter(conversation_id=body["ragblend"]["conversation_id"]).count() == 4
 
 
@@ -352,7 +350,8 @@ def test_chat_completions_keeps_only_the_history_the_model_reads(
 @pytest.mark.django_db(transaction=True)
 def test_an_answer_cut_at_the_token_limit_says_length_not_stop(client, alice, alice_auth) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
-    payload = {"model": "ragblend", "messages": [{"role": "user", "content": "Tell me more."}]}
+    question = "Tell me more about risotto rice."
+    payload = {"model": "ragblend", "messages": [{"role": "user", "content": question}]}
     for stream in (False, True):
         with FakeInferenceWorker(redis_client(), finish_reason="length"):
             response = client.post("/v1/chat/completions", payload | {"stream": stream},
@@ -394,3 +393,40 @@ def test_with_no_documents_the_answer_says_nothing_was_found(client, alice, alic
     assert body["answer"] == chat.NOTHING_FOUND and body["citations"] == []
     stored = Message.objects.get(pk=body["message_id"])
     assert stored.status == Message.Status.DONE and stored.content == chat.NOTHING_FOUND
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_answer_lists_the_passages_it_cites_and_the_rest_as_also_retrieved(
+    client, alice, alice_auth, worker
+) -> None:
+    make_document(alice, "notes", list(PASSAGES.values()))
+    response = client.post("/api/v1/query", {"question": "Which rice and stock for a risotto?"},
+                           content_type="application/json", **alice_auth)  # fmt: skip
+    body = response.json()
+    assert body["answer"] == "Arborio rice [1]."
+    assert [c["rank"] for c in body["citations"]] == [1] and body["citations"][0]["cited"]
+    assert body["citations"][0]["highlight"] == PASSAGES["cooking"]
+    assert all(not c["cited"] for c in body["also_retrieved"])
+    retrieval = body["metrics"]["retrieval"]
+    assert [r["rank"] for r in retrieval] == list(range(1, len(retrieval) + 1))
+    assert all(r["score"] >= 0.3 for r in retrieval) and body["metrics"]["not_found"] is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_question_the_documents_do_not_answer_is_not_found_in_both_apis(
+    client, alice, alice_auth, worker
+) -> None:
+    make_document(alice, "notes", list(PASSAGES.values()))
+    response = client.post("/api/v1/query", {"question": "What is the office dress code?"},
+                           content_type="application/json", **alice_auth)  # fmt: skip
+    body = response.json()
+    assert body["answer"] == chat.NOT_IN_DOCUMENTS and body["citations"] == []
+    assert body["metrics"]["not_found"] is True and body["metrics"]["retrieval"] == []
+    completion = client.post(
+        "/v1/chat/completions",
+        {"model": "ragblend", "messages": [{"role": "user", "content": "Office dress code?"}]},
+        content_type="application/json", **alice_auth,
+    ).json()  # fmt: skip
+    assert completion["choices"][0]["message"]["content"] == chat.NOT_IN_DOCUMENTS
+    assert completion["ragblend"]["metrics"]["not_found"] is True
+    assert worker.requests == []  # the model was never asked
