@@ -95,10 +95,11 @@ def handbook_cases(directory: Path, min_score: float) -> list[Case]:
 
 def musique_cases(path: Path, examples: int, passages: int) -> list[Case]:
     cases = []
-    for example in json.loads(path.read_text())[:examples]:
-        texts = [f"{p['title']}\n{p['text']}" for p in example["passages"][:passages]]
-        answers = [example["answer"], *example.get("answer_aliases", [])]
-        fact = next((a for a in answers if any(a in t for t in texts)), None)
+    for example in json.loads(path.read_text())[:examples]:  # kvservice.bench's format
+        ctxs = example["ctxs"][:passages]
+        texts = [f"{c['title']}\n{c['text']}" if c.get("title") else c["text"] for c in ctxs]
+        lowered = [t.lower() for t in texts]
+        fact = next((a for a in example["answers"] if any(a.lower() in t for t in lowered)), None)
         cases.append(Case(example["question"], texts, fact))
     return cases
 
