@@ -221,6 +221,24 @@ def start_postgres(
 
 # weed mini opens several servers; each also opens a gRPC port at +10000.
 _WEED_PORT_FLAGS = ["master.port", "volume.port", "filer.port", "admin.port"]
+GRPC_OFFSET = 10000  # a weed server's gRPC port is its port + 10000
+
+
+def weed_ports(s3_port: int) -> dict[str, int]:
+    """Free ports for weed's servers (``_WEED_PORT_FLAGS``) and the debug port. Each server
+    also takes its port + 10000 for gRPC, and weed refuses to start when one server's port
+    is another's gRPC port (seen: "port 47967 for Master ... is reserved for gRPC
+    calculation"), so no chosen port may equal a taken port + or - 10000."""
+    taken = {s3_port, s3_port + GRPC_OFFSET}
+    ports: dict[str, int] = {}
+    for flag in [*_WEED_PORT_FLAGS, "debug.port"]:
+        while True:
+            candidate = free_port(also_free_at_offset=GRPC_OFFSET)
+            if not {candidate, candidate + GRPC_OFFSET} & taken:
+                break
+        taken |= {candidate, candidate + GRPC_OFFSET}
+        ports[flag] = candidate
+    return ports
 
 
 def _weed_security(data: Path) -> None:
@@ -260,12 +278,11 @@ def start_seaweedfs(
     data.mkdir(parents=True, exist_ok=True)
     data.chmod(0o700)  # the volume files themselves are written 0644
     log = data_dir / "logs" / "seaweedfs.log"
-    ports = {flag: free_port(also_free_at_offset=10000) for flag in _WEED_PORT_FLAGS}
+    ports = weed_ports(port)
     cmd = [
         _weed_binary(), "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
         f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
         "-webdav=false",
-        f"-debug.port={free_port()}",
         *(f"-{flag}={p}" for flag, p in ports.items()),
     ]  # fmt: skip
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}

@@ -55,3 +55,18 @@ def test_the_object_store_data_is_private_to_its_user(s3_service) -> None:
     data = Path(next(a for a in s3_service.process.args if a.startswith("-dir=")).split("=", 1)[1])
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
     assert stat.S_IMODE((data / "security.toml").stat().st_mode) == 0o600
+
+
+def test_weed_ports_never_take_another_servers_grpc_port(monkeypatch) -> None:
+    """weed refuses to start when a server's port is another's port + 10000 (its gRPC
+    port); such collisions are rare by chance, so free ports are scripted here."""
+    s3 = 31000
+    offered = iter([s3 + 10000, 22000, 32000, 12000, 23000, 24000, 25000, 26000])
+    monkeypatch.setattr(services, "free_port", lambda **_: next(offered))
+    ports = services.weed_ports(s3)
+    assert list(ports) == [*services._WEED_PORT_FLAGS, "debug.port"]
+    # 41000 is S3's gRPC port, 32000 and 12000 are 22000's +/- 10000: all passed over
+    assert list(ports.values()) == [22000, 23000, 24000, 25000, 26000]
+    chosen = [s3, *ports.values()]
+    for port in chosen:
+        assert port + services.GRPC_OFFSET not in chosen
