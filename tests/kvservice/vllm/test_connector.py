@@ -146,12 +146,25 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
     result = answer_request(runtime, request, client)
 
-    expected = vllm_engine.generate(_request(vllm_setup, QUESTIONS[0], "blend"))
+    # The same request by hand: numbered passages, the product's decoding, the citation.
+    from kvservice.answer import answer_sampling, complete_citation
+    from kvservice.prompt import Prompt
+    from kvservice.vllm.engine import VllmRequest
+
+    segments = fmt.numbered([c.token_ids for c in chunks])
+    keys = [runtime.chunk_key(ids).to_string() for ids in segments]
+    suffix = fmt.question_ids(QUESTIONS[0])
+    completion = vllm_engine.generate(
+        VllmRequest(Prompt(list(fmt.head_ids), segments, suffix), mode="blend", chunk_keys=keys,
+                    recompute_ratio=0.15, sampling=answer_sampling(runtime, request))
+    )  # fmt: skip
+    extra, how = complete_citation(runtime, request, [c.token_ids for c in chunks],
+                                   completion.text)  # fmt: skip
     assert result["status"] == "done", result
-    assert result["text"] == expected.text
+    assert result["text"] == completion.text + extra and result["metrics"]["citation"] == how
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
               for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
-    assert "".join(data["text"] for kind, data in events if kind == "token") == expected.text
+    assert "".join(data["text"] for kind, data in events if kind == "token") == result["text"]
     kind, done = events[-1]
     assert kind == "done" and done["metrics"]["engine"] == "vllm"
     assert set(done["metrics"]["chunk_tiers"].values()) == {"disk"}
