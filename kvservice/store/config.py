@@ -18,6 +18,7 @@
 | ``KV_STORE_DTYPE`` | ``float16`` | float32 KV stored as ``float16``, ``bfloat16`` or ``float32`` |
 | ``KV_LOAD_WORKERS`` | ``16`` | background fetch threads of the pipelined loader |
 | ``KV_PREFETCH_DEPTH`` | ``2`` | layers fetched ahead of the one in use, per chunk |
+| ``KV_LOAD_NICE`` | ``0`` | how far the fetch threads lower their CPU priority (Linux, 0-19) |
 
 Sizes accept plain bytes or a ``KiB/MiB/GiB`` suffix. A bad value fails at start with the
 variable's name in the message.
@@ -71,6 +72,7 @@ class StoreConfig:
     store_dtype: str = "float16"
     load_workers: int = 16
     prefetch_depth: int = 2
+    load_nice: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:
@@ -96,6 +98,7 @@ class StoreConfig:
             ("KV_STORE_DTYPE", "store_dtype", str),
             ("KV_LOAD_WORKERS", "load_workers", int),
             ("KV_PREFETCH_DEPTH", "prefetch_depth", int),
+            ("KV_LOAD_NICE", "load_nice", int),
         ]
         for variable, name, parse in spec:
             if variable in env:
@@ -125,5 +128,7 @@ class StoreConfig:
             raise ValueError("KV_LOAD_WORKERS must be >= 1")
         if self.prefetch_depth < 0:
             raise ValueError("KV_PREFETCH_DEPTH must be >= 0")
+        if not 0 <= self.load_nice <= 19:
+            raise ValueError("KV_LOAD_NICE must be between 0 and 19")
         if self.s3_retries < 0 or self.s3_connect_timeout_s <= 0 or self.s3_read_timeout_s <= 0:
             raise ValueError("S3 timeouts must be > 0 and retries >= 0")

@@ -20,6 +20,7 @@ back to the next tier holding a valid copy, else to ``recompute_fn(token_ids)`` 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -339,6 +340,18 @@ class StoreLayeredKV:
         return 0 if found is None else found.header.num_layers * found.header.layer_bytes
 
 
+def _lower_priority(nice: int) -> None:
+    """Lower this fetch thread's CPU priority by ``nice`` (Linux schedules threads on their
+    own: a thread id is a process id to ``setpriority``), so that on shared cores the
+    prefill's threads go first; elsewhere, or without the right, it stays as it is."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        pass
+
+
 def _read_fully(stream: Readable, out: memoryview) -> int:
     """Fill ``out`` from ``stream``; fewer bytes only at the end of the stream."""
     got = 0
@@ -409,7 +422,10 @@ class KVLoader:
         self.promote = promote
         self.device = torch.device(device)
         workers = store.config.load_workers if workers is None else workers
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-load")
+        self.executor = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="kv-load",
+            initializer=_lower_priority, initargs=(store.config.load_nice,),
+        )  # fmt: skip
 
     def open(
         self,

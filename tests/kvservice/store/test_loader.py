@@ -192,3 +192,21 @@ def test_s3_unreachable_while_loading_recomputes_without_hanging(tmp_path, recom
     assert recompute.calls == 1 and batch.tiers == ["recomputed"]
     assert "S3 unreachable" in caplog.text and store.stats().faults["unavailable"] == 1
     assert store.tier("cpu").contains(ChunkKey.of(chunk))
+
+
+def test_fetch_threads_run_at_the_configured_lower_priority(tmp_path):
+    import os
+    import threading
+
+    def nice_of_a_fetch_thread(loader: KVLoader) -> int:
+        tid = loader.executor.submit(threading.get_native_id).result()
+        return os.getpriority(os.PRIO_PROCESS, tid)
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for nice, expected in [(0, base), (7, min(19, base + 7))]:
+        store = TieredStore([MemoryTier(1 << 20)], config=StoreConfig(load_nice=nice))
+        with KVLoader(store) as loader:
+            assert nice_of_a_fetch_thread(loader) == expected
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's own thread is untouched
+    with pytest.raises(ValueError, match="KV_LOAD_NICE"):
+        StoreConfig.from_env({"KV_LOAD_NICE": "25"})
