@@ -236,22 +236,6 @@ def attend_grouped(
     return torch.cat(outputs, dim=2)
 
 
-def attend_selected(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    query_pos: torch.Tensor,
-    key_pos: torch.Tensor,
-    sliding_window: int | None = None,
-    n_groups: int = 8,
-) -> torch.Tensor:
-    """``attend_grouped`` over groups made for this one call: attention of selected queries
-    ``q [1, H, S, D]`` (sorted by position) over keys ``k, v [1, H_kv, T, D]`` at
-    ``key_pos``, causal by real position."""
-    groups = group_queries(query_pos, key_pos, sliding_window, n_groups, q.dtype)
-    return attend_grouped(q, k, v, groups)
-
-
 # --------------------------------------------------------------------------------------------
 # The prompt's layout
 

@@ -7,9 +7,10 @@ import torch
 
 from kvservice.blend import (
     attend_and_weigh,
-    attend_selected,
+    attend_grouped,
     attention_importance,
     blend_prefill,
+    group_queries,
     rerotate,
     rotate_into,
     select_recompute,
@@ -134,20 +135,24 @@ def test_select_recompute_takes_the_most_important_candidates_only():
     assert select_recompute(importance, candidate, 10).tolist() == [1, 2, 3, 5]
 
 
-def test_attend_selected_equals_one_masked_call():
+def test_grouped_attention_equals_one_masked_call():
     q, k, v = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
     query_pos = torch.tensor([2, 5, 6, 11, 17, 23, 27, 28, 29])
     key_pos = torch.arange(30)
     expected = attend(q, k, v, position_mask(query_pos, key_pos))
-    torch.testing.assert_close(attend_selected(q, k, v, query_pos, key_pos, n_groups=4), expected)
+    groups = group_queries(query_pos, key_pos, n_groups=4)
+    assert len(groups.spans) == 4 and groups.n_keys == [7, 12, 24, 30]  # keys up to the last
+    torch.testing.assert_close(attend_grouped(q, k, v, groups), expected)
 
 
-def test_attend_selected_with_queries_bunched_at_the_end():
+def test_grouped_attention_with_queries_bunched_at_the_end():
     """The question alone (``reuse``): every query falls in the last span, one call."""
     q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     query_pos, key_pos = torch.arange(35, 40), torch.arange(40)
     expected = attend(q, k, v, position_mask(query_pos, key_pos))
-    torch.testing.assert_close(attend_selected(q, k, v, query_pos, key_pos), expected)
+    groups = group_queries(query_pos, key_pos)
+    assert len(groups.spans) == 1
+    torch.testing.assert_close(attend_grouped(q, k, v, groups), expected)
 
 
 def test_smooth_scores_spreads_a_peak_over_its_neighbours():
