@@ -80,7 +80,9 @@ def test_asking_with_the_broker_down_is_a_503_and_the_answer_does_not_stay_pendi
     # with the reason (the broker went down in between).
     make_document(alice, "notes", list(PASSAGES.values()))
     with pytest.raises(chat.AnswerServiceUnavailable):
-        chat.chat_ask(user=alice, conversation=conversation, question="And the Rhine?")
+        chat.chat_ask(
+            user=alice, conversation=conversation, question="Which cities does the Danube cross?"
+        )
     answer = Message.objects.get(conversation=conversation, role=Message.Role.ASSISTANT)
     assert answer.status == Message.Status.FAILED and "not reachable" in answer.error_message
     assert Message.objects.filter(conversation=conversation, role=Message.Role.USER).exists()

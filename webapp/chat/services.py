@@ -192,8 +192,9 @@ def inference_backlog() -> int:
 
 def _retrieve(*, user, answer: Message, question: str, previous: str = "") -> list[Citation]:
     """The passages for the question, best first; for a follow-up (``previous``: the
-    conversation's last question), those the question alone finds, then those it finds
-    joined to the previous question ("And in Aberdeen?" means little on its own)."""
+    conversation's last question), those the question alone finds, then those found with
+    the question joined to the previous one ("And in Aberdeen?" means little on its own);
+    full-text search always reads the question alone."""
     queries = [question] + ([f"{previous}\n{question}"] if previous else [])
     chunks: list = []
     for vector in embed_texts(queries):
