@@ -28,6 +28,10 @@ reported on 20-39; ``--blend NAME=VALUE`` passes a ``blend_prefill`` setting (e.
 ``attention_from_depth=0.5``) to compare selections on the same prompts.
 
 Storage tiers plug in through ``chunk_sources`` (the store replaces it: ``--tier``, pipelining).
+
+``--device cuda`` and ``--dtype float32|bfloat16|float16`` place the model (float32 on CPU,
+bfloat16 on CUDA by default). ``--synthetic llama3-8b`` runs the long-context benchmark on a
+random-weight model of that shape instead of Musique (``kvservice.bench_synthetic``).
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ import statistics
 import string
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -57,6 +62,7 @@ from kvservice.curve import ratio_curve_svg
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat
 from kvservice.store.benchio import TIERS, store_bench
+from kvservice.synthetic import SYNTHETIC_CONFIGS
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions using the given passages."
 INSTRUCTION = (
@@ -71,6 +77,10 @@ QUESTION_PREFIX = (
 TF_TOKENS = 16  # tf_kl / tf_agreement: the first 16 tokens of full's answer
 GAP_TOKENS = 32  # tf_logprob_gap: up to 32 tokens of full's answer, through its stop token
 BETTER_OR_WORSE = 1e-4  # a tf_kl difference to reuse's smaller than this counts as a tie
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,9 +209,18 @@ def _without_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
-def _timed(fn):
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timer read after it counts it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """``fn()`` and its wall time, the device synchronized before and after."""
+    synchronize(device)
     start = time.perf_counter()
     out = fn()
+    synchronize(device)
     return out, time.perf_counter() - start
 
 
@@ -248,15 +267,17 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     # Timed runs, the modes interleaved so that load from other processes hits all alike.
     ttft: dict[str, list[float]] = {key: [] for key in [*plan, "hf_full"]}
     results: dict[str, BlendResult] = {}
-    ids = torch.tensor([prompt.token_ids])
+    ids = torch.tensor([prompt.token_ids], device=model.device)
     for _ in range(args.repeats):
         for key, (mode, ratio) in plan.items():
-            results[key], seconds = _timed(
-                lambda key=key, mode=mode, ratio=ratio: prefill(key, mode, ratio)
+            results[key], seconds = timed(
+                lambda key=key, mode=mode, ratio=ratio: prefill(key, mode, ratio), model.device
             )
             ttft[key].append(seconds)
         if hf_model is not None:
-            _, seconds = _timed(lambda: int(hf_model(ids, logits_to_keep=1).logits[0, -1].argmax()))
+            _, seconds = timed(
+                lambda: int(hf_model(ids, logits_to_keep=1).logits[0, -1].argmax()), model.device
+            )
             ttft["hf_full"].append(seconds)
 
     full = results["full"] if "full" in results else prefill("full", "full", args.ratio)
@@ -307,7 +328,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m kvservice.bench", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--data", required=True, type=Path)
+    parser.add_argument("--data", type=Path, help="Musique JSON (all but --synthetic)")
     parser.add_argument("--examples", type=int, default=10)
     parser.add_argument("--first", type=int, default=0, help="index of the first example")
     parser.add_argument("--passages", type=int, default=6)
@@ -325,7 +346,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument(
-        "--repeats", type=int, default=1, help="timed prefills per mode and example"
+        "--repeats", type=int, default=None,
+        help="timed prefills per mode and example (default 1; --synthetic: 3)",
+    )  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), default=None,
+        help="the model's and the KV cache's dtype (default float32 on CPU, bfloat16 on CUDA)",
+    )  # fmt: skip
+    synthetic = parser.add_argument_group(
+        "synthetic", "the long-context benchmark on a random-weight model (no --data)"
+    )
+    synthetic.add_argument("--synthetic", choices=sorted(SYNTHETIC_CONFIGS), default=None)
+    synthetic.add_argument("--layers", type=int, default=None, help="keep the first N layers")
+    synthetic.add_argument("--context", type=int, default=None, help="prompt tokens (16384)")
+    synthetic.add_argument("--chunks", type=int, default=None, help="equal chunks (12)")
+    synthetic.add_argument("--seed", type=int, default=0, help="weights and tokens")
+    synthetic.add_argument(
+        "--warmup", type=int, default=1, help="untimed prefills per mode before the timed ones"
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--tier", choices=TIERS, default="cpu", help="where chunk KV starts")
@@ -344,6 +382,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a blend_prefill setting for every mode, e.g. smooth_window=1 (repeatable)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    _check_device_and_synthetic(parser, args)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
@@ -379,6 +418,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 args.plan[f"{mode}[{tier}]"] = (mode, args.ratio)
                 args.run_tiers[f"{mode}[{tier}]"] = tier
     return args
+
+
+def _check_device_and_synthetic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve ``--device``/``--dtype`` and the defaults that depend on ``--synthetic``."""
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError as err:
+        parser.error(f"--device {args.device!r}: {err}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here")
+    default_dtype = "bfloat16" if args.device.type == "cuda" else "float32"
+    args.dtype = DTYPES[args.dtype or default_dtype]
+    synthetic_only = {"--layers": args.layers, "--context": args.context, "--chunks": args.chunks}
+    if args.synthetic is None:
+        if args.data is None:
+            parser.error("--data is required (or --synthetic NAME)")
+        given = [flag for flag, value in synthetic_only.items() if value is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: with --synthetic only")
+        args.repeats = 1 if args.repeats is None else args.repeats
+    else:
+        if args.engine != "native":
+            parser.error("--synthetic runs the native engine only")
+        if args.plot:
+            parser.error("--plot draws a fidelity curve: not with --synthetic (random weights)")
+        args.context = 16384 if args.context is None else args.context
+        args.chunks = 12 if args.chunks is None else args.chunks
+        args.repeats = 3 if args.repeats is None else args.repeats
+        if args.chunks < 1 or args.context < 1:
+            parser.error("--context and --chunks must be positive")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats is at least 1 and --warmup at least 0")
 
 
 def run_plan(
@@ -569,15 +640,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
         from kvservice.vllm.bench import main as vllm_main
 
         return vllm_main(args)
+    if args.synthetic:
+        from kvservice.bench_synthetic import main as synthetic_main
+
+        return synthetic_main(args)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
-    model = Transformer.from_pretrained(model_dir, device="cpu", dtype=torch.float32)
+    model = Transformer.from_pretrained(model_dir, device=args.device, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_model = None
     if not args.no_hf:
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=args.dtype)
+        hf_model = hf_model.to(args.device).eval()
     fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
     stop_ids = stop_token_ids(tokenizer)
     examples = json.loads(args.data.read_text())[args.first : args.first + args.examples]
@@ -626,7 +702,8 @@ def _env(args, model, model_dir, rows, load_before) -> dict:
         "cores": os.cpu_count(),
         "model": str(model_dir),
         "model_fingerprint": model.fingerprint,
-        "dtype": "float32",
+        "dtype": str(args.dtype).removeprefix("torch."),
+        "device": str(args.device),
         "examples": len(rows),
         "first_example": args.first,
         "passages": args.passages,
