@@ -258,8 +258,9 @@ class StoreLayeredKV:
             view = memoryview(torch.empty(header.total_bytes, dtype=torch.uint8).numpy())
         else:
             view = memoryview(buffer)
+        last = header.num_layers - 1
         self._clock.fetch.start()
-        got = 0
+        got, timing = 0, True
         try:
             with tier.open_stream(self.key, header.layer_offset(0)) as stream:
                 if stream is None:
@@ -271,22 +272,27 @@ class StoreLayeredKV:
                     got += n
                     if n < header.layer_bytes:
                         raise ChunkTruncated(f"{self.key}: layer {index} ended after {n} bytes")
-                    k, v = decode_layer(header, index, block, verify=True)
-                    futures[index].set_result(self._on_device(k, v))
-                if buffer is not None:  # the token ids that follow, then into faster tiers
-                    tokens = view[header.tokens_offset : header.total_bytes]
-                    got += _read_fully(stream, tokens)
-                    decode_token_ids(header, tokens)
-                    with self._lock:
-                        current = generation == self._generation
-                    if current:
-                        self._store.promote(self.key, buffer, found.tier_index)
+                    if index == last and buffer is not None:  # the token ids that follow
+                        tokens = view[header.tokens_offset : header.total_bytes]
+                        got += _read_fully(stream, tokens)
+                        decode_token_ids(header, tokens)
+                    kv = self._on_device(*decode_layer(header, index, block, verify=True))
+                    if index == last:  # the load is over before the consumer can see it is
+                        self._clock.fetch.stop(got)
+                        timing = False
+                    futures[index].set_result(kv)
         except BaseException as err:
             for future in futures.values():
                 if not future.done():
                     future.set_exception(err)
+            return
         finally:
-            self._clock.fetch.stop(got)
+            if timing:
+                self._clock.fetch.stop(got)
+        with self._lock:
+            current = generation == self._generation
+        if buffer is not None and current:  # whole and verified: into the faster tiers
+            self._store.promote(self.key, buffer, found.tier_index)
 
     def _on_device(self, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
         device = self._loader.device
