@@ -21,6 +21,12 @@ TINY_COMMON = dict(
 )
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked ``gpu`` need a CUDA device: skipped where there is none."""
+    if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
 def tiny_hf_model(kind: str):
     """A tiny random HF model of one family, with the family's distinguishing options on."""
     import transformers

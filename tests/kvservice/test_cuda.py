@@ -1,0 +1,86 @@
+"""Device placement on CUDA (marked gpu: skipped where there is no CUDA device). The dtype
+identities run on CUDA too, in test_half_precision.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvservice.bench import main
+from kvservice.blend import blend_prefill
+from kvservice.model import ModelConfig, Transformer, precompute_chunks, precompute_head
+from kvservice.store.benchio import StoreBench
+from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model
+
+from .conftest import TINY_COMMON
+
+pytestmark = pytest.mark.gpu
+
+TINY = {"model_type": "llama", **TINY_COMMON}
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    gen = torch.Generator().manual_seed(7)
+    head = torch.randint(0, 128, (5,), generator=gen).tolist()
+    chunks = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (12, 40, 9, 14)]
+    question = torch.randint(0, 128, (6,), generator=gen).tolist()
+    return head, chunks, question
+
+
+def test_random_weights_are_made_on_the_device():
+    before = torch.cuda.memory_allocated()
+    model = random_model(ModelConfig.from_hf_config(TINY), dtype=torch.bfloat16, device="cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.inv_freq.device.type == "cuda" and model.inv_freq.dtype == torch.float32
+    assert torch.cuda.memory_allocated() - before >= weights
+
+
+def test_every_mode_on_cuda_equals_cpu_in_float32(tiny_checkpoints, prompt):
+    head, chunks, question = prompt
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = Transformer.from_pretrained(tiny_checkpoints["llama"], device=device)
+        kvs = precompute_chunks(model, head, chunks)  # computed on the device, kept on the host
+        assert all(c.k.device.type == "cpu" for c in kvs)
+        head_kv = precompute_head(model, head)
+        for mode in ("full", "prefix", "reuse", "blend"):
+            result = blend_prefill(
+                model, head, kvs, question, mode=mode, head_kv=head_kv, recompute_ratio=0.3
+            )
+            assert result.cache.k.device.type == device == result.logits.device.type
+            results[device, mode] = result.logits.cpu()
+    for mode in ("full", "prefix", "reuse", "blend"):
+        # float32 on both; CUDA kernels sum in another order (TF32 is off by default)
+        torch.testing.assert_close(
+            results["cuda", mode], results["cpu", mode], atol=1e-4, rtol=1e-4
+        )
+
+
+def test_chunks_loaded_from_the_store_reach_the_cuda_cache(tiny_checkpoints, prompt):
+    head, chunks, question = prompt
+    model = Transformer.from_pretrained(
+        tiny_checkpoints["llama"], device="cuda", dtype=torch.bfloat16
+    )
+    kvs = precompute_chunks(model, head, chunks)
+    in_memory = blend_prefill(model, head, kvs, question, mode="reuse")
+    bench = StoreBench("cpu", environ={"KV_STORE_DTYPE": "bfloat16"})
+    try:
+        bench.stage(kvs)
+        loaded = blend_prefill(model, head, bench.sources(kvs, "reuse"), question, mode="reuse")
+    finally:
+        bench.close()
+    assert loaded.cache.k.device.type == "cuda"
+    torch.testing.assert_close(loaded.logits, in_memory.logits, atol=0, rtol=0)
+
+
+def test_the_synthetic_bench_on_cuda_reports_peak_memory_per_mode(monkeypatch):
+    monkeypatch.setitem(SYNTHETIC_CONFIGS, "tiny", TINY)
+    report = main(["--synthetic", "tiny", "--context", "400", "--chunks", "4", "--modes",
+                   "full,reuse,blend", "--repeats", "2", "--device", "cuda"])  # fmt: skip
+    assert report["env"]["dtype"] == "bfloat16"  # the CUDA default
+    memory = report["memory"]
+    assert "max_memory_allocated" in memory["measure"]
+    for m in report["modes"].values():
+        assert m["peak_memory_bytes"] >= memory["baseline_bytes"] >= memory["weights_bytes"]
