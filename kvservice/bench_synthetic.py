@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
                 prompt_tokens=prompt_tokens,
                 num_layers=model.config.n_layers,
                 full_ttft_s=full_ttft,
-            ),  # fmt: skip
+            ),
             **first_token_fidelity(logits[key], full_logits),
         }
     return {
@@ -237,7 +237,7 @@ def print_table(report: Mapping) -> None:
         )
     memory, prompt, env = report["memory"], report["prompt"], report["env"]
     print(
-        f"{env['model']} ({env['layers']} layers, {env['dtype']}, {env['device_name']}), "
+        f"{env['model']} (layers: {env['layers']}, {env['dtype']}, {env['device_name']}), "
         f"{prompt['tokens']} prompt tokens: {prompt['chunks']} chunks x {prompt['chunk_tokens']}, "
         f"median of {env['repeats']} after {env['warmup']} warm-up; chunks from {env['tier']}"
     )

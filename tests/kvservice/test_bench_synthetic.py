@@ -101,3 +101,17 @@ def test_a_run_reports_ttft_memory_and_loading_per_mode(dtype, tmp_path, monkeyp
     printed = capsys.readouterr().out
     assert "process max RSS" in printed and "random weights" in printed
     assert printed.count("\nblend ") == 1
+
+
+@pytest.mark.slow
+def test_the_llama3_8b_shape_runs_end_to_end(capsys):
+    """The real shape (vocabulary 128,256, 4:1 grouped heads, llama3 RoPE), one layer deep:
+    2.5 GB of bfloat16 weights, ~20 s here."""
+    report = main(["--synthetic", "llama3-8b", "--layers", "1", "--context", "1024", "--chunks",
+                   "4", "--modes", "full,reuse,blend", "--dtype", "bfloat16", "--repeats", "1",
+                   "--warmup", "0"])  # fmt: skip
+    assert report["env"]["config"]["vocab_size"] == 128256 and report["env"]["layers"] == 1
+    assert report["memory"]["weights_bytes"] == 2 * (2 * 128256 * 4096 + 218_112_000 + 4096)
+    blend = report["modes"]["blend"]
+    assert blend["recompute_ratio"] == pytest.approx(0.15, abs=0.01) and blend["load_s"] > 0
+    assert "llama3-8b (layers: 1, bfloat16" in capsys.readouterr().out
