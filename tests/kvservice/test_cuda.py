@@ -46,9 +46,11 @@ def test_every_mode_on_cuda_equals_cpu_in_float32(tiny_checkpoints, prompt):
         assert all(c.k.device.type == "cpu" for c in kvs)
         head_kv = precompute_head(model, head)
         for mode in ("full", "prefix", "reuse", "blend"):
+            # blend's slots fixed: a near tie in the attention must not pick other tokens
             result = blend_prefill(
-                model, head, kvs, question, mode=mode, head_kv=head_kv, recompute_ratio=0.3
-            )
+                model, head, kvs, question, mode=mode, head_kv=head_kv,
+                recompute_slots=list(range(20, 35)) if mode == "blend" else None,
+            )  # fmt: skip
             assert result.cache.k.device.type == device == result.logits.device.type
             results[device, mode] = result.logits.cpu()
     for mode in ("full", "prefix", "reuse", "blend"):
