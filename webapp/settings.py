@@ -289,3 +289,9 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
 }
+
+# --- accounts -------------------------------------------------------------------------------
+
+# Self sign-up at accounts/signup/ (off: the page is a 404 and staff add users from the
+# product's Users page or Django admin).
+SIGNUP_ENABLED = env.bool("SIGNUP_ENABLED", default=False)
