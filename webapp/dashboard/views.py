@@ -8,36 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from functools import wraps
 
 from django.contrib import messages
-from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from webapp import health
+from webapp.accounts.decorators import staff_required
 from webapp.dashboard import charts, selectors, services
 from webapp.documents.models import Document
 
 POLL_SECONDS = 3
 METRICS_WINDOW = timedelta(days=7)
 TIER_MIX_ANSWERS = 40  # the last answers shown in the tier-mix chart
-
-
-def staff_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """Anonymous users go to the login page; logged-in non-staff get 403."""
-
-    @login_required
-    @wraps(view)
-    def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
-        if not request.user.is_staff:
-            raise PermissionDenied("The dashboard is for staff.")
-        return view(request, *args, **kwargs)
-
-    return wrapper
 
 
 def _metrics() -> dict[str, object]:
