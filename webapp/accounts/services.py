@@ -1,4 +1,5 @@
-"""Writes for accounts: API keys (create, revoke, authenticate) and their rate limit."""
+"""Writes for accounts: users (added by staff or signing up), API keys (create, revoke,
+authenticate) and their rate limit."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import time
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_email
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from webapp.accounts.models import ApiKey
@@ -17,6 +23,48 @@ from webapp.redis import redis_client
 KEY_PREFIX = "rbk_"  # recognisable in logs and secret scanners
 PREFIX_CHARS = 12  # "rbk_" + 8 random characters, shown in the key list
 LAST_USED_RESOLUTION = timedelta(minutes=1)  # don't write the row on every request
+
+
+GENERATED_PASSWORD_BYTES = 12  # 16 URL-safe characters
+
+
+class UserCreateError(ValueError):
+    """A new user's details that staff (or the person signing up) can fix; shown as is."""
+
+
+def user_create(*, username: str, email: str = "", password: str = "") -> tuple[object, str]:
+    """A new active, non-staff user; a blank ``password`` is generated. Returns the user and
+    the password, which is shown once to whoever created the account and never stored in
+    clear."""
+    User = get_user_model()
+    username, email = username.strip(), email.strip()
+    errors: list[str] = []
+    try:
+        User.username_validator(username)
+    except ValidationError as err:
+        errors += err.messages
+    if not username:
+        errors = ["Give the user a username."]
+    elif User.objects.filter(username__iexact=username).exists():
+        errors.append(f"The username “{username}” is taken.")
+    if email:
+        try:
+            validate_email(email)
+        except ValidationError:
+            errors.append(f"“{email}” is not an email address.")
+    password = password or secrets.token_urlsafe(GENERATED_PASSWORD_BYTES)
+    try:
+        validate_password(password, User(username=username, email=email))
+    except ValidationError as err:
+        errors += err.messages
+    if errors:
+        raise UserCreateError(" ".join(errors))
+    try:
+        with transaction.atomic():
+            user = User.objects.create_user(username=username, email=email, password=password)
+    except IntegrityError as err:  # the same username created at the same moment
+        raise UserCreateError(f"The username “{username}” is taken.") from err
+    return user, password
 
 
 class ApiKeyError(ValueError):

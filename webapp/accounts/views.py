@@ -1,15 +1,22 @@
-"""Account pages: the user's API keys (create, list, revoke). A new key's plaintext is shown
-once, on the page that answers its creation, and never again."""
+"""Account pages: the user's API keys (create, list, revoke), the staff's users page (add a
+user), and self sign-up when SIGNUP_ENABLED. A new key's plaintext, and a new user's
+password, are shown once, on the page that answers their creation, and never again.
+Changing one's password is Django's PasswordChangeView (urls.py)."""
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import messages
+from django.contrib.auth import login
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.forms import UserCreationForm
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from webapp.accounts import selectors, services
+from webapp.accounts.decorators import staff_required
 from webapp.accounts.models import ApiKey
 
 
@@ -47,3 +54,58 @@ def api_key_revoke(request: HttpRequest, api_key_id: int) -> HttpResponse:
     services.api_key_revoke(api_key=api_key)
     messages.success(request, f"Key “{api_key.name}” revoked.")
     return redirect("api_keys")
+
+
+class LoginView(auth_views.LoginView):
+    """Django's login page, which links to sign-up when it is on."""
+
+    template_name = "accounts/login.html"
+    redirect_authenticated_user = True
+
+    def get_context_data(self, **kwargs) -> dict[str, object]:
+        return super().get_context_data(**kwargs) | {"signup_enabled": settings.SIGNUP_ENABLED}
+
+
+@staff_required
+@require_http_methods(["GET", "POST"])
+def user_list(request: HttpRequest) -> HttpResponse:
+    context: dict[str, object] = {}
+    status = 200
+    if request.method == "POST":
+        try:
+            new_user, password = services.user_create(
+                username=request.POST.get("username", ""),
+                email=request.POST.get("email", ""),
+                password=request.POST.get("password", ""),
+            )
+            context |= {"new_user": new_user, "password": password}
+        except services.UserCreateError as err:
+            context |= {"error": str(err), "form_values": request.POST}
+            status = 422
+    context["users"] = selectors.user_list()
+    response = render(request, "accounts/users.html", context, status=status)
+    response["Cache-Control"] = "no-store"  # the page may carry a new user's password
+    return response
+
+
+@require_http_methods(["GET", "POST"])
+def signup(request: HttpRequest) -> HttpResponse:
+    """Self sign-up, a 404 unless SIGNUP_ENABLED; the new user is logged in."""
+    if not settings.SIGNUP_ENABLED:
+        raise Http404("Sign-up is off.")
+    if request.user.is_authenticated:
+        return redirect(settings.LOGIN_REDIRECT_URL)
+    form = UserCreationForm(request.POST if request.method == "POST" else None)
+    if form.is_valid():
+        try:
+            user, _ = services.user_create(
+                username=form.cleaned_data["username"],
+                password=form.cleaned_data["password1"],
+            )
+        except services.UserCreateError as err:
+            form.add_error(None, str(err))
+        else:
+            login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+            return redirect(settings.LOGIN_REDIRECT_URL)
+    status = 422 if form.is_bound else 200
+    return render(request, "accounts/signup.html", {"form": form}, status=status)
