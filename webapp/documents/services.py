@@ -12,6 +12,7 @@ import hashlib
 import io
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import PurePath
 
 import urllib3.exceptions
@@ -27,6 +28,7 @@ from minio.error import S3Error
 from webapp.documents import parsing, quotas
 from webapp.documents.models import Chunk, Document, OrphanObject
 from webapp.documents.sandbox import SandboxLimits, parse_isolated
+from webapp.documents.selectors import S3_MISSING
 from webapp.storage import object_store
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,6 @@ Status, Stage = Document.Status, Document.Stage
 
 # Progress milestones: the ingest stages share 0..70 %, the KV step fills 70..100 %.
 PROGRESS = {Stage.PARSING: 5, Stage.CHUNKING: 25, Stage.EMBEDDING: 40, Stage.KV: 70}
-_S3_MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
 # Task retries (transient errors) count too, so this sits above the task's max_retries.
 MAX_INGEST_ATTEMPTS = 8
 
@@ -79,19 +80,32 @@ def _read_upload(uploaded_file: UploadedFile, limit: int) -> tuple[str, int, byt
     return digest.hexdigest(), size, (buffer.getvalue() if size <= limit else None)
 
 
+@dataclass(frozen=True)
+class UploadResult:
+    document: Document
+    # The owner already had this content stored: nothing changed, ``document`` is theirs.
+    duplicate: bool = False
+
+
 def document_upload(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> Document:
+    """``document_upload_result``'s document (for callers that need not tell a duplicate)."""
+    return document_upload_result(owner=owner, uploaded_file=uploaded_file).document
+
+
+def document_upload_result(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> UploadResult:
     """Store one uploaded file and queue its ingest, or record why it was refused.
 
     The same content uploaded twice by one user is one document: the existing one is
-    returned (a document refused at upload is re-examined, since the limits may have
-    changed). A refusal (empty, too large, unsupported type) is a ``failed`` document with a
-    human message, so it shows in the list next to the files that were accepted."""
+    returned, marked ``duplicate`` so the user can be told (a document refused at upload is
+    re-examined, since the limits may have changed). A refusal (empty, too large,
+    unsupported type) is a ``failed`` document with a human message, so it shows in the list
+    next to the files that were accepted."""
     name = uploaded_file.name or "Untitled"
     limit = settings.MAX_UPLOAD_BYTES
     sha, size, data = _read_upload(uploaded_file, limit)
     existing = Document.objects.filter(owner=owner, content_sha256=sha).first()
     if existing is not None and existing.object_key:
-        return existing
+        return UploadResult(existing, duplicate=True)
 
     detected = Document.Type.UNKNOWN
     refusal = ""
@@ -142,8 +156,8 @@ def document_upload(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> 
                 _enqueue_ingest(document.pk)
     except IntegrityError:
         # The same content arrived twice at once (two tabs); the other request won.
-        return Document.objects.get(owner=owner, content_sha256=sha)
-    return document
+        return UploadResult(Document.objects.get(owner=owner, content_sha256=sha), duplicate=True)
+    return UploadResult(document)
 
 
 def _enqueue_ingest(document_id: int) -> None:
@@ -198,7 +212,7 @@ def _read_original(key: str) -> bytes:
             response.close()
             response.release_conn()
     except S3Error as err:
-        if err.code in _S3_MISSING:
+        if err.code in S3_MISSING:
             raise parsing.ParseError(
                 "The uploaded file is missing from storage; upload it again."
             ) from err

@@ -1,4 +1,5 @@
-"""The documents page: upload (several files, drag and drop), live status, retry, delete.
+"""The documents page: upload (several files, drag and drop), live status, retry, delete,
+download of the original.
 
 ``GET documents/`` serves the full page, or only the list partial to htmx (which polls it
 while anything is still processing)."""
@@ -8,9 +9,10 @@ from __future__ import annotations
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
-from django.views.decorators.http import require_http_methods, require_POST
+from django.template.loader import render_to_string
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from webapp.documents import quotas, selectors, services
 from webapp.documents.models import Document
@@ -27,11 +29,16 @@ def _get_document_for_user(request: HttpRequest, document_id: int) -> Document:
 
 
 def _list_response(
-    request: HttpRequest, *, status: int = 200, errors: list[str] | None = None
+    request: HttpRequest,
+    *,
+    status: int = 200,
+    errors: list[str] | None = None,
+    duplicates: list[tuple[str, Document]] | None = None,
 ) -> HttpResponse:
     documents = list(selectors.document_list(owner=request.user))
     context = {
         "errors": errors or [],
+        "duplicates": duplicates or [],
         "documents": documents,
         "polling": selectors.documents_active(documents),
         "poll_seconds": POLL_SECONDS,
@@ -49,15 +56,24 @@ def document_list(request: HttpRequest) -> HttpResponse:
         return _list_response(request)
     files = request.FILES.getlist("files")
     errors = [] if files else ["Choose one or more files to upload."]
+    duplicates: list[tuple[str, Document]] = []  # (the name uploaded, the document it already is)
     for uploaded_file in files:
         try:
-            services.document_upload(owner=request.user, uploaded_file=uploaded_file)
+            result = services.document_upload_result(
+                owner=request.user, uploaded_file=uploaded_file
+            )
         except services.TransientError as err:
             errors.append(f"{uploaded_file.name}: {err}")
+            continue
+        if result.duplicate:
+            duplicates.append((uploaded_file.name, result.document))
     if request.htmx:
-        return _list_response(request, errors=errors)
+        return _list_response(request, errors=errors, duplicates=duplicates)
     for error in errors:
         messages.error(request, error)
+    for name, document in duplicates:
+        notice = render_to_string("documents/_duplicate.html", {"name": name, "document": document})
+        messages.info(request, notice)  # safe HTML: the message storage keeps it so
     return redirect("documents:list")
 
 
@@ -66,6 +82,23 @@ def document_detail(request: HttpRequest, document_id: int) -> HttpResponse:
     document = _get_document_for_user(request, document_id)
     chunks = selectors.document_chunks(document=document)
     return render(request, "documents/detail.html", {"document": document, "chunks": chunks})
+
+
+@login_required
+@require_GET
+def document_download(request: HttpRequest, document_id: int) -> HttpResponse:
+    """The original file, streamed from the object store to its owner (always as a download:
+    an uploaded HTML file is never rendered as one of our pages)."""
+    document = _get_document_for_user(request, document_id)
+    original = selectors.document_original(document=document)
+    if original is None:
+        raise Http404("The original of this document is not stored.")
+    response = FileResponse(
+        original, as_attachment=True, filename=document.original_name or document.title
+    )
+    response["Content-Length"] = str(document.size_bytes)
+    response["Cache-Control"] = "private, no-store"
+    return response
 
 
 @login_required
