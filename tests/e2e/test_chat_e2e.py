@@ -59,6 +59,17 @@ def collect_stream(request_id: str, timeout_s: float = 240) -> tuple[list[str], 
     raise AssertionError("no done/error event on the answer stream")
 
 
+def wait_recorded(answer: Message) -> None:
+    """Until the Celery worker has written the worker's report: a test that ends before it
+    has its teardown truncate the tables under that write (DeadlockDetected)."""
+
+    def recorded() -> bool:
+        answer.refresh_from_db()
+        return answer.status == Message.Status.DONE
+
+    wait_for(recorded, timeout=60, what="the answer to be recorded")
+
+
 def test_upload_ask_and_stream_a_cited_answer(
     celery_worker_process, inference_worker_process, django_user_model
 ) -> None:
@@ -86,11 +97,7 @@ def test_upload_ask_and_stream_a_cited_answer(
     # The answer cites the uploaded document, and the worker's report is stored.
     assert {c.document_id for c in answer.citations.all()} == {document.id}
 
-    def recorded():
-        answer.refresh_from_db()
-        return answer.status == Message.Status.DONE
-
-    wait_for(recorded, timeout=60, what="the answer to be recorded")
+    wait_recorded(answer)
     assert answer.content == payload["text"]
     assert answer.ttft_s == pytest.approx(metrics["ttft_s"])
     assert sum(answer.tiers.values()) == answer.citations.count()
@@ -106,6 +113,7 @@ def test_another_user_cannot_see_the_conversation_or_retrieve_the_chunks(
     with TestCase.captureOnCommitCallbacks(execute=True):
         answer = chat.chat_ask(user=owner, conversation=conversation, question="Who built it?")
     collect_stream(str(answer.request_id))
+    wait_recorded(answer)
 
     client.force_login(other)
     assert client.get(f"/chat/{conversation.id}/").status_code == 404
@@ -118,6 +126,7 @@ def test_another_user_cannot_see_the_conversation_or_retrieve_the_chunks(
     assert theirs.citations.count() == 0  # nothing of the owner's is retrievable
     _tokens, kind, payload = collect_stream(str(theirs.request_id))
     assert kind == "done", payload
+    wait_recorded(theirs)
 
 
 def test_staff_modes_all_answer_and_full_reads_no_cache(
@@ -139,6 +148,7 @@ def test_staff_modes_all_answer_and_full_reads_no_cache(
             )
         _tokens, kind, payload = collect_stream(str(answer.request_id))
         assert kind == "done", (mode, payload)
+        wait_recorded(answer)
         seen[mode] = payload["metrics"]
     assert seen["full"]["chunk_tiers"] == {} and seen["full"]["recompute_ratio"] == 1.0
     assert seen["reuse"]["recompute_ratio"] == 0.0

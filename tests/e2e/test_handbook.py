@@ -15,8 +15,7 @@ from django.test import TestCase
 
 from kvservice.citing import cited_ranks, says_not_found
 from kvservice.prompt import TURN_MARKERS
-from tests.conftest import wait_for
-from tests.e2e.test_chat_e2e import collect_stream, upload_ready
+from tests.e2e.test_chat_e2e import collect_stream, upload_ready, wait_recorded
 from webapp.chat import services as chat
 from webapp.chat.answerbench import loops
 from webapp.chat.models import Message
@@ -32,12 +31,7 @@ def ask(user, conversation, question: str) -> tuple[Message, str]:
         answer = chat.chat_ask(user=user, conversation=conversation, question=question)
     _tokens, kind, payload = collect_stream(str(answer.request_id))
     assert kind == "done", payload
-
-    def recorded() -> bool:  # the worker's report is written by the Celery worker: wait for
-        answer.refresh_from_db()  # it, or the test's teardown truncates the tables under it
-        return answer.status == Message.Status.DONE
-
-    wait_for(recorded, timeout=60, what="the answer to be recorded")
+    wait_recorded(answer)
     return answer, payload["text"]
 
 
