@@ -38,6 +38,7 @@ def _list_response(
     documents = list(selectors.document_list(owner=request.user))
     context = {
         "errors": errors or [],
+        "upload_answer": duplicates is not None,  # an upload's answer (not a poll)
         "duplicates": duplicates or [],
         "documents": documents,
         "polling": selectors.documents_active(documents),
