@@ -3,6 +3,7 @@ answer when it is complete, stop, regenerate, feedback."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
@@ -11,9 +12,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from kvservice import routing
+from kvservice.chunk import token_ids_sha256
 from kvservice.citing import cited_ranks, highlights
 from kvservice.protocol import (
     GENERATE_TASK,
+    WARM_TASK,
     ChunkRef,
     GenerateRequest,
     Turn,
@@ -28,11 +31,18 @@ from webapp.dashboard.selectors import fixed_recompute_ratio
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
 from webapp.documents.kv import kv_scope_for
+from webapp.documents.models import Chunk
 from webapp.documents.parsing import CONTROL_CHARS
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
+log = logging.getLogger(__name__)
+
 HISTORY_TURNS = 3  # recent questions (and helpful answers) carried into a follow-up
+# Opening the chat warms the passages of the user's latest answers into the CPU tier of the
+# worker that will serve them, at most once per user in this window.
+WARM_RECENT_ANSWERS = 10
+WARM_EVERY_S = 300
 
 
 def clean_text(text: str) -> str:
@@ -302,3 +312,37 @@ def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> Non
                 citation.rank, (None, None)
             )
             citation.save(update_fields=["tier", "cited", "highlight_start", "highlight_end"])
+
+
+def chat_warm_recent(*, user) -> list[str]:
+    """Ahead of the next question: ask the worker that serves this user's chunks (their home,
+    ``routing.home_queue``, where a question over them will go) to load the passages of the
+    user's latest answers from S3 into its CPU tier, so that a follow-up does not wait for
+    S3. At most once per user per ``WARM_EVERY_S``; returns the keys sent (none when
+    throttled or nothing is cached). Best effort: it only saves time, so a broker or Redis
+    fault is logged, never raised."""
+    answers = Message.objects.filter(conversation__owner=user, role=Message.Role.ASSISTANT)
+    recent = answers.order_by("-id")[:WARM_RECENT_ANSWERS]
+    chunks = list(
+        Chunk.objects.filter(
+            document__owner=user,
+            id__in=Citation.objects.filter(message__in=recent).values("chunk_id"),
+        )
+        .exclude(kv_key="")
+        .values_list("kv_key", "token_ids")
+    )
+    if not chunks:
+        return []
+    try:
+        client = redis_client()
+        if not client.set(f"ragblend:warm-recent:{user.pk}", 1, nx=True, ex=WARM_EVERY_S):
+            return []
+        scope = kv_scope_for(user.pk)
+        digests = [routing.chunk_digest(scope, token_ids_sha256(ids)) for _, ids in chunks]
+        queue = routing.home_queue(client, digests, settings.INFERENCE_QUEUE)
+        keys = sorted({key for key, _ in chunks})
+        celery_app.send_task(WARM_TASK, args=[keys, "cpu"], queue=queue)
+    except outages.SERVICE_ERRORS as err:
+        log.warning("could not warm user %s's recent passages: %s", user.pk, err)
+        return []
+    return keys

@@ -58,6 +58,7 @@ def _get_answer_for_user(request: HttpRequest, message_id: int) -> Message:
 @login_required
 @require_GET
 def conversation_list(request: HttpRequest) -> HttpResponse:
+    services.chat_warm_recent(user=request.user)
     conversations = _browser_conversations(request)
     return render(request, "chat/index.html", {"conversations": conversations})
 
@@ -73,6 +74,7 @@ def conversation_new(request: HttpRequest) -> HttpResponse:
 @require_GET
 def conversation_detail(request: HttpRequest, conversation_id: int) -> HttpResponse:
     conversation = _get_conversation_for_user(request, conversation_id)
+    services.chat_warm_recent(user=request.user)
     context = {
         "conversation": conversation,
         "conversations": _browser_conversations(request),
