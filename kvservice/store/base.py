@@ -24,6 +24,17 @@ class Readable(Protocol):
     def readinto(self, buffer: memoryview) -> int | None: ...
 
 
+def read_fully(stream: Readable, out: memoryview) -> int:
+    """Fill ``out`` from ``stream``; fewer bytes only at the end of the stream."""
+    got = 0
+    while got < len(out):
+        n = stream.readinto(out[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 @dataclass(frozen=True)
 class TierStats:
     """A snapshot of one tier, plain data for the dashboard (``asdict`` gives a dict)."""

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvservice.store.base import read_fully
 from kvservice.store.format import Buffer
 from kvservice.store.keys import ChunkKey
 from kvservice.store.lru import LRUTier
@@ -89,10 +90,4 @@ class DiskTier(LRUTier):
 
 def _read_fully(src: Any, start: int, out: memoryview) -> int:
     src.seek(start)
-    got = 0
-    while got < len(out):
-        n = src.readinto(out[got:])
-        if not n:
-            break
-        got += n
-    return got
+    return read_fully(src, out)

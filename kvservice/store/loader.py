@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvservice.chunk import ChunkKV
-from kvservice.store.base import Readable, ReadMeter
+from kvservice.store.base import ReadMeter, read_fully
 from kvservice.store.errors import ChunkCorrupt, ChunkMissing, ChunkTruncated, ChunkUnavailable
 from kvservice.store.format import K_PRE_ROPE, decode_layer, decode_token_ids
 from kvservice.store.keys import ChunkKey
@@ -268,13 +268,13 @@ class StoreLayeredKV:
                 for index in range(header.num_layers):
                     start = header.layer_offset(index)
                     block = view[start : start + header.layer_bytes]
-                    n = _read_fully(stream, block)
+                    n = read_fully(stream, block)
                     got += n
                     if n < header.layer_bytes:
                         raise ChunkTruncated(f"{self.key}: layer {index} ended after {n} bytes")
                     if index == last and buffer is not None:  # the token ids that follow
                         tokens = view[header.tokens_offset : header.total_bytes]
-                        got += _read_fully(stream, tokens)
+                        got += read_fully(stream, tokens)
                         decode_token_ids(header, tokens)
                     kv = self._on_device(*decode_layer(header, index, block, verify=True))
                     if index == last:  # the load is over before the consumer can see it is
@@ -356,17 +356,6 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except OSError:
         pass
-
-
-def _read_fully(stream: Readable, out: memoryview) -> int:
-    """Fill ``out`` from ``stream``; fewer bytes only at the end of the stream."""
-    got = 0
-    while got < len(out):
-        n = stream.readinto(out[got:])
-        if not n:
-            break
-        got += n
-    return got
 
 
 class LoadBatch:

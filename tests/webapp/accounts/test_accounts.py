@@ -15,18 +15,6 @@ pytestmark = pytest.mark.django_db
 User = get_user_model()
 
 
-@pytest.fixture
-def alice(django_user_model):
-    return django_user_model.objects.create_user(username="alice", password="pw-alice-123")
-
-
-@pytest.fixture
-def staff(django_user_model):
-    return django_user_model.objects.create_user(
-        username="stella", password="pw-stella-123", is_staff=True
-    )
-
-
 def _can_log_in(username: str, password: str) -> bool:
     return (
         Client().post(reverse("login"), {"username": username, "password": password}).status_code

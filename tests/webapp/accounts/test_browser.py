@@ -33,11 +33,6 @@ def _screenshot(driver, name: str) -> None:
     assert driver.save_screenshot(str(ARTIFACTS / name))
 
 
-@pytest.fixture
-def alice(django_user_model):
-    return django_user_model.objects.create_user(username="alice", password="pw-alice-123")
-
-
 def test_password_change_from_the_nav(browser, live_server, alice) -> None:  # noqa: F811
     from selenium.webdriver.common.by import By
 

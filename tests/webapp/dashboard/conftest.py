@@ -22,18 +22,6 @@ def no_ratio_curve(settings, tmp_path):
 
 
 @pytest.fixture
-def alice(django_user_model):
-    return django_user_model.objects.create_user(username="alice", password="pw-alice-123")
-
-
-@pytest.fixture
-def staff(django_user_model):
-    return django_user_model.objects.create_user(
-        username="stella", password="pw-stella-123", is_staff=True
-    )
-
-
-@pytest.fixture
 def staff_client(client, staff):
     client.force_login(staff)
     return client
