@@ -4,20 +4,8 @@ import pytest
 
 
 @pytest.fixture
-def alice(django_user_model):
-    return django_user_model.objects.create_user(username="alice", password="pw-alice-123")
-
-
-@pytest.fixture
 def mallory(django_user_model):
     return django_user_model.objects.create_user(username="mallory", password="pw-mallory-123")
-
-
-@pytest.fixture
-def staff(django_user_model):
-    return django_user_model.objects.create_user(
-        username="stella", password="pw-stella-123", is_staff=True
-    )
 
 
 def bearer(user, name: str = "test") -> dict[str, str]:
