@@ -17,6 +17,7 @@
 | ``KV_QUANTIZE`` | ``false`` | write new objects as 8-bit per-token quantized K/V |
 | ``KV_STORE_DTYPE`` | ``float16`` | float32 KV stored as ``float16``, ``bfloat16`` or ``float32`` |
 | ``KV_LOAD_WORKERS`` | ``16`` | background fetch threads of the pipelined loader |
+| ``KV_STREAM_THREADS`` | ``2`` | threads reading the chunks that stream from S3, layer by layer in turn |
 | ``KV_PREFETCH_DEPTH`` | ``2`` | layers fetched ahead of the one in use, per chunk |
 | ``KV_LOAD_NICE`` | ``0`` | how far the fetch threads lower their CPU priority (Linux, 0-19) |
 
@@ -71,6 +72,7 @@ class StoreConfig:
     quantize: bool = False
     store_dtype: str = "float16"
     load_workers: int = 16
+    stream_threads: int = 2
     prefetch_depth: int = 2
     load_nice: int = 0
 
@@ -97,6 +99,7 @@ class StoreConfig:
             ("KV_QUANTIZE", "quantize", _parse_bool),
             ("KV_STORE_DTYPE", "store_dtype", str),
             ("KV_LOAD_WORKERS", "load_workers", int),
+            ("KV_STREAM_THREADS", "stream_threads", int),
             ("KV_PREFETCH_DEPTH", "prefetch_depth", int),
             ("KV_LOAD_NICE", "load_nice", int),
         ]
@@ -126,6 +129,8 @@ class StoreConfig:
                              f"not {self.store_dtype!r}")  # fmt: skip
         if self.load_workers < 1:
             raise ValueError("KV_LOAD_WORKERS must be >= 1")
+        if self.stream_threads < 1:
+            raise ValueError("KV_STREAM_THREADS must be >= 1")
         if self.prefetch_depth < 0:
             raise ValueError("KV_PREFETCH_DEPTH must be >= 0")
         if not 0 <= self.load_nice <= 19:

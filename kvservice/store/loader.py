@@ -100,6 +100,7 @@ class StoreLayeredKV:
         self._futures: dict[int, Future[LayerKV]] = {}
         self._generation = 0  # bumped when switching to another source after a fault
         self._buffer: bytearray | None = None  # the whole object, for promotion
+        self._pending_stream: Iterator[None] | None = None  # located, not yet being read
         self._layers_done = 0
         self._error: BaseException | None = None
         self.num_layers = 0
@@ -211,6 +212,7 @@ class StoreLayeredKV:
         self._store.note_fault(self.key, located.tier, err)
         self._ready.clear()
         self._locate(start_at=located.tier_index + 1)
+        self._loader.read_streams([self])
         self._wait_ready()
 
     # -- fetching -----------------------------------------------------------------------------
@@ -234,12 +236,19 @@ class StoreLayeredKV:
                 self._futures[index] = future
 
     def _start_stream(self, found: Located) -> None:
-        """Every layer's future now, resolved in order by one sequential read."""
+        """Every layer's future now, resolved in order by one sequential read that a stream
+        reader of the loader advances (``take_stream``)."""
         with self._lock:
             futures: dict[int, Future[LayerKV]] = {i: Future() for i in range(self.num_layers)}
             self._futures = futures
             generation, buffer = self._generation, self._buffer
-        self._loader.executor.submit(self._stream, found, generation, futures, buffer)
+            self._pending_stream = self._stream(found, generation, futures, buffer)
+
+    def take_stream(self) -> Iterator[None] | None:
+        """The located chunk's stream, for the loader to read (once), or None."""
+        with self._lock:
+            stream, self._pending_stream = self._pending_stream, None
+        return stream
 
     def _stream(
         self,
@@ -247,12 +256,14 @@ class StoreLayeredKV:
         generation: int,
         futures: dict[int, Future[LayerKV]],
         buffer: bytearray | None,
-    ) -> None:
+    ) -> Iterator[None]:
         """Read the chunk's layers from one request (``Tier.open_stream``), resolving each
         layer's future as soon as its bytes are in and verified: the engine starts on layer
         0 while later layers arrive, as with per-layer reads, without a signed request (and
-        a server round trip) per layer per chunk. A fault fails that layer and every later
-        one; the consumer then fails over as after a per-layer read."""
+        a server round trip) per layer per chunk. Yields after each layer, so that one
+        reader thread can take several chunks' streams in turn, layer by layer
+        (``KVLoader.read_streams``). A fault fails that layer and every later one; the
+        consumer then fails over as after a per-layer read."""
         header, tier = found.header, found.tier
         if buffer is None:  # not promoting: a buffer for the layers only, never zero-filled
             view = memoryview(torch.empty(header.total_bytes, dtype=torch.uint8).numpy())
@@ -281,7 +292,8 @@ class StoreLayeredKV:
                         self._clock.fetch.stop(got)
                         timing = False
                     futures[index].set_result(kv)
-        except BaseException as err:
+                    yield
+        except BaseException as err:  # GeneratorExit too: what is not read fails, never hangs
             for future in futures.values():
                 if not future.done():
                     future.set_exception(err)
@@ -358,6 +370,15 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
+def _read_in_turn(streams: list[Iterator[None]]) -> None:
+    """Advance each stream by one layer in turn until every one has ended."""
+    while streams:
+        streams = [stream for stream in streams if next(stream, _ENDED) is not _ENDED]
+
+
+_ENDED = object()
+
+
 class LoadBatch:
     """The sources of one request, in the order of the keys given to :meth:`KVLoader.open`."""
 
@@ -417,10 +438,27 @@ class KVLoader:
         self.promote = promote
         self.device = torch.device(device)
         workers = store.config.load_workers if workers is None else workers
+        nice = (store.config.load_nice,)
         self.executor = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="kv-load",
-            initializer=_lower_priority, initargs=(store.config.load_nice,),
+            initializer=_lower_priority, initargs=nice,
         )  # fmt: skip
+        self.stream_threads = store.config.stream_threads
+        self.stream_executor = ThreadPoolExecutor(
+            max_workers=self.stream_threads, thread_name_prefix="kv-stream",
+            initializer=_lower_priority, initargs=nice,
+        )  # fmt: skip
+
+    def read_streams(self, sources: Sequence[StoreLayeredKV]) -> None:
+        """Start reading the streams of ``sources`` that have one (S3 chunks), dealt round
+        robin to at most ``stream_threads`` readers. Each reader takes its chunks in turn, a
+        layer at a time, so layer ``i`` of every chunk arrives before layer ``i+1`` of any,
+        the order the engine uses them in; on 2 cores more readers took CPU from the prefill
+        (docs/loading.md)."""
+        streams = [stream for stream in (s.take_stream() for s in sources) if stream is not None]
+        readers = min(self.stream_threads, len(streams))
+        for r in range(readers):
+            self.stream_executor.submit(_read_in_turn, streams[r::readers])
 
     def open(
         self,
@@ -445,6 +483,7 @@ class KVLoader:
         located = [self.executor.submit(source._locate) for source in sources]
         for future in located:
             future.result()
+        self.read_streams(sources)
         if not self.pipeline:  # load-then-compute: every layer of every chunk, now
             for source in sources:
                 for future in list(source._futures.values()):
@@ -454,6 +493,7 @@ class KVLoader:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+        self.stream_executor.shutdown(wait=True)
 
     def __enter__(self) -> KVLoader:
         return self

@@ -10,7 +10,7 @@ from kvservice.store.disk import DiskTier
 from kvservice.store.errors import ChunkMissing
 from kvservice.store.format import decode_header, encode_chunk
 from kvservice.store.keys import ChunkKey
-from kvservice.store.loader import KVLoader
+from kvservice.store.loader import KVLoader, _read_in_turn
 from kvservice.store.memory import MemoryTier
 from kvservice.store.tiered import TieredStore
 
@@ -65,6 +65,44 @@ def test_s3_chunk_layers_come_from_one_request_per_chunk(store):
     while not all(store.tier("cpu").contains(k) for k in keys) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert all(store.tier("cpu").contains(k) for k in keys)
+
+
+def test_s3_streams_are_read_by_the_stream_threads_only(store, monkeypatch):
+    """Five chunks streaming from S3 are read by at most ``KV_STREAM_THREADS`` (2) readers,
+    not a thread each, and still served exactly."""
+    import threading
+
+    chunks = [make_chunk(60 + i) for i in range(5)]
+    keys = [store.put(chunk, tiers=[]) for chunk in chunks]
+    s3, readers = store.tier("s3"), []
+    opened = s3.open_stream
+
+    def recording(key, start):
+        readers.append(threading.current_thread().name)
+        return opened(key, start)
+
+    monkeypatch.setattr(s3, "open_stream", recording)
+    with KVLoader(store) as loader:
+        assert loader.stream_threads == 2
+        batch = loader.open(keys)
+        for source, chunk in zip(batch, chunks, strict=True):
+            _assert_serves(source, chunk)
+    assert len(readers) == 5 and len(set(readers)) <= 2
+    assert all(name.startswith("kv-stream") for name in readers)
+    with pytest.raises(ValueError, match="KV_STREAM_THREADS"):
+        StoreConfig.from_env({"KV_STREAM_THREADS": "0"})
+
+
+def test_a_reader_takes_one_layer_of_each_stream_in_turn():
+    order = []
+
+    def stream(name, layers):
+        for i in range(layers):
+            order.append((name, i))
+            yield
+
+    _read_in_turn([stream("a", 3), stream("b", 1), stream("c", 2)])
+    assert order == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1), ("a", 2)]
 
 
 class SlowDisk(DiskTier):
