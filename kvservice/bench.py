@@ -55,13 +55,13 @@ from typing import TypeVar
 
 import torch
 
+from bench.staging import TIERS, store_bench
 from kvservice.blend import MODES, BlendResult, Mode, blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.curve import ratio_curve_svg
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat
-from kvservice.store.benchio import TIERS, store_bench
 from kvservice.synthetic import SYNTHETIC_CONFIGS
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions using the given passages."

@@ -7,7 +7,7 @@ model of a real model's shape (``kvservice.synthetic``), at any context length.
 The prompt is a short random head (the system prompt's stand-in), ``--chunks`` random chunks
 of equal length filling ``--context``, and a short random question. The chunks' KV is
 precomputed after the head and staged in ``--tier`` before any timing, and each mode reads it
-through the store's loader (``kvservice.store.benchio``, as the Musique bench does). Each mode
+through the store's loader (``bench.staging``, as the Musique bench does). Each mode
 runs ``--warmup`` untimed prefills, then ``--repeats`` timed ones, the modes interleaved.
 
 Per mode (``modes.<mode>`` in the JSON, the Musique bench's names where they mean the same):
@@ -39,10 +39,10 @@ from dataclasses import asdict
 
 import torch
 
+from bench.staging import store_bench
 from kvservice.bench import _cpu_name, chunk_sources, synchronize, timed
 from kvservice.blend import Mode, blend_prefill
 from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.store.benchio import store_bench
 from kvservice.synthetic import random_model, synthetic_config
 
 HEAD_TOKENS = 32  # the system prompt's stand-in, before the chunks

@@ -1,13 +1,13 @@
 """Store I/O benchmark: how fast chunk KV comes back from each tier, and how much of that
 load the pipelined loader hides behind per-layer compute.
 
-    python -m kvservice.store.iobench [--chunks 6 --tokens 512 --compute-ms 20 --json out.json]
+    python -m bench.store_io [--chunks 6 --tokens 512 --compute-ms 20 --json out.json]
 
 Chunks are random KV of SmolLM2-135M's shape (30 layers, 3 KV heads, head dim 64, fp32).
 "Compute" is real CPU work (a matmul loop calibrated to ``--compute-ms`` per layer), so the
 fetch threads compete for the CPU as they do beside the model. Without ``S3_ENDPOINT`` in
-the environment a SeaweedFS gateway is started for the run. Prints one line per case and
-writes the JSON list.
+the environment a SeaweedFS gateway is started for the run (``bench.s3``). Prints one line
+per case and writes the JSON list.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from bench.s3 import gateway_unless_configured
 from kvservice.chunk import ChunkKV
 from kvservice.controller import LoadingController
 from kvservice.store.config import StoreConfig
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace, env: dict[str, str], root: Path) -> list[dict[
             list(range(i * args.tokens, (i + 1) * args.tokens)),
             torch.randn(shape),
             torch.randn(shape),
-            "iobench",
+            "store-io",
             "h",
         )
         for i in range(args.chunks)
@@ -112,17 +113,11 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=20.0, help="CPU work per layer")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="kv-iobench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kv-store-io-") as tmp:
         root = Path(tmp)
         env = dict(os.environ)
-        gateway = None
-        if not env.get("S3_ENDPOINT"):
-            from deploy import services
-
-            gateway = services.start_seaweedfs(
-                root, port=services.free_port(also_free_at_offset=10000), access_key="iobench",
-                secret_key=services.dev_secret(root, "s3"), buckets=("kvcache",),
-            )  # fmt: skip
+        gateway = gateway_unless_configured(env, root)
+        if gateway is not None:
             env.update(gateway.env)
         try:
             results = run(args, env, root)

@@ -3,9 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.store.benchio import StoreBench
-
-from .conftest import L, make_chunk
+from bench.staging import StoreBench
+from tests.kvservice.store.conftest import L, make_chunk
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk", "s3"])

@@ -1,9 +1,9 @@
-"""The store side of ``kvservice.bench``: where chunk KV starts before timing (``--tier``),
+"""The store side of the prefill bench: where chunk KV starts before timing (``--tier``),
 pipelined or not (``--no-pipeline``), and what each mode's loading cost.
 
 Before any timing, :meth:`StoreBench.stage` writes the example's chunks into the chosen tier
 only (CPU memory, a local-disk directory, or S3: ``S3_ENDPOINT`` from the environment, else
-a SeaweedFS gateway started for the run). Inside the timed prefill,
+a SeaweedFS gateway started for the run, ``bench.s3``). Inside the timed prefill,
 :meth:`StoreBench.sources` opens the chunks through the pipelined loader, so the blender
 reads each layer as it arrives. Promotion is off, so every repeat starts from the same tier.
 Store settings (``KV_QUANTIZE``, ``KV_LOAD_WORKERS``, ``KV_PREFETCH_DEPTH``) come from the
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.s3 import gateway_unless_configured
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.controller import choose_ratio
 from kvservice.store.config import StoreConfig
@@ -47,14 +48,8 @@ class StoreBench:
         env = dict(os.environ if environ is None else environ)
         self._tmp = tempfile.TemporaryDirectory(prefix="kv-bench-")
         root = Path(self._tmp.name)
-        self._gateway = None
-        if tier == "s3" and not env.get("S3_ENDPOINT"):
-            from deploy import services
-
-            self._gateway = services.start_seaweedfs(
-                root, port=services.free_port(also_free_at_offset=10000), access_key="kv-bench",
-                secret_key=services.dev_secret(root, "s3"), buckets=("kvcache",),
-            )  # fmt: skip
+        self._gateway = gateway_unless_configured(env, root) if tier == "s3" else None
+        if self._gateway is not None:
             env.update(self._gateway.env)
         env.setdefault("KV_S3_PREFIX", f"bench-{os.getpid()}/")
         self.config = StoreConfig.from_env(env)
