@@ -3,7 +3,15 @@
 This package sits above the product (``kvservice``, ``webapp``) and the dev stack
 (``deploy``): it may import any of them, and none of them imports it.
 
+* ``prefill``: TTFT and fidelity of the prefill modes on Musique, ``python -m kvservice.bench``
+  (the name the README and the issues give it); ``--synthetic`` runs ``long_context``
+  (random weights of a real model's shape), ``--engine vllm`` runs ``prefill_vllm``;
+* ``diagnose``: ``python -m bench.diagnose``, which tokens' true KV would recover full's answer;
 * ``staging``: where the prefill bench's chunk KV starts (``--tier``) and what loading cost;
-* ``store_io``: ``python -m bench.store_io``, how fast each store tier returns chunk KV;
-* ``s3``: the SeaweedFS gateway a bench starts where no ``S3_ENDPOINT`` is set.
+* ``store_io``: ``python -m bench.store_io``, how fast each store tier returns chunk KV.
+
+Shared helpers: ``data`` (the shared data folder, Musique passages), ``stats`` (quantile,
+bootstrap interval), ``timing`` (device-synchronized timers), ``s3`` (the SeaweedFS gateway
+a bench starts where no ``S3_ENDPOINT`` is set). Answers are scored with the product's
+``webapp.dashboard.fidelity.token_f1``, as the fidelity audit scores them.
 """

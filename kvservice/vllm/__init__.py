@@ -8,10 +8,10 @@ vLLM V1 KV connector.
   for why, and what a second copy would cost).
 * ``engine``: ``VllmEngine``, requests in every mode (full / prefix / reuse / blend) through
   one vLLM ``AsyncLLM``; ``runtime`` and ``answer``: the inference worker's ``ENGINE=vllm``.
-* ``bench``: ``python -m kvservice.bench ... --engine vllm``.
 
 Nothing here is imported unless ``ENGINE=vllm`` (or the bench/tests) ask for it: vLLM is
-an optional install (``make vllm``; see the Makefile).
+an optional install (``make vllm``; see the Makefile). Its bench is ``bench/prefill_vllm.py``
+(``python -m kvservice.bench ... --engine vllm``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.prefill import main
 from bench.staging import StoreBench
-from kvservice.bench import main
 from kvservice.blend import blend_prefill
 from kvservice.model import ModelConfig, Transformer, precompute_chunks, precompute_head
 from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model

@@ -39,8 +39,9 @@ from dataclasses import asdict
 
 import torch
 
+from bench.prefill import chunk_sources
 from bench.staging import store_bench
-from kvservice.bench import _cpu_name, chunk_sources, synchronize, timed
+from bench.timing import cpu_name, synchronize, timed
 from kvservice.blend import Mode, blend_prefill
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.synthetic import random_model, synthetic_config
@@ -193,7 +194,7 @@ def environment(args: argparse.Namespace, model: Transformer, load_before) -> di
     return {
         "torch": torch.__version__,
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),
         "cores": os.cpu_count(),
         "dtype": str(args.dtype).removeprefix("torch."),

@@ -9,19 +9,18 @@ import statistics
 import pytest
 import torch
 
-from kvservice.bench import (
+from bench.prefill import (
     GAP_TOKENS,
     TF_TOKENS,
     _teacher_forced_logits,
     blend_settings,
-    bootstrap_ci,
     parse_args,
     print_table,
-    quantile,
     run_plan,
     summarize,
     teacher_forced_fidelity,
 )
+from bench.stats import bootstrap_ci, quantile
 from kvservice.blend import blend_prefill
 from kvservice.model import precompute_chunks
 
@@ -194,3 +193,4 @@ def test_the_kl_window_of_the_long_teacher_forcing_is_the_short_one(tiny_llama):
         torch.testing.assert_close(long[:TF_TOKENS], short, atol=1e-5, rtol=1e-5)
         again = _teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
         torch.testing.assert_close(again, short, atol=0, rtol=0)  # rolled back
+

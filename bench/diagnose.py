@@ -1,6 +1,6 @@
 """Where reuse's error lives: which tokens' true KV would recover full prefill's answer.
 
-    python -m kvservice.diagnose --data ../shared/data/musique_dev.json --first 20 --examples 20
+    python -m bench.diagnose --data ../shared/data/musique_dev.json --first 20 --examples 20
 
 Per example, the prompt is prefilled in full once to get every token's true KV (what full
 prefill computes for it in this prompt). Each *oracle* then runs ``reuse`` over chunks whose KV
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kvservice.bench import (
+from bench.prefill import (
     GAP_TOKENS,
     INSTRUCTION,
     QUESTION_PREFIX,
@@ -172,7 +172,7 @@ def summarize(examples: list[dict]) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m kvservice.diagnose", description=__doc__.split("\n")[0]
+        prog="python -m bench.diagnose", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--data", required=True, type=Path)
     parser.add_argument("--first", type=int, default=20)

@@ -21,17 +21,19 @@ on the same prompt: a mean can hide a few prompts that blend gets badly wrong.
 
 ``--ratios 0.05,0.10,...`` also runs blend at each ratio (run keys ``blend@0.05``) and adds
 the ``curve`` users choose a ratio from: TTFT relative to full against fidelity, for full,
-reuse and each blend ratio; ``--plot curve.svg`` draws it (``kvservice.curve``).
+reuse and each blend ratio; ``--plot curve.svg`` draws it (``kvservice.curve``, which the
+dashboard draws it with too).
 
 ``--first``/``--examples`` pick the examples: the blend defaults were tuned on 0-19 and are
 reported on 20-39; ``--blend NAME=VALUE`` passes a ``blend_prefill`` setting (e.g.
 ``attention_from_depth=0.5``) to compare selections on the same prompts.
 
-Storage tiers plug in through ``chunk_sources`` (the store replaces it: ``--tier``, pipelining).
+Storage tiers plug in through ``chunk_sources`` (``bench.staging``: ``--tier``, pipelining).
 
 ``--device cuda`` and ``--dtype float32|bfloat16|float16`` place the model (float32 on CPU,
 bfloat16 on CUDA by default). ``--synthetic llama3-8b`` runs the long-context benchmark on a
-random-weight model of that shape instead of Musique (``kvservice.bench_synthetic``).
+random-weight model of that shape instead of Musique (``bench.long_context``); ``--engine vllm``
+runs the prompts through vLLM beside the native engine (``bench.prefill_vllm``).
 """
 
 from __future__ import annotations
@@ -40,22 +42,17 @@ import argparse
 import ast
 import inspect
 import json
-import math
 import os
-import platform
-import random
-import re
 import statistics
-import string
-import time
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
+from bench.data import passage_texts
 from bench.staging import TIERS, store_bench
+from bench.stats import bootstrap_ci, quantile
+from bench.timing import cpu_name, timed
 from kvservice.blend import MODES, BlendResult, Mode, blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
@@ -63,6 +60,7 @@ from kvservice.curve import ratio_curve_svg
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat
 from kvservice.synthetic import SYNTHETIC_CONFIGS
+from webapp.dashboard.fidelity import token_f1
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions using the given passages."
 INSTRUCTION = (
@@ -80,8 +78,6 @@ BETTER_OR_WORSE = 1e-4  # a tf_kl difference to reuse's smaller than this counts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-T = TypeVar("T")
-
 
 # --------------------------------------------------------------------------------------------
 # Hooks and metrics
@@ -95,22 +91,6 @@ def chunk_sources(
     ``--no-pipeline``. The loads are reported under the run ``key`` (``blend@0.05``)."""
     tier = args.run_tiers.get(key, args.tier)
     return store_bench(tier, not args.no_pipeline).sources(chunks, mode, key=key)
-
-
-def _normalize(text: str) -> list[str]:
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return text.split()
-
-
-def token_f1(prediction: str, reference: str) -> float:
-    pred, ref = _normalize(prediction), _normalize(reference)
-    common = sum((Counter(pred) & Counter(ref)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(ref)
-    return 2 * precision * recall / (precision + recall)
 
 
 def teacher_forced_fidelity(
@@ -130,38 +110,6 @@ def teacher_forced_fidelity(
     tokens = torch.tensor(answer, device=logp.device)[:, None]  # [T, 1]
     gap = (full.gather(-1, tokens) - logp.gather(-1, tokens)).mean().item()
     return {"tf_agreement": agreement, "tf_kl": max(kl, 0.0), "tf_logprob_gap": gap}
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q``-quantile, linear between the order statistics (numpy's default)."""
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def bootstrap_ci(
-    values: Sequence[float], *, confidence: float = 0.95, resamples: int = 2000, seed: int = 0
-) -> tuple[float, float]:
-    """Percentile-bootstrap interval for the mean of ``values``: the means of ``resamples``
-    resamples with replacement, cut at both tails. Seeded, so a rerun prints the same."""
-    if not values:
-        raise ValueError("bootstrap_ci needs at least one value")
-    rng = random.Random(seed)
-    means = [statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples)]
-    tail = (1 - confidence) / 2
-    return quantile(means, tail), quantile(means, 1 - tail)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,26 +157,9 @@ def _without_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a timer read after it counts it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
-    """``fn()`` and its wall time, the device synchronized before and after."""
-    synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    synchronize(device)
-    return out, time.perf_counter() - start
-
-
 def example_prompt(fmt: PromptFormat, example: dict, passages: int) -> Prompt:
     """A Musique example's prompt: its first ``passages`` passages as chunks, its question."""
-    ctxs = example["ctxs"][:passages]
-    texts = [f"{p['title']}\n{p['text']}" if p.get("title") else p["text"] for p in ctxs]
-    return fmt.build(texts, example["question"])
+    return fmt.build(passage_texts(example, passages), example["question"])
 
 
 def stop_token_ids(tokenizer) -> set[int]:
@@ -637,11 +568,11 @@ def print_table(summary: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.engine == "vllm":
-        from kvservice.vllm.bench import main as vllm_main
+        from bench.prefill_vllm import main as vllm_main
 
         return vllm_main(args)
     if args.synthetic:
-        from kvservice.bench_synthetic import main as synthetic_main
+        from bench.long_context import main as synthetic_main
 
         return synthetic_main(args)
     torch.set_num_threads(args.threads)
@@ -698,7 +629,7 @@ def _env(args, model, model_dir, rows, load_before) -> dict:
     return {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "model": str(model_dir),
         "model_fingerprint": model.fingerprint,

@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 
-from kvservice.bench import main, parse_args
-from kvservice.bench_synthetic import HEAD_TOKENS, QUESTION_TOKENS, synthetic_prompt
+from bench.long_context import HEAD_TOKENS, QUESTION_TOKENS, synthetic_prompt
+from bench.prefill import main, parse_args
 from kvservice.synthetic import SYNTHETIC_CONFIGS
-
-from .conftest import TINY_COMMON
+from tests.kvservice.conftest import TINY_COMMON
 
 
 def test_synthetic_needs_no_data_and_has_long_context_defaults():

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
+from bench.diagnose import with_true_kv
 from kvservice.blend import blend_prefill
-from kvservice.diagnose import with_true_kv
 from kvservice.model import precompute_chunks
 
 

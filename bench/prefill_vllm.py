@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+from bench.data import passage_texts
+from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT
+from bench.timing import cpu_name
 from kvservice.blend import blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.engine import Engine, Request, SamplingParams
@@ -42,17 +45,12 @@ from kvservice.store import ChunkKey, StoreConfig, TieredStore
 
 def _prompts(args: argparse.Namespace, fmt: PromptFormat) -> list[Prompt]:
     """The bench's prompts: the first ``--passages`` passages and the question of each."""
-    prompts = []
-    for example in json.loads(args.data.read_text())[: args.examples]:
-        passages = example["ctxs"][: args.passages]
-        texts = [f"{p['title']}\n{p['text']}" if p.get("title") else p["text"] for p in passages]
-        prompts.append(fmt.build(texts, example["question"]))
-    return prompts
+    examples = json.loads(args.data.read_text())[: args.examples]
+    return [fmt.build(passage_texts(e, args.passages), e["question"]) for e in examples]
 
 
 def main(args: argparse.Namespace) -> dict:
-    """Run the bench (``args`` as parsed by ``kvservice.bench.parse_args``)."""
-    from kvservice.bench import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT, _cpu_name
+    """Run the bench (``args`` as parsed by ``bench.prefill.parse_args``)."""
     from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
 
     torch.set_num_threads(args.threads)
@@ -143,7 +141,7 @@ def main(args: argparse.Namespace) -> dict:
         "engine": "vllm",
         "torch": torch.__version__,
         "threads": args.threads,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "model": str(model_dir),
         "examples": len(rows),
