@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import random
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from bench.data import REPO_ROOT
 from bench.prefill import (
     GAP_TOKENS,
     TF_TOKENS,
@@ -194,3 +197,12 @@ def test_the_kl_window_of_the_long_teacher_forcing_is_the_short_one(tiny_llama):
         again = _teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
         torch.testing.assert_close(again, short, atol=0, rtol=0)  # rolled back
 
+
+def test_python_m_kvservice_bench_is_still_the_command():
+    """The command the README, the docs and the issues give reaches this bench's parser."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvservice.bench", "--modes", "full"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "python -m kvservice.bench: error: --data is required" in done.stderr
