@@ -8,7 +8,10 @@ This package sits above the product (``kvservice``, ``webapp``) and the dev stac
   (random weights of a real model's shape), ``--engine vllm`` runs ``prefill_vllm``;
 * ``diagnose``: ``python -m bench.diagnose``, which tokens' true KV would recover full's answer;
 * ``staging``: where the prefill bench's chunk KV starts (``--tier``) and what loading cost;
-* ``store_io``: ``python -m bench.store_io``, how fast each store tier returns chunk KV.
+* ``store_io``: ``python -m bench.store_io``, how fast each store tier returns chunk KV;
+* ``answers``: ``python -m bench.answers``, what the user reads (loops, citations, not found);
+* ``ingest``: ``python -m bench.ingest``, ingest throughput (or, ``--url``, through a stack);
+* ``api``: ``python -m bench.api``, TTFT as the user sees it, through a running stack's API.
 
 Shared helpers: ``data`` (the shared data folder, Musique passages), ``stats`` (quantile,
 bootstrap interval), ``timing`` (device-synchronized timers), ``s3`` (the SeaweedFS gateway

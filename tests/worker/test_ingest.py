@@ -182,7 +182,7 @@ def test_delete_keeps_kv_objects_shared_with_other_documents(
 
 @pytest.mark.slow
 def test_twenty_musique_passages_reach_ready_with_kv(celery_worker_process, client, alice) -> None:
-    """The issue's target load (its time is measured by ``python -m webapp.documents.bench``;
+    """The issue's target load (its time is measured by ``python -m bench.ingest``;
     timings are not asserted in tests)."""
     unique = json.loads(MUSIQUE_PASSAGES.read_text())["passages"]
     start = time.monotonic()

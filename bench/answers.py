@@ -13,8 +13,8 @@ Two question sets:
 Printed: loop rate, inline-citation rate (a valid [n] marker), the rate of answers citing a
 passage that holds the fact, "not found" precision and recall; ``--json`` writes each answer.
 
-    .venv/bin/python -m webapp.chat.answerbench --handbook tests/data/handbook --json out.json
-    .venv/bin/python -m webapp.chat.answerbench --musique ../shared/data/musique_dev.json \\
+    .venv/bin/python -m bench.answers --handbook tests/data/handbook --json out.json
+    .venv/bin/python -m bench.answers --musique ../shared/data/musique_dev.json \\
         --examples 20
 """
 
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.data import passage_texts
 from kvservice.citing import cited_ranks, complete_citation, says_not_found
 
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -95,9 +96,8 @@ def handbook_cases(directory: Path, min_score: float) -> list[Case]:
 
 def musique_cases(path: Path, examples: int, passages: int) -> list[Case]:
     cases = []
-    for example in json.loads(path.read_text())[:examples]:  # kvservice.bench's format
-        ctxs = example["ctxs"][:passages]
-        texts = [f"{c['title']}\n{c['text']}" if c.get("title") else c["text"] for c in ctxs]
+    for example in json.loads(path.read_text())[:examples]:  # the prefill bench's format
+        texts = passage_texts(example, passages)
         lowered = [t.lower() for t in texts]
         fact = next((a for a in example["answers"] if any(a.lower() in t for t in lowered)), None)
         cases.append(Case(example["question"], texts, fact))

@@ -1,7 +1,7 @@
 """Ingest throughput on this machine: chunks per second for parse+chunk+embed and for KV
 precompute, over the Musique passages (each passage one document, as a user would upload).
 
-    python -m webapp.documents.bench [--documents 200] [--json bench-ingest.json]
+    python -m bench.ingest [--documents 200] [--json bench-ingest.json]
 
 Runs the same functions the Celery tasks run (no broker, database or S3 in the timed loops,
 so the numbers are the pipeline's compute); models are loaded and warmed before timing.
@@ -10,7 +10,7 @@ With ``--url`` and ``--api-key`` it measures the issue's target instead, on a ru
 (``make dev``): 20 passages uploaded through the REST API as 20 documents, timed until all
 are ``ready`` (KV in S3 included); the documents are deleted afterwards::
 
-    python -m webapp.documents.bench --url http://127.0.0.1:8000 --api-key KEY
+    python -m bench.ingest --url http://127.0.0.1:8000 --api-key KEY
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import platform
 import time
 from pathlib import Path
 
-# The CacheBlend paper's Musique examples, beside the checkout (../shared/data).
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
+from bench.data import shared_data
 
 
 def load_passages(path: Path, limit: int) -> list[str]:
@@ -125,7 +124,7 @@ def bench_stack(url: str, api_key: str, passages: list[str], count: int = 20) ->
     Each run marks its passages (a first line), so nothing is served from an earlier run."""
     import uuid
 
-    from webapp.chat.bench import Api
+    from bench.api import Api
 
     api, run = Api(url, api_key), uuid.uuid4().hex[:8]
     start = time.perf_counter()
@@ -151,7 +150,7 @@ def bench_stack(url: str, api_key: str, passages: list[str], count: int = 20) ->
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--data", type=Path, default=shared_data())
     parser.add_argument("--documents", type=int, default=200)
     parser.add_argument(
         "--chunk-tokens", type=int, default=int(os.environ.get("CHUNK_TOKENS", 512))

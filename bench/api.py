@@ -6,7 +6,7 @@ from sending the question to the first streamed token (retrieval, queueing, KV l
 blending included). Needs a staff API key (modes other than blend are staff-only)::
 
     DATA_DIR=.ragblend .venv/bin/python manage.py create_api_key admin   # prints a key
-    .venv/bin/python -m webapp.chat.bench --url http://127.0.0.1:8000 --api-key KEY \\
+    .venv/bin/python -m bench.api --url http://127.0.0.1:8000 --api-key KEY \\
         --data ../shared/data/musique_dev.json --examples 4 --modes blend,full
 
 Each mode is asked twice per question (first a warm-up, uncounted) so that both modes see
@@ -25,6 +25,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
+
+from bench.data import shared_data
 
 
 class Api:
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--api-key", required=True)
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/musique_dev.json"))
+    parser.add_argument("--data", type=Path, default=shared_data())
     parser.add_argument("--examples", type=int, default=3)
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--modes", default="blend,full")
