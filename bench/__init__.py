@@ -11,7 +11,8 @@ This package sits above the product (``kvservice``, ``webapp``) and the dev stac
 * ``store_io``: ``python -m bench.store_io``, how fast each store tier returns chunk KV;
 * ``answers``: ``python -m bench.answers``, what the user reads (loops, citations, not found);
 * ``ingest``: ``python -m bench.ingest``, ingest throughput (or, ``--url``, through a stack);
-* ``api``: ``python -m bench.api``, TTFT as the user sees it, through a running stack's API.
+* ``api``: ``python -m bench.api``, TTFT as the user sees it, through a running stack's API;
+* ``routing``: ``python -m bench.routing``, cache-aware against random routing, two workers.
 
 Shared helpers: ``data`` (the shared data folder, Musique passages), ``stats`` (quantile,
 bootstrap interval), ``timing`` (device-synchronized timers), ``s3`` (the SeaweedFS gateway

@@ -1,6 +1,6 @@
 """Cache-aware against random routing over two inference workers: hot-tier hit rate and TTFT.
 
-    .venv/bin/python -m deploy.routebench --data ../shared/data/musique_dev.json \\
+    .venv/bin/python -m bench.routing --data ../shared/data/musique_dev.json \\
         --first 20 --per-set 4 --rounds 3 --json routing.json
 
 Two users' document sets (each the passages of ``--per-set`` Musique examples, a scope each)
@@ -35,10 +35,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.data import REPO_ROOT, passage_texts
+from bench.s3 import BUCKET, start_gateway
+from bench.stats import quantile
 from deploy import services
 from deploy.devstack import stop_all
 
-ROOT = Path(__file__).resolve().parent.parent
 BLEND_RATIO = 0.15
 
 
@@ -48,9 +50,7 @@ def _documents(data: Path, first: int, per_set: int, tokenizer) -> list[list[dic
     examples = json.loads(data.read_text())[first : first + 2 * per_set]
     sets: list[list[dict]] = [[], []]
     for index, example in enumerate(examples):
-        texts = [f"{p['title']}\n{p['text']}" if p.get("title") else p["text"]
-                 for p in example["ctxs"][:6]]  # fmt: skip
-        chunks = [tokenizer.encode(text) for text in texts]
+        chunks = [tokenizer.encode(text) for text in passage_texts(example, 6)]
         sets[index // per_set].append({"question": example["question"], "chunks": chunks})
     return sets
 
@@ -88,7 +88,7 @@ def _start_workers(shared: str, env: dict[str, str], logs: Path) -> list[subproc
         }
         log = open(logs / f"{shared}-{index}.log", "wb")  # noqa: SIM115 - the child keeps it
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", "kvservice.server"], cwd=ROOT, env=worker_env, stdout=log,
+            [sys.executable, "-m", "kvservice.server"], cwd=REPO_ROOT, env=worker_env, stdout=log,
             stderr=subprocess.STDOUT, preexec_fn=services.die_with_parent(),
         ))  # fmt: skip
         log.close()
@@ -174,14 +174,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "questions": len(mine),
             "hot_hit_rate": round(sum(r["hot"] for r in mine) / sum(r["chunks"] for r in mine), 3),
             "ttft_median_s": round(statistics.median(ttft), 3),
-            "ttft_p90_s": round(ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], 3),
+            "ttft_p90_s": round(quantile(ttft, 0.9), 3),
             "per_worker": {str(w): sum(r["worker"] == w for r in mine) for w in (0, 1)},
         }
     return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m deploy.routebench",
+    parser = argparse.ArgumentParser(prog="python -m bench.routing",
                                      description=__doc__.split("\n")[0])  # fmt: skip
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--first", type=int, default=20, help="first Musique example")
@@ -210,15 +210,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work = Path(directory)
         started = []
         try:
-            s3 = services.start_seaweedfs(
-                work, port=services.free_port(also_free_at_offset=10000),
-                access_key="bench", secret_key="bench-secret-key", buckets=("kvcache",),
-            )  # fmt: skip
+            s3 = start_gateway(work)
             started.append(s3)
             valkey = services.start_valkey(work, port=services.free_port(), password="bench")
             started.append(valkey)
             env = {**os.environ, **s3.env, **valkey.env, "PYTHONUNBUFFERED": "1",
-                   "KV_S3_BUCKET": "kvcache", "KV_CPU_CAPACITY_BYTES": args.cpu_tier,
+                   "KV_S3_BUCKET": BUCKET, "KV_CPU_CAPACITY_BYTES": args.cpu_tier,
                    "KV_DISK_CAPACITY_BYTES": "0", "INFERENCE_CONCURRENCY": "2"}  # fmt: skip
             written = _precompute_into_s3(sets, scopes, model_dir, env)
             print(f"precomputed {written} chunks into S3", flush=True)
