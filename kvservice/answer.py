@@ -13,6 +13,7 @@ from kvservice import citing
 from kvservice.batcher import Job
 from kvservice.blend import blend_prefill
 from kvservice.engine import SamplingParams
+from kvservice.prefix import PrefixKV, boundaries
 from kvservice.prompt import TURN_MARKERS
 from kvservice.protocol import GenerateRequest, publish_event
 
@@ -104,6 +105,32 @@ def chunk_keys(runtime: Any, request: GenerateRequest, chunks_tokens: list[list[
     ]
 
 
+def cached_prefix(runtime: Any, request: GenerateRequest, segments: list[list[int]]):
+    """``(prefix, passages, keys, lengths)``: the KV an earlier prompt of this worker left for
+    the longest run of this prompt's segments (``kvservice.prefix``), how many whole passages
+    it holds, and the prompt's boundary keys and lengths (to keep this prompt's KV after).
+    ``full`` mode reads none: it is the reference every other mode is measured against."""
+    kept = request.chunks[: len(segments) // 2]
+    scopes = [scope for ref in kept for scope in ("", ref.kv_scope)]  # marker, passage
+    keys, lengths = boundaries(runtime.prompt.head_ids, segments, scopes)
+    found = None
+    if request.mode != "full" and runtime.prefix_cache.capacity_bytes > 0:
+        found = runtime.prefix_cache.match(keys, lengths)
+    if found is None:
+        return None, 0, keys, lengths
+    prefix, covered = found
+    return prefix, covered // 2, keys, lengths
+
+
+def keep_prefix(runtime: Any, result: Any, keys: list[str], lengths: list[int]) -> None:
+    """Keep this prompt's context KV (everything before the question part) for a follow-up,
+    in the store's 16-bit type; called once the answer is out, off the first token's path."""
+    if not keys or runtime.prefix_cache.capacity_bytes <= 0:
+        return
+    dtype = runtime.store.config.narrow_to or result.cache.k.dtype
+    runtime.prefix_cache.put(keys, lengths, PrefixKV.from_cache(result.cache, lengths[-1], dtype))
+
+
 def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any]:
     from kvservice.protocol import stop_requested
 
@@ -116,23 +143,24 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
     try:
         chunk_ids, chunks_tokens, suffix_ids, dropped = _fit_context(runtime, request)
         model, mode = runtime.model, request.mode
+        # Each passage behind its number ("[1]"): the markers are computed fresh (None).
+        segments = runtime.prompt.numbered(chunks_tokens)
+        prefix, reused, prefix_keys, prefix_lengths = cached_prefix(runtime, request, segments)
         batch = None
         if mode == "full":
             sources = [_TokensOnly(ids) for ids in chunks_tokens]
-        else:
-            keys = chunk_keys(runtime, request, chunks_tokens)
+        else:  # the passages the cached prefix holds are not loaded
+            keys = chunk_keys(runtime, request, chunks_tokens)[reused:]
             batch = runtime.loader.open(
-                keys, token_ids=chunks_tokens, recompute_fn=runtime.recompute_chunk
+                keys, token_ids=chunks_tokens[reused:], recompute_fn=runtime.recompute_chunk
             )
-            sources = list(batch)
-        # Each passage behind its number ("[1]"): the markers are computed fresh (None).
-        segments = runtime.prompt.numbered(chunks_tokens)
+            sources = [None] * reused + list(batch)
         sources = [part for source in sources for part in (None, source)]
         decision = None
         ratio = request.recompute_ratio
         if ratio is None and mode == "blend":
             decision = runtime.controller.choose(
-                num_tokens=sum(len(ids) for ids in chunks_tokens),
+                num_tokens=sum(len(ids) for ids in chunks_tokens[reused:]),
                 num_layers=model.config.n_layers,
                 load_bytes_by_tier=batch.tier_bytes() if batch is not None else {},
             )
@@ -145,7 +173,7 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
             result = blend_prefill(
                 model, list(runtime.prompt.head_ids), sources, suffix_ids, mode=mode,
                 recompute_ratio=ratio, chunk_ids=segments, head_kv=runtime.head_kv,
-                extra_capacity=extra_capacity,
+                extra_capacity=extra_capacity, cached_prefix=prefix,
             )  # fmt: skip
             state["prefill"], state["prefill_s"] = result, time.perf_counter() - t0
             return result
@@ -194,7 +222,8 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
         "recompute_ratio": ratio,
         "prompt_tokens": len(runtime.prompt.head_ids) + sum(map(len, segments)) + len(suffix_ids),
         "completion_tokens": None,
-        "chunk_tiers": {},
+        "chunk_tiers": {str(cid): "prefix" for cid in chunk_ids[:reused]},
+        "prefix_tokens": 0 if prefix is None else prefix.num_tokens,
         "dropped_chunks": dropped,
     }
     if result is not None:
@@ -205,9 +234,9 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
             )
     if batch is not None:
         load = batch.stats()
-        metrics["chunk_tiers"] = {
-            str(cid): tier for cid, tier in zip(chunk_ids, load.tiers, strict=True)
-        }
+        metrics["chunk_tiers"].update(
+            (str(cid), tier) for cid, tier in zip(chunk_ids[reused:], load.tiers, strict=True)
+        )
         metrics["load_s"] = round(load.load_s, 4)
         metrics["hidden_load_fraction"] = round(load.hidden_load_fraction, 3)
         runtime.controller.observe_store_stats(runtime.store.stats().tiers)
@@ -221,6 +250,8 @@ def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[s
         if extra:
             pieces.append(extra)
             publish_event(redis, request_id, "token", text=extra)
+    if result is not None:
+        keep_prefix(runtime, result, prefix_keys, prefix_lengths)
     text = "".join(pieces)
     metrics["completion_tokens"] = len(job.tokens)
     # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise (stopped included).

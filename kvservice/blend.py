@@ -245,7 +245,7 @@ class Segment:
     start: int  # first position in the prompt
     length: int
     source: LayeredKV | None  # cached KV to read, or None when computed fresh
-    kind: Literal["head", "chunk", "question"]
+    kind: Literal["head", "chunk", "question", "prefix"]
 
     @property
     def stop(self) -> int:
@@ -301,13 +301,25 @@ def _layout(
     return segments
 
 
+def _with_prefix(segments: list[Segment], prefix: LayeredKV | None) -> list[Segment]:
+    """The segments that end within ``prefix`` (a previous prompt's KV, K rotated at its
+    positions: ``kvservice.prefix.PrefixKV``) replaced by one segment read from it as is."""
+    if prefix is None:
+        return segments
+    covered = [seg for seg in segments if seg.stop <= prefix.num_tokens]
+    if not covered or covered[-1].stop != prefix.num_tokens or covered[-1].kind == "question":
+        raise ValueError("a cached prefix must end at a segment boundary before the question")
+    return [Segment(0, prefix.num_tokens, prefix, "prefix"), *segments[len(covered) :]]
+
+
 def _candidates(segments: list[Segment], head_ids: Sequence[int], num_tokens: int, device):
     """``[T]`` bool: the cached chunk tokens blend may recompute. The first chunk is exact
     when it was precomputed after this same head (it sits where it was computed), so it is
     not one."""
     candidate = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    for index, seg in enumerate(s for s in segments if s.kind == "chunk"):
-        exact = index == 0 and getattr(seg.source, "head_hash", None) == head_hash(head_ids)
+    for seg in (s for s in segments if s.kind == "chunk"):
+        at_home = seg.start == len(head_ids)  # right after the head, where it was computed
+        exact = at_home and getattr(seg.source, "head_hash", None) == head_hash(head_ids)
         if seg.source is not None and not exact:
             candidate[seg.start : seg.stop] = True
     return candidate
@@ -360,9 +372,12 @@ def _run_pass(
     attention = []
     for i, layer in enumerate(model.layers):
         for seg in sources:
-            k_pre, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE
+            k, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE unless a rotated prefix
             span = slice(seg.start, seg.stop)
-            rotate_into(cache.k[i, 0, :, span], k_pre, cos_all[span], sin_all[span])
+            if seg.kind == "prefix":
+                cache.k[i, 0, :, span] = k
+            else:
+                rotate_into(cache.k[i, 0, :, span], k, cos_all[span], sin_all[span])
             cache.v[i, 0, :, span] = v
         q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
         cache.k[i, 0, :, active] = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
@@ -406,6 +421,7 @@ def blend_prefill(
     attention_from_depth: float = ATTENTION_FROM_DEPTH,
     smooth_window: int = SMOOTH_WINDOW,
     recompute_slots: Sequence[int] | None = None,
+    cached_prefix: LayeredKV | None = None,
 ) -> BlendResult:
     """Prefill ``[head][chunks...][question]`` in one of the four modes; see the module doc.
 
@@ -422,6 +438,11 @@ def blend_prefill(
     ones ``attention_importance`` ranks first (``attention_from_depth``), after
     ``smooth_scores`` over ``smooth_window`` tokens; ``recompute_slots`` fixes the set
     instead (positions in the prompt; for experiments and tests).
+
+    ``cached_prefix`` is the KV of the prompt's first ``cached_prefix.num_tokens`` slots as an
+    earlier prompt left them (``kvservice.prefix``: a follow-up sharing the previous turn's
+    passages): read as is, never recomputed, and not counted in the chunk tokens the ratio
+    applies to; it must end at a segment boundary. Not in ``full`` mode.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (one of {MODES})")
@@ -436,6 +457,8 @@ def blend_prefill(
             if mode != "reuse":
                 raise ValueError(f"mode {mode!r} needs the chunks' token ids")
             chunk_ids = None
+    if cached_prefix is not None and mode == "full":
+        raise ValueError("full prefill computes every token: no cached prefix")
     segments = _layout(head_ids, chunks, chunk_ids, question_ids, head_kv, mode)
     num_tokens = segments[-1].stop
     ids = list(head_ids)
@@ -443,6 +466,7 @@ def blend_prefill(
         ids += list(chunk_ids[j]) if chunk_ids is not None else [0] * seg.length
     ids += list(question_ids)
     token_ids = torch.tensor(ids, device=device)  # [T]
+    segments = _with_prefix(segments, cached_prefix)
     dtype = model.embed_tokens.weight.dtype
     cache = KVCache(config, 1, num_tokens + extra_capacity, device, dtype, num_tokens)
     cache.reserve(torch.arange(num_tokens, device=device)[None])

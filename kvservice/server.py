@@ -116,6 +116,8 @@ class Runtime:
         from kvservice.controller import LoadingController
         from kvservice.engine import Engine
         from kvservice.model import Transformer, precompute_head
+        from kvservice.prefix import PrefixCache
+        from kvservice.prefix import capacity_from_env as prefix_capacity_from_env
         from kvservice.prompt import PromptFormat
         from kvservice.store import KVLoader, StoreConfig, TieredStore
 
@@ -128,6 +130,7 @@ class Runtime:
         self.engine = Engine(self.model, self.tokenizer, self.prompt)
         self.store = TieredStore.from_config(StoreConfig.from_env())
         self.loader = KVLoader(self.store)
+        self.prefix_cache = PrefixCache(prefix_capacity_from_env())
         self.controller = LoadingController()
         self.batcher = ContinuousBatcher(
             self.model, self.tokenizer, max_batch=cfg.concurrency
@@ -150,6 +153,7 @@ class Runtime:
                 2 * config.n_layers * config.n_kv_heads * config.head_dim * element
             )
             state["batch"] = {"active": self.batcher.active, "steps": self.batcher.steps}
+            state["prefix_cache"] = self.prefix_cache.stats()
         return state
 
     def hot_digests(self) -> list[str]:

@@ -153,3 +153,31 @@ def test_staff_modes_all_answer_and_full_reads_no_cache(
     assert seen["full"]["chunk_tiers"] == {} and seen["full"]["recompute_ratio"] == 1.0
     assert seen["reuse"]["recompute_ratio"] == 0.0
     assert all(seen[m]["chunk_tiers"] for m in ("reuse", "prefix", "blend")), json.dumps(seen)
+
+
+def test_a_follow_up_over_the_same_passages_reads_the_previous_turns_kv(
+    celery_worker_process, inference_worker_process, django_user_model
+) -> None:
+    """The second question of a conversation retrieves the passage of the first: the worker
+    reads the first turn's context KV as it stands (kvservice.prefix) instead of loading and
+    blending the chunk again."""
+    user = django_user_model.objects.create_user(username="follower", password="follow-pass")
+    upload_ready(user, TEXT.replace("Zorbian", "Tessel"), "tessel.txt")
+    conversation = chat.conversation_create(owner=user)
+    seen = []
+    for question in (
+        "Who built the Tessel lighthouse?",
+        "From how far away can the lamp of the Tessel lighthouse be seen?",
+    ):
+        with TestCase.captureOnCommitCallbacks(execute=True):
+            answer = chat.chat_ask(user=user, conversation=conversation, question=question)
+        _tokens, kind, payload = collect_stream(str(answer.request_id))
+        assert kind == "done", payload
+        wait_recorded(answer)
+        seen.append(payload["metrics"])
+    first, second = seen
+    # Every prompt starts with the head and "[1]": the first turn reads at most those.
+    assert "prefix" not in first["chunk_tiers"].values(), first["chunk_tiers"]
+    assert second["prefix_tokens"] > first["prefix_tokens"] + 10, (first, second)
+    assert set(second["chunk_tiers"].values()) == {"prefix"}, second["chunk_tiers"]
+    assert second["recompute_ratio_effective"] == 0.0  # the passage was blended last turn
