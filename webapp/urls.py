@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.templatetags.static import static
 from django.urls import include, path
 from django.views.generic import RedirectView
 
@@ -20,4 +21,6 @@ urlpatterns = [
     path("v1/", openai_api.urls),  # OpenAI-compatible
     path("admin/", admin.site.urls),
     path("", RedirectView.as_view(pattern_name="chat:index"), name="home"),
+    # Pages name their icon; a client that asks the conventional path anyway gets it too.
+    path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
 ]
