@@ -20,10 +20,11 @@ from webapp.api import answers
 from webapp.api.answers import AnswerTimeout
 from webapp.api.auth import API_AUTH
 from webapp.api.errors import ApiError, install_error_handlers, unavailable
+from webapp.api.schemas import Id
 from webapp.api.services import completion_ask
-from webapp.api.v1 import event_stream_response
+from webapp.api.v1 import event_stream_response, scope_of
 from webapp.chat.models import Message
-from webapp.chat.services import AnswerServiceUnavailable, ChatError
+from webapp.chat.services import AnswerServiceUnavailable, ChatError, ScopeNotFound
 
 MODEL = "ragblend"  # blend; staff may also ask for "ragblend-full", "-reuse", "-prefix"
 CREATED = 1_767_225_600  # models' nominal creation time (2026-01-01)
@@ -71,6 +72,9 @@ class ChatCompletionIn(Schema):
     model: str = Field(min_length=1, max_length=100)
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=200)
     stream: bool = False
+    # Not OpenAI's: search only these collections and documents (as /api/v1/query).
+    collection_ids: list[Id] | None = Field(default=None, max_length=100)
+    document_ids: list[Id] | None = Field(default=None, max_length=100)
 
 
 def _models_for(user) -> list[str]:
@@ -149,10 +153,13 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
     mode = _mode_for(request, payload.model)
     try:
         answer = completion_ask(
-            user=request.user, turns=[(m.role, m.text()) for m in payload.messages], mode=mode
-        )
+            user=request.user, turns=[(m.role, m.text()) for m in payload.messages], mode=mode,
+            scope=scope_of(payload),
+        )  # fmt: skip
     except AnswerServiceUnavailable as err:
         raise unavailable(str(err)) from err
+    except ScopeNotFound as err:
+        raise ApiError(404, "not_found", str(err)) from err
     except ChatError as err:
         raise ApiError(400, "invalid_request", str(err)) from err
     if payload.stream:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from django.conf import settings
 from ninja import Field, Schema
 from pydantic import ConfigDict
 
+Id = Annotated[int, Field(ge=1, le=2**63 - 1)]
 DocumentStatus = Literal["queued", "processing", "ready", "failed"]
 Mode = Literal["blend", "full", "reuse", "prefix"]
 
@@ -89,6 +90,11 @@ class QueryIn(Schema):
     mode: Mode = "blend"
     conversation_id: int | None = Field(default=None, ge=1, le=2**63 - 1)
     stream: bool = False
+    # What the conversation searches from this question on: these collections and documents
+    # (yours, or of collections shared with you). Both omitted: unchanged (a new
+    # conversation searches all your own documents); both empty: all your own documents.
+    collection_ids: list[Id] | None = Field(default=None, max_length=100)
+    document_ids: list[Id] | None = Field(default=None, max_length=100)
 
 
 class QueryOut(Schema):
@@ -125,8 +131,31 @@ class MessageOut(Schema):
     metrics: MetricsOut | None
 
 
+class ScopeOut(Schema):
+    """What a conversation searches; both empty: all of its owner's own documents."""
+
+    collection_ids: list[int]
+    document_ids: list[int]
+
+
 class ConversationDetailOut(ConversationOut):
+    scope: ScopeOut
     messages: list[MessageOut]
+
+
+class CollectionOut(Schema):
+    id: int
+    name: str
+    owner: str  # the owner's username
+    read_only: bool  # shared with you by its owner: you can search it, not change it
+    document_ids: list[int]
+    created_at: datetime
+    updated_at: datetime
+
+
+class CollectionListOut(Schema):
+    count: int
+    items: list[CollectionOut]
 
 
 class ModeStatsOut(Schema):

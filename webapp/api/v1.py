@@ -6,8 +6,10 @@ Every operation needs an API key (``Authorization: Bearer``) or a browser sessio
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.db import transaction
 from django.db.models import Avg, Count
 from django.http import HttpRequest, StreamingHttpResponse
 from ninja import Field as SchemaField
@@ -21,6 +23,8 @@ from webapp.api.auth import API_AUTH
 from webapp.api.errors import ApiError, error_responses, install_error_handlers, unavailable
 from webapp.api.schemas import (
     CacheStatsOut,
+    CollectionListOut,
+    CollectionOut,
     ConversationDetailOut,
     ConversationListOut,
     DocumentCreatedOut,
@@ -35,7 +39,8 @@ from webapp.chat.models import Conversation, Message
 from webapp.documents import quotas
 from webapp.documents import selectors as documents
 from webapp.documents import services as document_services
-from webapp.documents.models import Chunk, Document
+from webapp.documents.models import Chunk, Collection, Document
+from webapp.documents.selectors import Scope
 from webapp.redis import redis_client
 
 api = NinjaAPI(
@@ -144,14 +149,49 @@ def _get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Co
     return conversation
 
 
-def ask(request: HttpRequest, *, question: str, mode: str, conversation_id: int | None):
-    """Check the mode and ownership, then ask (the pending answer's stream is then read)."""
-    if mode != Message.Mode.BLEND and not request.user.is_staff:
-        raise ApiError(403, "forbidden", "Only staff can choose another mode than blend.")
+def scope_of(payload: Any) -> Scope | None:
+    """The scope a request names (``collection_ids``, ``document_ids``), None when neither."""
+    if payload.collection_ids is None and payload.document_ids is None:
+        return None
+    return Scope.of(payload.collection_ids or (), payload.document_ids or ())
+
+
+def set_scope(request: HttpRequest, conversation: Conversation, scope: Scope | None) -> None:
+    if scope is None:
+        return
+    try:
+        chat.conversation_set_scope(
+            user=request.user, conversation=conversation,
+            collection_ids=scope.collection_ids, document_ids=scope.document_ids,
+        )  # fmt: skip
+    except chat.ScopeNotFound as err:
+        raise ApiError(404, "not_found", str(err)) from err
+
+
+@transaction.atomic
+def _conversation_for(request: HttpRequest, conversation_id: int | None, scope: Scope | None):
+    """The caller's conversation, or a new API one, searching ``scope`` when one is named."""
     if conversation_id is not None:
         conversation = _get_conversation_for_user(request, conversation_id)
     else:
         conversation = chat.conversation_create(owner=request.user, source=Conversation.Source.API)
+    set_scope(request, conversation, scope)
+    return conversation
+
+
+def ask(
+    request: HttpRequest,
+    *,
+    question: str,
+    mode: str,
+    conversation_id: int | None,
+    scope: Scope | None = None,
+):
+    """Check the mode, ownership and scope, then ask (the pending answer's stream is then
+    read)."""
+    if mode != Message.Mode.BLEND and not request.user.is_staff:
+        raise ApiError(403, "forbidden", "Only staff can choose another mode than blend.")
+    conversation = _conversation_for(request, conversation_id, scope)
     try:
         return chat.chat_ask(
             user=request.user, conversation=conversation, question=question, mode=mode
@@ -206,9 +246,10 @@ def event_stream_response(events: AsyncIterator[str]) -> StreamingHttpResponse:
     openapi_extra=_STREAM_DOC,
 )
 def query(request: HttpRequest, payload: QueryIn):
-    """Ask a question over your ready documents; the answer cites the chunks it was given."""
+    """Ask a question over your ready documents (or the collections and documents named,
+    which the conversation then keeps searching); the answer cites the chunks it was given."""
     answer = ask(request, question=payload.question, mode=payload.mode,
-                 conversation_id=payload.conversation_id)  # fmt: skip
+                 conversation_id=payload.conversation_id, scope=scope_of(payload))  # fmt: skip
     if payload.stream:
         return event_stream_response(_query_events(answer, answers.citations_of(answer)))
     try:
@@ -264,7 +305,42 @@ def conversation_list(request: HttpRequest, page: Query[Page]):
 def conversation_detail(request: HttpRequest, conversation_id: int):
     conversation = _get_conversation_for_user(request, conversation_id)
     messages = conversation.messages.prefetch_related("citations")
-    return _conversation_out(conversation) | {"messages": [_message_out(m) for m in messages]}
+    scope = conversation.scope
+    return _conversation_out(conversation) | {
+        "scope": {"collection_ids": sorted(scope.collection_ids),
+                  "document_ids": sorted(scope.document_ids)},
+        "messages": [_message_out(m) for m in messages],
+    }  # fmt: skip
+
+
+# --- collections -----------------------------------------------------------------------------
+
+collections_router = Router(tags=["collections"])
+
+
+def _collection_out(collection: Collection, user) -> dict:
+    return {
+        "id": collection.pk, "name": collection.name, "owner": collection.owner.get_username(),
+        "read_only": collection.owner_id != user.pk,
+        "document_ids": sorted(d.pk for d in collection.documents.all()),
+        "created_at": collection.created_at, "updated_at": collection.updated_at,
+    }  # fmt: skip
+
+
+@collections_router.get("", response={200: CollectionListOut, **error_responses()})
+def collection_list(request: HttpRequest, page: Query[Page]):
+    """Your collections and those shared with you (read-only): their ids scope a query."""
+    found = documents.collections_readable(user=request.user)
+    items = found.prefetch_related("documents")[page.offset : page.offset + page.limit]
+    return {"count": found.count(), "items": [_collection_out(c, request.user) for c in items]}
+
+
+@collections_router.get("/{collection_id}", response={200: CollectionOut, **error_responses(404)})
+def collection_detail(request: HttpRequest, collection_id: int):
+    collection = documents.collection_get_readable(user=request.user, collection_id=collection_id)
+    if collection is None:
+        raise ApiError(404, "not_found", "No such collection.")
+    return _collection_out(collection, request.user)
 
 
 # --- cache statistics (staff) ----------------------------------------------------------------
@@ -308,4 +384,5 @@ def cache_stats(request: HttpRequest):
 api.add_router("/documents", documents_router)
 api.add_router("/query", query_router)
 api.add_router("/conversations", conversations_router)
+api.add_router("/collections", collections_router)
 api.add_router("/cache/stats", stats_router)

@@ -7,6 +7,8 @@ import uuid
 from django.conf import settings
 from django.db import models
 
+from webapp.documents.selectors import Scope
+
 
 class Conversation(models.Model):
     owner = models.ForeignKey(
@@ -21,6 +23,10 @@ class Conversation(models.Model):
         API = "api", "API"
 
     source = models.CharField(max_length=16, choices=Source.choices, default=Source.BROWSER)
+    # What its questions search: these collections and documents (those the owner may still
+    # read at each question), or with neither, all of the owner's own documents.
+    scope_collections = models.ManyToManyField("documents.Collection", related_name="+", blank=True)
+    scope_documents = models.ManyToManyField("documents.Document", related_name="+", blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -30,6 +36,13 @@ class Conversation(models.Model):
 
     def __str__(self) -> str:
         return self.title
+
+    @property
+    def scope(self) -> Scope:
+        return Scope.of(
+            self.scope_collections.values_list("id", flat=True),
+            self.scope_documents.values_list("id", flat=True),
+        )
 
 
 class Message(models.Model):

@@ -1,5 +1,6 @@
-"""Hybrid retrieval over one user's own ready chunks: pgvector cosine + PostgreSQL full-text,
-fused by reciprocal rank, deduplicated by content, and kept only from a relevance score on.
+"""Hybrid retrieval over the ready chunks a user may read (their own, or a conversation's
+scope): pgvector cosine + PostgreSQL full-text, fused by reciprocal rank, deduplicated by
+content, and kept only from a relevance score on.
 
 Reciprocal-rank fusion orders chunks but says nothing of how relevant the best one is (the
 first of five unrelated chunks is still first), so each chunk also gets an absolute score:
@@ -18,18 +19,22 @@ from django.db.models import F, QuerySet
 from pgvector.django import CosineDistance
 
 from webapp.documents.models import Chunk, Document
+from webapp.documents.selectors import EVERYTHING, Scope, documents_searchable
 
 RRF_K = 60  # the usual constant of reciprocal-rank fusion
 FULL_TEXT_WEIGHT = 0.5  # an exact word match lifts a borderline chunk a little
 _WORD = re.compile(r"\w{2,}", re.UNICODE)
 
 
-def _owned_ready_chunks(user) -> QuerySet[Chunk]:
-    return Chunk.objects.filter(document__owner=user, document__status=Document.Status.READY)
+def _ready_chunks(user, scope: Scope) -> QuerySet[Chunk]:
+    return Chunk.objects.filter(
+        document__in=documents_searchable(user=user, scope=scope),
+        document__status=Document.Status.READY,
+    )
 
 
-def has_ready_chunks(user) -> bool:
-    return _owned_ready_chunks(user).exists()
+def has_ready_chunks(user, scope: Scope = EVERYTHING) -> bool:
+    return _ready_chunks(user, scope).exists()
 
 
 def _full_text_query(question: str) -> SearchQuery | None:
@@ -51,13 +56,20 @@ def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = RRF_K) ->
 
 
 def retrieve_chunks(
-    *, user, question: str, query_embedding: Sequence[float], top_k: int, min_score: float = 0.0
+    *,
+    user,
+    question: str,
+    query_embedding: Sequence[float],
+    top_k: int,
+    min_score: float = 0.0,
+    scope: Scope = EVERYTHING,
 ) -> list[Chunk]:
-    """The ``top_k`` most relevant of the user's chunks, best first, one per distinct text,
-    whose score reaches ``min_score``. Each carries ``similarity`` (cosine), ``text_rank``
-    (normalized ``ts_rank``, 0 without a word in common) and ``score``."""
+    """The ``top_k`` most relevant chunks the user may read within ``scope`` (by default all
+    of their own), best first, one per distinct text, whose score reaches ``min_score``. Each
+    carries ``similarity`` (cosine), ``text_rank`` (normalized ``ts_rank``, 0 without a word
+    in common) and ``score``."""
     candidates = max(top_k * 4, 20)
-    chunks = _owned_ready_chunks(user)
+    chunks = _ready_chunks(user, scope)
     by_vector = list(
         chunks.exclude(embedding=None)
         .order_by(CosineDistance("embedding", list(query_embedding)), "id")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from django.conf import settings
@@ -17,7 +18,6 @@ from kvservice.citing import cited_ranks, highlights
 from kvservice.protocol import (
     GENERATE_TASK,
     WARM_TASK,
-    ChunkRef,
     GenerateRequest,
     Turn,
     inflight_has,
@@ -30,9 +30,15 @@ from webapp.chat.retrieval import has_ready_chunks, retrieve_chunks
 from webapp.dashboard.selectors import fixed_recompute_ratio
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
-from webapp.documents.kv import kv_scope_for
+from webapp.documents.kv import chunk_ref, kv_scope_for
 from webapp.documents.models import Chunk
 from webapp.documents.parsing import CONTROL_CHARS
+from webapp.documents.selectors import (
+    EVERYTHING,
+    Scope,
+    collections_readable,
+    documents_readable,
+)
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
@@ -64,6 +70,10 @@ NOTHING_FOUND = (
     "I found nothing to answer from: you have no ready documents yet. Upload some on the "
     "Documents page (or wait until they are Ready), then ask again."
 )
+NOTHING_IN_SCOPE = (
+    "I found nothing to answer from: the collections and documents this conversation searches "
+    "have no ready documents. Choose others under “Search in”, or wait until they are Ready."
+)
 NOT_IN_DOCUMENTS = (
     "I could not find this in your documents: no passage is close enough to the question. "
     "Try other words, or upload a document that covers it."
@@ -91,6 +101,28 @@ def conversation_create(
     )
 
 
+class ScopeNotFound(ChatError):
+    """A collection or document in a scope that does not exist or that the user may not read
+    (the same answer for both: it never tells whether someone else's exists)."""
+
+
+def conversation_set_scope(
+    *, user, conversation: Conversation, collection_ids: Iterable[int], document_ids: Iterable[int]
+) -> Scope:
+    """Search these collections and documents in the conversation from now on (none: all of
+    the user's own documents). Each must be the user's own or shared with them."""
+    scope = Scope.of(collection_ids, document_ids)
+    readable = collections_readable(user=user).filter(pk__in=scope.collection_ids)
+    if readable.count() != len(scope.collection_ids):
+        raise ScopeNotFound("No such collection.")
+    documents = documents_readable(user=user).filter(pk__in=scope.document_ids)
+    if documents.count() != len(scope.document_ids):
+        raise ScopeNotFound("No such document.")
+    conversation.scope_collections.set(scope.collection_ids)
+    conversation.scope_documents.set(scope.document_ids)
+    return scope
+
+
 def _history(conversation: Conversation, before: Message | None) -> list[Turn]:
     """The last few finished questions, oldest first, each with its answer only when the
     user marked that answer helpful: earlier answers, wrong or looping, were copied into
@@ -107,16 +139,12 @@ def _history(conversation: Conversation, before: Message | None) -> list[Turn]:
 
 
 def _send(answer: Message, question: str, history: list[Turn], citations: list[Citation]) -> None:
-    scope = kv_scope_for(answer.conversation.owner_id)  # citations are the owner's chunks
     request = GenerateRequest(
         request_id=str(answer.request_id),
         message_id=answer.id,
         question=question,
         history=history,
-        chunks=[
-            ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids), kv_scope=scope)
-            for c in citations
-        ],
+        chunks=[chunk_ref(c.chunk) for c in citations],  # each in its owner's KV scope
         mode=answer.mode,
         recompute_ratio=fixed_recompute_ratio(),  # None: the worker's controller decides
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
@@ -162,14 +190,22 @@ def chat_ask(
     conversation.save(update_fields=["title", "updated_at"])
     earlier = [turn.content for turn in history if turn.role == Message.Role.USER]
     citations = _retrieve(
-        user=user, answer=answer, question=question, previous=earlier[-1] if earlier else ""
-    )
+        user=user, answer=answer, question=question, previous=earlier[-1] if earlier else "",
+        scope=conversation.scope,
+    )  # fmt: skip
     if not citations:  # nothing to answer from: say so, rather than let the model invent
-        text = NOT_IN_DOCUMENTS if has_ready_chunks(user) else NOTHING_FOUND
+        text = _nothing_found_text(user, conversation)
         transaction.on_commit(lambda: _answer_nothing_found(answer, text))
         return answer
     transaction.on_commit(lambda: _send(answer, question, history, citations))
     return answer
+
+
+def _nothing_found_text(user, conversation: Conversation) -> str:
+    scope = conversation.scope
+    if has_ready_chunks(user, scope):
+        return NOT_IN_DOCUMENTS
+    return NOTHING_FOUND if scope.is_everything else NOTHING_IN_SCOPE
 
 
 def _answer_nothing_found(answer: Message, text: str = NOTHING_FOUND) -> None:
@@ -200,7 +236,9 @@ def inference_backlog() -> int:
         return 0
 
 
-def _retrieve(*, user, answer: Message, question: str, previous: str = "") -> list[Citation]:
+def _retrieve(
+    *, user, answer: Message, question: str, previous: str = "", scope: Scope = EVERYTHING
+) -> list[Citation]:
     """The passages for the question, best first; for a follow-up (``previous``: the
     conversation's last question), those the question alone finds, then those found with
     the question joined to the previous one ("And in Aberdeen?" means little on its own);
@@ -211,7 +249,7 @@ def _retrieve(*, user, answer: Message, question: str, previous: str = "") -> li
         found = retrieve_chunks(
             user=user, question=question,
             query_embedding=vector, top_k=settings.RETRIEVAL_TOP_K,
-            min_score=settings.RETRIEVAL_MIN_SCORE,
+            min_score=settings.RETRIEVAL_MIN_SCORE, scope=scope,
         )  # fmt: skip
         known = {c.token_ids_sha256 for c in chunks}
         chunks += [c for c in found if c.token_ids_sha256 not in known]
@@ -325,11 +363,11 @@ def chat_warm_recent(*, user) -> list[str]:
     recent = answers.order_by("-id")[:WARM_RECENT_ANSWERS]
     chunks = list(
         Chunk.objects.filter(
-            document__owner=user,
+            document__in=documents_readable(user=user),  # own, or of a collection shared
             id__in=Citation.objects.filter(message__in=recent).values("chunk_id"),
         )
         .exclude(kv_key="")
-        .values_list("kv_key", "token_ids")
+        .values_list("kv_key", "token_ids", "document__owner_id")
     )
     if not chunks:
         return []
@@ -337,10 +375,12 @@ def chat_warm_recent(*, user) -> list[str]:
         client = redis_client()
         if not client.set(f"ragblend:warm-recent:{user.pk}", 1, nx=True, ex=WARM_EVERY_S):
             return []
-        scope = kv_scope_for(user.pk)
-        digests = [routing.chunk_digest(scope, token_ids_sha256(ids)) for _, ids in chunks]
+        digests = [
+            routing.chunk_digest(kv_scope_for(owner_id), token_ids_sha256(ids))
+            for _, ids, owner_id in chunks
+        ]
         queue = routing.home_queue(client, digests, settings.INFERENCE_QUEUE)
-        keys = sorted({key for key, _ in chunks})
+        keys = sorted({key for key, _, _ in chunks})
         celery_app.send_task(WARM_TASK, args=[keys, "cpu"], queue=queue)
     except outages.SERVICE_ERRORS as err:
         log.warning("could not warm user %s's recent passages: %s", user.pk, err)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from webapp.chat import views
+from webapp.chat import conversations, views
 
 app_name = "chat"
 urlpatterns = [
@@ -10,6 +10,7 @@ urlpatterns = [
     path("new", views.conversation_new, name="new"),
     path("<int:conversation_id>/", views.conversation_detail, name="conversation"),
     path("<int:conversation_id>/ask", views.conversation_ask, name="ask"),
+    path("<int:conversation_id>/scope", conversations.conversation_scope, name="scope"),
     path("messages/<int:message_id>/", views.message_detail, name="message"),
     path("messages/<int:message_id>/stream", views.message_stream, name="stream"),
     path("messages/<int:message_id>/stop", views.message_stop, name="stop"),

@@ -27,23 +27,18 @@ from kvservice.protocol import answer_stream, decode_events
 from webapp import outages
 from webapp.accounts.services import user_rate_limit
 from webapp.chat import services
-from webapp.chat.models import Citation, Conversation, Message
+from webapp.chat.conversations import (
+    browser_conversations,
+    get_conversation_for_user,
+    scope_context,
+)
+from webapp.chat.models import Citation, Message
 from webapp.redis import STREAM_BLOCK_MS, async_redis_client
 
 logger = logging.getLogger(__name__)
 
 STREAM_IDLE_LIMIT_S = 330  # a bit over the worker's request timeout: never hang forever
 STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as SSE ``id:`` sends it
-
-
-def _browser_conversations(request: HttpRequest):
-    """The sidebar: the user's conversations started here (not the API's)."""
-    mine = Conversation.objects.filter(owner=request.user, source=Conversation.Source.BROWSER)
-    return mine[:100]
-
-
-def _get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Conversation:
-    return get_object_or_404(Conversation, id=conversation_id, owner=request.user)
 
 
 def _get_answer_for_user(request: HttpRequest, message_id: int) -> Message:
@@ -59,7 +54,7 @@ def _get_answer_for_user(request: HttpRequest, message_id: int) -> Message:
 @require_GET
 def conversation_list(request: HttpRequest) -> HttpResponse:
     services.chat_warm_recent(user=request.user)
-    conversations = _browser_conversations(request)
+    conversations = browser_conversations(request)
     return render(request, "chat/index.html", {"conversations": conversations})
 
 
@@ -73,13 +68,14 @@ def conversation_new(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_GET
 def conversation_detail(request: HttpRequest, conversation_id: int) -> HttpResponse:
-    conversation = _get_conversation_for_user(request, conversation_id)
+    conversation = get_conversation_for_user(request, conversation_id)
     services.chat_warm_recent(user=request.user)
     context = {
         "conversation": conversation,
-        "conversations": _browser_conversations(request),
+        "conversations": browser_conversations(request),
         "messages_list": conversation.messages.prefetch_related("citations"),
         "modes": Message.Mode.choices,
+        **scope_context(request, conversation),
     }
     return render(request, "chat/conversation.html", context)
 
@@ -87,7 +83,7 @@ def conversation_detail(request: HttpRequest, conversation_id: int) -> HttpRespo
 @login_required
 @require_POST
 def conversation_ask(request: HttpRequest, conversation_id: int) -> HttpResponse:
-    conversation = _get_conversation_for_user(request, conversation_id)
+    conversation = get_conversation_for_user(request, conversation_id)
     retry_after = user_rate_limit(user=request.user)  # the same limit as the user's API calls
     if retry_after is not None:
         error = f"You are asking faster than your limit allows; try again in {retry_after} s."

@@ -28,14 +28,13 @@ from kvservice.protocol import (
     EVICT_TASK,
     GENERATE_TASK,
     WARM_TASK,
-    ChunkRef,
     GenerateRequest,
     Turn,
 )
 from webapp.chat.models import Message
 from webapp.dashboard import selectors
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
-from webapp.documents.kv import kv_scope_for
+from webapp.documents.kv import chunk_ref, kv_scope_for
 from webapp.documents.models import Chunk, Document
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
@@ -199,18 +198,14 @@ def _audit_request(answer: Message) -> GenerateRequest | None:
         return None
     earlier = conversation.messages.filter(status=Message.Status.DONE, id__lt=question.id)
     recent = list(earlier.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
-    citations = list(answer.citations.select_related("chunk").order_by("rank"))
+    citations = list(answer.citations.select_related("chunk__document").order_by("rank"))
     if any(c.chunk is None for c in citations):
         return None  # a cited document was deleted: the same context cannot be rebuilt
-    scope = kv_scope_for(conversation.owner_id)
     return GenerateRequest(
         request_id=str(uuid.uuid4()),
         question=question.content,
         history=[Turn(role=m.role, content=m.content) for m in recent if m.content],
-        chunks=[
-            ChunkRef(chunk_id=c.chunk_id, token_ids=list(c.chunk.token_ids), kv_scope=scope)
-            for c in citations
-        ],  # fmt: skip
+        chunks=[chunk_ref(c.chunk) for c in citations],  # each in its owner's KV scope
         mode=Message.Mode.FULL,
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
         audit_of=answer.id,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from webapp.documents.models import Chunk, Document
+from webapp.documents.models import Chunk, Collection, Document
 
 
 @admin.register(Document)
@@ -23,3 +23,10 @@ class ChunkAdmin(admin.ModelAdmin):
     raw_id_fields = ("document",)
     exclude = ("embedding", "search_vector", "token_ids")
     readonly_fields = ("token_count", "token_ids_sha256", "kv_key")
+
+
+@admin.register(Collection)
+class CollectionAdmin(admin.ModelAdmin):
+    list_display = ("name", "owner", "updated_at")
+    search_fields = ("name", "owner__username")
+    raw_id_fields = ("owner", "documents", "shared_with")

@@ -66,6 +66,19 @@ def kv_scope_for(owner_id: int) -> str:
     return f"u{owner_id}" if settings.KV_CACHE_SCOPE == "user" else ""
 
 
+def chunk_ref(chunk: Any) -> Any:
+    """A ``Chunk`` as the inference worker reads it (``kvservice.protocol.ChunkRef``): its
+    token ids in its owner's KV scope. A passage of a collection shared with the asker was
+    cached under its owner's scope, so the asker's own scope would miss it."""
+    from kvservice.protocol import ChunkRef
+
+    return ChunkRef(
+        chunk_id=chunk.pk,
+        token_ids=list(chunk.token_ids),
+        kv_scope=kv_scope_for(chunk.document.owner_id),
+    )
+
+
 @cache
 def kv_store() -> KVStoreClient:
     return KVStoreClient()

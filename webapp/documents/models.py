@@ -127,6 +127,32 @@ class Chunk(models.Model):
         return f"{self.document_id}#{self.index}"
 
 
+class Collection(models.Model):
+    """A named group of one owner's documents (a document may be in several). The owner may
+    share it read-only with named users: they retrieve from its documents and read their
+    passages in citations, and never change or delete anything."""
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="collections"
+    )
+    name = models.CharField(max_length=100)
+    documents = models.ManyToManyField(Document, related_name="collections", blank=True)
+    shared_with = models.ManyToManyField(
+        settings.AUTH_USER_MODEL, related_name="shared_collections", blank=True
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "name"], name="collection_unique_owner_name")
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class OrphanObject(models.Model):
     """An object in S3 that a deleted document (or a re-chunked one) no longer needs. Rows are
     written in the same transaction as the delete, so nothing is forgotten when S3 is down;

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from minio.error import S3Error
 
-from webapp.documents.models import Chunk, Document
+from webapp.documents.models import Chunk, Collection, Document
 from webapp.storage import object_store
 
 # S3 error codes meaning "no such object" (the S3 gateway and MinIO name it differently).
@@ -48,3 +50,56 @@ def document_original(*, document: Document) -> BinaryIO | None:
         if err.code in S3_MISSING:
             return None
         raise
+
+
+# --- collections and what a question may read ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a conversation searches: these collections and documents, or, with neither, all
+    of the user's own documents (never a shared one unless chosen)."""
+
+    collection_ids: frozenset[int] = frozenset()
+    document_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, collection_ids: Iterable[int] = (), document_ids: Iterable[int] = ()) -> Scope:
+        return cls(frozenset(collection_ids), frozenset(document_ids))
+
+    @property
+    def is_everything(self) -> bool:
+        return not self.collection_ids and not self.document_ids
+
+
+EVERYTHING = Scope()
+
+
+def collections_readable(*, user: AbstractBaseUser) -> QuerySet[Collection]:
+    """The user's own collections and those shared with them."""
+    readable = Collection.objects.filter(Q(owner=user) | Q(shared_with=user)).values("id")
+    return Collection.objects.filter(id__in=readable).select_related("owner")
+
+
+def collection_get_readable(*, user: AbstractBaseUser, collection_id: int) -> Collection | None:
+    return collections_readable(user=user).filter(pk=collection_id).first()
+
+
+def documents_readable(*, user: AbstractBaseUser) -> QuerySet[Document]:
+    """The user's own documents and those of collections shared with them."""
+    shared = Document.objects.filter(collections__shared_with=user).values("id")
+    return Document.objects.filter(Q(owner=user) | Q(id__in=shared))
+
+
+def documents_searchable(
+    *, user: AbstractBaseUser, scope: Scope = EVERYTHING
+) -> QuerySet[Document]:
+    """The documents a question of ``user`` reads within ``scope``. Access is checked here, at
+    each question, not only when the scope was chosen: a collection unshared since then, or a
+    document taken out of it, is no longer read."""
+    if scope.is_everything:
+        return Document.objects.filter(owner=user)
+    in_scope = Document.objects.filter(
+        Q(collections__in=scope.collection_ids) | Q(id__in=scope.document_ids)
+    ).values("id")
+    return documents_readable(user=user).filter(id__in=in_scope)

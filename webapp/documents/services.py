@@ -17,6 +17,7 @@ from pathlib import PurePath
 
 import urllib3.exceptions
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.postgres.search import SearchVector
 from django.core.files.uploadedfile import UploadedFile
@@ -26,7 +27,7 @@ from django.utils import timezone
 from minio.error import S3Error
 
 from webapp.documents import parsing, quotas
-from webapp.documents.models import Chunk, Document, OrphanObject
+from webapp.documents.models import Chunk, Collection, Document, OrphanObject
 from webapp.documents.sandbox import SandboxLimits, parse_isolated
 from webapp.documents.selectors import S3_MISSING
 from webapp.storage import object_store
@@ -540,3 +541,56 @@ def document_delete(*, document: Document) -> None:
         shared = object_key and Document.objects.filter(object_key=object_key).exists()
         forgotten = _forget_objects(originals=[] if shared else [object_key], kv_keys=kv_keys)
     purge_orphan_objects(keys=forgotten)  # what S3 does not take now is retried later
+
+
+# --------------------------------------------------------------------------------------------
+# Collections (the caller checks that the user owns the collection; these check the rest)
+
+
+class CollectionError(ValueError):
+    """A collection change the user can fix (shown to them as is)."""
+
+
+def _collection_name(owner: AbstractBaseUser, name: str, *, renaming: int | None = None) -> str:
+    name = " ".join(name.split())[:100]
+    if not name:
+        raise CollectionError("Give the collection a name.")
+    taken = owner.collections.filter(name=name).exclude(pk=renaming)  # type: ignore[attr-defined]
+    if taken.exists():
+        raise CollectionError(f"You already have a collection named “{name}”.")
+    return name
+
+
+def collection_create(*, owner: AbstractBaseUser, name: str) -> Collection:
+    return Collection.objects.create(owner=owner, name=_collection_name(owner, name))
+
+
+def collection_rename(*, collection: Collection, name: str) -> Collection:
+    collection.name = _collection_name(collection.owner, name, renaming=collection.pk)
+    collection.save(update_fields=["name", "updated_at"])
+    return collection
+
+
+def collection_delete(*, collection: Collection) -> None:
+    """The collection goes; its documents stay (conversations scoped to it lose it)."""
+    collection.delete()
+
+
+def collection_set_documents(*, collection: Collection, document_ids: Iterable[int]) -> None:
+    """The collection holds exactly these of its owner's documents (other ids are ignored)."""
+    owned = Document.objects.filter(owner_id=collection.owner_id, pk__in=list(document_ids))
+    collection.documents.set(owned)
+    collection.save(update_fields=["updated_at"])
+
+
+def collection_share(*, collection: Collection, usernames: Iterable[str]) -> list[str]:
+    """Share the collection read-only with exactly these users (by username; the owner and
+    blanks are left out). Returns the usernames shared with; an unknown one is an error."""
+    wanted = {name.strip() for name in usernames if name.strip()}
+    wanted.discard(collection.owner.get_username())
+    users = list(get_user_model().objects.filter(username__in=wanted, is_active=True))
+    unknown = wanted - {user.get_username() for user in users}
+    if unknown:
+        raise CollectionError(f"No such user: {', '.join(sorted(unknown))}.")
+    collection.shared_with.set(users)
+    return sorted(user.get_username() for user in users)

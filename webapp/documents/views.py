@@ -35,7 +35,7 @@ def _list_response(
     errors: list[str] | None = None,
     duplicates: list[tuple[str, Document]] | None = None,
 ) -> HttpResponse:
-    documents = list(selectors.document_list(owner=request.user))
+    documents = list(selectors.document_list(owner=request.user).prefetch_related("collections"))
     context = {
         "errors": errors or [],
         "upload_answer": duplicates is not None,  # an upload's answer (not a poll)

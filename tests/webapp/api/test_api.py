@@ -30,6 +30,8 @@ ENDPOINTS = [
     ("get", "/api/v1/conversations"),
     ("get", "/api/v1/conversations/1"),
     ("get", "/api/v1/cache/stats"),
+    ("get", "/api/v1/collections"),
+    ("get", "/api/v1/collections/1"),
     ("post", "/v1/chat/completions"),
     ("get", "/v1/models"),
 ]

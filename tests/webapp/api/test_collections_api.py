@@ -1,0 +1,107 @@
+"""Collections and scopes through the API: a query (and an OpenAI-style completion) searches
+the collections and documents it names, each one the caller's own or shared with them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.webapp.api.conftest import bearer
+from tests.webapp.api.fake_worker import FakeInferenceWorker
+from tests.webapp.chat.test_chat import PASSAGES, make_document
+from webapp.documents import services as documents
+from webapp.documents.kv import kv_scope_for
+from webapp.redis import redis_client
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def worker():
+    with FakeInferenceWorker(redis_client()) as fake:
+        yield fake
+
+
+@pytest.fixture
+def kitchen(alice):
+    """Alice's "Kitchen" collection: the risotto passage; the other two are outside it."""
+    make_document(alice, "space.md", [PASSAGES["space"]])
+    make_document(alice, "rivers.md", [PASSAGES["rivers"]])
+    collection = documents.collection_create(owner=alice, name="Kitchen")
+    collection.documents.add(make_document(alice, "cooking.md", [PASSAGES["cooking"]]))
+    return collection
+
+
+def _query(client, auth, **payload):
+    return client.post("/api/v1/query", payload, content_type="application/json", **auth)
+
+
+def test_a_query_searches_only_the_collections_it_names(
+    client, alice, alice_auth, kitchen, worker
+) -> None:
+    question = "Which moon has an ocean, and which rice goes into a risotto?"
+    body = _query(client, alice_auth, question=question, collection_ids=[kitchen.pk]).json()
+    assert [c["text"] for c in body["citations"] + body["also_retrieved"]] == [PASSAGES["cooking"]]
+    detail = client.get(f"/api/v1/conversations/{body['conversation_id']}", **alice_auth).json()
+    assert detail["scope"] == {"collection_ids": [kitchen.pk], "document_ids": []}
+
+    # The conversation keeps its scope; empty lists widen it to all of alice's documents.
+    follow = _query(client, alice_auth, question=question,
+                    conversation_id=body["conversation_id"]).json()  # fmt: skip
+    assert {c["document_id"] for c in follow["citations"] + follow["also_retrieved"]} == {
+        kitchen.documents.get().pk
+    }
+    wide = _query(client, alice_auth, question=question, conversation_id=body["conversation_id"],
+                  collection_ids=[], document_ids=[]).json()  # fmt: skip
+    assert len({c["document_id"] for c in wide["citations"] + wide["also_retrieved"]}) >= 2
+
+
+def test_collections_list_own_and_shared_and_hide_the_rest(
+    client, alice, mallory, mallory_auth, kitchen, django_user_model
+) -> None:
+    bob = django_user_model.objects.create_user(username="bob", password="pw-bob-123")
+    bob_auth = bearer(bob)
+    assert client.get("/api/v1/collections", **mallory_auth).json() == {"count": 0, "items": []}
+    assert client.get(f"/api/v1/collections/{kitchen.pk}", **mallory_auth).status_code == 404
+
+    documents.collection_share(collection=kitchen, usernames=["bob"])
+    listing = client.get("/api/v1/collections", **bob_auth).json()
+    (item,) = listing["items"]
+    assert (item["id"], item["name"], item["owner"], item["read_only"]) == (
+        kitchen.pk, "Kitchen", "alice", True,
+    )  # fmt: skip
+    assert item["document_ids"] == [kitchen.documents.get().pk]
+    own = client.get(f"/api/v1/collections/{kitchen.pk}", **bearer(alice)).json()
+    assert own["read_only"] is False
+
+
+def test_a_scope_of_someone_elses_collection_or_document_is_a_404(
+    client, alice, mallory, mallory_auth, kitchen, worker
+) -> None:
+    document = kitchen.documents.get()
+    for scope in ({"collection_ids": [kitchen.pk]}, {"document_ids": [document.pk]}):
+        response = _query(client, mallory_auth, question="Risotto rice?", **scope)
+        assert response.status_code == 404 and response.json()["code"] == "not_found", scope
+        completion = client.post(
+            "/v1/chat/completions",
+            {"model": "ragblend", "messages": [{"role": "user", "content": "Risotto?"}], **scope},
+            content_type="application/json", **mallory_auth,
+        )  # fmt: skip
+        assert completion.status_code == 404, completion.content
+    assert not mallory.conversations.exists()  # nothing was created for the refused scopes
+    assert worker.requests == []
+
+
+def test_a_shared_collection_answers_through_the_api_in_the_owners_kv_scope(
+    client, alice, kitchen, worker, django_user_model
+) -> None:
+    bob = django_user_model.objects.create_user(username="bob", password="pw-bob-123")
+    documents.collection_share(collection=kitchen, usernames=["bob"])
+    response = client.post(
+        "/v1/chat/completions",
+        {"model": "ragblend", "collection_ids": [kitchen.pk],
+         "messages": [{"role": "user", "content": "Which rice goes into a risotto?"}]},
+        content_type="application/json", **bearer(bob),
+    )  # fmt: skip
+    assert response.status_code == 200, response.content
+    assert response.json()["citations"][0]["text"] == PASSAGES["cooking"]
+    assert [ref["kv_scope"] for ref in worker.requests[-1]["chunks"]] == [kv_scope_for(alice.pk)]

@@ -1,0 +1,155 @@
+"""A conversation searches only its scope (collections and documents), what its owner may
+read at each question; a collection shared with a user is searched under its owner's KV
+scope, so the worker finds the KV the owner's upload stored."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import redis
+from django.conf import settings
+from django.test import TestCase
+
+from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE
+from tests.webapp.chat.test_chat import PASSAGES, make_document
+from webapp.chat import services
+from webapp.chat.retrieval import retrieve_chunks
+from webapp.documents import services as documents
+from webapp.documents.embeddings import embed_texts
+from webapp.documents.kv import kv_scope_for
+from webapp.documents.selectors import Scope
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def bob(django_user_model):
+    return django_user_model.objects.create_user(username="bob", password="pw-bob-123")
+
+
+@pytest.fixture
+def broker():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.delete(INFERENCE_QUEUE)
+    yield client
+    client.delete(INFERENCE_QUEUE)
+
+
+def _queued_requests(client) -> list[dict]:
+    """The generate requests waiting on the shared queue (no worker runs here)."""
+    found = []
+    for raw in client.lrange(INFERENCE_QUEUE, 0, -1):
+        message = json.loads(raw)
+        if message["headers"]["task"] == GENERATE_TASK:
+            args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+            found.append(args[0])
+    return found
+
+
+def _titles(user, question: str, scope: Scope) -> list[str]:
+    vector = embed_texts([question])[0]
+    found = retrieve_chunks(user=user, question=question, query_embedding=vector, top_k=6,
+                            scope=scope)  # fmt: skip
+    return [chunk.document.title for chunk in found]
+
+
+def _ask(user, conversation, question: str):
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        return services.chat_ask(user=user, conversation=conversation, question=question)
+
+
+@pytest.fixture
+def library(alice):
+    """Alice's three documents; "Science" holds only the one about Europa."""
+    space = make_document(alice, "space.md", [PASSAGES["space"]])
+    make_document(alice, "rivers.md", [PASSAGES["rivers"]])
+    make_document(alice, "cooking.md", [PASSAGES["cooking"]])
+    science = documents.collection_create(owner=alice, name="Science")
+    science.documents.add(space)
+    return science
+
+
+def test_a_scoped_conversation_retrieves_only_from_its_collections_and_documents(
+    alice, library, broker
+) -> None:
+    question = "Which moon hides an ocean, and where does the Danube flow?"
+    assert set(_titles(alice, question, Scope())) >= {"space.md", "rivers.md"}
+    assert set(_titles(alice, question, Scope.of([library.pk]))) == {"space.md"}
+    rivers = alice.documents.get(title="rivers.md")
+    assert set(_titles(alice, question, Scope.of([library.pk], [rivers.pk]))) == {
+        "space.md", "rivers.md",
+    }  # fmt: skip
+
+    conversation = services.conversation_create(owner=alice)
+    services.conversation_set_scope(user=alice, conversation=conversation,
+                                    collection_ids=[library.pk], document_ids=[])  # fmt: skip
+    answer = _ask(alice, conversation, question)
+    assert {c.document_title for c in answer.citations.all()} == {"space.md"}
+
+
+def test_a_scope_with_nothing_ready_says_so(alice, library, broker) -> None:
+    library.documents.clear()
+    conversation = services.conversation_create(owner=alice)
+    services.conversation_set_scope(user=alice, conversation=conversation,
+                                    collection_ids=[library.pk], document_ids=[])  # fmt: skip
+    answer = _ask(alice, conversation, "Europa ocean?")
+    answer.refresh_from_db()
+    assert answer.content == services.NOTHING_IN_SCOPE and answer.citations.count() == 0
+
+
+def test_another_user_can_neither_scope_to_nor_retrieve_from_an_unshared_collection(
+    client, alice, bob, library
+) -> None:
+    conversation = services.conversation_create(owner=bob)
+    with pytest.raises(services.ScopeNotFound):
+        services.conversation_set_scope(user=bob, conversation=conversation,
+                                        collection_ids=[library.pk], document_ids=[])  # fmt: skip
+    space = library.documents.get()
+    with pytest.raises(services.ScopeNotFound):
+        services.conversation_set_scope(user=bob, conversation=conversation,
+                                        collection_ids=[], document_ids=[space.pk])  # fmt: skip
+    client.force_login(bob)
+    response = client.post(f"/chat/{conversation.id}/scope", {"collections": [library.pk]})
+    assert response.status_code == 404
+    assert conversation.scope.is_everything
+    # Even a scope forged past those checks reads none of alice's chunks.
+    assert _titles(bob, "Europa ocean Jupiter", Scope.of([library.pk], [space.pk])) == []
+
+
+def test_a_shared_collection_is_searched_in_its_owners_kv_scope(
+    client, alice, bob, library, broker
+) -> None:
+    assert settings.KV_CACHE_SCOPE == "user"
+    documents.collection_share(collection=library, usernames=["bob"])
+    conversation = services.conversation_create(owner=bob)
+    client.force_login(bob)
+    response = client.post(f"/chat/{conversation.id}/scope", {"collections": [library.pk]},
+                           HTTP_HX_REQUEST="true")  # fmt: skip
+    assert "Science" in response.content.decode()  # the "Search in" summary names it
+    answer = _ask(bob, conversation, "Which moon has an ocean under its ice?")
+    assert [c.document_title for c in answer.citations.all()] == ["space.md"]
+    (request,) = _queued_requests(broker)
+    # Alice's chunk KV is stored under her scope: bob's own ("u<bob>") would miss it.
+    assert [ref["kv_scope"] for ref in request["chunks"]] == [kv_scope_for(alice.pk)]
+    assert kv_scope_for(alice.pk) != kv_scope_for(bob.pk)
+
+    # Bob reads the passage in his citation, but not alice's document page.
+    citation = answer.citations.get()
+    page = client.get(f"/chat/citations/{citation.id}/").content.decode()
+    assert PASSAGES["space"] in page and "From a collection shared with you." in page
+    assert client.get(f"/documents/{citation.document_id}/").status_code == 404
+
+
+def test_unsharing_takes_effect_at_the_next_question(alice, bob, library, broker) -> None:
+    documents.collection_share(collection=library, usernames=["bob"])
+    conversation = services.conversation_create(owner=bob)
+    services.conversation_set_scope(user=bob, conversation=conversation,
+                                    collection_ids=[library.pk], document_ids=[])  # fmt: skip
+    assert _ask(bob, conversation, "Europa ocean?").citations.count() == 1
+    documents.collection_share(collection=library, usernames=[])
+    answer = _ask(bob, conversation, "Europa ocean?")
+    assert answer.citations.count() == 0
+    answer.refresh_from_db()
+    assert answer.content == services.NOTHING_IN_SCOPE
