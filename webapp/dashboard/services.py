@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
-import re
-import string
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +30,7 @@ from kvservice.protocol import (
 )
 from webapp.chat.models import Message
 from webapp.dashboard import selectors
+from webapp.dashboard.fidelity import token_f1
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
 from webapp.documents.kv import chunk_ref, kv_scope_for
 from webapp.documents.models import Chunk, Document
@@ -165,25 +163,6 @@ def document_precompute_again(*, document: Document) -> int:
 
 # --------------------------------------------------------------------------------------------
 # Fidelity audit
-
-
-def _normalize_tokens(text: str) -> list[str]:
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in string.punctuation)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return text.split()
-
-
-def token_f1(prediction: str, reference: str) -> float:
-    """SQuAD-style token F1 (lowercased, punctuation and articles dropped)."""
-    predicted, expected = _normalize_tokens(prediction), _normalize_tokens(reference)
-    if not predicted and not expected:
-        return 1.0
-    common = sum((Counter(predicted) & Counter(expected)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(predicted), common / len(expected)
-    return 2 * precision * recall / (precision + recall)
 
 
 def _audit_request(answer: Message) -> GenerateRequest | None:

@@ -13,7 +13,7 @@ from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE, GenerateRequest
 from tests.webapp.dashboard.factories import make_document
 from webapp.chat import services as chat
 from webapp.chat.models import Citation, Conversation, Message
-from webapp.dashboard import services
+from webapp.dashboard import fidelity, services
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
 from webapp.redis import redis_client
 
@@ -67,7 +67,7 @@ def _set_rate(rate: float) -> None:
      ("red blue green", "red blue", 0.8), ("", "", 1.0), ("words", "", 0.0)],
 )  # fmt: skip
 def test_token_f1(prediction, reference, expected) -> None:
-    assert services.token_f1(prediction, reference) == pytest.approx(expected)
+    assert fidelity.token_f1(prediction, reference) == pytest.approx(expected)
 
 
 def test_a_sampled_blend_answer_is_re_run_in_full_with_the_same_context(
@@ -110,7 +110,7 @@ def test_the_workers_report_of_the_re_run_is_scored_and_not_stored_as_an_answer(
             "audit_of": answer.id, "metrics": {"mode": "full", "ttft_s": 0.4}}  # fmt: skip
     chat.chat_record_answer(message_id=None, result=full)
     audit = FidelityAudit.objects.get(message=answer)
-    expected = services.token_f1(BLEND_RESULT["text"], full["text"])
+    expected = fidelity.token_f1(BLEND_RESULT["text"], full["text"])
     assert 0 < expected < 1
     assert (audit.status, audit.token_f1, audit.full_ttft_s) == ("done", expected, 0.4)
     assert Message.objects.count() == messages_before
