@@ -4,10 +4,12 @@ A screenshot is kept in artifacts/. Needs Debian's chromium + chromium-driver.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,26 +36,35 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def asgi_server(django_db_blocker, tmp_path):
+@contextlib.contextmanager
+def running_asgi_server(django_db_blocker, log: Path, **env: str) -> Iterator[str]:
+    """The app under uvicorn (as `make dev` runs it) on the test database, with ``env`` on top
+    of this process's environment; yields its base URL. Django's live server is WSGI, which
+    cannot stream an answer as it is written."""
     with django_db_blocker.unblock():
         database_url = _test_database_url()
     port = services.free_port()
-    log = tmp_path / "uvicorn.log"
-    env = {**os.environ, "DATABASE_URL": database_url, "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE,
-           "HEARTBEAT_KEY": LIVE_HEARTBEAT_KEY}  # fmt: skip
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1",
          "--port", str(port)],
-        cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        cwd=ROOT, env={**os.environ, "DATABASE_URL": database_url, **env},
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: not services.port_is_free(port), timeout=60, what="uvicorn")
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
         process.wait(20)
+
+
+@pytest.fixture
+def asgi_server(django_db_blocker, tmp_path):
+    with running_asgi_server(
+        django_db_blocker, tmp_path / "uvicorn.log",
+        INFERENCE_QUEUE=LIVE_INFERENCE_QUEUE, HEARTBEAT_KEY=LIVE_HEARTBEAT_KEY,
+    ) as url:  # fmt: skip
+        yield url
 
 
 @pytest.fixture

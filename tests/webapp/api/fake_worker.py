@@ -7,21 +7,28 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 
 from kvservice.protocol import INFERENCE_QUEUE, publish_event
 
 
 class FakeInferenceWorker:
+    """``queue``: the one it takes requests from; ``token_delay_s``: a pause before each token
+    (a slow model, for the browser to see an answer stream); ``record``: report each answer to
+    the web app as the real worker's record task does (``chat_record_answer``)."""
+
     def __init__(self, client, *, words=("Arborio", " rice", " [1]."), fail: bool = False,
-                 finish_reason: str = "stop"):  # fmt: skip
+                 finish_reason: str = "stop", queue: str = INFERENCE_QUEUE,
+                 token_delay_s: float = 0.0, record: bool = False):  # fmt: skip
         self.client, self.words, self.fail = client, words, fail
         self.finish_reason = finish_reason
+        self.queue, self.token_delay_s, self.record = queue, token_delay_s, record
         self.requests: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> FakeInferenceWorker:
-        self.client.delete(INFERENCE_QUEUE)
+        self.client.delete(self.queue)
         self._thread.start()
         return self
 
@@ -31,7 +38,7 @@ class FakeInferenceWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            item = self.client.brpop(INFERENCE_QUEUE, timeout=1)
+            item = self.client.brpop(self.queue, timeout=1)
             if item is None:
                 continue
             message = json.loads(item[1])
@@ -46,10 +53,20 @@ class FakeInferenceWorker:
             publish_event(self.client, request_id, "error", error="model exploded", text="")
             return
         for word in self.words:
+            time.sleep(self.token_delay_s)
             publish_event(self.client, request_id, "token", text=word)
         tiers = {str(chunk["chunk_id"]): "cpu" for chunk in request["chunks"]}
         metrics = {"ttft_s": 0.05, "total_s": 0.2, "mode": request["mode"],
                    "recompute_ratio": 0.15, "chunk_tiers": tiers, "prompt_tokens": 40,
                    "completion_tokens": len(self.words),
                    "finish_reason": self.finish_reason}  # fmt: skip
-        publish_event(self.client, request_id, "done", text="".join(self.words), metrics=metrics)
+        text = "".join(self.words)
+        if self.record:  # before "done" (the real worker's record task comes just after it)
+            from django.db import connection
+
+            from webapp.chat.services import chat_record_answer
+
+            result = {"status": "done", "text": text, "metrics": metrics}
+            chat_record_answer(message_id=request["message_id"], result=result)
+            connection.close()  # this thread's own: the test database is dropped after the test
+        publish_event(self.client, request_id, "done", text=text, metrics=metrics)
