@@ -304,7 +304,7 @@ def conversation_list(request: HttpRequest, page: Query[Page]):
 )
 def conversation_detail(request: HttpRequest, conversation_id: int):
     conversation = _get_conversation_for_user(request, conversation_id)
-    messages = conversation.messages.prefetch_related("citations")
+    messages = conversation.messages.shown().prefetch_related("citations")
     scope = conversation.scope
     return _conversation_out(conversation) | {
         "scope": {"collection_ids": sorted(scope.collection_ids),

@@ -45,6 +45,12 @@ class Conversation(models.Model):
         )
 
 
+class MessageQuerySet(models.QuerySet):
+    def shown(self) -> MessageQuerySet:
+        """The conversation as its reader sees it: without the answers regenerated since."""
+        return self.filter(replaced_by__isnull=True)
+
+
 class Message(models.Model):
     class Role(models.TextChoices):
         USER = "user", "User"
@@ -81,8 +87,15 @@ class Message(models.Model):
     # Which tier served each cited chunk's KV, e.g. {"cpu": 4, "s3": 2}.
     tiers = models.JSONField(default=dict, blank=True)
     feedback = models.SmallIntegerField(default=0)  # -1 thumbs down, 0 none, +1 thumbs up
+    # The answer regenerated in this one's place: it takes this one's time (and so its place
+    # in the conversation), and this one is kept, unseen, for the dashboard's measures.
+    replaced_by = models.OneToOneField(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replaces"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     completed_at = models.DateTimeField(null=True, blank=True)
+
+    objects = MessageQuerySet.as_manager()
 
     class Meta:
         ordering = ["created_at", "id"]

@@ -127,7 +127,7 @@ def _history(conversation: Conversation, before: Message | None) -> list[Turn]:
     """The last few finished questions, oldest first, each with its answer only when the
     user marked that answer helpful: earlier answers, wrong or looping, were copied into
     later ones ("The answer is: 2019" four times), and made the first token slower."""
-    messages = conversation.messages.filter(status=Message.Status.DONE)
+    messages = conversation.messages.shown().filter(status=Message.Status.DONE)
     if before is not None:
         messages = messages.filter(id__lt=before.id)
     recent = list(messages.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
@@ -171,23 +171,39 @@ def chat_ask(
         raise ChatError("Type a question first.")
     if len(question) > settings.CHAT_MAX_QUESTION_CHARS:
         raise ChatError(f"Questions are limited to {settings.CHAT_MAX_QUESTION_CHARS} characters.")
+    _check_can_ask(user, mode)
+    history = _history(conversation, before=None)
+    Message.objects.create(conversation=conversation, role=Message.Role.USER, content=question)
+    answer = _pending_answer(conversation, mode)
+    if conversation.title == "New conversation":
+        conversation.title = question[:80]
+    conversation.save(update_fields=["title", "updated_at"])
+    return _answer(user=user, answer=answer, question=question, history=history)
+
+
+def _check_can_ask(user, mode: str) -> None:
+    """What a question, asked or asked again, must pass before anything is recorded."""
     if mode not in Message.Mode.values:
         raise ChatError(f"Unknown mode {mode!r}.")
     if mode != Message.Mode.BLEND and not user.is_staff:
         raise ChatError("Only staff can choose another mode than blend.")
     if inference_backlog() >= settings.INFERENCE_MAX_BACKLOG > 0:
         raise AnswerServiceBusy(BUSY)
-    history = _history(conversation, before=None)
-    Message.objects.create(conversation=conversation, role=Message.Role.USER, content=question)
-    answer = Message.objects.create(
+
+
+def _pending_answer(conversation: Conversation, mode: str) -> Message:
+    return Message.objects.create(
         conversation=conversation,
         role=Message.Role.ASSISTANT,
         status=Message.Status.PENDING,
         mode=mode,
     )
-    if conversation.title == "New conversation":
-        conversation.title = question[:80]
-    conversation.save(update_fields=["title", "updated_at"])
+
+
+def _answer(*, user, answer: Message, question: str, history: list[Turn]) -> Message:
+    """Retrieve the passages for the pending ``answer`` and, once committed, queue its
+    generation (or say that nothing was found)."""
+    conversation = answer.conversation
     earlier = [turn.content for turn in history if turn.role == Message.Role.USER]
     citations = _retrieve(
         user=user, answer=answer, question=question, previous=earlier[-1] if earlier else "",
@@ -273,20 +289,30 @@ def _retrieve(
 
 @transaction.atomic
 def chat_regenerate(*, user, answer: Message, mode: str | None = None) -> Message:
-    """Ask the question before ``answer`` again (a new answer; the old one stays)."""
+    """Answer the question before ``answer`` again, in its place: the new answer takes its
+    time, so its place in the conversation, and ``answer`` is kept, unseen
+    (``Message.replaced_by``), for the dashboard's measures. Returns the new pending answer."""
+    answer = Message.objects.select_for_update().get(pk=answer.pk)  # one regeneration at a time
+    if answer.replaced_by_id is not None:
+        raise ChatError("This answer has been asked again already.")
+    if answer.is_open:
+        raise ChatError("Wait for this answer to finish (or stop it) first.")
+    conversation = answer.conversation
     question = (
-        answer.conversation.messages.filter(role=Message.Role.USER, id__lt=answer.id)
+        conversation.messages.filter(role=Message.Role.USER, id__lt=answer.id)
         .order_by("-id")
         .first()
     )
     if question is None:
         raise ChatError("There is no question to answer again.")
-    return chat_ask(
-        user=user,
-        conversation=answer.conversation,
-        question=question.content,
-        mode=mode or answer.mode or Message.Mode.BLEND,
-    )
+    mode = mode or answer.mode or Message.Mode.BLEND
+    _check_can_ask(user, mode)
+    new_answer = _pending_answer(conversation, mode)
+    Message.objects.filter(pk=new_answer.pk).update(created_at=answer.created_at)
+    answer.replaced_by = new_answer
+    answer.save(update_fields=["replaced_by"])
+    history = _history(conversation, before=question)
+    return _answer(user=user, answer=new_answer, question=question.content, history=history)
 
 
 def chat_stop(*, answer: Message) -> None:

@@ -73,7 +73,7 @@ def conversation_detail(request: HttpRequest, conversation_id: int) -> HttpRespo
     context = {
         "conversation": conversation,
         "conversations": browser_conversations(request),
-        "messages_list": conversation.messages.prefetch_related("citations"),
+        "messages_list": conversation.messages.shown().prefetch_related("citations"),
         "modes": Message.Mode.choices,
         **scope_context(request, conversation),
     }

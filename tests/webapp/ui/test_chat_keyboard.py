@@ -1,7 +1,8 @@
 """The chat page with the keyboard and a streaming answer, in a real browser (headless
 Chromium) on the ASGI server, a stand-in worker streaming a slow answer through Redis:
 Shift+Enter is a new line and Enter sends, Ask waits while the answer streams, the page
-follows it, every control is reached with Tab, Copy copies the answer as written.
+follows it, every control is reached with Tab, Copy copies the answer as written, Regenerate
+streams the new answer in the old one's place.
 
 Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they are missing."""
 
@@ -154,3 +155,20 @@ def test_keyboard_and_a_streaming_answer(browser, chat_server, slow_worker, alic
     )
     recorded = Message.objects.get(id=answer_id.removeprefix("message-")).content
     assert "[1]" in clipboard and clipboard == recorded
+
+    # Regenerate, from the keyboard, streams the new answer in the old one's place.
+    regenerate = browser.find_element(
+        By.CSS_SELECTOR, f"#{answer_id} .actions button[hx-post$=regenerate]"
+    )
+    regenerate.send_keys(Keys.ENTER)
+    wait_for(lambda: not browser.find_elements(By.ID, answer_id), timeout=30, what="the swap")
+    answers = browser.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")
+    assert len(answers) == 7 and answers[-1].get_attribute("data-status") in ("pending", "done")
+    last_done = "#messages > .msg.assistant:last-child[data-status=done]"
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, last_done), timeout=60,
+             what="the new answer")  # fmt: skip
+    questions = browser.find_elements(By.CSS_SELECTOR, "#messages .msg.user")
+    assert len(questions) == 7 and "risotto" in questions[-1].text  # asked once
+    browser.refresh()
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")) == 7
+    assert not browser.find_elements(By.ID, answer_id)
