@@ -153,7 +153,7 @@ def test_log_in_upload_ask_and_watch_the_answer_stream(
     assert answer.find_element(By.CSS_SELECTOR, ".bubble").text.strip()
     wait_for(lambda: ask.get_attribute("disabled") is None, timeout=10, what="Ask enabled again")
     assert "harbour.md" in answer.find_element(By.CSS_SELECTOR, ".citations").text
-    assert "TTFT" in answer.find_element(By.CSS_SELECTOR, ".metrics").text
+    assert "First words after" in answer.find_element(By.CSS_SELECTOR, ".metrics").text
     ARTIFACTS.mkdir(exist_ok=True)
     browser.save_screenshot(str(ARTIFACTS / "chat-answer.png"))
     assert (ARTIFACTS / "chat-answer.png").stat().st_size > 10_000

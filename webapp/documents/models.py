@@ -27,9 +27,9 @@ class Document(models.Model):
     class Stage(models.TextChoices):
         UPLOADED = "uploaded", "Uploaded"
         PARSING = "parsing", "Reading the file"
-        CHUNKING = "chunking", "Splitting into chunks"
-        EMBEDDING = "embedding", "Embedding"
-        KV = "kv", "Precomputing the KV cache"
+        CHUNKING = "chunking", "Splitting it into passages"
+        EMBEDDING = "embedding", "Indexing it for search"
+        KV = "kv", "Preparing it for fast answers"
         DONE = "done", "Done"
 
     class Type(models.TextChoices):

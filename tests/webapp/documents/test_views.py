@@ -96,7 +96,7 @@ def test_page_lists_only_my_documents_with_status_and_progress(client, user, oth
     client.force_login(user)
     html = client.get(reverse("documents:list")).content.decode()
     assert "mine.pdf" in html and "theirs.pdf" not in html
-    assert 'value="40"' in html and "Embedding" in html
+    assert 'value="40"' in html and "Indexing it for search" in html
     assert 'hx-trigger="every' in html  # polls while something is processing
     assert "<html" in html.lower()
 

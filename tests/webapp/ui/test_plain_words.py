@@ -1,0 +1,41 @@
+"""What users read is in plain words and whole: an answer's timing without the engine's terms
+(TTFT, mode, recompute ratio, tiers: for staff), a document's progress and passages without
+"KV", and each passage in full (it was cut at 600 characters)."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+from tests.webapp.dashboard.factories import make_answers, make_document
+from webapp.documents.models import Chunk, Document
+
+pytestmark = pytest.mark.django_db
+
+
+def test_users_read_plain_timing_and_staff_the_engine_terms(client, alice, staff) -> None:
+    for user in (alice, staff):
+        conversation = make_answers(user)[0].conversation
+        client.force_login(user)
+        page = client.get(reverse("chat:conversation", args=[conversation.id])).content.decode()
+        if user.is_staff:
+            assert "TTFT 0.120 s · blend · r=0.15" in page
+        else:
+            assert "First words after 0.1 s · answered in 0.6 s" in page
+            assert "TTFT" not in page and "r=0.15" not in page and "cpu×" not in page
+
+
+def test_a_document_shows_whole_passages_and_no_kv_jargon(client, alice) -> None:
+    document = make_document(alice, "Long handbook", chunks=1)
+    passage = "The harbour was dug in 1764. " * 60  # 1740 characters
+    Chunk.objects.filter(document=document).update(text=passage)
+    client.force_login(alice)
+    page = client.get(reverse("documents:detail", args=[document.id])).content.decode()
+    assert passage.strip() in page
+    assert "prepared for fast answers" in page and "KV" not in page
+
+    Document.objects.filter(pk=document.pk).update(
+        status=Document.Status.PROCESSING, stage=Document.Stage.KV, progress=70
+    )
+    listing = client.get(reverse("documents:list")).content.decode()
+    assert "Preparing it for fast answers" in listing and "KV" not in listing
