@@ -188,9 +188,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvservice.answer import FREQUENCY_PENALTY, REPETITION_PENALTY
     from kvservice.bundled import resolve_llm_path
-    from kvservice.engine import Engine, SamplingParams
+    from kvservice.engine import Engine
     from kvservice.model import Transformer
     from kvservice.prompt import TURN_MARKERS, PromptFormat
+    from kvservice.sampling import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,9 +37,10 @@ from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT
 from bench.timing import cpu_name
 from kvservice.blend import blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
-from kvservice.engine import Engine, Request, SamplingParams
+from kvservice.engine import Engine, Request
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat
+from kvservice.sampling import SamplingParams
 from kvservice.store import ChunkKey, StoreConfig, TieredStore
 
 

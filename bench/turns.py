@@ -57,7 +57,7 @@ def conversation(model, fmt, head_kv, examples, args, stop_ids) -> list[dict]:
         question = fmt.question_ids(example["question"], asked)
         asked.append(("user", example["question"]))
 
-        def prefill(run: str):
+        def prefill(run: str, question=question, prefix=prefix):
             mode = "blend" if run == "turn_kv" else run
             result = blend_prefill(
                 model, fmt.head_ids, sources, question, mode=mode, recompute_ratio=args.ratio,
@@ -115,20 +115,25 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    print(f"{'run':<8} {'TTFT s':>7} {'KL mean':>8} {'median':>7} {'p90':>7} {'gap':>7} {'agree':>6}")
+    columns = ("TTFT s", "KL mean", "median", "p90", "gap", "agree")
+    print(f"{'run':<8} " + " ".join(f"{c:>8}" for c in columns))
     for run, v in summary["runs"].items():
-        print(f"{run:<8} {v['ttft_median_s']:7.3f} {v['tf_kl_mean']:8.4f} {v['tf_kl_median']:7.4f} "
-              f"{v['tf_kl_p90']:7.4f} {v['tf_logprob_gap']:7.3f} {v['tf_agreement']:6.3f}")  # fmt: skip
+        values = (v["ttft_median_s"], v["tf_kl_mean"], v["tf_kl_median"], v["tf_kl_p90"],
+                  v["tf_logprob_gap"], v["tf_agreement"])  # fmt: skip
+        print(f"{run:<8} " + " ".join(f"{x:8.4f}" for x in values))
     print(
         f"turn_kv TTFT: {summary['turn_kv_over_blend_ttft_median']:.3f}x blend's, "
         f"{summary['turn_kv_over_full_ttft_median']:.3f}x full's (median over "
         f"{summary['follow_ups']} follow-ups); worse than blend on "
-        f"{summary['turn_kv_worse_than_blend']}, than reuse on {summary['turn_kv_worse_than_reuse']}"
+        f"{summary['turn_kv_worse_than_blend']}, "
+        f"than reuse on {summary['turn_kv_worse_than_reuse']}"
     )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.turns", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.turns", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--data", type=Path, default=shared_data())
     parser.add_argument("--first", type=int, default=20, help="first example (20-39: validation)")
     parser.add_argument("--conversations", type=int, default=4)

@@ -1,29 +1,35 @@
-"""One request, start to finish, inside the inference worker: fit the prompt into the
-context, load the chunks' KV through the tiers, choose the recompute ratio, blend and decode
-in the shared batch, stream each token to Redis, and return the answer with its metrics."""
+"""One request, start to finish, inside the inference worker, for either engine: fit the
+prompt into the context, let the runtime plan it (``Runtime.plan``: where its chunks' KV
+comes from, the recompute ratio, the engine's request), stream each token to Redis, and
+report the answer with its metrics.
+
+The engines differ only behind ``Runtime``: the native one (``kvservice.runtime``) loads the
+chunks through the store's tiers and blends in ``kvservice.engine``; the vLLM one
+(``kvservice.vllm.runtime``) hands chunk keys to vLLM's KV connector.
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvservice import citing
-from kvservice.batcher import Job
-from kvservice.blend import blend_prefill
-from kvservice.engine import SamplingParams
-from kvservice.prefix import PrefixKV, boundaries
-from kvservice.prompt import TURN_MARKERS
-from kvservice.protocol import GenerateRequest, publish_event
+from kvservice.controller import RatioDecision
+from kvservice.engine import TokenEvent
+from kvservice.prompt import TURN_MARKERS, PromptFormat
+from kvservice.protocol import GenerateRequest, publish_event, stop_requested
+from kvservice.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 FIXED_RATIOS = {"full": 1.0, "prefix": None, "reuse": 0.0}
 
-# The product's decoding, the same for both engines (kvservice.engine.apply_penalties is
+# The product's decoding, the same for both engines (kvservice.sampling.apply_penalties is
 # vLLM's). Measured with the bundled SmolLM2-135M, greedy, on the 19 handbook questions
-# (webapp/chat/answerbench.py): with no penalty 3 of 19 answers repeated a sentence to the
+# (bench/answers.py): with no penalty 3 of 19 answers repeated a sentence to the
 # 256-token cap, and in one conversation 4 of 7 answers went on with "User:"/"Question:"
 # turns; with the turn markers as stop strings and a frequency penalty of 0.5 (on generated
 # tokens only) none loops, 8.5 tokens on average. vLLM's repetition penalty also counts the
@@ -36,21 +42,48 @@ FREQUENCY_PENALTY = 0.5
 HISTORY_MAX_TOKENS = 192
 
 
-class _TokensOnly:
-    """A chunk that is computed fresh (``full`` mode, or a chunk the store cannot serve):
-    the blender only needs its length and ids."""
+@dataclass(frozen=True)
+class FittedContext:
+    """What of a request goes into the prompt (``fit_context``)."""
 
-    head_hash = None
-
-    def __init__(self, token_ids: list[int]) -> None:
-        self.token_ids = token_ids
-        self.num_tokens = len(token_ids)
-
-    def layer(self, index: int):
-        raise RuntimeError("no cached KV for this chunk")
+    chunk_ids: list[int]  # the passages kept, most relevant first
+    chunks_tokens: list[list[int]]  # their token ids
+    segments: list[list[int]]  # between head and question: "[1]", passage 1, "[2]", ...
+    suffix_ids: list[int]  # the question part (earlier questions included)
+    dropped: list[int]  # passages left out for room
 
 
-def answer_sampling(runtime: Any, request: GenerateRequest) -> SamplingParams:
+class AnswerPlan(Protocol):
+    """One request as an engine will run it (``Runtime.plan``)."""
+
+    ratio: float
+    decision: RatioDecision | None  # the controller's, when it chose the ratio
+    prompt_tokens: int
+
+    def events(self) -> Iterator[TokenEvent]:
+        """The answer's tokens; leaving early stops the request."""
+
+    def finish(self) -> dict[str, Any]:
+        """After the answer: what the engine reports (tiers, load, prefill time)."""
+
+
+class Runtime(Protocol):
+    """What the inference worker holds for its lifetime, whichever the engine."""
+
+    model_name: str | None
+    prompt: PromptFormat
+    context_len: int
+    tokenizer: Any
+    engine: Any  # stream(), stop_ids
+
+    def load(self, cfg: Any) -> None: ...
+    def status(self) -> dict[str, object]: ...
+    def chunk_key(self, token_ids: list[int], scope: str = ""): ...
+    def plan(self, request: GenerateRequest, fitted: FittedContext) -> AnswerPlan: ...
+    def close(self) -> None: ...
+
+
+def answer_sampling(request: GenerateRequest) -> SamplingParams:
     """How an answer is decoded, for either engine: the request's length and temperature,
     the repetition penalty, and the prompt's turn markers as stop strings."""
     return SamplingParams(
@@ -63,12 +96,10 @@ def answer_sampling(runtime: Any, request: GenerateRequest) -> SamplingParams:
     )
 
 
-def _fit_context(
-    runtime: Any, request: GenerateRequest
-) -> tuple[list[int], list[list[int]], list[int], list[int]]:
-    """(chunk ids kept, their token ids, suffix ids, dropped chunk ids): keep the newest
-    turns that fit ``HISTORY_MAX_TOKENS``, then drop the least relevant (last) chunks until
-    the prompt (passage markers included) and the answer fit the context."""
+def fit_context(runtime: Runtime, request: GenerateRequest) -> FittedContext:
+    """Keep the newest turns that fit ``HISTORY_MAX_TOKENS``, then drop the least relevant
+    (last) chunks until the prompt (passage markers included) and the answer fit the
+    context."""
     prompt = runtime.prompt
     budget = runtime.context_len - request.max_new_tokens - len(prompt.head_ids)
     history = [(turn.role, turn.content) for turn in request.history]
@@ -86,175 +117,97 @@ def _fit_context(
         chunks.pop()
     if len(suffix) > budget:
         raise ValueError("the question is too long for the model's context")
-    dropped = [c.chunk_id for c in request.chunks[len(chunks) :]]
-    return [c.chunk_id for c in chunks], [list(c.token_ids) for c in chunks], suffix, dropped
+    tokens = [list(c.token_ids) for c in chunks]
+    return FittedContext(
+        chunk_ids=[c.chunk_id for c in chunks], chunks_tokens=tokens,
+        segments=prompt.numbered(tokens), suffix_ids=suffix,
+        dropped=[c.chunk_id for c in request.chunks[len(chunks) :]],
+    )  # fmt: skip
 
 
-def complete_citation(runtime: Any, request: GenerateRequest, passages_ids, text: str):
-    """``kvservice.citing.complete_citation`` over the kept chunks' text, for either engine."""
-    passages = [runtime.engine.tokenizer.decode(ids) for ids in passages_ids]
-    return citing.complete_citation(text, passages, request.question)
-
-
-def chunk_keys(runtime: Any, request: GenerateRequest, chunks_tokens: list[list[int]]) -> list:
-    """The store keys of the chunks ``_fit_context`` kept (the first of ``request.chunks``),
-    each in the scope the web side stored it in."""
-    kept = request.chunks[: len(chunks_tokens)]
+def chunk_keys(runtime: Runtime, request: GenerateRequest, fitted: FittedContext) -> list:
+    """The store keys of the chunks ``fit_context`` kept, each in the scope the web side
+    stored it in."""
+    kept = request.chunks[: len(fitted.chunks_tokens)]
     return [
-        runtime.chunk_key(ids, ref.kv_scope) for ids, ref in zip(chunks_tokens, kept, strict=True)
+        runtime.chunk_key(ids, ref.kv_scope)
+        for ids, ref in zip(fitted.chunks_tokens, kept, strict=True)
     ]
 
 
-def cached_prefix(runtime: Any, request: GenerateRequest, segments: list[list[int]]):
-    """``(prefix, passages, keys, lengths)``: the KV an earlier prompt of this worker left for
-    the longest run of this prompt's segments (``kvservice.prefix``), how many whole passages
-    it holds, and the prompt's boundary keys and lengths (to keep this prompt's KV after).
-    ``full`` mode reads none: it is the reference every other mode is measured against."""
-    kept = request.chunks[: len(segments) // 2]
-    scopes = [scope for ref in kept for scope in ("", ref.kv_scope)]  # marker, passage
-    keys, lengths = boundaries(runtime.prompt.head_ids, segments, scopes)
-    found = None
-    if request.mode != "full" and runtime.prefix_cache.capacity_bytes > 0:
-        found = runtime.prefix_cache.match(keys, lengths)
-    if found is None:
-        return None, 0, keys, lengths
-    prefix, covered = found
-    return prefix, covered // 2, keys, lengths
+def choose_ratio(
+    runtime: Any, request: GenerateRequest, *, num_tokens: int, num_layers: int, load_bytes
+) -> tuple[float, RatioDecision | None]:
+    """The recompute ratio: the request's own, a fixed mode's, or the loading controller's
+    choice for a blend (over the chunk tokens it would recompute and the bytes to load per
+    tier)."""
+    if request.recompute_ratio is not None:
+        return request.recompute_ratio, None
+    if request.mode != "blend":
+        return FIXED_RATIOS.get(request.mode) or 0.0, None
+    decision = runtime.controller.choose(
+        num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes
+    )
+    return decision.recompute_ratio, decision
 
 
-def keep_prefix(runtime: Any, result: Any, keys: list[str], lengths: list[int]) -> None:
-    """Keep this prompt's context KV (everything before the question part) for a follow-up,
-    in the store's 16-bit type; called once the answer is out, off the first token's path."""
-    if not keys or runtime.prefix_cache.capacity_bytes <= 0:
-        return
-    dtype = runtime.store.config.narrow_to or result.cache.k.dtype
-    runtime.prefix_cache.put(keys, lengths, PrefixKV.from_cache(result.cache, lengths[-1], dtype))
-
-
-def answer_request(runtime: Any, request: GenerateRequest, redis: Any) -> dict[str, Any]:
-    from kvservice.protocol import stop_requested
-
+def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> dict[str, Any]:
+    """Answer ``request``: tokens to its Redis stream as they come, then ``done`` (or
+    ``error``) with the metrics; returns the same report for the record."""
     started = time.perf_counter()
     request_id = request.request_id
     pieces: list[str] = []
-    state: dict[str, Any] = {"first_token_at": None, "prefill": None, "prefill_s": None}
-    done = threading.Event()
-    outcome: dict[str, Any] = {}
+    first_token_at, completion_tokens, finish_reason, status = None, 0, "stop", "done"
     try:
-        chunk_ids, chunks_tokens, suffix_ids, dropped = _fit_context(runtime, request)
-        model, mode = runtime.model, request.mode
-        # Each passage behind its number ("[1]"): the markers are computed fresh (None).
-        segments = runtime.prompt.numbered(chunks_tokens)
-        prefix, reused, prefix_keys, prefix_lengths = cached_prefix(runtime, request, segments)
-        batch = None
-        if mode == "full":
-            sources = [_TokensOnly(ids) for ids in chunks_tokens]
-        else:  # the passages the cached prefix holds are not loaded
-            keys = chunk_keys(runtime, request, chunks_tokens)[reused:]
-            batch = runtime.loader.open(
-                keys, token_ids=chunks_tokens[reused:], recompute_fn=runtime.recompute_chunk
-            )
-            sources = [None] * reused + list(batch)
-        sources = [part for source in sources for part in (None, source)]
-        decision = None
-        ratio = request.recompute_ratio
-        if ratio is None and mode == "blend":
-            decision = runtime.controller.choose(
-                num_tokens=sum(len(ids) for ids in chunks_tokens[reused:]),
-                num_layers=model.config.n_layers,
-                load_bytes_by_tier=batch.tier_bytes() if batch is not None else {},
-            )
-            ratio = decision.recompute_ratio
-        elif ratio is None:
-            ratio = FIXED_RATIOS.get(mode) or 0.0
-
-        def prefill(extra_capacity: int):
-            t0 = time.perf_counter()
-            result = blend_prefill(
-                model, list(runtime.prompt.head_ids), sources, suffix_ids, mode=mode,
-                recompute_ratio=ratio, chunk_ids=segments, head_kv=runtime.head_kv,
-                extra_capacity=extra_capacity, cached_prefix=prefix,
-            )  # fmt: skip
-            state["prefill"], state["prefill_s"] = result, time.perf_counter() - t0
-            return result
-
-        def on_token(text: str, token_id: int) -> None:
-            if state["first_token_at"] is None:
-                state["first_token_at"] = time.perf_counter()
-            if text:
-                pieces.append(text)
-                publish_event(redis, request_id, "token", text=text)
-
-        def on_finish(reason: str, error: BaseException | None) -> None:
-            outcome["reason"], outcome["error"] = reason, error
-            done.set()
-
-        job = Job(
-            prefill=prefill,
-            sampling=answer_sampling(runtime, request),
-            stop_ids=set(runtime.engine.stop_ids),
-            prompt_ids=[*runtime.prompt.head_ids, *(i for s in segments for i in s), *suffix_ids],
-            on_token=on_token,
-            on_finish=on_finish,
-            should_stop=lambda: stop_requested(redis, request_id),
-            deadline=time.monotonic() + request.timeout_s,
-        )
-        runtime.batcher.submit(job)
-        if not done.wait(request.timeout_s + 30):
-            raise TimeoutError("the engine did not finish the request in time")
-        if outcome["error"] is not None:
-            raise outcome["error"]
+        fitted = fit_context(runtime, request)
+        plan = runtime.plan(request, fitted)
+        deadline = time.monotonic() + request.timeout_s
+        events, stop_ids = plan.events(), runtime.engine.stop_ids
+        try:
+            for event in events:
+                first_token_at = first_token_at or time.perf_counter()
+                completion_tokens += 0 <= event.token_id and event.token_id not in stop_ids
+                finish_reason = event.finish_reason or finish_reason
+                if event.text:
+                    pieces.append(event.text)
+                    publish_event(redis, request_id, "token", text=event.text)
+                if stop_requested(redis, request_id):
+                    status = "stopped"
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the engine did not finish the request in time")
+        finally:
+            events.close()  # stops the request in the engine when we left early
+        engine_metrics = plan.finish()
     except Exception as err:
         log.exception("request %s failed", request_id)
         message = f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
         publish_event(redis, request_id, "error", message=message, text="".join(pieces))
         return {"status": "error", "text": "".join(pieces), "error": message, "metrics": {}}
 
-    total_s = time.perf_counter() - started
-    first = state["first_token_at"]
-    result = state["prefill"]
-    metrics: dict[str, Any] = {
-        "mode": mode,
-        "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
-        "ttft_s": None if first is None else round(first - started, 4),
-        "total_s": round(total_s, 4),
-        "prefill_s": None if state["prefill_s"] is None else round(state["prefill_s"], 4),
-        "recompute_ratio": ratio,
-        "prompt_tokens": len(runtime.prompt.head_ids) + sum(map(len, segments)) + len(suffix_ids),
-        "completion_tokens": None,
-        "chunk_tiers": {str(cid): "prefix" for cid in chunk_ids[:reused]},
-        "prefix_tokens": 0 if prefix is None else prefix.num_tokens,
-        "dropped_chunks": dropped,
-    }
-    if result is not None:
-        metrics["recompute_ratio_effective"] = round(result.recompute_ratio_effective, 4)
-        if state["prefill_s"]:
-            runtime.controller.observe_recompute(
-                tokens=sum(result.recomputed_per_layer), layers=1, seconds=state["prefill_s"]
-            )
-    if batch is not None:
-        load = batch.stats()
-        metrics["chunk_tiers"].update(
-            (str(cid), tier) for cid, tier in zip(chunk_ids[reused:], load.tiers, strict=True)
-        )
-        metrics["load_s"] = round(load.load_s, 4)
-        metrics["hidden_load_fraction"] = round(load.hidden_load_fraction, 3)
-        runtime.controller.observe_store_stats(runtime.store.stats().tiers)
-    if decision is not None:
-        metrics["controller"] = {"source": decision.source, "why": decision.why}
-    status = "stopped" if outcome.get("reason") == "stopped" else "done"
+    citation = None
     if status == "done":
-        extra, metrics["citation"] = complete_citation(
-            runtime, request, chunks_tokens, "".join(pieces)
-        )
+        passages = [runtime.tokenizer.decode(ids) for ids in fitted.chunks_tokens]
+        extra, citation = citing.complete_citation("".join(pieces), passages, request.question)
         if extra:
             pieces.append(extra)
             publish_event(redis, request_id, "token", text=extra)
-    if result is not None:
-        keep_prefix(runtime, result, prefix_keys, prefix_lengths)
     text = "".join(pieces)
-    metrics["completion_tokens"] = len(job.tokens)
-    # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise (stopped included).
-    metrics["finish_reason"] = "length" if outcome.get("reason") == "length" else "stop"
+    metrics: dict[str, Any] = {
+        "mode": request.mode,
+        "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
+        "ttft_s": None if first_token_at is None else round(first_token_at - started, 4),
+        "total_s": round(time.perf_counter() - started, 4),
+        "recompute_ratio": plan.ratio,
+        "prompt_tokens": plan.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise.
+        "finish_reason": "length" if finish_reason == "length" else "stop",
+        "dropped_chunks": fitted.dropped,
+        "citation": citation,
+        **engine_metrics,
+    }
+    if plan.decision is not None:
+        metrics["controller"] = {"source": plan.decision.source, "why": plan.decision.why}
     publish_event(redis, request_id, "done", text=text, metrics=metrics, status=status)
     return {"status": status, "text": text, "error": "", "metrics": metrics}

@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvservice.blend import BlendResult
-from kvservice.engine import (
+from kvservice.model import KVCache, Transformer
+from kvservice.sampling import (
+    Detokenizer,
     SamplingParams,
     StopStrings,
     TokenHistory,
-    _Detokenizer,
+    new_generator,
     sample_next,
 )
-from kvservice.model import KVCache, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +45,14 @@ class Job:
     should_stop: Callable[[], bool] = lambda: False
     deadline: float = float("inf")  # time.monotonic() after which the request is cut off
     prompt_ids: Sequence[int] = ()  # what the repetition penalty counts as seen
+    on_prefill: Callable[[BlendResult, float], None] | None = None  # (result, seconds)
     # Filled in by the batcher:
     started: float = 0.0
     ttft_s: float | None = None
     prefill_result: BlendResult | None = None
     tokens: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    detokenizer: _Detokenizer | None = None
+    detokenizer: Detokenizer | None = None
     history: TokenHistory | None = None
     stop_strings: StopStrings | None = None
 
@@ -112,17 +114,17 @@ class ContinuousBatcher:
     @torch.no_grad()
     def _admit(self, job: Job) -> None:
         try:
+            began = time.perf_counter()
             result = job.prefill(job.sampling.max_tokens)
+            if job.on_prefill is not None:
+                job.on_prefill(result, time.perf_counter() - began)
         except Exception as err:
             log.exception("prefill failed")
             self._finish(job, "error", err)
             return
         job.prefill_result = result
-        job.generator = None
-        if job.sampling.seed is not None:
-            job.generator = torch.Generator(device=self.model.device)
-            job.generator.manual_seed(job.sampling.seed)
-        job.detokenizer = _Detokenizer(self.tokenizer)
+        job.generator = new_generator(job.sampling.seed, self.model.device)
+        job.detokenizer = Detokenizer(self.tokenizer)
         job.history = TokenHistory(job.prompt_ids)
         job.stop_strings = StopStrings(job.sampling.stop)
         token = int(sample_next(result.logits[None], job.sampling, job.generator, job.history)[0])
@@ -138,22 +140,21 @@ class ContinuousBatcher:
             return True
         job.tokens.append(token)
         job.history.observe(token)
-        job.on_token(job.stop_strings.push(job.detokenizer.push(token)), token)
-        if job.stop_strings.stopped:
-            self._finish(job, "stop")
-            return True
+        text = job.stop_strings.push(job.detokenizer.push(token))
         reason, error = None, None
-        if len(job.tokens) >= job.sampling.max_tokens:
+        if job.stop_strings.stopped:
+            reason = "stop"
+        elif len(job.tokens) >= job.sampling.max_tokens:
             reason = "length"
         elif job.should_stop():
             reason = "stopped"
         elif time.monotonic() > job.deadline:
             reason, error = "error", TimeoutError("the request ran past its time limit")
+        if reason not in (None, "stop"):
+            text += job.stop_strings.flush()  # what turned out not to start a stop string
+        job.on_token(text, token)
         if reason is None:
             return False
-        held = job.stop_strings.flush()  # it turned out not to start a stop string
-        if held:
-            job.on_token(held, token)
         self._finish(job, reason, error)
         return True
 

@@ -101,9 +101,7 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
 
-    def match(
-        self, keys: Sequence[str], lengths: Sequence[int]
-    ) -> tuple[PrefixKV, int] | None:
+    def match(self, keys: Sequence[str], lengths: Sequence[int]) -> tuple[PrefixKV, int] | None:
         """The stored KV of the longest run of segments ``keys`` shares with a stored prompt,
         and how many segments that is; ``lengths[j]`` is the prompt's token count up to the
         end of segment j (a check against hash collisions of different lengths)."""

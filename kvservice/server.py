@@ -12,7 +12,6 @@ DATA_DIR/stack.json).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -40,7 +39,7 @@ from kvservice.protocol import (
     inflight_remove,
     mark_alive,
 )
-from kvservice.routing import advertise_hot, chunk_digest, worker_queue
+from kvservice.routing import advertise_hot, worker_queue
 
 log = logging.getLogger("kvservice.server")
 
@@ -98,93 +97,14 @@ app.conf.update(
 )
 
 
-class Runtime:
-    """What the worker holds for its lifetime: model, prompt format, store, controller and
-    the batcher that owns the model's compute."""
-
-    def __init__(self) -> None:
-        self.model_name: str | None = None
-        self.model = None
-        self.tokenizer = None
-
-    def load(self, cfg: ServerConfig) -> None:
-        import torch
-        from transformers import AutoTokenizer
-
-        from kvservice.batcher import ContinuousBatcher
-        from kvservice.bundled import resolve_llm_path
-        from kvservice.controller import LoadingController
-        from kvservice.engine import Engine
-        from kvservice.model import Transformer, precompute_head
-        from kvservice.prefix import PrefixCache
-        from kvservice.prefix import capacity_from_env as prefix_capacity_from_env
-        from kvservice.prompt import PromptFormat
-        from kvservice.store import KVLoader, StoreConfig, TieredStore
-
-        path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = Transformer.from_pretrained(path, device=device)
-        self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
-        self.head_kv = precompute_head(self.model, list(self.prompt.head_ids))
-        self.engine = Engine(self.model, self.tokenizer, self.prompt)
-        self.store = TieredStore.from_config(StoreConfig.from_env())
-        self.loader = KVLoader(self.store)
-        self.prefix_cache = PrefixCache(prefix_capacity_from_env())
-        self.controller = LoadingController()
-        self.batcher = ContinuousBatcher(
-            self.model, self.tokenizer, max_batch=cfg.concurrency
-        ).start()
-        hf_config = json.loads((path / "config.json").read_text())
-        self.context_len = int(hf_config.get("max_position_embeddings", 4096))
-        self.model_name = path.name
-
-    def status(self) -> dict[str, object]:
-        """The live state the heartbeat carries to /healthz and the dashboard."""
-        state: dict[str, object] = {
-            "pid": os.getpid(), "model": self.model_name, "model_loaded": self.model is not None,
-        }  # fmt: skip
-        if self.model is not None:
-            state["store"] = self.store.stats().to_dict()
-            state["controller"] = self.controller.snapshot()
-            config = self.model.config  # K and V, every layer, at the model's dtype
-            element = self.model.embed_tokens.weight.element_size()
-            state["kv_bytes_per_token"] = (
-                2 * config.n_layers * config.n_kv_heads * config.head_dim * element
-            )
-            state["batch"] = {"active": self.batcher.active, "steps": self.batcher.steps}
-            state["prefix_cache"] = self.prefix_cache.stats()
-        return state
-
-    def hot_digests(self) -> list[str]:
-        """What this worker holds in memory (CPU and GPU tiers), as ``routing`` digests."""
-        if self.model is None:
-            return []
-        return [
-            chunk_digest(key.scope, key.tokens_sha256)
-            for tier in self.store.tiers
-            if tier.name in ("device", "cpu")
-            for key in tier.keys()
-        ]
-
-    def chunk_key(self, token_ids: list[int], scope: str = ""):
-        from kvservice.store import ChunkKey
-
-        fingerprint, head = self.model.fingerprint, self.prompt.head_hash
-        return ChunkKey.for_tokens(fingerprint, head, token_ids, scope)
-
-    def recompute_chunk(self, token_ids):
-        from kvservice.model import precompute_chunks
-
-        return precompute_chunks(self.model, list(self.prompt.head_ids), [list(token_ids)])[0]
-
-
 def _make_runtime(engine: str):
     if engine == "vllm":  # every mode through vLLM; the specifics live in kvservice.vllm
         from kvservice.vllm.runtime import VllmRuntime
 
         return VllmRuntime()
-    return Runtime()
+    from kvservice.runtime import NativeRuntime
+
+    return NativeRuntime()
 
 
 runtime = _make_runtime(config.engine)
@@ -199,10 +119,7 @@ def ping() -> dict[str, object]:
 @app.task(name=GENERATE_TASK)
 def generate(request_data: dict) -> dict:
     """Answer one request: load its chunks' KV, blend, stream tokens, report the answer."""
-    if config.engine == "vllm":
-        from kvservice.vllm.answer import answer_request
-    else:
-        from kvservice.answer import answer_request
+    from kvservice.answer import answer_request
 
     request = GenerateRequest.from_dict(request_data)
     inflight_add(redis_client(), WORKER_ID, request)

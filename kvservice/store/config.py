@@ -17,7 +17,7 @@
 | ``KV_QUANTIZE`` | ``false`` | write new objects as 8-bit per-token quantized K/V |
 | ``KV_STORE_DTYPE`` | ``float16`` | float32 KV stored as ``float16``, ``bfloat16`` or ``float32`` |
 | ``KV_LOAD_WORKERS`` | ``16`` | background fetch threads of the pipelined loader |
-| ``KV_STREAM_THREADS`` | ``2`` | threads reading the chunks that stream from S3, layer by layer in turn |
+| ``KV_STREAM_THREADS`` | ``2`` | threads reading the chunks that S3 streams, a layer each in turn |
 | ``KV_PREFETCH_DEPTH`` | ``2`` | layers fetched ahead of the one in use, per chunk |
 | ``KV_LOAD_NICE`` | ``0`` | how far the fetch threads lower their CPU priority (Linux, 0-19) |
 

@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.blend import MODES
-from kvservice.engine import Completion, SamplingParams, TokenEvent
+from kvservice.engine import Completion, TokenEvent
 from kvservice.prompt import Prompt, PromptFormat
+from kvservice.sampling import SamplingParams
 from kvservice.store import StoreConfig
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ class VllmEngine:
             top_p=sampling.top_p,
             seed=sampling.seed,
             stop_token_ids=sorted(self.stop_ids | set(sampling.stop_token_ids)),
-            # The same decoding as the native engine (kvservice.engine.apply_penalties and
+            # The same decoding as the native engine (kvservice.sampling.apply_penalties and
             # StopStrings follow vLLM's definitions).
             repetition_penalty=sampling.repetition_penalty,
             frequency_penalty=sampling.frequency_penalty,

@@ -19,7 +19,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvservice.vllm.engine import VllmEngine, VllmSettings
+from kvservice.answer import FittedContext, answer_sampling, choose_ratio, chunk_keys
+from kvservice.engine import TokenEvent
+from kvservice.prompt import Prompt
+from kvservice.protocol import GenerateRequest
+from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
 
 
 class VllmRuntime:
@@ -74,6 +78,9 @@ class VllmRuntime:
         config = self.config
         return 2 * config.n_layers * config.n_kv_heads * config.head_dim * element_size
 
+    def plan(self, request: GenerateRequest, fitted: FittedContext) -> VllmPlan:
+        return VllmPlan(self, request, fitted)
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
@@ -92,3 +99,43 @@ class VllmRuntime:
             # long prefill runs, and the heartbeat must not.
             state["batch"] = {"active": self.active, "steps": None}
         return state
+
+
+class VllmPlan:
+    """One request through vLLM: ``reuse``/``blend`` carry their chunk keys to the KV
+    connector, which loads and blends in vLLM's processes. Each passage is behind its number
+    ("[1]"), a marker in no store: vLLM prefills it itself."""
+
+    def __init__(self, runtime: VllmRuntime, request: GenerateRequest, fitted: FittedContext):
+        self.runtime, self.fitted = runtime, fitted
+        keys = chunk_keys(runtime, request, fitted)
+        self.tiers = [runtime.store.where(key) or "missing" for key in keys]
+        per_token = runtime.kv_bytes_per_token(element_size=2)  # stored as 16-bit
+        load_bytes: dict[str, int] = {}
+        for tier, ids in zip(self.tiers, fitted.chunks_tokens, strict=True):
+            if tier != "missing":
+                load_bytes[tier] = load_bytes.get(tier, 0) + per_token * len(ids)
+        self.ratio, self.decision = choose_ratio(
+            runtime, request, num_tokens=sum(map(len, fitted.chunks_tokens)),
+            num_layers=runtime.config.n_layers, load_bytes=load_bytes,
+        )  # fmt: skip
+        segment_keys = [
+            part
+            for key, marker in zip(keys, fitted.segments[::2], strict=True)
+            for part in (runtime.chunk_key(marker).to_string(), key.to_string())
+        ]
+        self.request = VllmRequest(
+            Prompt(list(runtime.prompt.head_ids), fitted.segments, fitted.suffix_ids),
+            mode=request.mode, chunk_keys=segment_keys, recompute_ratio=self.ratio,
+            sampling=answer_sampling(request),
+        )  # fmt: skip
+        self.prompt_tokens = len(self.request.prompt.token_ids)
+
+    def events(self) -> Iterator[TokenEvent]:
+        with self.runtime.request_in_flight():
+            yield from self.runtime.engine.stream(self.request)
+
+    def finish(self) -> dict[str, Any]:
+        tiers = zip(self.fitted.chunk_ids, self.tiers, strict=True)
+        return {"engine": "vllm", "prefill_s": None,
+                "chunk_tiers": {str(cid): tier for cid, tier in tiers}}  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvservice.answer import HISTORY_MAX_TOKENS, _fit_context
+from kvservice.answer import HISTORY_MAX_TOKENS, fit_context
 from kvservice.prompt import PromptFormat
 from kvservice.protocol import ChunkRef, GenerateRequest, Turn
 
@@ -17,7 +17,7 @@ def test_history_is_capped_in_tokens_keeping_the_newest_turns(smollm2_tokenizer)
                for i in range(40)]  # fmt: skip
     request = GenerateRequest(request_id="r", question="And sick leave?", chunks=[],
                               history=history, max_new_tokens=160)  # fmt: skip
-    _ids, _tokens, suffix, _dropped = _fit_context(runtime, request)
+    suffix = fit_context(runtime, request).suffix_ids
     bare = prompt.question_ids("And sick leave?")
     assert 0 < len(suffix) - len(bare) <= HISTORY_MAX_TOKENS
     text = smollm2_tokenizer.decode(suffix)
@@ -37,7 +37,7 @@ def test_a_passage_counts_with_its_number_marker_in_the_context_budget(
         runtime = SimpleNamespace(prompt=prompt, context_len=context_len)
         request = GenerateRequest(request_id="r", question="Why?", max_new_tokens=10,
                                   chunks=[chunk])  # fmt: skip
-        return _fit_context(runtime, request)[0]
+        return fit_context(runtime, request).chunk_ids
 
     assert kept(fixed + numbered) == [1]
     assert kept(fixed + numbered - 1) == []  # room for the passage, not for its marker

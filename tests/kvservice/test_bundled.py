@@ -53,8 +53,9 @@ def test_minilm_dir_loads_offline():
 def test_bundled_dir_answers_a_prompt_like_our_engine(smollm2_dir, smollm2, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvservice.engine import Engine, Request, SamplingParams
+    from kvservice.engine import Engine, Request
     from kvservice.prompt import PromptFormat
+    from kvservice.sampling import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -70,7 +71,10 @@ def test_bundled_dir_answers_a_prompt_like_our_engine(smollm2_dir, smollm2, smol
     engine = Engine(smollm2, smollm2_tokenizer, PromptFormat(smollm2_tokenizer, question_prefix=""))
     prompt = engine.format.build([], "What is the capital of France?")
     assert prompt.token_ids == ids["input_ids"][0].tolist()
-    ours = engine.generate(Request(prompt, [], "full", sampling=SamplingParams(max_tokens=10)))
+    try:
+        ours = engine.generate(Request(prompt, [], "full", sampling=SamplingParams(max_tokens=10)))
+    finally:
+        engine.close()
     assert ours.text.strip() and text.startswith(ours.text.strip()[:10])
 
 

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from kvservice.batcher import ContinuousBatcher, Job
-from kvservice.engine import (
-    Engine,
-    Request,
+from kvservice.engine import Engine, Request
+from kvservice.prompt import TURN_MARKERS, PromptFormat
+from kvservice.sampling import (
     SamplingParams,
     StopStrings,
     TokenHistory,
     apply_penalties,
     sample_next,
 )
-from kvservice.prompt import TURN_MARKERS, PromptFormat
 
 PASSAGES = ["Laptops are replaced every four years.", "The VPN is called Skerry."]
 QUESTION = "How often are laptops replaced?"
@@ -59,7 +58,9 @@ def test_stop_strings_hold_back_a_possible_start_and_cut_before_the_marker() -> 
 
 @pytest.fixture(scope="module")
 def engine(smollm2, smollm2_tokenizer):
-    return Engine(smollm2, smollm2_tokenizer, PromptFormat.for_tokenizer(smollm2_tokenizer))
+    engine = Engine(smollm2, smollm2_tokenizer, PromptFormat.for_tokenizer(smollm2_tokenizer))
+    yield engine
+    engine.close()
 
 
 def _prompt(engine):

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
-from kvservice.engine import Engine, Request, SamplingParams, sample_next
+from kvservice.engine import Engine, Request
 from kvservice.prompt import PromptFormat
+from kvservice.sampling import SamplingParams, sample_next
 
 PASSAGES = [
     "Paris is the capital and largest city of France.",
@@ -16,7 +19,9 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def engine(smollm2, smollm2_tokenizer):
     fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
-    return Engine(smollm2, smollm2_tokenizer, fmt)
+    engine = Engine(smollm2, smollm2_tokenizer, fmt)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +124,9 @@ def test_batched_decode_equals_one_by_one(engine, request_parts):
         Request(other, other_chunks, "full", sampling=SamplingParams(max_tokens=6)),
         Request(prompt, chunks, "reuse", sampling=SamplingParams(max_tokens=4)),
     ]
-    batched = engine.generate_batch(requests)
     single = [engine.generate(r) for r in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:  # together: they share decode steps
+        batched = list(pool.map(engine.generate, requests))
+    assert engine.batcher.max_rows_seen >= 2
     assert [c.token_ids for c in batched] == [c.token_ids for c in single]
     assert all(c.token_ids for c in batched) and len(batched[2].token_ids) <= 4

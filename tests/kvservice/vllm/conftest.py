@@ -75,7 +75,7 @@ def _settings():
 def plain_vllm_full(vllm_setup):
     """Greedy ``full`` answers of vLLM *without* the connector, for every question; the engine
     is shut down before the connector's engine starts (one engine in memory at a time)."""
-    from kvservice.engine import SamplingParams
+    from kvservice.sampling import SamplingParams
     from kvservice.vllm.engine import VllmEngine, VllmRequest
 
     fmt = vllm_setup["format"]

@@ -19,7 +19,7 @@ pytestmark = [
 
 
 def _request(setup, question, mode, keys=None, passages=PASSAGES):
-    from kvservice.engine import SamplingParams
+    from kvservice.sampling import SamplingParams
     from kvservice.vllm.engine import VllmRequest
 
     prompt = setup["format"].build(passages, question)
@@ -32,7 +32,8 @@ def _request(setup, question, mode, keys=None, passages=PASSAGES):
 
 def _native(setup, question, mode):
     """The native engine's greedy answer, reading the same stored (fp16) chunk KV."""
-    from kvservice.engine import Engine, Request, SamplingParams
+    from kvservice.engine import Engine, Request
+    from kvservice.sampling import SamplingParams
     from kvservice.store import ChunkKey
 
     fmt = setup["format"]
@@ -41,7 +42,10 @@ def _native(setup, question, mode):
                for ids in prompt.chunk_ids]  # fmt: skip
     engine = Engine(setup["model"], setup["tokenizer"], fmt)
     request = Request(prompt, sources, mode=mode, sampling=SamplingParams(max_tokens=MAX_TOKENS))
-    return engine.generate(request).token_ids
+    try:
+        return engine.generate(request).token_ids
+    finally:
+        engine.close()
 
 
 def test_full_with_idle_connector_equals_vllm_without_it(vllm_setup, vllm_engine, plain_vllm_full):
@@ -118,21 +122,23 @@ def test_blend_plan_round_trips_through_kv_transfer_params():
 def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     vllm_setup, vllm_engine, redis_service
 ):
-    """``ENGINE=vllm``'s answer path (kvservice.vllm.answer) on the session's engine and the
-    real valkey: tokens and the done event reach the request's Redis stream."""
+    """``ENGINE=vllm``'s answer path (kvservice.answer over ``VllmRuntime.plan``) on the
+    session's engine and the real valkey: tokens and the done event reach the request's
+    Redis stream."""
     import json
     import uuid
 
     import redis
 
+    from kvservice.answer import answer_request
     from kvservice.controller import LoadingController
     from kvservice.protocol import ChunkRef, GenerateRequest, answer_stream
-    from kvservice.vllm.answer import answer_request
     from kvservice.vllm.blender import checkpoint_config
     from kvservice.vllm.runtime import VllmRuntime
 
     runtime = VllmRuntime()
     runtime.engine, runtime.store = vllm_engine, vllm_setup["store"]
+    runtime.tokenizer = vllm_engine.tokenizer
     runtime.prompt, runtime.controller = vllm_engine.format, LoadingController()
     runtime.config = checkpoint_config(vllm_setup["path"])
     runtime.context_len, runtime.model_name = 2048, "smollm2"
@@ -147,7 +153,8 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     result = answer_request(runtime, request, client)
 
     # The same request by hand: numbered passages, the product's decoding, the citation.
-    from kvservice.answer import answer_sampling, complete_citation
+    from kvservice.answer import answer_sampling
+    from kvservice.citing import complete_citation
     from kvservice.prompt import Prompt
     from kvservice.vllm.engine import VllmRequest
 
@@ -156,10 +163,10 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     suffix = fmt.question_ids(QUESTIONS[0])
     completion = vllm_engine.generate(
         VllmRequest(Prompt(list(fmt.head_ids), segments, suffix), mode="blend", chunk_keys=keys,
-                    recompute_ratio=0.15, sampling=answer_sampling(runtime, request))
+                    recompute_ratio=0.15, sampling=answer_sampling(request))
     )  # fmt: skip
-    extra, how = complete_citation(runtime, request, [c.token_ids for c in chunks],
-                                   completion.text)  # fmt: skip
+    passages = [vllm_engine.tokenizer.decode(c.token_ids) for c in chunks]
+    extra, how = complete_citation(completion.text, passages, request.question)
     assert result["status"] == "done", result
     assert result["text"] == completion.text + extra and result["metrics"]["citation"] == how
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))

@@ -1,0 +1,196 @@
+"""What the inference worker holds for its lifetime with the native engine (model, prompt
+format, store and loader, prefix cache, controller, the engine and its batch), and how it
+plans one request (``NativePlan``): the context KV a previous prompt left
+(``kvservice.prefix``), the other chunks loaded through the store's tiers, the recompute
+ratio, and the engine's request. ``kvservice.answer`` drives the plan; ``kvservice.server``
+serves it over Celery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from kvservice.answer import FittedContext, answer_sampling, choose_ratio, chunk_keys
+from kvservice.blend import BlendResult
+from kvservice.engine import Request, TokenEvent
+from kvservice.prefix import PrefixKV, boundaries
+from kvservice.prompt import Prompt
+from kvservice.protocol import GenerateRequest
+from kvservice.routing import chunk_digest
+
+
+class NativeRuntime:
+    engine_kind = "native"
+
+    def __init__(self) -> None:
+        self.model_name: str | None = None
+        self.model = None
+        self.tokenizer = None
+
+    def load(self, cfg: Any) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from kvservice.bundled import resolve_llm_path
+        from kvservice.controller import LoadingController
+        from kvservice.engine import Engine
+        from kvservice.model import Transformer
+        from kvservice.prefix import PrefixCache
+        from kvservice.prefix import capacity_from_env as prefix_capacity_from_env
+        from kvservice.prompt import PromptFormat
+        from kvservice.store import KVLoader, StoreConfig, TieredStore
+
+        path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = Transformer.from_pretrained(path, device=device)
+        self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
+        self.engine = Engine(self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency)
+        self.engine.head_kv  # computed now, not on the first question  # noqa: B018
+        self.store = TieredStore.from_config(StoreConfig.from_env())
+        self.loader = KVLoader(self.store)
+        self.prefix_cache = PrefixCache(prefix_capacity_from_env())
+        self.controller = LoadingController()
+        hf_config = json.loads((path / "config.json").read_text())
+        self.context_len = int(hf_config.get("max_position_embeddings", 4096))
+        self.model_name = path.name
+
+    def status(self) -> dict[str, object]:
+        """The live state the heartbeat carries to /healthz and the dashboard."""
+        state: dict[str, object] = {
+            "pid": os.getpid(), "model": self.model_name, "model_loaded": self.model is not None,
+        }  # fmt: skip
+        if self.model is not None:
+            state["store"] = self.store.stats().to_dict()
+            state["controller"] = self.controller.snapshot()
+            config = self.model.config  # K and V, every layer, at the model's dtype
+            element = self.model.embed_tokens.weight.element_size()
+            state["kv_bytes_per_token"] = (
+                2 * config.n_layers * config.n_kv_heads * config.head_dim * element
+            )
+            batcher = self.engine.batcher
+            state["batch"] = {"active": batcher.active, "steps": batcher.steps}
+            state["prefix_cache"] = self.prefix_cache.stats()
+        return state
+
+    def hot_digests(self) -> list[str]:
+        """What this worker holds in memory (CPU and GPU tiers), as ``routing`` digests."""
+        if self.model is None:
+            return []
+        return [
+            chunk_digest(key.scope, key.tokens_sha256)
+            for tier in self.store.tiers
+            if tier.name in ("device", "cpu")
+            for key in tier.keys()
+        ]
+
+    def chunk_key(self, token_ids: list[int], scope: str = ""):
+        from kvservice.store import ChunkKey
+
+        fingerprint, head = self.model.fingerprint, self.prompt.head_hash
+        return ChunkKey.for_tokens(fingerprint, head, token_ids, scope)
+
+    def recompute_chunk(self, token_ids):
+        return self.engine.precompute([list(token_ids)])[0]
+
+    def plan(self, request: GenerateRequest, fitted: FittedContext) -> NativePlan:
+        return NativePlan(self, request, fitted)
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.engine.close()
+            self.loader.close()
+
+
+class NativePlan:
+    """One request on the native engine. A follow-up whose prompt starts like an earlier one
+    reads that prompt's context KV as it stands (``kvservice.prefix``; not in ``full``, the
+    reference) and loads only the passages after it; ``finish`` keeps this prompt's context
+    KV for the next one."""
+
+    def __init__(self, runtime: NativeRuntime, request: GenerateRequest, fitted: FittedContext):
+        self.runtime, self.fitted = runtime, fitted
+        self._deadline_s = request.timeout_s
+        self.prefix, reused = None, 0
+        kept = request.chunks[: len(fitted.chunks_tokens)]
+        scopes = [scope for ref in kept for scope in ("", ref.kv_scope)]  # marker, passage
+        self._keys, self._lengths = boundaries(runtime.prompt.head_ids, fitted.segments, scopes)
+        if request.mode != "full" and runtime.prefix_cache.capacity_bytes > 0:
+            found = runtime.prefix_cache.match(self._keys, self._lengths)
+            if found is not None:
+                self.prefix, covered = found
+                reused = covered // 2  # whole passages: marker and text
+        self.reused = reused
+        self.batch = None
+        sources: list = [None] * len(fitted.chunks_tokens)  # full: every chunk computed
+        if request.mode != "full":
+            self.batch = runtime.loader.open(
+                chunk_keys(runtime, request, fitted)[reused:],
+                token_ids=fitted.chunks_tokens[reused:],
+                recompute_fn=runtime.recompute_chunk,
+            )
+            sources = [None] * reused + list(self.batch)
+        self.ratio, self.decision = choose_ratio(
+            runtime, request,
+            num_tokens=sum(map(len, fitted.chunks_tokens[reused:])),
+            num_layers=runtime.model.config.n_layers,
+            load_bytes=self.batch.tier_bytes() if self.batch is not None else {},
+        )  # fmt: skip
+        head = list(runtime.prompt.head_ids)
+        self.request = Request(
+            Prompt(head, fitted.segments, fitted.suffix_ids),
+            [part for source in sources for part in (None, source)],  # markers: computed
+            mode=request.mode, recompute_ratio=self.ratio, sampling=answer_sampling(request),
+            cached_prefix=self.prefix,
+        )  # fmt: skip
+        self.prompt_tokens = len(self.request.prompt.token_ids)
+        self._result: BlendResult | None = None
+        self._prefill_s: float | None = None
+
+    def events(self) -> Iterator[TokenEvent]:
+        return self.runtime.engine.stream(
+            self.request, deadline=time.monotonic() + self._deadline_s, on_prefill=self._prefilled
+        )
+
+    def _prefilled(self, result: BlendResult, seconds: float) -> None:
+        self._result, self._prefill_s = result, seconds
+
+    def finish(self) -> dict[str, Any]:
+        runtime, result = self.runtime, self._result
+        chunk_ids = self.fitted.chunk_ids
+        metrics: dict[str, Any] = {
+            "prefill_s": None if self._prefill_s is None else round(self._prefill_s, 4),
+            "chunk_tiers": {str(cid): "prefix" for cid in chunk_ids[: self.reused]},
+            "prefix_tokens": 0 if self.prefix is None else self.prefix.num_tokens,
+        }
+        if result is not None:
+            metrics["recompute_ratio_effective"] = round(result.recompute_ratio_effective, 4)
+            if self._prefill_s:
+                runtime.controller.observe_recompute(
+                    tokens=sum(result.recomputed_per_layer), layers=1, seconds=self._prefill_s
+                )
+            self._keep_prefix(result)
+        if self.batch is not None:
+            load = self.batch.stats()
+            metrics["chunk_tiers"].update(
+                (str(cid), tier)
+                for cid, tier in zip(chunk_ids[self.reused :], load.tiers, strict=True)
+            )
+            metrics["load_s"] = round(load.load_s, 4)
+            metrics["hidden_load_fraction"] = round(load.hidden_load_fraction, 3)
+            runtime.controller.observe_store_stats(runtime.store.stats().tiers)
+        return metrics
+
+    def _keep_prefix(self, result: BlendResult) -> None:
+        """This prompt's context KV (before the question part) for a follow-up, in the
+        store's 16-bit type; after the answer, off the first token's path."""
+        cache = self.runtime.prefix_cache
+        if not self._keys or cache.capacity_bytes <= 0:
+            return
+        dtype = self.runtime.store.config.narrow_to or result.cache.k.dtype
+        kv = PrefixKV.from_cache(result.cache, self._lengths[-1], dtype)
+        cache.put(self._keys, self._lengths, kv)
