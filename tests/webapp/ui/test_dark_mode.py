@@ -19,6 +19,7 @@ from tests.webapp.dashboard.test_browser import (  # noqa: F401 - browser is a f
     _log_in,
     browser,
 )
+from webapp.documents.services import collection_create, collection_set_documents
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -62,7 +63,10 @@ return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255;
 def _pages(staff) -> dict[str, str]:
     document = make_document(staff, "Harbour handbook", chunks=2)
     conversation = make_answers(staff, document)[0].conversation
+    collection = collection_create(owner=staff, name="Harbours")
+    collection_set_documents(collection=collection, document_ids=[document.id])
     return {
+        "collection": reverse("documents:collection", args=[collection.id]),
         "chat": reverse("chat:conversation", args=[conversation.id]),
         "documents": reverse("documents:list"),
         "document": reverse("documents:detail", args=[document.id]),

@@ -13,6 +13,7 @@ from django.urls import reverse
 
 from tests.webapp.dashboard.factories import make_answers, make_document
 from tests.webapp.dashboard.test_browser import ARTIFACTS, CHROMIUM, _log_in
+from webapp.documents.services import collection_create, collection_set_documents
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -59,8 +60,12 @@ def _screenshot(driver, name: str) -> None:
 def test_no_page_is_wider_than_a_phone(phone, live_server, staff) -> None:
     document = make_document(staff, "A rather long title of a handbook about harbours", chunks=3)
     conversation = make_answers(staff, document)[0].conversation
+    collection = collection_create(owner=staff, name="Harbour and canal handbooks of the region")
+    collection_set_documents(collection=collection, document_ids=[document.id])
     _log_in(phone, live_server, staff)
     pages = {
+        "collections": reverse("documents:collections"),
+        "collection": reverse("documents:collection", args=[collection.id]),
         "chat": reverse("chat:conversation", args=[conversation.id]),
         "chat-index": reverse("chat:index"),
         "documents": reverse("documents:list"),
