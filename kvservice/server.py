@@ -20,11 +20,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery
 
-from deploy.stack import apply_stack_env
 from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 from kvservice.protocol import (
     ALIVE_INTERVAL_S,
@@ -42,8 +42,6 @@ from kvservice.protocol import (
 from kvservice.routing import advertise_hot, worker_queue
 
 log = logging.getLogger("kvservice.server")
-
-apply_stack_env()
 
 
 @dataclass(frozen=True)
@@ -78,23 +76,19 @@ class ServerConfig:
         )
 
 
-config = ServerConfig.from_env()
 # This process (a restarted worker is another one): names the answers it has in flight.
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+# Importing this module does nothing else: ``main`` reads the configuration, connects and
+# loads the model (``configure``); the tasks below use what it set.
+app = Celery("ragblend-inference")
+config: ServerConfig
+runtime: Any
+_redis: redis.Redis
 
 
 def redis_client() -> redis.Redis:
     return _redis
-
-
-_redis = redis.Redis.from_url(config.redis_url, socket_timeout=10)
-app = Celery("ragblend-inference", broker=config.redis_url, backend=config.redis_url)
-app.conf.update(
-    task_default_queue=config.queue,
-    task_acks_late=False,  # a request is answered at most once; a lost one errors to its user
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-)
 
 
 def _make_runtime(engine: str):
@@ -107,8 +101,21 @@ def _make_runtime(engine: str):
     return NativeRuntime()
 
 
-runtime = _make_runtime(config.engine)
-runtime.worker_id = WORKER_ID  # named in each answer's metrics
+def configure(cfg: ServerConfig) -> None:
+    """Point the Celery app and the Redis client at ``cfg`` and make the runtime (not loaded)."""
+    global config, runtime, _redis
+    config = cfg
+    _redis = redis.Redis.from_url(cfg.redis_url, socket_timeout=10)
+    app.conf.update(
+        broker_url=cfg.redis_url,
+        result_backend=cfg.redis_url,
+        task_default_queue=cfg.queue,
+        task_acks_late=False,  # a request is answered at most once; a lost one errors to its user
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+    )
+    runtime = _make_runtime(cfg.engine)
+    runtime.worker_id = WORKER_ID  # named in each answer's metrics
 
 
 @app.task(name="kvservice.ping")
@@ -176,9 +183,13 @@ def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
 
 
 def main() -> int:
+    from deploy.stack import apply_stack_env  # a dev stack's DATA_DIR/stack.json, if any
+
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    apply_stack_env()
+    configure(ServerConfig.from_env())
     try:
         runtime.load(config)
     except Exception as err:
