@@ -1,22 +1,29 @@
-"""Conversation pages besides asking: the sidebar's list, ownership, and what a
-conversation searches (its scope of collections and documents)."""
+"""Conversation pages besides asking: the sidebar's list and its search, ownership, rename,
+delete, export, and what a conversation searches (its scope of collections and documents)."""
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from webapp.chat import services
-from webapp.chat.models import Conversation
+from webapp.chat.export import conversation_json, conversation_markdown
+from webapp.chat.models import Conversation, Message
 from webapp.documents import selectors as documents
 
 
 def browser_conversations(request: HttpRequest) -> QuerySet[Conversation]:
-    """The sidebar: the user's conversations started here (not the API's)."""
+    """The sidebar: the user's conversations started here (not the API's), newest first;
+    with ``?q=``, those whose title or any message contains it."""
     mine = Conversation.objects.filter(owner=request.user, source=Conversation.Source.BROWSER)
+    query = request.GET.get("q", "").strip()[:200]
+    if query:
+        said = Message.objects.filter(content__icontains=query).values("conversation_id")
+        mine = mine.filter(Q(title__icontains=query) | Q(id__in=said))
     return mine[:100]
 
 
@@ -64,3 +71,42 @@ def conversation_scope(request: HttpRequest, conversation_id: int) -> HttpRespon
     if request.htmx:
         return render(request, "chat/_scope.html", scope_context(request, conversation))
     return redirect("chat:conversation", conversation_id=conversation.id)
+
+
+@login_required
+@require_POST
+def conversation_rename(request: HttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = get_conversation_for_user(request, conversation_id)
+    try:
+        services.conversation_rename(conversation=conversation, title=request.POST.get("title", ""))
+    except services.ChatError as err:
+        messages.error(request, str(err))
+    return redirect("chat:conversation", conversation_id=conversation.id)
+
+
+@login_required
+@require_POST
+def conversation_delete(request: HttpRequest, conversation_id: int) -> HttpResponse:
+    conversation = get_conversation_for_user(request, conversation_id)
+    services.conversation_delete(conversation=conversation)
+    messages.success(request, f"Deleted “{conversation.title}”.")
+    return redirect("chat:index")
+
+
+EXPORTS = {  # format -> (writer, content type)
+    "md": (conversation_markdown, "text/markdown; charset=utf-8"),
+    "json": (conversation_json, "application/json"),
+}
+
+
+@login_required
+@require_GET
+def conversation_export(request: HttpRequest, conversation_id: int, fmt: str) -> HttpResponse:
+    """The conversation as a Markdown or JSON file to download."""
+    conversation = get_conversation_for_user(request, conversation_id)
+    write, content_type = EXPORTS[fmt]
+    response = HttpResponse(write(conversation), content_type=content_type)
+    filename = f"conversation-{conversation.pk}.{fmt}"
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    response["Cache-Control"] = "private, no-store"
+    return response

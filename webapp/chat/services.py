@@ -101,6 +101,49 @@ def conversation_create(
     )
 
 
+TITLE_CHARS = 80  # a title taken from the first question: cut at a word, then "…"
+
+
+def title_from(question: str) -> str:
+    """A conversation's title from its first question: its first line, cut at a word."""
+    text = " ".join(question.split())
+    if len(text) <= TITLE_CHARS:
+        return text
+    cut = text[: TITLE_CHARS - 1].rsplit(" ", 1)[0] or text[: TITLE_CHARS - 1]
+    return cut.rstrip(" ,.;:") + "…"
+
+
+def conversation_new(*, owner) -> Conversation:
+    """A browser conversation to type in: the user's newest one without a message if there is
+    one (clicking "New conversation" twice piles nothing up), else a new one."""
+    empty = Conversation.objects.filter(
+        owner=owner, source=Conversation.Source.BROWSER, messages__isnull=True
+    ).first()
+    return empty or conversation_create(owner=owner)
+
+
+def conversation_rename(*, conversation: Conversation, title: str) -> Conversation:
+    """Give it a title of the user's (it keeps its place in the list)."""
+    title = " ".join(clean_text(title).split())[:200]
+    if not title:
+        raise ChatError("Give the conversation a title.")
+    Conversation.objects.filter(pk=conversation.pk).update(title=title)
+    conversation.title = title
+    return conversation
+
+
+def conversation_delete(*, conversation: Conversation) -> None:
+    """Delete it with its messages; an answer still being written is stopped first."""
+    for answer in conversation.messages.filter(
+        role=Message.Role.ASSISTANT, status__in=[Message.Status.PENDING, Message.Status.STREAMING]
+    ):
+        try:
+            chat_stop(answer=answer)
+        except outages.SERVICE_ERRORS as err:  # the worker then writes to a deleted answer
+            log.warning("could not stop answer %s of a deleted conversation: %s", answer.pk, err)
+    conversation.delete()
+
+
 class ScopeNotFound(ChatError):
     """A collection or document in a scope that does not exist or that the user may not read
     (the same answer for both: it never tells whether someone else's exists)."""
@@ -176,7 +219,7 @@ def chat_ask(
     Message.objects.create(conversation=conversation, role=Message.Role.USER, content=question)
     answer = _pending_answer(conversation, mode)
     if conversation.title == "New conversation":
-        conversation.title = question[:80]
+        conversation.title = title_from(question)
     conversation.save(update_fields=["title", "updated_at"])
     return _answer(user=user, answer=answer, question=question, history=history)
 

@@ -61,7 +61,7 @@ def conversation_list(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_POST
 def conversation_new(request: HttpRequest) -> HttpResponse:
-    conversation = services.conversation_create(owner=request.user)
+    conversation = services.conversation_new(owner=request.user)
     return redirect("chat:conversation", conversation_id=conversation.id)
 
 
