@@ -176,6 +176,20 @@ def _sse(event: str, data: str, event_id: str = "") -> str:
     return f"{head}event: {event}\n{lines}\n"
 
 
+def _record_finished(answer_id: int, kind: str, payload: dict) -> None:
+    """Record the answer as its stream ends, before the browser hears of it: the page fetches
+    the message again on ``done``, and the worker's own report (``RECORD_TASK``) may still
+    wait on the Celery queue behind long ingest tasks. Idempotent: whichever comes first
+    closes the answer, and the other changes nothing."""
+    if kind == "done":
+        result = {"status": payload.get("status", "done"), "text": payload.get("text", ""),
+                  "error": "", "metrics": payload.get("metrics") or {}}  # fmt: skip
+    else:
+        result = {"status": "error", "text": payload.get("text", ""),
+                  "error": payload.get("message", ""), "metrics": {}}  # fmt: skip
+    services.chat_record_answer(message_id=answer_id, result=result)
+
+
 async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[str]:
     """Relay the answer's Redis stream as server-sent events until done/error, from the entry
     after ``last_id``. Each event carries its entry id, so a browser that reconnects (sending
@@ -200,6 +214,7 @@ async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[st
                 if kind == "token":
                     yield _sse("token", escape(payload["text"]), entry_id)
                 elif kind in ("done", "error"):
+                    await sync_to_async(_record_finished)(answer.id, kind, payload)
                     yield _sse(kind, json.dumps(payload), entry_id)
                     return
     except asyncio.CancelledError:  # the browser went away; the answer is still recorded

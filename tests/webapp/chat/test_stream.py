@@ -8,7 +8,9 @@ import time
 
 import pytest
 import redis
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connections
 
 from kvservice.protocol import publish_event
 from webapp.chat.models import Conversation, Message
@@ -100,3 +102,27 @@ def test_a_reconnect_resumes_after_the_last_event_id(answer, publisher, client) 
     assert [d for _, e, d in _events(_body(response)) if e == "token"] == [
         "The", " Danube", " flows",
     ]  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_answer_is_recorded_before_the_browser_hears_it_is_done(answer, publisher) -> None:
+    """No Celery worker here to record the worker's report: the stream records the answer
+    from its done event before relaying it, so the page's re-fetch on done finds it."""
+    request_id = str(answer.request_id)
+    publish_event(publisher, request_id, "token", text="Vienna")
+    metrics = {"mode": "blend", "ttft_s": 0.25, "chunk_tiers": {}}
+    publish_event(publisher, request_id, "done", text="Vienna", metrics=metrics, status="done")
+    seen_open = []
+
+    async def run() -> None:
+        async for frame in _event_stream(answer):
+            if "event: done" in frame:  # what the browser reads: the record is already there
+                stored = await Message.objects.aget(id=answer.id)
+                seen_open.append(stored.is_open)
+        await sync_to_async(connections.close_all)()  # the executor thread's connection
+
+    asyncio.run(run())
+    assert seen_open == [False]
+    answer.refresh_from_db()
+    assert answer.status == Message.Status.DONE and answer.content == "Vienna"
+    assert answer.ttft_s == 0.25
