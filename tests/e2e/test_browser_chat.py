@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from deploy import services
+from tests.browser import needs_chromium, screenshot, start_chromium
 from tests.conftest import (
     LIVE_HEARTBEAT_KEY,
     LIVE_INFERENCE_QUEUE,
@@ -23,16 +23,10 @@ from tests.conftest import (
     wait_for,
 )
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = ROOT / "artifacts"
-
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not CHROMIUM.exists() or not shutil.which("chromedriver"),
-        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
-    ),
+    needs_chromium,
 ]
 
 
@@ -69,16 +63,7 @@ def asgi_server(django_db_blocker, tmp_path):
 
 @pytest.fixture
 def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     "--disable-background-networking", "--window-size=1300,1000"):  # fmt: skip
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
-    driver.set_page_load_timeout(60)
+    driver = start_chromium("--disable-background-networking", "--window-size=1300,1000")
     yield driver
     driver.quit()
 
@@ -154,6 +139,4 @@ def test_log_in_upload_ask_and_watch_the_answer_stream(
     wait_for(lambda: ask.get_attribute("disabled") is None, timeout=10, what="Ask enabled again")
     assert "harbour.md" in answer.find_element(By.CSS_SELECTOR, ".citations").text
     assert "First words after" in answer.find_element(By.CSS_SELECTOR, ".metrics").text
-    ARTIFACTS.mkdir(exist_ok=True)
-    browser.save_screenshot(str(ARTIFACTS / "chat-answer.png"))
-    assert (ARTIFACTS / "chat-answer.png").stat().st_size > 10_000
+    assert screenshot(browser, "chat-answer.png").stat().st_size > 10_000

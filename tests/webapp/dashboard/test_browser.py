@@ -6,53 +6,33 @@ extra); skipped, with the reason, where they are missing."""
 
 from __future__ import annotations
 
-import shutil
 import time
-from pathlib import Path
 
 import pytest
-from django.conf import settings as django_settings
 from django.test import Client
 
+from tests.browser import (
+    ARTIFACTS,
+    CHROMIUM,  # noqa: F401 - other browser tests import it from here
+    log_in,
+    needs_chromium,
+    start_chromium,
+)
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.dashboard.models import FidelityAudit
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parents[3] / "artifacts"
-
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not CHROMIUM.exists() or not shutil.which("chromedriver"),
-        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
-    ),
-]
+pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
 
 @pytest.fixture
 def browser():
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]'")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                     "--disable-gpu", "--window-size=1280,1000"):  # fmt: skip
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
-    driver.set_page_load_timeout(60)
+    driver = start_chromium()
     yield driver
     driver.quit()
 
 
 def _log_in(browser, live_server, user) -> None:
-    client = Client()
-    client.force_login(user)
-    browser.get(f"{live_server.url}/healthz")  # a page of the site, to set its cookie on
-    browser.add_cookie(
-        {"name": django_settings.SESSION_COOKIE_NAME, "path": "/",
-         "value": client.cookies[django_settings.SESSION_COOKIE_NAME].value}
-    )  # fmt: skip
+    log_in(browser, live_server.url, user)
 
 
 def _with_real_rows(staff, alice) -> None:

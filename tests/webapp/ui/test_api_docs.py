@@ -7,35 +7,18 @@ Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
+from tests.browser import needs_chromium, screenshot, start_chromium
 from tests.conftest import wait_for
-from tests.webapp.dashboard.test_browser import ARTIFACTS, CHROMIUM
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not CHROMIUM.exists() or not shutil.which("chromedriver"),
-        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
-    ),
-]
+pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
 
 @pytest.fixture
 def logging_browser():
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]'")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                     "--disable-gpu", "--window-size=1280,1000"):  # fmt: skip
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
-    driver.set_page_load_timeout(60)
+    driver = start_chromium(console_log=True)
     yield driver
     driver.quit()
 
@@ -56,5 +39,4 @@ def test_the_api_docs_render_every_operation_without_a_console_error(
     assert not logging_browser.find_elements(By.CSS_SELECTOR, ".errors-wrapper")
     errors = [e for e in logging_browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
-    ARTIFACTS.mkdir(exist_ok=True)
-    assert logging_browser.save_screenshot(str(ARTIFACTS / "api-docs.png"))
+    screenshot(logging_browser, "api-docs.png")

@@ -8,28 +8,20 @@ Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they
 
 from __future__ import annotations
 
-import shutil
 import time
-from types import SimpleNamespace
 
 import pytest
 from django.urls import reverse
 
+from tests.browser import log_in, needs_chromium, screenshot, start_chromium
 from tests.conftest import wait_for
 from tests.e2e.test_browser_chat import running_asgi_server
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import make_document
-from tests.webapp.dashboard.test_browser import ARTIFACTS, CHROMIUM, _log_in
 from webapp.chat.models import Conversation, Message
 from webapp.redis import redis_client
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not CHROMIUM.exists() or not shutil.which("chromedriver"),
-        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
-    ),
-]
+pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
 QUEUE = "inference-ui-test"  # the stand-in's own: a real worker of the session never takes it
 # A long answer, some tokens new lines, so that it grows taller than the window as it streams.
@@ -53,16 +45,7 @@ def slow_worker():
 
 @pytest.fixture
 def browser():
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]'")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                     "--disable-gpu", "--window-size=1280,700"):  # fmt: skip
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
-    driver.set_page_load_timeout(60)
+    driver = start_chromium("--window-size=1280,700")
     yield driver
     driver.quit()
 
@@ -104,7 +87,7 @@ def test_keyboard_and_a_streaming_answer(browser, chat_server, slow_worker, alic
     from selenium.webdriver.common.keys import Keys
 
     conversation = _conversation_with_history(alice)
-    _log_in(browser, SimpleNamespace(url=chat_server), alice)
+    log_in(browser, chat_server, alice)
     browser.get(f"{chat_server}{reverse('chat:conversation', args=[conversation.id])}")
     ask = browser.find_element(By.CSS_SELECTOR, "#ask-form button[type=submit]")
     question = browser.find_element(By.NAME, "question")
@@ -133,8 +116,7 @@ def test_keyboard_and_a_streaming_answer(browser, chat_server, slow_worker, alic
     wait_for(lambda: ask.get_attribute("disabled") is None, timeout=10, what="Ask enabled again")
     assert question.get_attribute("value") == "A second question"
     assert Message.objects.filter(conversation=conversation, role="user").count() == 7
-    ARTIFACTS.mkdir(exist_ok=True)
-    browser.save_screenshot(str(ARTIFACTS / "chat-keyboard.png"))
+    screenshot(browser, "chat-keyboard.png")
 
     # Every control of the new answer and the form is reached with Tab.
     answer_id = answer.get_attribute("id")

@@ -7,27 +7,16 @@ Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from django.urls import reverse
 
+from tests.browser import log_in, needs_chromium, screenshot
 from tests.webapp.dashboard.factories import make_answers, make_document
-from tests.webapp.dashboard.test_browser import (  # noqa: F401 - browser is a fixture
-    ARTIFACTS,
-    CHROMIUM,
-    _log_in,
-    browser,
-)
+from tests.webapp.dashboard.test_browser import browser  # noqa: F401 - a fixture
 from webapp.documents.services import collection_create, collection_set_documents
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not CHROMIUM.exists() or not shutil.which("chromedriver"),
-        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
-    ),
-]
+pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
+
 
 # For each visible element with text of its own: [description, contrast ratio] against the
 # first opaque background among it and its ancestors (WCAG's relative luminance).
@@ -81,7 +70,7 @@ def test_dark_mode_follows_the_system_and_keeps_text_readable(
     staff,
 ) -> None:
     pages = _pages(staff)
-    _log_in(browser, live_server, staff)
+    log_in(browser, live_server.url, staff)
     browser.get(f"{live_server.url}{pages['documents']}")
     assert browser.execute_script(BODY_LUMINANCE) > 0.9  # light unless the system says dark
 
@@ -89,7 +78,6 @@ def test_dark_mode_follows_the_system_and_keeps_text_readable(
         "Emulation.setEmulatedMedia",
         {"features": [{"name": "prefers-color-scheme", "value": "dark"}]},
     )
-    ARTIFACTS.mkdir(exist_ok=True)
     for name, url in pages.items():
         browser.get(f"{live_server.url}{url}")
         assert browser.execute_script(BODY_LUMINANCE) < 0.15, name
@@ -97,4 +85,4 @@ def test_dark_mode_follows_the_system_and_keeps_text_readable(
         assert len(contrasts) > 10, name
         poor = [(what, round(ratio, 2)) for what, ratio in contrasts if ratio < 4.5]
         assert not poor, f"{name}: text below 4.5:1 in dark mode: {poor}"
-        assert browser.save_screenshot(str(ARTIFACTS / f"dark-{name}.png"))
+        screenshot(browser, f"dark-{name}.png")

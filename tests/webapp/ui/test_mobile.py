@@ -6,42 +6,25 @@ Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from django.urls import reverse
 
+from tests.browser import log_in, needs_chromium, screenshot, start_chromium
 from tests.webapp.dashboard.factories import make_answers, make_document
-from tests.webapp.dashboard.test_browser import ARTIFACTS, CHROMIUM, _log_in
 from webapp.documents.services import collection_create, collection_set_documents
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not CHROMIUM.exists() or not shutil.which("chromedriver"),
-        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
-    ),
-]
+pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
 
 @pytest.fixture
 def phone():
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]'")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                     "--disable-gpu", "--hide-scrollbars"):  # fmt: skip
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver = start_chromium("--hide-scrollbars")
     # A desktop window is at least 500 px wide, and mobile emulation zooms out to fit an
     # overflowing page (innerWidth then grows with it): a fixed 390 px viewport instead.
     driver.execute_cdp_cmd(
         "Emulation.setDeviceMetricsOverride",
         {"width": 390, "height": 844, "deviceScaleFactor": 2, "mobile": False},
     )
-    driver.set_page_load_timeout(60)
     yield driver
     driver.quit()
 
@@ -52,17 +35,12 @@ def _overflow(driver) -> tuple[int, int]:
     )
 
 
-def _screenshot(driver, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    assert driver.save_screenshot(str(ARTIFACTS / name))
-
-
 def test_no_page_is_wider_than_a_phone(phone, live_server, staff) -> None:
     document = make_document(staff, "A rather long title of a handbook about harbours", chunks=3)
     conversation = make_answers(staff, document)[0].conversation
     collection = collection_create(owner=staff, name="Harbour and canal handbooks of the region")
     collection_set_documents(collection=collection, document_ids=[document.id])
-    _log_in(phone, live_server, staff)
+    log_in(phone, live_server.url, staff)
     pages = {
         "collections": reverse("documents:collections"),
         "collection": reverse("documents:collection", args=[collection.id]),
@@ -78,7 +56,7 @@ def test_no_page_is_wider_than_a_phone(phone, live_server, staff) -> None:
     for name, url in pages.items():
         phone.get(f"{live_server.url}{url}")
         widths[name] = _overflow(phone)
-        _screenshot(phone, f"mobile-{name}.png")
+        screenshot(phone, f"mobile-{name}.png")
     wide = {name: w for name, w in widths.items() if w[0] > w[1]}
     assert not wide, f"wider than the screen (scrollWidth, innerWidth): {wide}"
 
@@ -86,7 +64,7 @@ def test_no_page_is_wider_than_a_phone(phone, live_server, staff) -> None:
 def test_the_menu_opens_the_nav_on_a_phone(phone, live_server, staff) -> None:
     from selenium.webdriver.common.by import By
 
-    _log_in(phone, live_server, staff)
+    log_in(phone, live_server.url, staff)
     phone.get(f"{live_server.url}{reverse('documents:list')}")
     log_out = phone.find_element(By.CSS_SELECTOR, "#site-nav button")
     assert not log_out.is_displayed()
@@ -95,7 +73,7 @@ def test_the_menu_opens_the_nav_on_a_phone(phone, live_server, staff) -> None:
     assert menu.get_attribute("aria-expanded") == "true"
     assert log_out.is_displayed() and log_out.text == "Log out"
     assert log_out.rect["x"] + log_out.rect["width"] <= 390
-    _screenshot(phone, "mobile-menu.png")
+    screenshot(phone, "mobile-menu.png")
     assert _overflow(phone)[0] <= 390
 
 
@@ -106,7 +84,7 @@ def test_a_citation_opens_over_the_conversation_on_a_phone(phone, live_server, a
 
     document = make_document(alice, "Harbour handbook", chunks=2)
     conversation = make_answers(alice, document)[0].conversation
-    _log_in(phone, live_server, alice)
+    log_in(phone, live_server.url, alice)
     phone.get(f"{live_server.url}{reverse('chat:conversation', args=[conversation.id])}")
     overlay = phone.find_element(By.ID, "citation-overlay")
     assert not overlay.is_displayed()  # not a panel below the whole conversation
@@ -119,7 +97,7 @@ def test_a_citation_opens_over_the_conversation_on_a_phone(phone, live_server, a
     )
     assert 0 <= top < bottom <= 844  # on screen, wherever the reader had scrolled to
     assert phone.switch_to.active_element == overlay  # focus follows, for the keyboard
-    _screenshot(phone, "mobile-citation.png")
+    screenshot(phone, "mobile-citation.png")
     phone.switch_to.active_element.send_keys(Keys.ESCAPE)
     WebDriverWait(phone, 10).until(lambda b: not overlay.is_displayed())
     phone.find_element(By.CSS_SELECTOR, ".also-retrieved a").click()

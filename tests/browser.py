@@ -1,0 +1,59 @@
+"""Headless Chromium for the browser tests: one way to start it, to skip where it is missing,
+to log a user in, and to keep a screenshot in artifacts/.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` packages (and the ``selenium`` dev extra)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.conf import settings as django_settings
+from django.test import Client
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM.exists() or not shutil.which("chromedriver"),
+    reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
+)
+
+
+def start_chromium(*arguments: str, console_log: bool = False) -> Any:
+    """A headless Chromium driver (1280x1000 unless ``arguments`` name a --window-size);
+    ``console_log``: keep the page's console for ``driver.get_log("browser")``."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[dev]'")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    sized = any(a.startswith("--window-size=") for a in arguments)
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     *([] if sized else ["--window-size=1280,1000"]), *arguments):  # fmt: skip
+        options.add_argument(argument)
+    if console_log:
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver.set_page_load_timeout(60)
+    return driver
+
+
+def log_in(driver: Any, base_url: str, user: Any) -> None:
+    """``user``'s session cookie in the browser, without the login form."""
+    client = Client()
+    client.force_login(user)
+    driver.get(f"{base_url}/healthz")  # a page of the site, to set its cookie on
+    driver.add_cookie(
+        {"name": django_settings.SESSION_COOKIE_NAME, "path": "/",
+         "value": client.cookies[django_settings.SESSION_COOKIE_NAME].value}
+    )  # fmt: skip
+
+
+def screenshot(driver: Any, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    assert driver.save_screenshot(str(path))
+    return path
