@@ -3,11 +3,6 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture
-def mallory(django_user_model):
-    return django_user_model.objects.create_user(username="mallory", password="pw-mallory-123")
-
-
 def bearer(user, name: str = "test") -> dict[str, str]:
     from webapp.accounts.services import api_key_create
 

@@ -56,9 +56,8 @@ def test_a_query_searches_only_the_collections_it_names(
 
 
 def test_collections_list_own_and_shared_and_hide_the_rest(
-    client, alice, mallory, mallory_auth, kitchen, django_user_model
+    client, alice, bob, mallory_auth, kitchen
 ) -> None:
-    bob = django_user_model.objects.create_user(username="bob", password="pw-bob-123")
     bob_auth = bearer(bob)
     assert client.get("/api/v1/collections", **mallory_auth).json() == {"count": 0, "items": []}
     assert client.get(f"/api/v1/collections/{kitchen.pk}", **mallory_auth).status_code == 404
@@ -92,9 +91,8 @@ def test_a_scope_of_someone_elses_collection_or_document_is_a_404(
 
 
 def test_a_shared_collection_answers_through_the_api_in_the_owners_kv_scope(
-    client, alice, kitchen, worker, django_user_model
+    client, alice, bob, kitchen, worker
 ) -> None:
-    bob = django_user_model.objects.create_user(username="bob", password="pw-bob-123")
     documents.collection_share(collection=kitchen, usernames=["bob"])
     response = client.post(
         "/v1/chat/completions",

@@ -31,11 +31,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def bob(django_user_model):
-    return django_user_model.objects.create_user(username="bob", password="pw-bob-123")
-
-
 def _screenshot(driver, name: str) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     assert driver.save_screenshot(str(ARTIFACTS / name))
@@ -66,7 +61,7 @@ def _wait(driver, condition, timeout: float = 15):
 
 
 def test_a_collection_shared_with_bob_scopes_his_conversation(
-    browser,
+    browser,  # noqa: F811
     live_server,
     alice,
     bob,  # noqa: F811

@@ -17,11 +17,6 @@ from webapp.chat.models import Citation, Conversation, Message
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def mallory(django_user_model):
-    return django_user_model.objects.create_user(username="mallory", password="pw-mallory-123")
-
-
 def _exchange(owner, title: str, question: str, answer: str, **conversation_fields):
     conversation = Conversation.objects.create(owner=owner, title=title, **conversation_fields)
     Message.objects.create(conversation=conversation, role="user", content=question)

@@ -8,12 +8,11 @@ import base64
 import json
 
 import pytest
-import redis
 from django.conf import settings
-from django.test import TestCase
 
 from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE
 from tests.webapp.chat.test_chat import PASSAGES, make_document
+from tests.webapp.chat.test_grounding import _ask
 from webapp.chat import services
 from webapp.chat.retrieval import retrieve_chunks
 from webapp.documents import services as documents
@@ -22,19 +21,6 @@ from webapp.documents.kv import kv_scope_for
 from webapp.documents.selectors import Scope
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def bob(django_user_model):
-    return django_user_model.objects.create_user(username="bob", password="pw-bob-123")
-
-
-@pytest.fixture
-def broker():
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    client.delete(INFERENCE_QUEUE)
-    yield client
-    client.delete(INFERENCE_QUEUE)
 
 
 def _queued_requests(client) -> list[dict]:
@@ -55,11 +41,6 @@ def _titles(user, question: str, scope: Scope) -> list[str]:
     return [chunk.document.title for chunk in found]
 
 
-def _ask(user, conversation, question: str):
-    with TestCase.captureOnCommitCallbacks(execute=True):
-        return services.chat_ask(user=user, conversation=conversation, question=question)
-
-
 @pytest.fixture
 def library(alice):
     """Alice's three documents; "Science" holds only the one about Europa."""
@@ -72,7 +53,7 @@ def library(alice):
 
 
 def test_a_scoped_conversation_retrieves_only_from_its_collections_and_documents(
-    alice, library, broker
+    alice, library, queue
 ) -> None:
     question = "Which moon hides an ocean, and where does the Danube flow?"
     assert set(_titles(alice, question, Scope())) >= {"space.md", "rivers.md"}
@@ -89,7 +70,7 @@ def test_a_scoped_conversation_retrieves_only_from_its_collections_and_documents
     assert {c.document_title for c in answer.citations.all()} == {"space.md"}
 
 
-def test_a_scope_with_nothing_ready_says_so(alice, library, broker) -> None:
+def test_a_scope_with_nothing_ready_says_so(alice, library, queue) -> None:
     library.documents.clear()
     conversation = services.conversation_create(owner=alice)
     services.conversation_set_scope(user=alice, conversation=conversation,
@@ -119,7 +100,7 @@ def test_another_user_can_neither_scope_to_nor_retrieve_from_an_unshared_collect
 
 
 def test_a_shared_collection_is_searched_in_its_owners_kv_scope(
-    client, alice, bob, library, broker
+    client, alice, bob, library, queue
 ) -> None:
     assert settings.KV_CACHE_SCOPE == "user"
     documents.collection_share(collection=library, usernames=["bob"])
@@ -130,7 +111,7 @@ def test_a_shared_collection_is_searched_in_its_owners_kv_scope(
     assert "Science" in response.content.decode()  # the "Search in" summary names it
     answer = _ask(bob, conversation, "Which moon has an ocean under its ice?")
     assert [c.document_title for c in answer.citations.all()] == ["space.md"]
-    (request,) = _queued_requests(broker)
+    (request,) = _queued_requests(queue)
     # Alice's chunk KV is stored under her scope: bob's own ("u<bob>") would miss it.
     assert [ref["kv_scope"] for ref in request["chunks"]] == [kv_scope_for(alice.pk)]
     assert kv_scope_for(alice.pk) != kv_scope_for(bob.pk)
@@ -142,7 +123,7 @@ def test_a_shared_collection_is_searched_in_its_owners_kv_scope(
     assert client.get(f"/documents/{citation.document_id}/").status_code == 404
 
 
-def test_unsharing_takes_effect_at_the_next_question(alice, bob, library, broker) -> None:
+def test_unsharing_takes_effect_at_the_next_question(alice, bob, library, queue) -> None:
     documents.collection_share(collection=library, usernames=["bob"])
     conversation = services.conversation_create(owner=bob)
     services.conversation_set_scope(user=bob, conversation=conversation,

@@ -18,16 +18,6 @@ def _document(owner, title: str) -> Document:
 
 
 @pytest.fixture
-def mallory(django_user_model):
-    return django_user_model.objects.create_user(username="mallory", password="pw-mallory-123")
-
-
-@pytest.fixture
-def bob(django_user_model):
-    return django_user_model.objects.create_user(username="bob", password="pw-bob-123")
-
-
-@pytest.fixture
 def handbook(user) -> Collection:
     collection = services.collection_create(owner=user, name="Handbook")
     collection.documents.add(_document(user, "harbour.md"))
