@@ -22,7 +22,7 @@ def browser_conversations(request: HttpRequest) -> QuerySet[Conversation]:
     mine = Conversation.objects.filter(owner=request.user, source=Conversation.Source.BROWSER)
     query = request.GET.get("q", "").strip()[:200]
     if query:
-        said = Message.objects.filter(content__icontains=query).values("conversation_id")
+        said = Message.objects.shown().filter(content__icontains=query).values("conversation_id")
         mine = mine.filter(Q(title__icontains=query) | Q(id__in=said))
     return mine[:100]
 

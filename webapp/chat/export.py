@@ -25,7 +25,7 @@ def _message(message: Message) -> dict[str, Any]:
 
 
 def _messages(conversation: Conversation):
-    return conversation.messages.prefetch_related("citations")
+    return conversation.messages.shown().prefetch_related("citations")
 
 
 def conversation_json(conversation: Conversation) -> str:

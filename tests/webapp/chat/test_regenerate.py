@@ -8,6 +8,7 @@ import pytest
 import redis
 from django.conf import settings
 from django.test import TestCase
+from django.urls import reverse
 
 from kvservice.protocol import INFERENCE_QUEUE
 from tests.webapp.chat.test_chat import PASSAGES, make_document
@@ -105,3 +106,18 @@ def test_the_page_and_the_api_show_only_the_new_answer(client, alice) -> None:
     detail = client.get(f"/api/v1/conversations/{conversation.id}",
                         HTTP_AUTHORIZATION=f"Bearer {key}").json()  # fmt: skip
     assert [m["id"] for m in detail["messages"]] == [answer.id - 1, new_id]
+
+
+def test_export_and_search_leave_out_a_replaced_answer(client, alice) -> None:
+    make_document(alice, "notes", list(PASSAGES.values()))
+    conversation = services.conversation_create(owner=alice)
+    answer = _ask_and_answer(alice, conversation, "Risotto rice?")
+    again = _regenerate(alice, answer)
+    services.chat_record_answer(message_id=again.id, result={"status": "done", "text": "Arborio."})
+    client.force_login(alice)
+    exported = client.get(reverse("chat:export", args=[conversation.id, "json"])).json()
+    assert [m["content"] for m in exported["messages"]] == ["Risotto rice?", "Arborio."]
+    markdown = client.get(reverse("chat:export", args=[conversation.id, "md"])).content.decode()
+    assert "Arborio." in markdown and answer.content not in markdown
+    found = client.get(reverse("chat:index"), {"q": "An answer to"}).content.decode()
+    assert f'href="/chat/{conversation.id}/"' not in found  # only the replaced answer said it
