@@ -35,13 +35,22 @@ def _overflow(driver) -> tuple[int, int]:
     )
 
 
+def _width_of(driver, url: str, name: str) -> tuple[int, int]:
+    driver.get(url)
+    screenshot(driver, f"mobile-{name}.png")
+    return _overflow(driver)
+
+
 def test_no_page_is_wider_than_a_phone(phone, live_server, staff) -> None:
     document = make_document(staff, "A rather long title of a handbook about harbours", chunks=3)
     conversation = make_answers(staff, document)[0].conversation
     collection = collection_create(owner=staff, name="Harbour and canal handbooks of the region")
     collection_set_documents(collection=collection, document_ids=[document.id])
+    widths = {"login": _width_of(phone, f"{live_server.url}{reverse('login')}", "login")}
     log_in(phone, live_server.url, staff)
     pages = {
+        "password": reverse("password_change"),
+        "not-found": "/documents/999999/",
         "collections": reverse("documents:collections"),
         "collection": reverse("documents:collection", args=[collection.id]),
         "chat": reverse("chat:conversation", args=[conversation.id]),
@@ -52,11 +61,8 @@ def test_no_page_is_wider_than_a_phone(phone, live_server, staff) -> None:
         "api-keys": reverse("api_keys"),
         "users": reverse("users"),
     }
-    widths = {}
     for name, url in pages.items():
-        phone.get(f"{live_server.url}{url}")
-        widths[name] = _overflow(phone)
-        screenshot(phone, f"mobile-{name}.png")
+        widths[name] = _width_of(phone, f"{live_server.url}{url}", name)
     wide = {name: w for name, w in widths.items() if w[0] > w[1]}
     assert not wide, f"wider than the screen (scrollWidth, innerWidth): {wide}"
 
