@@ -1,4 +1,5 @@
-"""Collections pages: create, rename, delete, choose their documents, share read-only.
+"""Collections pages: create, rename, delete, choose their documents (or a document's
+collections), share read-only.
 
 Who may do what is decided in one place, ``_get_collection_for_user``: a collection the user
 neither owns nor was given is a 404 (it never says whether it exists); one shared with them
@@ -15,6 +16,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from webapp.documents import selectors, services
 from webapp.documents.models import Collection
+from webapp.documents.views import get_document_for_user
 
 
 def _get_collection_for_user(
@@ -117,3 +119,14 @@ def collection_delete(request: HttpRequest, collection_id: int) -> HttpResponse:
     services.collection_delete(collection=collection)
     messages.success(request, f"Deleted the collection “{collection.name}”; its documents stay.")
     return redirect("documents:collections")
+
+
+@login_required
+@require_POST
+def document_collections(request: HttpRequest, document_id: int) -> HttpResponse:
+    """From a document's page: put it in exactly the ticked collections of its owner."""
+    document = get_document_for_user(request, document_id)
+    ids = [int(value) for value in request.POST.getlist("collections") if value.isdigit()]
+    services.document_set_collections(document=document, collection_ids=ids)
+    messages.success(request, "Saved its collections.")
+    return redirect("documents:detail", document_id=document.pk)

@@ -583,6 +583,12 @@ def collection_set_documents(*, collection: Collection, document_ids: Iterable[i
     collection.save(update_fields=["updated_at"])
 
 
+def document_set_collections(*, document: Document, collection_ids: Iterable[int]) -> None:
+    """The document is in exactly these of its owner's collections (other ids are ignored)."""
+    owned = Collection.objects.filter(owner_id=document.owner_id, pk__in=list(collection_ids))
+    document.collections.set(owned)
+
+
 def collection_share(*, collection: Collection, usernames: Iterable[str]) -> list[str]:
     """Share the collection read-only with exactly these users (by username; the owner and
     blanks are left out). Returns the usernames shared with; an unknown one is an error."""

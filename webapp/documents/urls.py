@@ -12,6 +12,11 @@ urlpatterns = [
     path("<int:document_id>/download", views.document_download, name="download"),
     path("<int:document_id>/retry", views.document_retry, name="retry"),
     path("<int:document_id>/delete", views.document_delete, name="delete"),
+    path(
+        "<int:document_id>/collections",
+        collections.document_collections,
+        name="document_collections",
+    ),
     path("collections/", collections.collection_list, name="collections"),
     path("collections/<int:collection_id>/", collections.collection_detail, name="collection"),
     path(

@@ -20,7 +20,7 @@ from webapp.documents.models import Document
 POLL_SECONDS = 2
 
 
-def _get_document_for_user(request: HttpRequest, document_id: int) -> Document:
+def get_document_for_user(request: HttpRequest, document_id: int) -> Document:
     """The one ownership check: someone else's document is a 404, never a 403."""
     document = selectors.document_get(owner=request.user, document_id=document_id)
     if document is None:
@@ -80,9 +80,14 @@ def document_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def document_detail(request: HttpRequest, document_id: int) -> HttpResponse:
-    document = _get_document_for_user(request, document_id)
-    chunks = selectors.document_chunks(document=document)
-    return render(request, "documents/detail.html", {"document": document, "chunks": chunks})
+    document = get_document_for_user(request, document_id)
+    context = {
+        "document": document,
+        "chunks": selectors.document_chunks(document=document),
+        "collections": request.user.collections.all(),
+        "in_collections": set(document.collections.values_list("pk", flat=True)),
+    }
+    return render(request, "documents/detail.html", context)
 
 
 @login_required
@@ -90,7 +95,7 @@ def document_detail(request: HttpRequest, document_id: int) -> HttpResponse:
 def document_download(request: HttpRequest, document_id: int) -> HttpResponse:
     """The original file, streamed from the object store to its owner (always as a download:
     an uploaded HTML file is never rendered as one of our pages)."""
-    document = _get_document_for_user(request, document_id)
+    document = get_document_for_user(request, document_id)
     original = selectors.document_original(document=document)
     if original is None:
         raise Http404("The original of this document is not stored.")
@@ -105,7 +110,7 @@ def document_download(request: HttpRequest, document_id: int) -> HttpResponse:
 @login_required
 @require_POST
 def document_retry(request: HttpRequest, document_id: int) -> HttpResponse:
-    document = _get_document_for_user(request, document_id)
+    document = get_document_for_user(request, document_id)
     try:
         services.document_retry(document=document)
     except services.RetryNotPossible as err:
@@ -118,7 +123,7 @@ def document_retry(request: HttpRequest, document_id: int) -> HttpResponse:
 @login_required
 @require_POST
 def document_delete(request: HttpRequest, document_id: int) -> HttpResponse:
-    document = _get_document_for_user(request, document_id)
+    document = get_document_for_user(request, document_id)
     services.document_delete(document=document)
     if request.htmx:
         return _list_response(request)

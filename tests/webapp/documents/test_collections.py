@@ -115,3 +115,24 @@ def test_sharing_names_only_existing_users(alice_client, handbook) -> None:
     )
     assert "No such user: ghost." in response.content.decode()
     assert not handbook.shared_with.exists()
+
+
+def test_a_documents_page_puts_it_in_the_owners_collections_only(
+    client, alice_client, user, mallory
+) -> None:
+    document = _document(user, "harbour.md")
+    notes = services.collection_create(owner=user, name="Notes")
+    services.collection_create(owner=user, name="Archive")
+    theirs = services.collection_create(owner=mallory, name="Mallory's")
+    page = alice_client.get(f"/documents/{document.pk}/").content.decode()
+    assert 'id="document-collections"' in page and "Archive" in page
+    assert "Mallory&#x27;s" not in page
+    alice_client.post(f"/documents/{document.pk}/collections",
+                      {"collections": [notes.pk, theirs.pk]})  # fmt: skip
+    assert list(document.collections.all()) == [notes]
+    alice_client.post(f"/documents/{document.pk}/collections", {})
+    assert not document.collections.exists()
+
+    client.force_login(mallory)
+    response = client.post(f"/documents/{document.pk}/collections", {"collections": [theirs.pk]})
+    assert response.status_code == 404 and not theirs.documents.exists()
