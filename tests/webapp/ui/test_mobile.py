@@ -11,6 +11,7 @@ from django.urls import reverse
 
 from tests.browser import log_in, needs_chromium, screenshot, start_chromium
 from tests.webapp.dashboard.factories import make_answers, make_document
+from webapp.chat.models import Conversation
 from webapp.documents.services import collection_create, collection_set_documents
 
 pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
@@ -110,3 +111,24 @@ def test_a_citation_opens_over_the_conversation_on_a_phone(phone, live_server, a
     WebDriverWait(phone, 10).until(lambda b: overlay.is_displayed())
     phone.find_element(By.CSS_SELECTOR, "#citation-overlay .panel-close").click()
     assert not overlay.is_displayed()
+
+
+def test_searching_conversations_shows_the_results_on_a_phone(phone, live_server, alice) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    harbour = make_answers(alice)[0].conversation
+    other = make_answers(alice)[0].conversation
+    Conversation.objects.filter(pk=harbour.pk).update(title="Harbour dues")
+    log_in(phone, live_server.url, alice)
+    phone.get(f"{live_server.url}{reverse('chat:conversation', args=[other.id])}")
+    listed = phone.find_element(By.ID, "conversation-list")
+    assert not listed.is_displayed()  # folded on a phone
+    phone.find_element(By.ID, "search-q").send_keys("harbour")
+    WebDriverWait(phone, 10).until(
+        lambda b: (
+            [a.text for a in b.find_elements(By.CSS_SELECTOR, "#conversation-list a")]
+            == ["Harbour dues"]
+        )
+    )
+    assert phone.find_element(By.LINK_TEXT, "Harbour dues").is_displayed()
