@@ -14,6 +14,7 @@ from webapp.chat import services
 from webapp.chat.export import conversation_json, conversation_markdown
 from webapp.chat.models import Conversation, Message
 from webapp.documents import selectors as documents
+from webapp.forms import posted_ids
 
 
 def browser_conversations(request: HttpRequest) -> QuerySet[Conversation]:
@@ -50,10 +51,6 @@ def scope_context(request: HttpRequest, conversation: Conversation) -> dict:
     }
 
 
-def _ids(request: HttpRequest, field: str) -> list[int]:
-    return [int(value) for value in request.POST.getlist(field) if value.isdigit()]
-
-
 @login_required
 @require_POST
 def conversation_scope(request: HttpRequest, conversation_id: int) -> HttpResponse:
@@ -63,8 +60,8 @@ def conversation_scope(request: HttpRequest, conversation_id: int) -> HttpRespon
         services.conversation_set_scope(
             user=request.user,
             conversation=conversation,
-            collection_ids=_ids(request, "collections"),
-            document_ids=_ids(request, "documents"),
+            collection_ids=posted_ids(request, "collections"),
+            document_ids=posted_ids(request, "documents"),
         )
     except services.ScopeNotFound as err:
         raise Http404(str(err)) from err

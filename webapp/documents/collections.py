@@ -17,6 +17,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 from webapp.documents import selectors, services
 from webapp.documents.models import Collection
 from webapp.documents.views import get_document_for_user
+from webapp.forms import posted_ids
 
 
 def _get_collection_for_user(
@@ -92,7 +93,7 @@ def collection_rename(request: HttpRequest, collection_id: int) -> HttpResponse:
 @require_POST
 def collection_documents(request: HttpRequest, collection_id: int) -> HttpResponse:
     collection = _get_collection_for_user(request, collection_id, change=True)
-    ids = [int(value) for value in request.POST.getlist("documents") if value.isdigit()]
+    ids = posted_ids(request, "documents")
     return _changed(
         request,
         collection,
@@ -126,7 +127,7 @@ def collection_delete(request: HttpRequest, collection_id: int) -> HttpResponse:
 def document_collections(request: HttpRequest, document_id: int) -> HttpResponse:
     """From a document's page: put it in exactly the ticked collections of its owner."""
     document = get_document_for_user(request, document_id)
-    ids = [int(value) for value in request.POST.getlist("collections") if value.isdigit()]
+    ids = posted_ids(request, "collections")
     services.document_set_collections(document=document, collection_ids=ids)
     messages.success(request, "Saved its collections.")
     return redirect("documents:detail", document_id=document.pk)

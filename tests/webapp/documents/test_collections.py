@@ -136,3 +136,14 @@ def test_a_documents_page_puts_it_in_the_owners_collections_only(
     client.force_login(mallory)
     response = client.post(f"/documents/{document.pk}/collections", {"collections": [theirs.pk]})
     assert response.status_code == 404 and not theirs.documents.exists()
+
+
+def test_a_forged_id_is_dropped_not_a_server_error(alice_client, user, handbook) -> None:
+    forged = ["9" * 30, "²", "-1", "x"]
+    response = alice_client.post(
+        f"/documents/collections/{handbook.pk}/documents", {"documents": forged}
+    )
+    assert response.status_code == 302 and not handbook.documents.exists()
+    conversation = user.conversations.create()
+    response = alice_client.post(f"/chat/{conversation.pk}/scope", {"collections": forged})
+    assert response.status_code == 302 and conversation.scope.is_everything
