@@ -42,7 +42,7 @@ import torch
 from bench.prefill import chunk_sources
 from bench.staging import store_bench
 from bench.timing import cpu_name, synchronize, timed
-from kvservice.blend import Mode, blend_prefill
+from kvservice.blend import BlendSettings, Mode, blend_prefill
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.synthetic import random_model, synthetic_config
 
@@ -104,7 +104,8 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
     def prefill(key: str, mode: Mode, ratio: float) -> tuple[torch.Tensor, float]:
         result = blend_prefill(
             model, head, chunk_sources(chunks, args, mode, key), question, mode=mode,
-            recompute_ratio=ratio, chunk_ids=chunk_ids, head_kv=head_kv, **args.blend,
+            recompute_ratio=ratio, chunk_ids=chunk_ids, head_kv=head_kv,
+            settings=BlendSettings(**args.blend),
         )  # fmt: skip
         int(result.logits.argmax())  # the first token: TTFT ends here
         # Only the logits are kept: a run's cache must not count in the next run's memory.

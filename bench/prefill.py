@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import inspect
+import dataclasses
 import json
 import os
 import statistics
@@ -53,7 +53,7 @@ from bench.data import passage_texts
 from bench.staging import TIERS, store_bench
 from bench.stats import bootstrap_ci, quantile
 from bench.timing import cpu_name, timed
-from kvservice.blend import MODES, BlendResult, Mode, blend_prefill
+from kvservice.blend import MODES, BlendResult, BlendSettings, Mode, blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.curve import ratio_curve_svg
@@ -190,7 +190,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
             chunk_ids=prompt.chunk_ids,
             head_kv=head_kv,
             extra_capacity=extra,
-            **args.blend,
+            settings=BlendSettings(**args.blend),
         )
         int(result.logits.argmax())  # the first token: TTFT ends here
         return result
@@ -396,14 +396,10 @@ def run_plan(
 
 
 # Settings of blend_prefill that the bench sets itself and --blend may not.
-_BENCH_OWNED = {"model", "head_ids", "chunks", "question_ids", "mode", "recompute_ratio",
-                "chunk_ids", "head_kv", "extra_capacity"}  # fmt: skip
-
-
 def blend_settings(pairs: Sequence[str]) -> dict:
-    """``["smooth_window=3", "attention_from_depth=0.5"]`` -> keyword arguments of
-    ``blend_prefill``, values read as Python literals (numbers, True/False), else text."""
-    known = set(inspect.signature(blend_prefill).parameters) - _BENCH_OWNED
+    """``["smooth_window=3", "attention_from_depth=0.5"]`` -> fields of ``BlendSettings``,
+    values read as Python literals (numbers, True/False), else text."""
+    known = {f.name for f in dataclasses.fields(BlendSettings)}
     settings = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")

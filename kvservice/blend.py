@@ -73,6 +73,15 @@ ATTENTION_FROM_DEPTH = 1 / 3
 SMOOTH_WINDOW = 1
 
 
+@dataclass(frozen=True)
+class BlendSettings:
+    """How blend selects what it recomputes (defaults chosen and reported as above); the
+    bench's ``--blend NAME=VALUE`` sets them to compare selections on the same prompts."""
+
+    attention_from_depth: float = ATTENTION_FROM_DEPTH  # ``attention_importance``
+    smooth_window: int = SMOOTH_WINDOW  # ``smooth_scores``
+
+
 # --------------------------------------------------------------------------------------------
 # Pure tensor functions
 
@@ -406,6 +415,36 @@ def _run_pass(
     return _Pass(model.logits(x[0, -1]), torch.stack(attention) if attention else None)
 
 
+def _checked(mode, recompute_ratio, chunks, chunk_ids, question_ids, cached_prefix):
+    """The request's arguments checked; returns the chunks' token ids (None: not known,
+    which only ``reuse`` can do without)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (one of {MODES})")
+    if not 0.0 <= recompute_ratio <= 1.0:
+        raise ValueError(f"recompute ratio must be in [0, 1], got {recompute_ratio}")
+    if not question_ids:
+        raise ValueError("the question part of the prompt must not be empty")
+    if cached_prefix is not None and mode == "full":
+        raise ValueError("full prefill computes every token: no cached prefix")
+    if chunk_ids is None:
+        chunk_ids = [getattr(c, "token_ids", None) for c in chunks]
+        if any(ids is None for ids in chunk_ids):
+            if mode != "reuse":
+                raise ValueError(f"mode {mode!r} needs the chunks' token ids")
+            return None
+    return chunk_ids
+
+
+def _prompt_ids(segments, head_ids, chunk_ids, question_ids, device) -> torch.Tensor:
+    """``[T]`` the prompt's token ids (zeros for chunks whose ids are not known: ``reuse``
+    never computes them)."""
+    ids = list(head_ids)
+    chunk_segments = [s for s in segments if s.kind == "chunk"]
+    for j, seg in enumerate(chunk_segments):
+        ids += list(chunk_ids[j]) if chunk_ids is not None else [0] * seg.length
+    return torch.tensor(ids + list(question_ids), device=device)
+
+
 @torch.no_grad()
 def blend_prefill(
     model: Transformer,
@@ -418,8 +457,7 @@ def blend_prefill(
     chunk_ids: Sequence[Sequence[int]] | None = None,
     head_kv: LayeredKV | None = None,
     extra_capacity: int = 0,
-    attention_from_depth: float = ATTENTION_FROM_DEPTH,
-    smooth_window: int = SMOOTH_WINDOW,
+    settings: BlendSettings = BlendSettings(),
     recompute_slots: Sequence[int] | None = None,
     cached_prefix: LayeredKV | None = None,
 ) -> BlendResult:
@@ -435,37 +473,20 @@ def blend_prefill(
 
     ``blend`` recomputes ``ceil(recompute_ratio * chunk tokens)`` of the cached chunk tokens
     (the first chunk is exact when precomputed after this head, and never recomputed): the
-    ones ``attention_importance`` ranks first (``attention_from_depth``), after
-    ``smooth_scores`` over ``smooth_window`` tokens; ``recompute_slots`` fixes the set
-    instead (positions in the prompt; for experiments and tests).
+    ones ``attention_importance`` ranks first, after ``smooth_scores`` (``settings``);
+    ``recompute_slots`` fixes the set instead (positions in the prompt; for experiments and
+    tests).
 
     ``cached_prefix`` is the KV of the prompt's first ``cached_prefix.num_tokens`` slots as an
     earlier prompt left them (``kvservice.prefix``: a follow-up sharing the previous turn's
     passages): read as is, never recomputed, and not counted in the chunk tokens the ratio
     applies to; it must end at a segment boundary. Not in ``full`` mode.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r} (one of {MODES})")
-    if not 0.0 <= recompute_ratio <= 1.0:
-        raise ValueError(f"recompute ratio must be in [0, 1], got {recompute_ratio}")
-    if not question_ids:
-        raise ValueError("the question part of the prompt must not be empty")
+    chunk_ids = _checked(mode, recompute_ratio, chunks, chunk_ids, question_ids, cached_prefix)
     device, config = model.device, model.config
-    if chunk_ids is None:
-        chunk_ids = [getattr(c, "token_ids", None) for c in chunks]
-        if any(ids is None for ids in chunk_ids):
-            if mode != "reuse":
-                raise ValueError(f"mode {mode!r} needs the chunks' token ids")
-            chunk_ids = None
-    if cached_prefix is not None and mode == "full":
-        raise ValueError("full prefill computes every token: no cached prefix")
     segments = _layout(head_ids, chunks, chunk_ids, question_ids, head_kv, mode)
     num_tokens = segments[-1].stop
-    ids = list(head_ids)
-    for seg, j in zip([s for s in segments if s.kind == "chunk"], range(len(chunks)), strict=True):
-        ids += list(chunk_ids[j]) if chunk_ids is not None else [0] * seg.length
-    ids += list(question_ids)
-    token_ids = torch.tensor(ids, device=device)  # [T]
+    token_ids = _prompt_ids(segments, head_ids, chunk_ids, question_ids, device)
     segments = _with_prefix(segments, cached_prefix)
     dtype = model.embed_tokens.weight.dtype
     cache = KVCache(config, 1, num_tokens + extra_capacity, device, dtype, num_tokens)
@@ -505,8 +526,9 @@ def blend_prefill(
 
     # Pass 2: the selected chunk tokens and the question again, from layer 0 on.
     if select_by_attention:
-        importance = attention_importance(first.attention, candidate, attention_from_depth)
-        selected = select_recompute(smooth_scores(importance, smooth_window), candidate, budget)
+        importance = attention_importance(first.attention, candidate, settings.attention_from_depth)
+        scores = smooth_scores(importance, settings.smooth_window)
+        selected = select_recompute(scores, candidate, budget)
     else:
         selected = torch.as_tensor(list(recompute_slots), device=device).sort().values
     again = torch.zeros(num_tokens, dtype=torch.bool, device=device)
