@@ -6,8 +6,6 @@ Nothing waits forever: past ``API_ANSWER_TIMEOUT_S`` the caller gets a timeout."
 
 from __future__ import annotations
 
-import json
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,13 +15,8 @@ from asgiref.sync import async_to_sync
 from django.conf import settings
 
 from kvservice.citing import cited_ranks, highlights
-from kvservice.protocol import answer_stream, decode_events
+from webapp.answer_stream import AnswerTimeout, stream_events
 from webapp.chat.models import Message
-from webapp.redis import STREAM_BLOCK_MS, async_redis_client
-
-
-class AnswerTimeout(Exception):
-    """No complete answer within the deadline."""
 
 
 @dataclass(frozen=True)
@@ -38,26 +31,12 @@ async def answer_events(
     request_id: str, *, timeout_s: float | None = None
 ) -> AsyncIterator[tuple[str, dict]]:
     """(type, payload) of each event until ``done``/``error`` (included); raises
-    ``AnswerTimeout`` when the end has not come within ``timeout_s``."""
+    ``AnswerTimeout`` when the end has not come within ``timeout_s`` (default
+    ``API_ANSWER_TIMEOUT_S``)."""
     timeout_s = settings.API_ANSWER_TIMEOUT_S if timeout_s is None else timeout_s
-    deadline = time.monotonic() + timeout_s
-    client, last_id = async_redis_client(), "0"
-    try:
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                raise AnswerTimeout(f"The model did not answer within {timeout_s:g} s.")
-            block_ms = max(1, min(remaining_ms, STREAM_BLOCK_MS))
-            reply = await client.xread(
-                {answer_stream(request_id): last_id}, block=block_ms, count=256
-            )
-            for entry_id, kind, payload in decode_events(reply):
-                last_id = entry_id
-                yield kind, payload
-                if kind in ("done", "error"):
-                    return
-    finally:
-        await client.aclose()
+    async for event in stream_events(request_id, timeout_s=timeout_s):
+        if event is not None:
+            yield event[1], event[2]
 
 
 def finished(kind: str, payload: dict[str, Any]) -> FinishedAnswer:
@@ -143,10 +122,3 @@ def sources_of(answer: Message, text: str | None = None) -> dict[str, list[dict[
         "citations": [c for c in every if c["cited"]],
         "also_retrieved": [c for c in every if not c["cited"]],
     }
-
-
-def sse(event: str | None, data: Any) -> str:
-    """One server-sent event whose data is JSON (one line: JSON escapes newlines)."""
-    head = f"event: {event}\n" if event else ""
-    body = data if isinstance(data, str) else json.dumps(data)
-    return f"{head}data: {body}\n\n"

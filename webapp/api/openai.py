@@ -16,8 +16,8 @@ from django.http import HttpRequest
 from ninja import NinjaAPI, Schema
 from pydantic import ConfigDict, Field
 
+from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
-from webapp.api.answers import AnswerTimeout
 from webapp.api.auth import API_AUTH
 from webapp.api.errors import ApiError, install_error_handlers, unavailable
 from webapp.api.schemas import Id
@@ -127,25 +127,25 @@ def _chunk(answer: Message, model: str, delta: dict, finish: str | None = None) 
 
 
 async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
-    yield answers.sse(None, _chunk(answer, model, {"role": "assistant", "content": ""}))
+    yield sse(None, _chunk(answer, model, {"role": "assistant", "content": ""}))
     try:
         async for kind, payload in answers.answer_events(str(answer.request_id)):
             if kind == "token":
-                yield answers.sse(None, _chunk(answer, model, {"content": payload.get("text", "")}))
+                yield sse(None, _chunk(answer, model, {"content": payload.get("text", "")}))
                 continue
             result = answers.finished(kind, payload)
             if not result.ok:
                 error = ApiError(502, "generation_failed", result.error)
-                yield answers.sse(None, _openai_error(error))
+                yield sse(None, _openai_error(error))
                 return
             last = _chunk(answer, model, {}, finish=result.metrics.get("finish_reason", "stop"))
             extras = await sync_to_async(_extras)(answer, result.metrics, result.text)
             last |= {"usage": _usage(result.metrics)} | extras
-            yield answers.sse(None, last)
+            yield sse(None, last)
     except AnswerTimeout as err:
-        yield answers.sse(None, _openai_error(ApiError(504, "timeout", str(err))))
+        yield sse(None, _openai_error(ApiError(504, "timeout", str(err))))
         return
-    yield answers.sse(None, "[DONE]")
+    yield sse(None, "[DONE]")
 
 
 @openai_api.post("/chat/completions")

@@ -17,8 +17,8 @@ from ninja import File, NinjaAPI, Query, Router, Schema, UploadedFile
 from ninja.responses import Status
 
 from kvservice.heartbeat import read_heartbeat
+from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
-from webapp.api.answers import AnswerTimeout
 from webapp.api.auth import API_AUTH
 from webapp.api.errors import ApiError, error_responses, install_error_handlers, unavailable
 from webapp.api.schemas import (
@@ -213,22 +213,22 @@ def _query_out(answer: Message, result: answers.FinishedAnswer) -> dict:
 
 
 async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator[str]:
-    yield answers.sse("start", {"conversation_id": answer.conversation_id,
+    yield sse("start", {"conversation_id": answer.conversation_id,
                                 "message_id": answer.pk, "citations": citations})  # fmt: skip
     try:
         async for kind, payload in answers.answer_events(str(answer.request_id)):
             if kind == "token":
-                yield answers.sse("token", {"text": payload.get("text", "")})
+                yield sse("token", {"text": payload.get("text", "")})
             elif kind in ("done", "error"):
                 result = answers.finished(kind, payload)
                 if result.ok:
                     out = await sync_to_async(_query_out)(answer, result)  # reads citations
-                    yield answers.sse("done", out)
+                    yield sse("done", out)
                 else:
-                    yield answers.sse("error", {"code": "generation_failed",
+                    yield sse("error", {"code": "generation_failed",
                                                 "message": result.error})  # fmt: skip
     except AnswerTimeout as err:
-        yield answers.sse("error", {"code": "timeout", "message": str(err)})
+        yield sse("error", {"code": "timeout", "message": str(err)})
 
 
 def event_stream_response(events: AsyncIterator[str]) -> StreamingHttpResponse:

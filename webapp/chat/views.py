@@ -23,9 +23,9 @@ from django.utils.html import escape
 from django.views.decorators.http import require_GET, require_POST
 from redis.exceptions import RedisError
 
-from kvservice.protocol import answer_stream, decode_events
 from webapp import outages
 from webapp.accounts.services import user_rate_limit
+from webapp.answer_stream import sse, stream_events
 from webapp.chat import services
 from webapp.chat.conversations import (
     browser_conversations,
@@ -33,7 +33,7 @@ from webapp.chat.conversations import (
     scope_context,
 )
 from webapp.chat.models import Citation, Message
-from webapp.redis import STREAM_BLOCK_MS, async_redis_client
+from webapp.redis import STREAM_BLOCK_MS
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +170,6 @@ def citation_detail(request: HttpRequest, citation_id: int) -> HttpResponse:
     return render(request, "chat/_citation.html", {"citation": citation})
 
 
-def _sse(event: str, data: str, event_id: str = "") -> str:
-    lines = "".join(f"data: {line}\n" for line in data.split("\n"))
-    head = f"id: {event_id}\n" if event_id else ""
-    return f"{head}event: {event}\n{lines}\n"
-
-
 def _record_finished(answer_id: int, kind: str, payload: dict) -> None:
     """Record the answer as its stream ends, before the browser hears of it: the page fetches
     the message again on ``done``, and the worker's own report (``RECORD_TASK``) may still
@@ -194,36 +188,29 @@ async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[st
     """Relay the answer's Redis stream as server-sent events until done/error, from the entry
     after ``last_id``. Each event carries its entry id, so a browser that reconnects (sending
     it back as ``Last-Event-ID``) resumes where it was instead of receiving the answer twice."""
-    client = async_redis_client()
     idle = 0.0
     try:
         yield ": connected\n\n"
-        while True:
-            stream = {answer_stream(str(answer.request_id)): last_id}
-            reply = await client.xread(stream, block=STREAM_BLOCK_MS)
-            if not reply:
+        async for event in stream_events(str(answer.request_id), last_id):
+            if event is None:
                 idle += STREAM_BLOCK_MS / 1000
                 if idle >= STREAM_IDLE_LIMIT_S:
-                    yield _sse("failed", "The model did not answer in time.")
+                    yield sse("failed", "The model did not answer in time.")
                     return
                 yield ": keep-alive\n\n"
                 continue
             idle = 0.0
-            for entry_id, kind, payload in decode_events(reply):
-                last_id = entry_id
-                if kind == "token":
-                    yield _sse("token", escape(payload["text"]), entry_id)
-                elif kind in ("done", "error"):
-                    await sync_to_async(_record_finished)(answer.id, kind, payload)
-                    yield _sse(kind, json.dumps(payload), entry_id)
-                    return
+            entry_id, kind, payload = event
+            if kind == "token":
+                yield sse("token", escape(payload["text"]), entry_id)
+            elif kind in ("done", "error"):
+                await sync_to_async(_record_finished)(answer.id, kind, payload)
+                yield sse(kind, json.dumps(payload), entry_id)
     except asyncio.CancelledError:  # the browser went away; the answer is still recorded
         raise
     except RedisError as exc:  # the answer goes on and is recorded; only this view is lost
         logger.warning("answer stream %s lost: %r", answer.request_id, exc)
-        yield _sse("failed", "Lost the connection to the answer stream. Reload to see the answer.")
-    finally:
-        await client.aclose()
+        yield sse("failed", "Lost the connection to the answer stream. Reload to see the answer.")
 
 
 async def message_stream(request: HttpRequest, message_id: int) -> StreamingHttpResponse:
