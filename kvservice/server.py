@@ -25,6 +25,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from kvservice.bundled import default_cache_dir
 from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 from kvservice.protocol import (
     ALIVE_INTERVAL_S,
@@ -59,16 +60,13 @@ class ServerConfig:
         redis_url = os.environ.get("REDIS_URL", "")
         if not redis_url:
             raise SystemExit("REDIS_URL is not set (and DATA_DIR has no running stack).")
-        cache = os.environ.get("RAGBLEND_MODEL_CACHE") or str(
-            Path.home() / ".cache" / "ragblend" / "models"
-        )
         engine = os.environ.get("ENGINE", "native").strip().lower() or "native"
         if engine not in ("native", "vllm"):
             raise SystemExit(f"ENGINE must be 'native' or 'vllm', not {engine!r}")
         return cls(
             redis_url=redis_url,
             model_path=os.environ.get("MODEL_PATH") or None,
-            model_cache_dir=Path(cache),
+            model_cache_dir=default_cache_dir(),
             concurrency=int(os.environ.get("INFERENCE_CONCURRENCY", "8")),
             queue=os.environ.get("INFERENCE_QUEUE", INFERENCE_QUEUE),
             engine=engine,

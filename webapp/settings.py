@@ -158,7 +158,12 @@ S3_ACCESS_KEY = env.str("S3_ACCESS_KEY", default="")
 S3_SECRET_KEY = env.str("S3_SECRET_KEY", default="")
 S3_SECURE = env.bool("S3_SECURE", default=False)
 S3_DOCUMENTS_BUCKET = env.str("S3_DOCUMENTS_BUCKET", default="documents")
-S3_KV_BUCKET = env.str("S3_KV_BUCKET", default="kvcache")
+# The chunk-KV bucket under the store's own variable (kvservice.store.config), so the web
+# side creates and checks the bucket the workers write to.
+S3_KV_BUCKET = env.str("KV_S3_BUCKET", default="kvcache")
+# The LLM whose tokenizer chunks documents and whose KV is precomputed: a local HF checkpoint
+# directory, or "" for the bundled SmolLM2 (kvservice.bundled.resolve_llm_path).
+MODEL_PATH = env.str("MODEL_PATH", default="")
 for _name, _value in [("REDIS_URL", REDIS_URL), ("S3_ENDPOINT", S3_ENDPOINT)]:
     if not _value:
         raise ImproperlyConfigured(f"{_name} is not set, and DATA_DIR={DATA_DIR} has no stack.")

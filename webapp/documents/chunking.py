@@ -40,14 +40,14 @@ class TextChunk:
 
 @cache
 def llm_tokenizer(model_path: str | None = None) -> Any:
-    """The LLM's tokenizer (``MODEL_PATH`` or the bundled SmolLM2), loaded once per process."""
-    import os
-
+    """The LLM's tokenizer (``settings.MODEL_PATH`` or the bundled SmolLM2), loaded once per
+    process."""
+    from django.conf import settings
     from transformers import AutoTokenizer
 
     from kvservice.bundled import resolve_llm_path
 
-    path = resolve_llm_path(model_path if model_path is not None else os.environ.get("MODEL_PATH"))
+    path = resolve_llm_path(model_path if model_path is not None else settings.MODEL_PATH or None)
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -8,7 +8,6 @@ talk to it in keys and token ids only, so the Celery and Django code never touch
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from functools import cache
@@ -98,12 +97,13 @@ class KVPrecomputer:
 
     def __init__(self) -> None:
         import torch
+        from django.conf import settings
 
         from kvservice.bundled import resolve_llm_path
         from kvservice.model import Transformer, head_hash
         from webapp.documents.chunking import llm_tokenizer
 
-        path = resolve_llm_path(os.environ.get("MODEL_PATH") or None)
+        path = resolve_llm_path(settings.MODEL_PATH or None)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = Transformer.from_pretrained(path, device=device)
         self.tokenizer = llm_tokenizer()
