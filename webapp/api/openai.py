@@ -24,6 +24,7 @@ from webapp.api.schemas import Id
 from webapp.api.services import completion_ask
 from webapp.api.v1 import event_stream_response, scope_of
 from webapp.chat.models import Message
+from webapp.chat.requests import mode_allowed
 from webapp.chat.services import AnswerServiceUnavailable, ChatError, ScopeNotFound
 
 MODEL = "ragblend"  # blend; staff may also ask for "ragblend-full", "-reuse", "-prefix"
@@ -78,7 +79,7 @@ class ChatCompletionIn(Schema):
 
 
 def _models_for(user) -> list[str]:
-    modes = Message.Mode.values if user.is_staff else [Message.Mode.BLEND]
+    modes = [mode for mode in Message.Mode.values if mode_allowed(user, mode)]
     return [MODEL if mode == Message.Mode.BLEND else f"{MODEL}-{mode}" for mode in modes]
 
 
@@ -87,7 +88,7 @@ def _mode_for(request: HttpRequest, model: str) -> str:
         return Message.Mode.BLEND
     mode = model.removeprefix(f"{MODEL}-")
     if model.startswith(f"{MODEL}-") and mode in Message.Mode.values:
-        if not request.user.is_staff:
+        if not mode_allowed(request.user, mode):
             raise ApiError(403, "model_not_allowed", f"Only staff can use {model!r}.")
         return mode
     raise ApiError(404, "model_not_found", f"The model {model!r} does not exist; use {MODEL!r}.")

@@ -7,6 +7,7 @@ from django.db import transaction
 
 from webapp.chat import services as chat
 from webapp.chat.models import Conversation, Message
+from webapp.chat.requests import HISTORY_TURNS
 from webapp.documents.selectors import Scope
 
 
@@ -16,7 +17,7 @@ def completion_ask(
 ) -> Message:
     """Ask the last user turn of ``turns`` ((role, text), oldest first) in a new conversation
     whose earlier user/assistant turns are its history (the model reads the questions, not
-    the answers: ``chat._history``). System turns are not used: the
+    the answers: ``conversation_history``). System turns are not used: the
     deployment's prompt head is fixed (every chunk's KV was computed after it). Only the
     history the model reads is kept (the last ``HISTORY_TURNS`` exchanges, each cut to
     ``CHAT_MAX_QUESTION_CHARS``): a client resending a long conversation stores no more.
@@ -27,7 +28,7 @@ def completion_ask(
     if not dialogue or dialogue[-1][0] != "user":
         raise chat.ChatError("The last message must be the user's question.")
     *earlier, (_, question) = dialogue
-    earlier = [(role, text) for role, text in earlier if text][-2 * chat.HISTORY_TURNS :]
+    earlier = [(role, text) for role, text in earlier if text][-2 * HISTORY_TURNS :]
     limit = settings.CHAT_MAX_QUESTION_CHARS
     conversation = chat.conversation_create(owner=user, source=Conversation.Source.API)
     if scope is not None:

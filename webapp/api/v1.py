@@ -36,6 +36,7 @@ from webapp.api.schemas import (
 )
 from webapp.chat import services as chat
 from webapp.chat.models import Conversation, Message
+from webapp.chat.requests import mode_allowed
 from webapp.documents import quotas
 from webapp.documents import selectors as documents
 from webapp.documents import services as document_services
@@ -189,7 +190,7 @@ def ask(
 ):
     """Check the mode, ownership and scope, then ask (the pending answer's stream is then
     read)."""
-    if mode != Message.Mode.BLEND and not request.user.is_staff:
+    if not mode_allowed(request.user, mode):
         raise ApiError(403, "forbidden", "Only staff can choose another mode than blend.")
     conversation = _conversation_for(request, conversation_id, scope)
     try:

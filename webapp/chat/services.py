@@ -18,7 +18,6 @@ from kvservice.citing import cited_ranks, highlights
 from kvservice.protocol import (
     GENERATE_TASK,
     WARM_TASK,
-    GenerateRequest,
     Turn,
     inflight_has,
     publish_event,
@@ -26,11 +25,12 @@ from kvservice.protocol import (
 )
 from webapp import outages
 from webapp.chat.models import Citation, Conversation, Message
+from webapp.chat.requests import conversation_history, generate_request, mode_allowed
 from webapp.chat.retrieval import has_ready_chunks, retrieve_chunks
 from webapp.dashboard.selectors import fixed_recompute_ratio
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
-from webapp.documents.kv import chunk_ref, kv_scope_for
+from webapp.documents.kv import kv_scope_for
 from webapp.documents.models import Chunk
 from webapp.documents.parsing import CONTROL_CHARS
 from webapp.documents.selectors import (
@@ -44,7 +44,6 @@ from worker.celery import app as celery_app
 
 log = logging.getLogger(__name__)
 
-HISTORY_TURNS = 3  # recent questions (and helpful answers) carried into a follow-up
 # Opening the chat warms the passages of the user's latest answers into the CPU tier of the
 # worker that will serve them, at most once per user in this window.
 WARM_RECENT_ANSWERS = 10
@@ -166,32 +165,11 @@ def conversation_set_scope(
     return scope
 
 
-def _history(conversation: Conversation, before: Message | None) -> list[Turn]:
-    """The last few finished questions, oldest first, each with its answer only when the
-    user marked that answer helpful: earlier answers, wrong or looping, were copied into
-    later ones ("The answer is: 2019" four times), and made the first token slower."""
-    messages = conversation.messages.shown().filter(status=Message.Status.DONE)
-    if before is not None:
-        messages = messages.filter(id__lt=before.id)
-    recent = list(messages.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
-    return [
-        Turn(role=m.role, content=m.content)
-        for m in recent
-        if m.content and (m.role == Message.Role.USER or m.feedback > 0)
-    ]
-
-
 def _send(answer: Message, question: str, history: list[Turn], citations: list[Citation]) -> None:
-    request = GenerateRequest(
-        request_id=str(answer.request_id),
-        message_id=answer.id,
-        question=question,
-        history=history,
-        chunks=[chunk_ref(c.chunk) for c in citations],  # each in its owner's KV scope
-        mode=answer.mode,
-        recompute_ratio=fixed_recompute_ratio(),  # None: the worker's controller decides
-        max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
-    )
+    request = generate_request(
+        answer=answer, question=question, history=history, citations=citations,
+        mode=answer.mode, recompute_ratio=fixed_recompute_ratio(),
+    )  # fmt: skip
     try:
         # To the worker that holds most of the chunks hot, or to whichever is free first.
         route = routing.choose_queue(redis_client(), request.chunks, settings.INFERENCE_QUEUE)
@@ -215,7 +193,7 @@ def chat_ask(
     if len(question) > settings.CHAT_MAX_QUESTION_CHARS:
         raise ChatError(f"Questions are limited to {settings.CHAT_MAX_QUESTION_CHARS} characters.")
     _check_can_ask(user, mode)
-    history = _history(conversation, before=None)
+    history = conversation_history(conversation, before=None)
     Message.objects.create(conversation=conversation, role=Message.Role.USER, content=question)
     answer = _pending_answer(conversation, mode)
     if conversation.title == "New conversation":
@@ -228,7 +206,7 @@ def _check_can_ask(user, mode: str) -> None:
     """What a question, asked or asked again, must pass before anything is recorded."""
     if mode not in Message.Mode.values:
         raise ChatError(f"Unknown mode {mode!r}.")
-    if mode != Message.Mode.BLEND and not user.is_staff:
+    if not mode_allowed(user, mode):
         raise ChatError("Only staff can choose another mode than blend.")
     if inference_backlog() >= settings.INFERENCE_MAX_BACKLOG > 0:
         raise AnswerServiceBusy(BUSY)
@@ -354,7 +332,7 @@ def chat_regenerate(*, user, answer: Message, mode: str | None = None) -> Messag
     Message.objects.filter(pk=new_answer.pk).update(created_at=answer.created_at)
     answer.replaced_by = new_answer
     answer.save(update_fields=["replaced_by"])
-    history = _history(conversation, before=question)
+    history = conversation_history(conversation, before=question)
     return _answer(user=user, answer=new_answer, question=question.content, history=history)
 
 

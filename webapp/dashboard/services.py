@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -26,20 +25,18 @@ from kvservice.protocol import (
     GENERATE_TASK,
     WARM_TASK,
     GenerateRequest,
-    Turn,
 )
 from webapp.chat.models import Message
+from webapp.chat.requests import conversation_history, generate_request
 from webapp.dashboard import selectors
 from webapp.dashboard.fidelity import token_f1
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
-from webapp.documents.kv import chunk_ref, kv_scope_for
+from webapp.documents.kv import kv_scope_for
 from webapp.documents.models import Chunk, Document
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
 log = logging.getLogger(__name__)
-
-HISTORY_TURNS = 3  # as chat.services: the audit must see the history the original saw
 
 
 class DashboardError(ValueError):
@@ -175,20 +172,13 @@ def _audit_request(answer: Message) -> GenerateRequest | None:
     )
     if question is None:
         return None
-    earlier = conversation.messages.filter(status=Message.Status.DONE, id__lt=question.id)
-    recent = list(earlier.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
     citations = list(answer.citations.select_related("chunk__document").order_by("rank"))
     if any(c.chunk is None for c in citations):
         return None  # a cited document was deleted: the same context cannot be rebuilt
-    return GenerateRequest(
-        request_id=str(uuid.uuid4()),
-        question=question.content,
-        history=[Turn(role=m.role, content=m.content) for m in recent if m.content],
-        chunks=[chunk_ref(c.chunk) for c in citations],  # each in its owner's KV scope
-        mode=Message.Mode.FULL,
-        max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
-        audit_of=answer.id,
-    )
+    return generate_request(  # the history the original read, in full prefill
+        question=question.content, history=conversation_history(conversation, before=question),
+        citations=citations, mode=Message.Mode.FULL, audit_of=answer.id,
+    )  # fmt: skip
 
 
 def fidelity_maybe_audit(

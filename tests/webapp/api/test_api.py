@@ -18,6 +18,7 @@ from webapp.accounts.models import ApiKey
 from webapp.accounts.services import api_key_revoke
 from webapp.chat import services as chat
 from webapp.chat.models import Conversation, Message
+from webapp.chat.requests import HISTORY_TURNS
 from webapp.documents.models import Document
 from webapp.redis import redis_client
 
@@ -344,7 +345,7 @@ def test_chat_completions_keeps_only_the_history_the_model_reads(
     assert response.status_code == 200, response.content
     stored = Message.objects.filter(conversation_id=response.json()["ragblend"]["conversation_id"])
     history = [m.content for m in stored.order_by("id")][:-2]  # the question and its answer last
-    assert len(history) == 2 * chat.HISTORY_TURNS
+    assert len(history) == 2 * HISTORY_TURNS
     assert history[0].startswith("94 ") and history[-1].startswith("99 ")
     assert all(len(text) <= settings.CHAT_MAX_QUESTION_CHARS for text in history)
 

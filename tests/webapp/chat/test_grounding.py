@@ -13,6 +13,7 @@ from kvservice.protocol import INFERENCE_QUEUE, read_events
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Citation, Message
+from webapp.chat.requests import conversation_history
 from webapp.chat.retrieval import retrieve_chunks
 from webapp.documents.embeddings import embed_texts
 from webapp.redis import redis_client
@@ -92,7 +93,7 @@ def test_history_carries_earlier_questions_and_only_helpful_answers(alice, queue
         Message.objects.create(
             conversation=conversation, role="assistant", content=answer, feedback=feedback
         )
-    turns = [(t.role, t.content) for t in services._history(conversation, before=None)]
+    turns = [(t.role, t.content) for t in conversation_history(conversation, before=None)]
     assert turns == [("user", "Q1?"), ("user", "Q2?"), ("assistant", "A2 good")]
 
 

@@ -14,6 +14,7 @@ from kvservice.protocol import INFERENCE_QUEUE
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Message
+from webapp.chat.requests import conversation_history
 
 pytestmark = pytest.mark.django_db
 
@@ -82,7 +83,7 @@ def test_a_follow_up_history_leaves_out_a_replaced_answer(alice) -> None:
     again = _regenerate(alice, answer)
     services.chat_record_answer(message_id=again.id, result={"status": "done", "text": "Arborio."})
     services.chat_feedback(answer=Message.objects.get(pk=again.pk), value=1)
-    history = services._history(conversation, before=None)
+    history = conversation_history(conversation, before=None)
     assert [(turn.role, turn.content) for turn in history] == [
         ("user", "Risotto rice?"),
         ("assistant", "Arborio."),

@@ -1,0 +1,62 @@
+"""What a question sends to the inference worker, built in one place for a question asked (or
+asked again) and for its fidelity audit: the conversation's history as the model reads it,
+the ``GenerateRequest``, and who may choose a prefill mode other than blend."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+from django.conf import settings
+
+from kvservice.protocol import GenerateRequest, Turn
+from webapp.chat.models import Citation, Conversation, Message
+from webapp.documents.kv import chunk_ref
+
+HISTORY_TURNS = 3  # recent questions (and helpful answers) carried into a follow-up
+
+
+def mode_allowed(user, mode: str) -> bool:
+    """Blend for everyone; the other prefill modes (full, reuse, prefix) for staff only."""
+    return mode == Message.Mode.BLEND or (mode in Message.Mode.values and user.is_staff)
+
+
+def conversation_history(conversation: Conversation, before: Message | None) -> list[Turn]:
+    """The last few finished questions before ``before`` (or all), oldest first, each with
+    its answer only when the user marked that answer helpful: earlier answers, wrong or
+    looping, were copied into later ones ("The answer is: 2019" four times), and made the
+    first token slower."""
+    messages = conversation.messages.shown().filter(status=Message.Status.DONE)
+    if before is not None:
+        messages = messages.filter(id__lt=before.id)
+    recent = list(messages.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
+    return [
+        Turn(role=m.role, content=m.content)
+        for m in recent
+        if m.content and (m.role == Message.Role.USER or m.feedback > 0)
+    ]
+
+
+def generate_request(
+    *,
+    question: str,
+    history: list[Turn],
+    citations: Iterable[Citation],
+    mode: str,
+    answer: Message | None = None,
+    recompute_ratio: float | None = None,
+    audit_of: int | None = None,
+) -> GenerateRequest:
+    """The request for ``answer`` (its stream and record), or for an audit of another answer
+    (``audit_of``, a stream of its own). Each passage in its owner's KV scope."""
+    return GenerateRequest(
+        request_id=str(answer.request_id) if answer is not None else str(uuid.uuid4()),
+        message_id=answer.id if answer is not None else None,
+        question=question,
+        history=history,
+        chunks=[chunk_ref(c.chunk) for c in citations],
+        mode=mode,
+        recompute_ratio=recompute_ratio,  # None: the worker's controller decides
+        max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
+        audit_of=audit_of,
+    )
