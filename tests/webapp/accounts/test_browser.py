@@ -6,31 +6,15 @@ Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 from django.urls import reverse
 
-from tests.webapp.dashboard.test_browser import (  # noqa: F401 - browser is a fixture
-    ARTIFACTS,
-    CHROMIUM,
-    _log_in,
-    browser,
-)
+from tests.browser import needs_chromium, screenshot
+from tests.webapp.dashboard.test_browser import _log_in, browser  # noqa: F401 - a fixture
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not CHROMIUM.exists() or not shutil.which("chromedriver"),
-        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
-    ),
-]
-
-
-def _screenshot(driver, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    assert driver.save_screenshot(str(ARTIFACTS / name))
+pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
 
 def test_password_change_from_the_nav(browser, live_server, alice) -> None:  # noqa: F811
@@ -43,7 +27,7 @@ def test_password_change_from_the_nav(browser, live_server, alice) -> None:  # n
     browser.find_element(By.ID, "id_old_password").send_keys("pw-alice-123")
     browser.find_element(By.ID, "id_new_password1").send_keys("Harbour-lights-77")
     browser.find_element(By.ID, "id_new_password2").send_keys("Harbour-lights-77")
-    _screenshot(browser, "password-change.png")
+    screenshot(browser, "password-change.png")
     browser.find_element(By.CSS_SELECTOR, "#password-change-form button").click()
     assert browser.find_element(By.TAG_NAME, "h1").text == "Password changed"
     alice.refresh_from_db()
@@ -60,7 +44,7 @@ def test_non_staff_dashboard_is_a_styled_403(browser, live_server, alice) -> Non
     # app.css applied: the card has its border radius, the nav its links.
     assert card.value_of_css_property("border-top-left-radius") == "10px"
     assert browser.find_element(By.LINK_TEXT, "Documents").is_displayed()
-    _screenshot(browser, "error-403.png")
+    screenshot(browser, "error-403.png")
 
 
 def test_reupload_says_it_is_already_there(browser, live_server, alice, tmp_path) -> None:  # noqa: F811
@@ -88,4 +72,4 @@ def test_reupload_says_it_is_already_there(browser, live_server, alice, tmp_path
     assert browser.find_element(By.CSS_SELECTOR, "#document-list a.download").is_displayed()
     time.sleep(2.5)  # the list's poll (the document waits for a worker) keeps the notice
     assert browser.find_element(By.CSS_SELECTOR, "#upload-notices .duplicate").is_displayed()
-    _screenshot(browser, "documents-duplicate.png")
+    screenshot(browser, "documents-duplicate.png")

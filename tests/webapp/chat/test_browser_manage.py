@@ -7,33 +7,16 @@ Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
+from tests.browser import needs_chromium, screenshot
 from tests.webapp.chat.test_chat import PASSAGES, make_document
-from tests.webapp.dashboard.test_browser import (  # noqa: F401 - browser is a fixture
-    ARTIFACTS,
-    CHROMIUM,
-    _log_in,
-    browser,
-)
+from tests.webapp.dashboard.test_browser import _log_in, browser  # noqa: F401 - a fixture
 from tests.webapp.ui.test_mobile import _overflow, phone  # noqa: F401 - phone is a fixture
 from webapp.chat.models import Conversation, Message
 from webapp.documents.models import Collection
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not CHROMIUM.exists() or not shutil.which("chromedriver"),
-        reason="headless Chromium is not installed: apt-get install -y chromium chromium-driver",
-    ),
-]
-
-
-def _screenshot(driver, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    assert driver.save_screenshot(str(ARTIFACTS / name))
+pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
 
 def _text(driver, selector: str) -> list[str]:
@@ -80,7 +63,7 @@ def test_a_collection_shared_with_bob_scopes_his_conversation(
     _submit(browser, "#collection-documents button")
     browser.find_element(By.ID, "share-usernames").send_keys("bob")
     _submit(browser, "#collection-share button")
-    _screenshot(browser, "collection-owner.png")
+    screenshot(browser, "collection-owner.png")
     science = Collection.objects.get(owner=alice, name="Science")
     assert [d.title for d in science.documents.all()] == ["space.md"]
     assert [u.username for u in science.shared_with.all()] == ["bob"]
@@ -93,7 +76,7 @@ def test_a_collection_shared_with_bob_scopes_his_conversation(
     browser.find_element(By.XPATH, "//label[contains(., 'shared by alice')]/input").click()
     browser.find_element(By.CSS_SELECTOR, "#scope-form button").click()
     _wait(browser, lambda b: _text(b, "#scope-names") == ["Science"])
-    _screenshot(browser, "conversation-scope.png")
+    screenshot(browser, "conversation-scope.png")
     conversation = Conversation.objects.get(owner=bob)
     assert conversation.scope.collection_ids == {science.pk}
 
@@ -117,7 +100,7 @@ def test_rename_search_and_delete_a_conversation(browser, live_server, alice) ->
 
     browser.find_element(By.ID, "search-q").send_keys("velmont")  # in a question, not a title
     _wait(browser, lambda b: _text(b, "#conversation-list li") == ["Velmont harbour"])
-    _screenshot(browser, "conversation-search.png")
+    screenshot(browser, "conversation-search.png")
 
     browser.find_element(By.CSS_SELECTOR, ".conversation-menu summary").click()
     browser.find_element(By.CSS_SELECTOR, "#delete-form button").click()
@@ -146,5 +129,5 @@ def test_collections_and_the_scope_panel_fit_a_phone(phone, live_server, alice, 
             phone.find_element(By.CSS_SELECTOR, "#scope summary").click()
             phone.find_element(By.CSS_SELECTOR, ".conversation-menu summary").click()
         width, inner = _overflow(phone)
-        _screenshot(phone, f"phone-{name}.png")
+        screenshot(phone, f"phone-{name}.png")
         assert width <= inner, (name, width, inner)
