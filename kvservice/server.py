@@ -6,8 +6,8 @@ It is a Celery worker with a thread pool: each task thread hands its request to 
 runtime and streams the result; a heartbeat thread tells /healthz and the dashboard that the
 worker is alive and which model it holds, and tells the web side which chunks it holds hot
 (``kvservice.routing``: questions over them are sent to this worker's own queue). No Django
-here: configuration comes from the environment (and, in dev, the running stack's
-DATA_DIR/stack.json).
+here: configuration comes from the environment only (``make dev`` passes the dev stack's
+addresses to the workers it starts).
 """
 
 from __future__ import annotations
@@ -59,7 +59,10 @@ class ServerConfig:
     def from_env(cls) -> ServerConfig:
         redis_url = os.environ.get("REDIS_URL", "")
         if not redis_url:
-            raise SystemExit("REDIS_URL is not set (and DATA_DIR has no running stack).")
+            raise SystemExit(
+                "REDIS_URL is not set (make dev sets it, and the other service addresses, for "
+                "the workers it starts; by hand, export what DATA_DIR/stack.json lists)."
+            )
         engine = os.environ.get("ENGINE", "native").strip().lower() or "native"
         if engine not in ("native", "vllm"):
             raise SystemExit(f"ENGINE must be 'native' or 'vllm', not {engine!r}")
@@ -181,12 +184,9 @@ def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
 
 
 def main() -> int:
-    from deploy.stack import apply_stack_env  # a dev stack's DATA_DIR/stack.json, if any
-
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    apply_stack_env()
     configure(ServerConfig.from_env())
     try:
         runtime.load(config)

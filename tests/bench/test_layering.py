@@ -47,3 +47,10 @@ def test_the_entry_point_imports_the_bench_only_when_run():
     assert "bench" in _imported_packages(REPO_ROOT / "bench" / "long_context.py")
     assert "bench" not in _imported_packages(entry)
     assert "from bench.prefill import main" in entry.read_text()
+
+
+def test_kvservice_imports_neither_deploy_nor_webapp():
+    """The engine and the worker stand alone: the dev stack and the web app sit above them."""
+    importers = [p for p in _modules("kvservice")
+                 if {"deploy", "webapp"} & _imported_packages(p)]  # fmt: skip
+    assert importers == []
