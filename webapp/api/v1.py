@@ -37,6 +37,7 @@ from webapp.api.schemas import (
 from webapp.chat import services as chat
 from webapp.chat.models import Conversation, Message
 from webapp.chat.requests import mode_allowed
+from webapp.chat.selectors import conversations_of
 from webapp.documents import quotas
 from webapp.documents import selectors as documents
 from webapp.documents import services as document_services
@@ -144,7 +145,7 @@ _STREAM_DOC = {  # merged into ninja's own responses: the same (int) key, or JSO
 
 
 def _get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Conversation:
-    conversation = Conversation.objects.filter(owner=request.user, pk=conversation_id).first()
+    conversation = conversations_of(request.user).filter(pk=conversation_id).first()
     if conversation is None:
         raise ApiError(404, "not_found", "No such conversation.")
     return conversation
@@ -295,7 +296,7 @@ def _conversation_out(conversation: Conversation) -> dict:
 
 @conversations_router.get("", response={200: ConversationListOut, **error_responses()})
 def conversation_list(request: HttpRequest, page: Query[Page]):
-    found = Conversation.objects.filter(owner=request.user)
+    found = conversations_of(request.user)
     items = found[page.offset : page.offset + page.limit]
     return {"count": found.count(), "items": [_conversation_out(c) for c in items]}
 

@@ -13,6 +13,7 @@ from django.views.decorators.http import require_GET, require_POST
 from webapp.chat import services
 from webapp.chat.export import conversation_json, conversation_markdown
 from webapp.chat.models import Conversation, Message
+from webapp.chat.selectors import conversations_of
 from webapp.documents import selectors as documents
 from webapp.forms import posted_ids
 
@@ -20,7 +21,7 @@ from webapp.forms import posted_ids
 def browser_conversations(request: HttpRequest) -> QuerySet[Conversation]:
     """The sidebar: the user's conversations started here (not the API's), newest first;
     with ``?q=``, those whose title or any message contains it."""
-    mine = Conversation.objects.filter(owner=request.user, source=Conversation.Source.BROWSER)
+    mine = conversations_of(request.user).filter(source=Conversation.Source.BROWSER)
     query = request.GET.get("q", "").strip()[:200]
     if query:
         said = Message.objects.shown().filter(content__icontains=query).values("conversation_id")
@@ -30,7 +31,7 @@ def browser_conversations(request: HttpRequest) -> QuerySet[Conversation]:
 
 def get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Conversation:
     """The one ownership check: someone else's conversation is a 404."""
-    return get_object_or_404(Conversation, id=conversation_id, owner=request.user)
+    return get_object_or_404(conversations_of(request.user), id=conversation_id)
 
 
 def scope_context(request: HttpRequest, conversation: Conversation) -> dict:

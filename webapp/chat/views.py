@@ -33,6 +33,7 @@ from webapp.chat.conversations import (
     scope_context,
 )
 from webapp.chat.models import Citation, Message
+from webapp.chat.selectors import answers_of
 from webapp.redis import STREAM_BLOCK_MS
 
 logger = logging.getLogger(__name__)
@@ -42,12 +43,7 @@ STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as SSE 
 
 
 def _get_answer_for_user(request: HttpRequest, message_id: int) -> Message:
-    return get_object_or_404(
-        Message.objects.select_related("conversation"),
-        id=message_id,
-        role=Message.Role.ASSISTANT,
-        conversation__owner=request.user,
-    )
+    return get_object_or_404(answers_of(request.user).select_related("conversation"), id=message_id)
 
 
 @login_required
@@ -217,11 +213,7 @@ async def message_stream(request: HttpRequest, message_id: int) -> StreamingHttp
     user = await request.auser()
     if not user.is_authenticated:
         raise Http404
-    answer = await sync_to_async(
-        lambda: Message.objects.filter(
-            id=message_id, role=Message.Role.ASSISTANT, conversation__owner=user
-        ).first()
-    )()
+    answer = await sync_to_async(lambda: answers_of(user).filter(id=message_id).first())()
     if answer is None:
         raise Http404
     last_id = request.headers.get("Last-Event-ID", "")
