@@ -153,6 +153,20 @@ class CollectionOut(Schema):
     updated_at: datetime
 
 
+class CollectionIn(Schema):
+    name: str = Field(min_length=1, max_length=200)
+    document_ids: list[Id] = Field(default_factory=list, max_length=1000)  # your own documents
+    shared_with: list[str] = Field(default_factory=list, max_length=100)  # usernames, read-only
+
+
+class CollectionPatch(Schema):
+    """What to change; what is left out stays as it is."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    document_ids: list[Id] | None = Field(default=None, max_length=1000)
+    shared_with: list[str] | None = Field(default=None, max_length=100)
+
+
 class CollectionListOut(Schema):
     count: int
     items: list[CollectionOut]

@@ -5,7 +5,8 @@ Every operation needs an API key (``Authorization: Bearer``) or a browser sessio
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -23,8 +24,10 @@ from webapp.api.auth import API_AUTH
 from webapp.api.errors import ApiError, error_responses, install_error_handlers, unavailable
 from webapp.api.schemas import (
     CacheStatsOut,
+    CollectionIn,
     CollectionListOut,
     CollectionOut,
+    CollectionPatch,
     ConversationDetailOut,
     ConversationListOut,
     DocumentCreatedOut,
@@ -343,6 +346,65 @@ def collection_detail(request: HttpRequest, collection_id: int):
     if collection is None:
         raise ApiError(404, "not_found", "No such collection.")
     return _collection_out(collection, request.user)
+
+
+def _own_collection(request: HttpRequest, collection_id: int) -> Collection:
+    """The caller's own collection: 404 when they cannot read it, 403 when it is only shared
+    with them (read-only)."""
+    collection = documents.collection_get_readable(user=request.user, collection_id=collection_id)
+    if collection is None:
+        raise ApiError(404, "not_found", "No such collection.")
+    if collection.owner_id != request.user.pk:
+        raise ApiError(403, "forbidden", "This collection is shared with you read-only.")
+    return collection
+
+
+@contextmanager
+def _collection_change() -> Iterator[None]:
+    """One atomic change of a collection; a taken name or an unknown username is a 400."""
+    try:
+        with transaction.atomic():
+            yield
+    except document_services.CollectionError as err:
+        raise ApiError(400, "invalid_request", str(err)) from err
+
+
+def _apply(collection: Collection, name=None, document_ids=None, shared_with=None) -> None:
+    """Its name, its documents (the owner's; other ids ignored) and whom it is shared with
+    read-only, each only when given."""
+    if name is not None:
+        document_services.collection_rename(collection=collection, name=name)
+    if document_ids is not None:
+        document_services.collection_set_documents(collection=collection, document_ids=document_ids)
+    if shared_with is not None:
+        document_services.collection_share(collection=collection, usernames=shared_with)
+
+
+@collections_router.post("", response={201: CollectionOut, **error_responses(400)})
+def collection_create(request: HttpRequest, payload: CollectionIn):
+    """A new collection of your documents, optionally shared read-only by username."""
+    with _collection_change():
+        collection = document_services.collection_create(owner=request.user, name=payload.name)
+        _apply(collection, document_ids=payload.document_ids, shared_with=payload.shared_with)
+    return 201, _collection_out(collection, request.user)
+
+
+@collections_router.patch(
+    "/{collection_id}", response={200: CollectionOut, **error_responses(400, 403, 404)}
+)
+def collection_update(request: HttpRequest, collection_id: int, payload: CollectionPatch):
+    """Rename it, set its documents, or set whom it is shared with (yours only)."""
+    collection = _own_collection(request, collection_id)
+    with _collection_change():
+        _apply(collection, payload.name, payload.document_ids, payload.shared_with)
+    return _collection_out(collection, request.user)
+
+
+@collections_router.delete("/{collection_id}", response={204: None, **error_responses(403, 404)})
+def collection_delete(request: HttpRequest, collection_id: int):
+    """The collection goes; its documents stay (yours only)."""
+    document_services.collection_delete(collection=_own_collection(request, collection_id))
+    return 204, None
 
 
 # --- cache statistics (staff) ----------------------------------------------------------------

@@ -103,3 +103,38 @@ def test_a_shared_collection_answers_through_the_api_in_the_owners_kv_scope(
     assert response.status_code == 200, response.content
     assert response.json()["citations"][0]["text"] == PASSAGES["cooking"]
     assert [ref["kv_scope"] for ref in worker.requests[-1]["chunks"]] == [kv_scope_for(alice.pk)]
+
+
+def test_collections_are_made_changed_and_deleted_by_their_owner_only(
+    client, alice, alice_auth, bob, mallory, mallory_auth
+) -> None:
+    json = {"content_type": "application/json"}
+    mine = make_document(alice, "cooking.md", [PASSAGES["cooking"]])
+    theirs = make_document(mallory, "space.md", [PASSAGES["space"]])
+    created = client.post("/api/v1/collections", {"name": "Kitchen", "shared_with": ["bob"],
+                          "document_ids": [mine.pk, theirs.pk]}, **json, **alice_auth)  # fmt: skip
+    assert created.status_code == 201, created.content
+    body = created.json()
+    assert body["document_ids"] == [mine.pk] and not body["read_only"]  # not mallory's
+    url = f"/api/v1/collections/{body['id']}"
+
+    bob_auth = bearer(bob)  # shared with: reads it, changes nothing
+    assert client.get(url, **bob_auth).json()["read_only"] is True
+    assert client.patch(url, {"name": "Bob's"}, **json, **bob_auth).status_code == 403
+    assert client.delete(url, **bob_auth).status_code == 403
+    for response in (client.patch(url, {"name": "x"}, **json, **mallory_auth),
+                     client.delete(url, **mallory_auth)):  # fmt: skip
+        assert response.status_code == 404  # not shared with mallory: not there at all
+
+    renamed = client.patch(url, {"name": "Cooking", "shared_with": []}, **json, **alice_auth)
+    assert renamed.status_code == 200 and renamed.json()["name"] == "Cooking"
+    assert client.get(url, **bob_auth).status_code == 404  # unshared
+    documents.collection_create(owner=alice, name="Garden")
+    assert client.patch(url, {"name": "Garden"}, **json, **alice_auth).status_code == 400
+    refused = client.patch(url, {"name": "Pantry", "shared_with": ["nobody"]}, **json, **alice_auth)
+    assert refused.status_code == 400 and "nobody" in refused.json()["message"]
+    assert client.get(url, **alice_auth).json()["name"] == "Cooking"  # nothing half-done
+
+    assert client.delete(url, **alice_auth).status_code == 204
+    assert client.get(url, **alice_auth).status_code == 404
+    mine.refresh_from_db()  # the documents stay
