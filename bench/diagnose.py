@@ -40,7 +40,6 @@ from bench.prefill import (
     _greedy,
     _teacher_forced_logits,
     example_prompt,
-    stop_token_ids,
     teacher_forced_fidelity,
 )
 from kvservice.blend import (
@@ -51,6 +50,7 @@ from kvservice.blend import (
 )
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV
+from kvservice.engine import stop_token_ids
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat
 

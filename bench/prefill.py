@@ -57,6 +57,7 @@ from kvservice.blend import MODES, BlendResult, BlendSettings, Mode, blend_prefi
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.curve import ratio_curve_svg
+from kvservice.engine import stop_token_ids
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat
 from kvservice.synthetic import SYNTHETIC_CONFIGS
@@ -160,12 +161,6 @@ def _without_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
 def example_prompt(fmt: PromptFormat, example: dict, passages: int) -> Prompt:
     """A Musique example's prompt: its first ``passages`` passages as chunks, its question."""
     return fmt.build(passage_texts(example, passages), example["question"])
-
-
-def stop_token_ids(tokenizer) -> set[int]:
-    """The ids that end an answer: end of sequence and the chat template's end of turn."""
-    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    return {t for t in ids if isinstance(t, int) and t != tokenizer.unk_token_id}
 
 
 def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dict:

@@ -30,13 +30,13 @@ from bench.prefill import (
     _greedy,
     _teacher_forced_logits,
     _without_stop,
-    stop_token_ids,
     teacher_forced_fidelity,
 )
 from bench.stats import quantile
 from bench.timing import cpu_name, timed
 from kvservice.blend import blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
+from kvservice.engine import stop_token_ids
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prefix import PrefixKV
 from kvservice.prompt import PromptFormat
