@@ -34,6 +34,7 @@ from webapp.chat.conversations import (
 )
 from webapp.chat.models import Citation, Message
 from webapp.chat.selectors import answers_of
+from webapp.documents.selectors import document_get_readable
 from webapp.redis import STREAM_BLOCK_MS
 
 logger = logging.getLogger(__name__)
@@ -158,12 +159,17 @@ def message_feedback(request: HttpRequest, message_id: int) -> HttpResponse:
 @login_required
 @require_GET
 def citation_detail(request: HttpRequest, citation_id: int) -> HttpResponse:
+    """The passage as it was given to the model, and a link to its document while the user
+    may still read it (their own, or shared with them)."""
     citation = get_object_or_404(
         Citation.objects.select_related("message__conversation"),
         id=citation_id,
         message__conversation__owner=request.user,
     )
-    return render(request, "chat/_citation.html", {"citation": citation})
+    document = None
+    if citation.document_id is not None:
+        document = document_get_readable(user=request.user, document_id=citation.document_id)
+    return render(request, "chat/_citation.html", {"citation": citation, "document": document})
 
 
 def _record_finished(answer_id: int, kind: str, payload: dict) -> None:

@@ -126,7 +126,7 @@ def collection_delete(request: HttpRequest, collection_id: int) -> HttpResponse:
 @require_POST
 def document_collections(request: HttpRequest, document_id: int) -> HttpResponse:
     """From a document's page: put it in exactly the ticked collections of its owner."""
-    document = get_document_for_user(request, document_id)
+    document = get_document_for_user(request, document_id, change=True)
     ids = posted_ids(request, "collections")
     services.document_set_collections(document=document, collection_ids=ids)
     messages.success(request, "Saved its collections.")

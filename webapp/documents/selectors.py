@@ -91,6 +91,18 @@ def documents_readable(*, user: AbstractBaseUser) -> QuerySet[Document]:
     return Document.objects.filter(Q(owner=user) | Q(id__in=shared))
 
 
+def document_get_readable(*, user: AbstractBaseUser, document_id: int) -> Document | None:
+    """The document if ``user`` may read it (theirs, or in a collection shared with them), else
+    None: the one access rule of a document's own pages. Reading it is not changing it: only
+    its owner may (``Document.owner``)."""
+    return documents_readable(user=user).select_related("owner").filter(pk=document_id).first()
+
+
+def collections_sharing(*, document: Document, user: AbstractBaseUser) -> QuerySet[Collection]:
+    """The collections through which ``document`` is shared with ``user`` (not its owner)."""
+    return document.collections.filter(shared_with=user).order_by("name")
+
+
 def documents_searchable(
     *, user: AbstractBaseUser, scope: Scope = EVERYTHING
 ) -> QuerySet[Document]:

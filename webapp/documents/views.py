@@ -1,5 +1,5 @@
 """The documents page: upload (several files, drag and drop), live status, retry, delete,
-download of the original.
+download of the original; a document's own page, read-only for a user it is shared with.
 
 ``GET documents/`` serves the full page, or only the list partial to htmx (which polls it
 while anything is still processing)."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
@@ -20,11 +21,17 @@ from webapp.documents.models import Document
 POLL_SECONDS = 2
 
 
-def get_document_for_user(request: HttpRequest, document_id: int) -> Document:
-    """The one ownership check: someone else's document is a 404, never a 403."""
-    document = selectors.document_get(owner=request.user, document_id=document_id)
+def get_document_for_user(
+    request: HttpRequest, document_id: int, *, change: bool = False
+) -> Document:
+    """The one access check of the document pages: a document the user may not read is a 404
+    (it never says whether it exists); one shared with them reads, and a ``change`` by them
+    is a 403."""
+    document = selectors.document_get_readable(user=request.user, document_id=document_id)
     if document is None:
         raise Http404("No such document.")
+    if change and document.owner_id != request.user.pk:
+        raise PermissionDenied("This document is shared with you read-only.")
     return document
 
 
@@ -79,22 +86,34 @@ def document_list(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
+@require_GET
 def document_detail(request: HttpRequest, document_id: int) -> HttpResponse:
+    """Its owner sees the collections it is in and can change them; a user it is shared with
+    sees whose it is and through which collections, and nothing to change."""
     document = get_document_for_user(request, document_id)
+    is_owner = document.owner_id == request.user.pk
     context = {
         "document": document,
+        "is_owner": is_owner,
         "chunks": selectors.document_chunks(document=document),
-        "collections": request.user.collections.all(),
-        "in_collections": set(document.collections.values_list("pk", flat=True)),
     }
+    if is_owner:
+        context |= {
+            "collections": request.user.collections.all(),
+            "in_collections": set(document.collections.values_list("pk", flat=True)),
+        }
+    else:
+        context["shared_through"] = selectors.collections_sharing(
+            document=document, user=request.user
+        )
     return render(request, "documents/detail.html", context)
 
 
 @login_required
 @require_GET
 def document_download(request: HttpRequest, document_id: int) -> HttpResponse:
-    """The original file, streamed from the object store to its owner (always as a download:
-    an uploaded HTML file is never rendered as one of our pages)."""
+    """The original file, streamed from the object store to whoever may read the document
+    (always as a download: an uploaded HTML file is never rendered as one of our pages)."""
     document = get_document_for_user(request, document_id)
     original = selectors.document_original(document=document)
     if original is None:
@@ -110,7 +129,7 @@ def document_download(request: HttpRequest, document_id: int) -> HttpResponse:
 @login_required
 @require_POST
 def document_retry(request: HttpRequest, document_id: int) -> HttpResponse:
-    document = get_document_for_user(request, document_id)
+    document = get_document_for_user(request, document_id, change=True)
     try:
         services.document_retry(document=document)
     except services.RetryNotPossible as err:
@@ -123,7 +142,7 @@ def document_retry(request: HttpRequest, document_id: int) -> HttpResponse:
 @login_required
 @require_POST
 def document_delete(request: HttpRequest, document_id: int) -> HttpResponse:
-    document = get_document_for_user(request, document_id)
+    document = get_document_for_user(request, document_id, change=True)
     services.document_delete(document=document)
     if request.htmx:
         return _list_response(request)

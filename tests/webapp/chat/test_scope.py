@@ -116,10 +116,16 @@ def test_a_shared_collection_is_searched_in_its_owners_kv_scope(
     assert [ref["kv_scope"] for ref in request["chunks"]] == [kv_scope_for(alice.pk)]
     assert kv_scope_for(alice.pk) != kv_scope_for(bob.pk)
 
-    # Bob reads the passage in his citation, but not alice's document page.
+    # Bob reads the passage in his citation, and alice's document page (read-only) from it
+    # while the collection is shared with him.
     citation = answer.citations.get()
     page = client.get(f"/chat/citations/{citation.id}/").content.decode()
     assert PASSAGES["space"] in page and "From a collection shared with you." in page
+    assert f'href="/documents/{citation.document_id}/"' in page
+    assert client.get(f"/documents/{citation.document_id}/").status_code == 200
+    documents.collection_share(collection=library, usernames=[])
+    page = client.get(f"/chat/citations/{citation.id}/").content.decode()
+    assert "no longer shared with you" in page and f"/documents/{citation.document_id}/" not in page
     assert client.get(f"/documents/{citation.document_id}/").status_code == 404
 
 

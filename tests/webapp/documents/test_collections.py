@@ -100,10 +100,11 @@ def test_a_shared_user_reads_but_cannot_change(client, user, bob, handbook) -> N
     handbook.refresh_from_db()
     assert handbook.name == "Handbook" and handbook.documents.count() == 1
     assert list(handbook.shared_with.values_list("username", flat=True)) == ["bob"]
-    # The documents themselves stay the owner's: no detail page, download or delete for bob.
+    # The documents themselves stay the owner's: bob reads their page, and may not delete them
+    # (tests/webapp/documents/test_shared_document.py).
     document = handbook.documents.get()
-    assert client.get(f"/documents/{document.pk}/").status_code == 404
-    assert client.post(f"/documents/{document.pk}/delete").status_code == 404
+    assert client.get(f"/documents/{document.pk}/").status_code == 200
+    assert client.post(f"/documents/{document.pk}/delete").status_code == 403
     assert Document.objects.filter(pk=document.pk).exists()
 
 
