@@ -132,10 +132,13 @@ class MessageOut(Schema):
 
 
 class ScopeOut(Schema):
-    """What a conversation searches; both empty: all of its owner's own documents."""
+    """What a conversation searches: these collections and documents, or with ``everything``
+    all of its owner's own documents. Both empty without ``everything``: what it searched was
+    deleted (or unshared), and it searches nothing until another scope is named."""
 
     collection_ids: list[int]
     document_ids: list[int]
+    everything: bool
 
 
 class ConversationDetailOut(ConversationOut):

@@ -313,7 +313,8 @@ def conversation_detail(request: HttpRequest, conversation_id: int):
     scope = conversation.scope
     return _conversation_out(conversation) | {
         "scope": {"collection_ids": sorted(scope.collection_ids),
-                  "document_ids": sorted(scope.document_ids)},
+                  "document_ids": sorted(scope.document_ids),
+                  "everything": scope.is_everything},
         "messages": [_message_out(m) for m in messages],
     }  # fmt: skip
 

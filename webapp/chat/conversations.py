@@ -36,7 +36,7 @@ def get_conversation_for_user(request: HttpRequest, conversation_id: int) -> Con
 
 def scope_context(request: HttpRequest, conversation: Conversation) -> dict:
     """What the "Search in" panel shows: every collection and document the user may choose,
-    and the names of those chosen that they may still read."""
+    the names of those chosen that they may still read, and whether all of those are gone."""
     scope = conversation.scope
     collections = list(documents.collections_readable(user=request.user))
     chosen_documents = documents.documents_readable(user=request.user).filter(
@@ -47,6 +47,7 @@ def scope_context(request: HttpRequest, conversation: Conversation) -> dict:
         "conversation": conversation,
         "scope": scope,
         "scope_names": names + [d.title for d in chosen_documents],
+        "scope_gone": documents.scope_is_gone(user=request.user, scope=scope),
         "scope_collections": collections,
         "scope_documents": documents.document_list(owner=request.user),
     }

@@ -24,9 +24,11 @@ class Conversation(models.Model):
 
     source = models.CharField(max_length=16, choices=Source.choices, default=Source.BROWSER)
     # What its questions search: these collections and documents (those the owner may still
-    # read at each question), or with neither, all of the owner's own documents.
+    # read at each question), or with none chosen, all of the owner's own documents. A chosen
+    # scope whose collections and documents were all deleted stays chosen, and reads nothing.
     scope_collections = models.ManyToManyField("documents.Collection", related_name="+", blank=True)
     scope_documents = models.ManyToManyField("documents.Document", related_name="+", blank=True)
+    scope_chosen = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -42,6 +44,7 @@ class Conversation(models.Model):
         return Scope.of(
             self.scope_collections.values_list("id", flat=True),
             self.scope_documents.values_list("id", flat=True),
+            chosen=self.scope_chosen,
         )
 
 

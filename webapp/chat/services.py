@@ -38,6 +38,7 @@ from webapp.documents.selectors import (
     Scope,
     collections_readable,
     documents_readable,
+    scope_is_gone,
 )
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
@@ -72,6 +73,11 @@ NOTHING_FOUND = (
 NOTHING_IN_SCOPE = (
     "I found nothing to answer from: the collections and documents this conversation searches "
     "have no ready documents. Choose others under “Search in”, or wait until they are Ready."
+)
+SCOPE_GONE = (
+    "I searched nothing: the collections and documents this conversation searches no longer "
+    "exist, or are no longer shared with you. Choose others under “Search in” (or none, to "
+    "search all your own documents), then ask again."
 )
 NOT_IN_DOCUMENTS = (
     "I could not find this in your documents: no passage is close enough to the question. "
@@ -152,7 +158,8 @@ def conversation_set_scope(
     *, user, conversation: Conversation, collection_ids: Iterable[int], document_ids: Iterable[int]
 ) -> Scope:
     """Search these collections and documents in the conversation from now on (none: all of
-    the user's own documents). Each must be the user's own or shared with them."""
+    the user's own documents). Each must be the user's own or shared with them. The choice is
+    remembered as such (``scope_chosen``): once they are all deleted, it searches nothing."""
     scope = Scope.of(collection_ids, document_ids)
     readable = collections_readable(user=user).filter(pk__in=scope.collection_ids)
     if readable.count() != len(scope.collection_ids):
@@ -162,6 +169,8 @@ def conversation_set_scope(
         raise ScopeNotFound("No such document.")
     conversation.scope_collections.set(scope.collection_ids)
     conversation.scope_documents.set(scope.document_ids)
+    Conversation.objects.filter(pk=conversation.pk).update(scope_chosen=scope.chosen)
+    conversation.scope_chosen = scope.chosen
     return scope
 
 
@@ -242,7 +251,9 @@ def _nothing_found_text(user, conversation: Conversation) -> str:
     scope = conversation.scope
     if has_ready_chunks(user, scope):
         return NOT_IN_DOCUMENTS
-    return NOTHING_FOUND if scope.is_everything else NOTHING_IN_SCOPE
+    if scope.is_everything:
+        return NOTHING_FOUND
+    return SCOPE_GONE if scope_is_gone(user=user, scope=scope) else NOTHING_IN_SCOPE
 
 
 def _answer_nothing_found(answer: Message, text: str = NOTHING_FOUND) -> None:

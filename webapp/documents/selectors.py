@@ -57,19 +57,31 @@ def document_original(*, document: Document) -> BinaryIO | None:
 
 @dataclass(frozen=True)
 class Scope:
-    """What a conversation searches: these collections and documents, or, with neither, all
-    of the user's own documents (never a shared one unless chosen)."""
+    """What a conversation searches: these collections and documents, or, with none chosen,
+    all of the user's own documents (never a shared one unless chosen).
+
+    A scope the user chose stays ``chosen`` when what it named is gone (a collection or
+    document deleted drops out of the ids): it then reads nothing, and never widens to
+    everything behind the user's back."""
 
     collection_ids: frozenset[int] = frozenset()
     document_ids: frozenset[int] = frozenset()
+    chosen: bool = False
 
     @classmethod
-    def of(cls, collection_ids: Iterable[int] = (), document_ids: Iterable[int] = ()) -> Scope:
-        return cls(frozenset(collection_ids), frozenset(document_ids))
+    def of(
+        cls,
+        collection_ids: Iterable[int] = (),
+        document_ids: Iterable[int] = (),
+        *,
+        chosen: bool = False,
+    ) -> Scope:
+        collections, documents = frozenset(collection_ids), frozenset(document_ids)
+        return cls(collections, documents, chosen or bool(collections or documents))
 
     @property
     def is_everything(self) -> bool:
-        return not self.collection_ids and not self.document_ids
+        return not (self.chosen or self.collection_ids or self.document_ids)
 
 
 EVERYTHING = Scope()
@@ -111,7 +123,20 @@ def documents_searchable(
     document taken out of it, is no longer read."""
     if scope.is_everything:
         return Document.objects.filter(owner=user)
+    if not scope.collection_ids and not scope.document_ids:  # chosen, and all of it is gone
+        return Document.objects.none()
     in_scope = Document.objects.filter(
         Q(collections__in=scope.collection_ids) | Q(id__in=scope.document_ids)
     ).values("id")
     return documents_readable(user=user).filter(id__in=in_scope)
+
+
+def scope_is_gone(*, user: AbstractBaseUser, scope: Scope) -> bool:
+    """Whether ``scope`` was chosen and none of its collections and documents is there for
+    ``user`` to read any more (deleted, or no longer shared): its questions read nothing, and
+    the user is told to choose another scope."""
+    if scope.is_everything:
+        return False
+    collections = collections_readable(user=user).filter(pk__in=scope.collection_ids)
+    documents = documents_readable(user=user).filter(pk__in=scope.document_ids)
+    return not collections.exists() and not documents.exists()

@@ -572,7 +572,8 @@ def collection_rename(*, collection: Collection, name: str) -> Collection:
 
 
 def collection_delete(*, collection: Collection) -> None:
-    """The collection goes; its documents stay (conversations scoped to it lose it)."""
+    """The collection goes; its documents stay (conversations scoped to it lose it, and one
+    scoped to it alone then searches nothing: chat.models.Conversation.scope_chosen)."""
     collection.delete()
 
 

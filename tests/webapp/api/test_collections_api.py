@@ -42,7 +42,9 @@ def test_a_query_searches_only_the_collections_it_names(
     body = _query(client, alice_auth, question=question, collection_ids=[kitchen.pk]).json()
     assert [c["text"] for c in body["citations"] + body["also_retrieved"]] == [PASSAGES["cooking"]]
     detail = client.get(f"/api/v1/conversations/{body['conversation_id']}", **alice_auth).json()
-    assert detail["scope"] == {"collection_ids": [kitchen.pk], "document_ids": []}
+    assert detail["scope"] == {
+        "collection_ids": [kitchen.pk], "document_ids": [], "everything": False,
+    }  # fmt: skip
 
     # The conversation keeps its scope; empty lists widen it to all of alice's documents.
     follow = _query(client, alice_auth, question=question,

@@ -139,4 +139,70 @@ def test_unsharing_takes_effect_at_the_next_question(alice, bob, library, queue)
     answer = _ask(bob, conversation, "Europa ocean?")
     assert answer.citations.count() == 0
     answer.refresh_from_db()
-    assert answer.content == services.NOTHING_IN_SCOPE
+    assert answer.content == services.SCOPE_GONE
+
+
+QUESTION = "Which moon hides an ocean, and where does the Danube flow?"
+
+
+def _scoped_to(user, *, collection_ids=(), document_ids=()):
+    conversation = services.conversation_create(owner=user)
+    services.conversation_set_scope(
+        user=user, conversation=conversation, collection_ids=collection_ids,
+        document_ids=document_ids,
+    )  # fmt: skip
+    return conversation
+
+
+def test_deleting_the_scoped_collection_reads_nothing_not_everything(alice, library, queue) -> None:
+    conversation = _scoped_to(alice, collection_ids=[library.pk])
+    documents.collection_delete(collection=library)
+    assert set(_titles(alice, QUESTION, Scope())) >= {"space.md", "rivers.md"}  # all of hers
+    scope = conversation.scope
+    assert not scope.is_everything and not scope.collection_ids
+    assert _titles(alice, QUESTION, scope) == []
+
+    answer = _ask(alice, conversation, QUESTION)
+    answer.refresh_from_db()
+    assert answer.citations.count() == 0 and answer.content == services.SCOPE_GONE
+    assert _queued_requests(queue) == []  # nothing sent to the model
+
+
+def test_deleting_the_scoped_documents_reads_nothing_not_everything(alice, library, queue) -> None:
+    rivers = alice.documents.get(title="rivers.md")
+    conversation = _scoped_to(alice, document_ids=[rivers.pk])
+    assert [c.document_title for c in _ask(alice, conversation, QUESTION).citations.all()] == [
+        "rivers.md"
+    ]
+    documents.document_delete(document=rivers)
+    answer = _ask(alice, conversation, QUESTION)
+    answer.refresh_from_db()
+    assert answer.citations.count() == 0 and answer.content == services.SCOPE_GONE
+
+
+def test_a_scope_partly_deleted_keeps_what_is_left(alice, library, queue) -> None:
+    cooking = alice.documents.get(title="cooking.md")
+    conversation = _scoped_to(alice, collection_ids=[library.pk], document_ids=[cooking.pk])
+    documents.collection_delete(collection=library)
+    found = _titles(alice, "Europa ocean, and risotto rice?", conversation.scope)
+    assert found == ["cooking.md"]
+
+
+def test_the_scope_panel_says_the_scope_is_gone_until_another_is_chosen(
+    client, alice, library
+) -> None:
+    conversation = _scoped_to(alice, collection_ids=[library.pk])
+    client.force_login(alice)
+    page = client.get(f"/chat/{conversation.id}/").content.decode()
+    assert 'id="scope-gone"' not in page and ">Science</strong>" in page
+    documents.collection_delete(collection=library)
+    page = client.get(f"/chat/{conversation.id}/").content.decode()
+    assert 'id="scope-gone"' in page and 'id="scope-names">nothing</strong>' in page
+    assert '<details id="scope" class="scope card" open>' in page  # the choice in view
+
+    # Choosing none, on purpose, searches all of her documents again.
+    response = client.post(f"/chat/{conversation.id}/scope", {}, HTTP_HX_REQUEST="true")
+    assert 'id="scope-gone"' not in response.content.decode()
+    assert "all your documents" in response.content.decode()
+    conversation.refresh_from_db()
+    assert conversation.scope.is_everything
