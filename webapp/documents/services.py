@@ -595,7 +595,9 @@ def collection_share(*, collection: Collection, usernames: Iterable[str]) -> lis
     blanks are left out). Returns the usernames shared with; an unknown one is an error."""
     wanted = {name.strip() for name in usernames if name.strip()}
     wanted.discard(collection.owner.get_username())
-    users = list(get_user_model().objects.filter(username__in=wanted, is_active=True))
+    # A name with a NUL is nobody's (PostgreSQL's text cannot hold one): unknown, not a 500.
+    possible = {name for name in wanted if "\x00" not in name}
+    users = list(get_user_model().objects.filter(username__in=possible, is_active=True))
     unknown = wanted - {user.get_username() for user in users}
     if unknown:
         raise CollectionError(f"No such user: {', '.join(sorted(unknown))}.")

@@ -108,9 +108,11 @@ def test_a_shared_user_reads_but_cannot_change(client, user, bob, handbook) -> N
     assert Document.objects.filter(pk=document.pk).exists()
 
 
-def test_sharing_names_only_existing_users(alice_client, handbook) -> None:
+def test_sharing_names_only_existing_users(alice_client, bob, handbook) -> None:
     with pytest.raises(services.CollectionError, match="No such user: nobody"):
         services.collection_share(collection=handbook, usernames=["nobody"])
+    with pytest.raises(services.CollectionError, match="No such user"):  # not a DataError
+        services.collection_share(collection=handbook, usernames=["bob\x00"])
     response = alice_client.post(
         f"/documents/collections/{handbook.pk}/share", {"usernames": "ghost"}, follow=True
     )
