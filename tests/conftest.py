@@ -59,6 +59,10 @@ def _start_services() -> None:
             "SECURE_COOKIES": "false",
             "HEALTH_PING_TIMEOUT_S": "2",
             "HEALTH_CACHE_S": "0",  # each test sees the components as they are now
+            # The suite logs in and signs up from one address many times; the limits' own
+            # tests (tests/webapp/accounts/test_ratelimits.py) set small ones.
+            "LOGIN_RATE_LIMIT": "10000/m",
+            "SIGNUP_RATE_LIMIT": "10000/m",
         }
     )
 

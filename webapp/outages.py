@@ -77,6 +77,7 @@ class ReporterFilter(SafeExceptionReporterFilter):
     """Django's filter, plus every setting that may hold a URL with a password in it."""
 
     hidden_settings = re.compile(
-        r"API|TOKEN|KEY|SECRET|PASS|SIGNATURE|HTTP_COOKIE|URL|BROKER|BACKEND|ENDPOINT|DATABASE",
+        r"API|TOKEN|KEY|SECRET|PASS|SIGNATURE|HTTP_COOKIE|URL|BROKER|BACKEND|ENDPOINT|DATABASE"
+        r"|LOCATION",  # CACHES' LOCATION is REDIS_URL
         flags=re.IGNORECASE,
     )

@@ -4,6 +4,7 @@ running stack's ``DATA_DIR/stack.json`` (see deploy/stack.py)."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -167,6 +168,15 @@ MODEL_PATH = env.str("MODEL_PATH", default="")
 for _name, _value in [("REDIS_URL", REDIS_URL), ("S3_ENDPOINT", S3_ENDPOINT)]:
     if not _value:
         raise ImproperlyConfigured(f"{_name} is not set, and DATA_DIR={DATA_DIR} has no stack.")
+# Django's cache is valkey, shared by every web process, so a count kept in it holds across
+# them: the sign-up and login rate limits (webapp/accounts/ratelimits.py).
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "ragblend:cache",
+    }
+}
 
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL
@@ -298,5 +308,21 @@ LOGGING = {
 # --- accounts -------------------------------------------------------------------------------
 
 # Self sign-up at accounts/signup/ (off: the page is a 404 and staff add users from the
-# product's Users page or Django admin).
+# product's Users page, invite them from its Invites page, or use Django admin).
 SIGNUP_ENABLED = env.bool("SIGNUP_ENABLED", default=False)
+# An invite link (staff's Invites page) works once, for this many days unless staff say.
+INVITE_VALID_DAYS = env.int("INVITE_VALID_DAYS", default=7)
+if not 1 <= INVITE_VALID_DAYS <= 90:
+    raise ImproperlyConfigured(f"INVITE_VALID_DAYS must be 1 to 90, got {INVITE_VALID_DAYS}.")
+# POSTs per client address to the login pages (ours and admin's) and to sign-up (with an
+# invite or without), as a count per period: s, m, h or d, e.g. "20/m" or "10/h". Past it, a
+# 429 until the period ends (webapp/accounts/ratelimits.py); axes still locks a username.
+LOGIN_RATE_LIMIT = env.str("LOGIN_RATE_LIMIT", default="20/m")
+SIGNUP_RATE_LIMIT = env.str("SIGNUP_RATE_LIMIT", default="10/h")
+for _name, _value in [("LOGIN_RATE_LIMIT", LOGIN_RATE_LIMIT),
+                      ("SIGNUP_RATE_LIMIT", SIGNUP_RATE_LIMIT)]:  # fmt: skip
+    if not re.fullmatch(r"[1-9]\d*/\d*[smhd]", _value):
+        raise ImproperlyConfigured(
+            f"{_name} must be a count per period, such as '20/m' or '10/h' (s, m, h or d), "
+            f"not {_value!r}."
+        )

@@ -6,6 +6,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 
 from webapp import health
+from webapp.accounts.ratelimits import limit_posts
 from webapp.api.openai import openai_api
 from webapp.api.v1 import api as api_v1
 
@@ -19,6 +20,8 @@ urlpatterns = [
     path("dashboard/", include("webapp.dashboard.urls")),
     path("api/v1/", api_v1.urls),
     path("v1/", openai_api.urls),  # OpenAI-compatible
+    # Admin's login page counts against the same per-address limit as ours.
+    path("admin/login/", limit_posts("login")(admin.site.login)),
     path("admin/", admin.site.urls),
     path("", RedirectView.as_view(pattern_name="chat:index"), name="home"),
     # Pages name their icon; a client that asks the conventional path anyway gets it too.

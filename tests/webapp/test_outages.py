@@ -123,6 +123,8 @@ def test_the_debug_page_never_shows_the_redis_password(alice, valkey_down, setti
         html = ExceptionReporter(None, type(exc), exc, exc.__traceback__).get_traceback_html()
     assert "REDIS_URL" in html and "CELERY_BROKER_URL" in html
     assert PASSWORD not in html
+    # Django's cache is the live valkey: its URL, password and all, is masked as well.
+    assert "CACHES" in html and settings.CACHES["default"]["LOCATION"] not in html
 
 
 @pytest.mark.django_db
@@ -198,3 +200,20 @@ def test_readiness_fails_while_redis_is_down_and_liveness_does_not(valkey_down, 
     assert ready.status_code == 503 and ready.json()["failed"] == ["broker"]
     assert PASSWORD not in ready.content.decode()
     assert client.get("/livez").status_code == 200
+
+
+@pytest.mark.django_db
+def test_logging_in_works_with_the_rate_limits_cache_down(
+    alice, settings, stopped_valkey_url, caplog
+) -> None:
+    """The per-address login limit is counted in Django's cache (valkey): with it down the
+    attempt is let through (axes still locks a guessed username), not a 503 for everyone."""
+    settings.CACHES = {"default": {**settings.CACHES["default"], "LOCATION": stopped_valkey_url}}
+    settings.LOGIN_RATE_LIMIT = "1/d"
+    client = Client()
+    for _ in range(2):  # past the limit, had it been counted
+        response = client.post(
+            "/accounts/login/", {"username": "alice", "password": "alice-passphrase"}
+        )
+        assert response.status_code == 302
+    assert "the login rate limit is not counted, the cache is down" in caplog.text

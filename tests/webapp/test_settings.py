@@ -34,3 +34,11 @@ def test_a_weak_secret_key_is_refused_outside_debug() -> None:
         result = _manage("check", SECRET_KEY=weak)
         assert result.returncode != 0 and "SECRET_KEY is too weak" in result.stderr, weak
     assert _manage("check", SECRET_KEY="changeme", DEBUG="true").returncode == 0  # dev
+
+
+def test_a_rate_limit_that_is_not_a_count_per_period_is_refused() -> None:
+    for bad in ("lots", "20", "0/m", "20/week"):
+        result = _manage("check", SECRET_KEY=STRONG_KEY, LOGIN_RATE_LIMIT=bad)
+        assert result.returncode != 0, bad
+        assert "LOGIN_RATE_LIMIT must be a count per period" in result.stderr, bad
+    assert _manage("check", SECRET_KEY=STRONG_KEY, SIGNUP_RATE_LIMIT="5/2h").returncode == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 
-from webapp.accounts.models import ApiKey
+from webapp.accounts.models import ApiKey, Invite, secret_sha256
 
 
 def api_key_list(*, user) -> QuerySet[ApiKey]:
@@ -18,3 +18,21 @@ def api_key_get(*, user, api_key_id: int) -> ApiKey | None:
 
 def user_list() -> QuerySet:
     return get_user_model().objects.order_by("username")
+
+
+INVITES_LISTED = 50
+
+
+def invite_list() -> QuerySet[Invite]:
+    """The latest invites, for the staff's invites page."""
+    return Invite.objects.select_related("created_by", "used_by").order_by("-created_at", "-id")[
+        :INVITES_LISTED
+    ]
+
+
+def invite_get(*, token: str) -> Invite | None:
+    """The invite with this token, whatever its state (a token is at most a few dozen
+    characters: anything longer is no invite's)."""
+    if not token or len(token) > 100:
+        return None
+    return Invite.objects.filter(token_sha256=secret_sha256(token)).first()

@@ -25,6 +25,8 @@ urlpatterns = [
         name="password_change_done",
     ),
     path("users/", views.user_list, name="users"),
+    path("invites/", views.invite_list, name="invites"),
+    path("invite/<str:token>/", views.invite_accept, name="invite_accept"),
     path("api-keys/", views.api_key_list, name="api_keys"),
     path("api-keys/<int:api_key_id>/revoke", views.api_key_revoke, name="api_key_revoke"),
 ]

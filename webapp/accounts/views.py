@@ -1,7 +1,9 @@
 """Account pages: the user's API keys (create, list, revoke), the staff's users page (add a
-user), and self sign-up when SIGNUP_ENABLED. A new key's plaintext, and a new user's
-password, are shown once, on the page that answers their creation, and never again.
-Changing one's password is Django's PasswordChangeView (urls.py)."""
+user) and invites page (make an invite link), the page an invite link opens, and self
+sign-up when SIGNUP_ENABLED. A new key's plaintext, a new user's password and a new invite's
+link are shown once, on the page that answers their creation, and never again. Changing one's
+password is Django's PasswordChangeView (urls.py). Logging in and signing up (with an invite
+or without) are rate limited per client address (ratelimits.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,17 @@ from django.contrib.auth.decorators import login_required
 from django.contrib.auth.forms import UserCreationForm
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.utils.decorators import method_decorator
 from django.views.decorators.http import require_http_methods, require_POST
 
 from webapp.accounts import selectors, services
 from webapp.accounts.decorators import staff_required
-from webapp.accounts.models import ApiKey
+from webapp.accounts.models import ApiKey, Invite
+from webapp.accounts.ratelimits import limit_posts
+
+# The backend a new account is signed in with (axes' own backend only checks lockouts).
+SIGN_IN_BACKEND = "django.contrib.auth.backends.ModelBackend"
 
 
 def _get_api_key_for_user(request: HttpRequest, api_key_id: int) -> ApiKey:
@@ -56,6 +64,7 @@ def api_key_revoke(request: HttpRequest, api_key_id: int) -> HttpResponse:
     return redirect("api_keys")
 
 
+@method_decorator(limit_posts("login"), name="dispatch")
 class LoginView(auth_views.LoginView):
     """Django's login page, which links to sign-up when it is on."""
 
@@ -88,6 +97,7 @@ def user_list(request: HttpRequest) -> HttpResponse:
     return response
 
 
+@limit_posts("signup")
 @require_http_methods(["GET", "POST"])
 def signup(request: HttpRequest) -> HttpResponse:
     """Self sign-up, a 404 unless SIGNUP_ENABLED; the new user is logged in."""
@@ -105,7 +115,93 @@ def signup(request: HttpRequest) -> HttpResponse:
         except services.UserCreateError as err:
             form.add_error(None, str(err))
         else:
-            login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+            login(request, user, backend=SIGN_IN_BACKEND)
             return redirect(settings.LOGIN_REDIRECT_URL)
     status = 422 if form.is_bound else 200
     return render(request, "accounts/signup.html", {"form": form}, status=status)
+
+
+def _posted_days(request: HttpRequest) -> int | None:
+    """The "valid for" days posted: None when blank (the default); anything but a number is
+    0, which invite_create refuses with the days allowed."""
+    raw = request.POST.get("days", "").strip()
+    if not raw:
+        return None
+    return int(raw) if raw.isdecimal() and len(raw) <= 4 else 0
+
+
+@staff_required
+@require_http_methods(["GET", "POST"])
+def invite_list(request: HttpRequest) -> HttpResponse:
+    """Staff make an invite link (shown once) and see the latest invites and their state."""
+    context: dict[str, object] = {}
+    status = 200
+    if request.method == "POST":
+        try:
+            invite, token = services.invite_create(
+                created_by=request.user,
+                username=request.POST.get("username", ""),
+                email=request.POST.get("email", ""),
+                valid_days=_posted_days(request),
+            )
+            link = request.build_absolute_uri(reverse("invite_accept", args=[token]))
+            context |= {"new_invite": invite, "invite_link": link}
+        except services.InviteError as err:
+            context |= {"error": str(err), "form_values": request.POST}
+            status = 422
+    context |= {
+        "invites": selectors.invite_list(),
+        "default_days": settings.INVITE_VALID_DAYS,
+        "max_days": services.INVITE_MAX_DAYS,
+    }
+    response = render(request, "accounts/invites.html", context, status=status)
+    response["Cache-Control"] = "no-store"  # the page may carry a new invite's link
+    return response
+
+
+def _invite_form(invite: Invite, data=None) -> UserCreationForm:
+    """The sign-up form of an invite; its username fixed when the invite names one."""
+    form = UserCreationForm(data, initial={"username": invite.username})
+    if invite.username:
+        form.fields["username"].disabled = True
+    return form
+
+
+def _invite_refused(request: HttpRequest, error: services.InviteError) -> HttpResponse:
+    status = 404 if isinstance(error, services.InviteNotFound) else 410
+    response = render(request, "accounts/invite_refused.html", {"reason": error}, status=status)
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@limit_posts("signup")
+@require_http_methods(["GET", "POST"])
+def invite_accept(request: HttpRequest, token: str) -> HttpResponse:
+    """What an invite link opens: pick a username (unless the invite names one) and a
+    password, and be signed in as the new account. A link used, expired or unknown is a page
+    that says which."""
+    try:
+        invite = services.invite_check(selectors.invite_get(token=token))
+    except services.InviteError as err:
+        return _invite_refused(request, err)
+    form = _invite_form(invite, request.POST if request.method == "POST" else None)
+    if form.is_valid():
+        try:
+            user = services.invite_accept(
+                token=token,
+                username=form.cleaned_data["username"],
+                password=form.cleaned_data["password1"],
+            )
+        except services.InviteError as err:  # used, or expired, since the form was shown
+            return _invite_refused(request, err)
+        except services.UserCreateError as err:
+            form.add_error(None, str(err))
+        else:
+            login(request, user, backend=SIGN_IN_BACKEND)
+            messages.success(request, f"Welcome, {user.get_username()}: your account is ready.")
+            return redirect(settings.LOGIN_REDIRECT_URL)
+    status = 422 if form.is_bound else 200
+    context = {"form": form, "invite": invite}
+    response = render(request, "accounts/invite_accept.html", context, status=status)
+    response["Cache-Control"] = "no-store"
+    return response
