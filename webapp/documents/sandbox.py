@@ -14,6 +14,7 @@ stdin; it writes ``{"text", "title"}`` or ``{"error"}`` as JSON on stdout.
 from __future__ import annotations
 
 import json
+import resource
 import signal
 import subprocess
 import sys
@@ -31,8 +32,6 @@ class SandboxLimits:
 
 def _limit(limits: SandboxLimits):
     def preexec() -> None:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 5))
 
@@ -60,7 +59,7 @@ def parse_isolated(
         reply = {}
     if "text" in reply:
         return ParsedDocument(text=reply["text"], title=reply.get("title", ""))
-    if reply.get("error") == "memory" or b"MemoryError" in result.stderr:
+    if reply.get("error") == "memory" or _ran_out_of_memory(result.stderr):
         raise ParseError(
             f"Reading this file needs more than {limits.memory_bytes // 1024**2} MB of memory; "
             "it is refused."
@@ -69,6 +68,13 @@ def parse_isolated(
         raise ParseError(reply["error"])
     stderr = result.stderr.decode(errors="replace")[-2000:]
     raise RuntimeError(f"the parser process failed (exit {result.returncode}): {stderr}")
+
+
+def _ran_out_of_memory(stderr: bytes) -> bool:
+    """Whether a child that crashed did so at its memory limit: a ``MemoryError``, or a failed
+    mapping (a module loaded late, at the limit: "failed to map segment from shared object")."""
+    return any(sign in stderr for sign in (b"MemoryError", b"failed to map segment",
+                                           b"Cannot allocate memory"))  # fmt: skip
 
 
 def _too_slow(limits: SandboxLimits) -> str:
@@ -81,14 +87,15 @@ def _too_slow(limits: SandboxLimits) -> str:
 def _near_memory_limit() -> bool:
     """Whether this process came within 10 % of its address-space limit. A parser that fails
     there ran out of memory, whatever it says: lxml reports a failed allocation as an
-    "unknown" syntax error, which would otherwise reach the user as a damaged file."""
-    import resource
-
+    "unknown" syntax error, which would otherwise reach the user as a damaged file. Nothing
+    here may load a module: at the limit that fails too (``resource`` is imported at start)."""
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
     if limit == resource.RLIM_INFINITY:
         return False
     try:
         status = Path("/proc/self/status").read_text()
+    except MemoryError:
+        return True
     except OSError:
         return False
     peak_kb = next((int(line.split()[1]) for line in status.splitlines()

@@ -7,7 +7,7 @@ import pytest
 
 from tests.webapp.documents import files
 from webapp.documents import parsing
-from webapp.documents.sandbox import SandboxLimits, parse_isolated
+from webapp.documents.sandbox import SandboxLimits, _ran_out_of_memory, parse_isolated
 
 DOCX = parsing.DocxLimits()
 
@@ -52,3 +52,12 @@ def test_a_docx_whose_directory_lies_is_refused_by_the_sandboxed_parser() -> Non
     limits = SandboxLimits(memory_bytes=200 * 1024**2)  # less than the part inflates to
     with pytest.raises(parsing.ParseError, match="misstates the size"):
         parse_isolated(data, "docx", docx_limits=DOCX, limits=limits)
+
+
+def test_a_child_that_crashed_at_its_memory_limit_is_told_apart_from_other_crashes() -> None:
+    """A child at its limit may fail before it can answer (a module mapped late); its stderr
+    still says why, and the user reads that the file needs too much memory."""
+    at_limit = b"ImportError: .../resource.so: failed to map segment from shared object"
+    assert _ran_out_of_memory(at_limit)
+    assert _ran_out_of_memory(b"Traceback ...\nMemoryError")
+    assert not _ran_out_of_memory(b"Traceback ...\nKeyError: 'word/document.xml'")
