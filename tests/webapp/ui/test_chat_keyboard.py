@@ -96,15 +96,21 @@ def test_keyboard_and_a_streaming_answer(browser, chat_server, slow_worker, alic
     assert len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 6
     question.send_keys(Keys.ENTER)
 
-    streaming = wait_for(
+    wait_for(
         lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .bubble.streaming"),
         timeout=30, what="the answer to start streaming",
-    )[0]  # fmt: skip
+    )  # fmt: skip
     assert ask.get_attribute("disabled") is not None  # no second question meanwhile
     question.send_keys("A second question", Keys.ENTER)  # Enter does not send it either
     followed = []
-    while browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .bubble.streaming"):
-        if "word20" in (browser.execute_script("return arguments[0].textContent", streaming) or ""):
+    # The streaming bubble is read in the page, in one script: when the answer ends, htmx swaps
+    # it out, and a reference held here would go stale between two calls.
+    read_streaming = (
+        "const bubble = document.querySelector('.msg.assistant .bubble.streaming');"
+        "return bubble ? bubble.textContent : null"
+    )
+    while (text := browser.execute_script(read_streaming)) is not None:
+        if "word20" in text:
             followed.append(_at_bottom(browser))
         time.sleep(0.1)
     assert followed and all(followed), "the page did not follow the streaming answer"
