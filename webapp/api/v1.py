@@ -68,19 +68,25 @@ class Page(Schema):
 documents_router = Router(tags=["documents"])
 
 
-def _get_document_for_user(request: HttpRequest, document_id: int) -> Document:
-    document = documents.document_get(owner=request.user, document_id=document_id)
+def _get_document_for_user(
+    request: HttpRequest, document_id: int, *, change: bool = False
+) -> Document:
+    """The pages' access rule (``document_get_readable``): a document the caller may not read
+    is a 404; one shared with them reads, and a ``change`` by them is a 403."""
+    document = documents.document_get_readable(user=request.user, document_id=document_id)
     if document is None:
         raise ApiError(404, "not_found", "No such document.")
+    if change and document.owner_id != request.user.pk:
+        raise ApiError(403, "forbidden", "This document is shared with you read-only.")
     return document
 
 
-def _document_out(document: Document) -> dict:
+def _document_out(document: Document, user) -> dict:
     return {
         "id": document.pk, "title": document.title, "status": document.status,
         "progress": document.progress, "error": document.error_message, "stage": document.stage,
         "size_bytes": document.size_bytes, "created_at": document.created_at,
-        "updated_at": document.updated_at,
+        "updated_at": document.updated_at, "read_only": document.owner_id != user.pk,
     }  # fmt: skip
 
 
@@ -98,7 +104,7 @@ def document_upload(request: HttpRequest, file: File[UploadedFile]):
 def document_list(request: HttpRequest, page: Query[Page]):
     found = documents.document_list(owner=request.user)
     items = found[page.offset : page.offset + page.limit]
-    return {"count": found.count(), "items": [_document_out(d) for d in items]}
+    return {"count": found.count(), "items": [_document_out(d, request.user) for d in items]}
 
 
 @documents_router.get("/usage", response={200: UsageOut, **error_responses()})
@@ -109,12 +115,14 @@ def document_usage(request: HttpRequest):
 
 @documents_router.get("/{document_id}", response={200: DocumentOut, **error_responses(404)})
 def document_detail(request: HttpRequest, document_id: int):
-    return _document_out(_get_document_for_user(request, document_id))
+    """One of your documents, or one in a collection shared with you (``read_only``)."""
+    return _document_out(_get_document_for_user(request, document_id), request.user)
 
 
-@documents_router.delete("/{document_id}", response={204: None, **error_responses(404)})
+@documents_router.delete("/{document_id}", response={204: None, **error_responses(403, 404)})
 def document_delete(request: HttpRequest, document_id: int):
-    document_services.document_delete(document=_get_document_for_user(request, document_id))
+    document = _get_document_for_user(request, document_id, change=True)
+    document_services.document_delete(document=document)
     return Status(204, None)
 
 

@@ -22,10 +22,6 @@ def document_list(*, owner: AbstractBaseUser) -> QuerySet[Document]:
     return Document.objects.filter(owner=owner).order_by("-created_at", "-id")
 
 
-def document_get(*, owner: AbstractBaseUser, document_id: int) -> Document | None:
-    return Document.objects.filter(owner=owner, pk=document_id).first()
-
-
 def documents_active(documents: QuerySet[Document] | list[Document]) -> bool:
     """Whether any of these documents is still queued or processing (the page polls)."""
     return any(document.is_active for document in documents)

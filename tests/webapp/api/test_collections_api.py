@@ -140,3 +140,27 @@ def test_collections_are_made_changed_and_deleted_by_their_owner_only(
     assert client.delete(url, **alice_auth).status_code == 204
     assert client.get(url, **alice_auth).status_code == 404
     mine.refresh_from_db()  # the documents stay
+
+
+def test_a_document_shared_with_you_reads_through_the_api_and_only_its_owner_deletes_it(
+    client, alice, alice_auth, bob, mallory_auth, kitchen
+) -> None:
+    """The API keeps the document pages' rule: a shared reader reads it (``read_only``), a
+    delete by them is a 403 that deletes nothing; anyone else gets a 404, as after unsharing."""
+    document = kitchen.documents.get()
+    url = f"/api/v1/documents/{document.pk}"
+    assert client.get(url, **alice_auth).json()["read_only"] is False
+    assert client.get(url, **bearer(bob)).status_code == 404  # not shared yet
+    kitchen.shared_with.add(bob)
+
+    read = client.get(url, **bearer(bob))
+    assert read.status_code == 200, read.content
+    assert read.json()["title"] == document.title and read.json()["read_only"] is True
+    assert client.delete(url, **bearer(bob)).status_code == 403
+    assert client.get(url, **mallory_auth).status_code == 404
+    assert client.delete(url, **mallory_auth).status_code == 404
+    assert client.get(url, **alice_auth).status_code == 200  # nothing was deleted
+
+    kitchen.shared_with.remove(bob)
+    assert client.get(url, **bearer(bob)).status_code == 404
+    assert client.delete(url, **alice_auth).status_code == 204
