@@ -20,7 +20,7 @@ from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
 from webapp.api.auth import API_AUTH
 from webapp.api.errors import ApiError, install_error_handlers, unavailable
-from webapp.api.schemas import Id
+from webapp.api.schemas import Id, Text
 from webapp.api.services import completion_ask
 from webapp.api.v1 import event_stream_response, scope_of
 from webapp.chat.models import Message
@@ -53,13 +53,13 @@ install_error_handlers(openai_api, _openai_error)
 class ContentPart(Schema):
     model_config = ConfigDict(extra="allow")
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessageIn(Schema):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -70,7 +70,7 @@ class ChatMessageIn(Schema):
 class ChatCompletionIn(Schema):
     # Sampling and other OpenAI options are accepted and ignored (answers are greedy).
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1, max_length=100)
+    model: Text = Field(min_length=1, max_length=100)
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=200)
     stream: bool = False
     # Not OpenAI's: search only these collections and documents (as /api/v1/query).

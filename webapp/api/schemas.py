@@ -7,9 +7,19 @@ from typing import Annotated, Literal
 
 from django.conf import settings
 from ninja import Field, Schema
-from pydantic import ConfigDict
+from pydantic import AfterValidator, ConfigDict
+
+
+def _without_nul(text: str) -> str:
+    if "\x00" in text:
+        raise ValueError("holds a NUL character, which text cannot")
+    return text
+
 
 Id = Annotated[int, Field(ge=1, le=2**63 - 1)]
+# A string a request hands on to be stored. PostgreSQL's text cannot hold a NUL character: one
+# is a 422 naming the field here, not a DataError (a 500) in whichever service stores it.
+Text = Annotated[str, AfterValidator(_without_nul)]
 DocumentStatus = Literal["queued", "processing", "ready", "failed"]
 Mode = Literal["blend", "full", "reuse", "prefix"]
 
@@ -29,6 +39,7 @@ class DocumentOut(Schema):
     size_bytes: int
     created_at: datetime
     updated_at: datetime
+    read_only: bool  # in a collection shared with you: you can read it, not change it
 
 
 class UsageOut(Schema):
@@ -86,7 +97,7 @@ class MetricsOut(Schema):
 class QueryIn(Schema):
     model_config = ConfigDict(extra="forbid")
 
-    question: str = Field(min_length=1, max_length=settings.CHAT_MAX_QUESTION_CHARS)
+    question: Text = Field(min_length=1, max_length=settings.CHAT_MAX_QUESTION_CHARS)
     mode: Mode = "blend"
     conversation_id: int | None = Field(default=None, ge=1, le=2**63 - 1)
     stream: bool = False
@@ -157,17 +168,17 @@ class CollectionOut(Schema):
 
 
 class CollectionIn(Schema):
-    name: str = Field(min_length=1, max_length=200)
+    name: Text = Field(min_length=1, max_length=200)
     document_ids: list[Id] = Field(default_factory=list, max_length=1000)  # your own documents
-    shared_with: list[str] = Field(default_factory=list, max_length=100)  # usernames, read-only
+    shared_with: list[Text] = Field(default_factory=list, max_length=100)  # usernames, read-only
 
 
 class CollectionPatch(Schema):
     """What to change; what is left out stays as it is."""
 
-    name: str | None = Field(default=None, min_length=1, max_length=200)
+    name: Text | None = Field(default=None, min_length=1, max_length=200)
     document_ids: list[Id] | None = Field(default=None, max_length=1000)
-    shared_with: list[str] | None = Field(default=None, max_length=100)
+    shared_with: list[Text] | None = Field(default=None, max_length=100)
 
 
 class CollectionListOut(Schema):
