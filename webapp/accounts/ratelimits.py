@@ -5,8 +5,8 @@ Retry-After until the period ends.
 This bounds one address across every username (guessing many accounts' passwords, making
 many accounts); django-axes still locks one username at one address after a few wrong
 passwords. Counted by django-ratelimit in Django's cache, valkey, which every web process
-shares. The address is the one django-axes sees, so both agree on who a client is (behind a
-proxy too, once axes is told how to read it)."""
+shares. The address is the one django-axes sees (``addresses.client_ip``, behind a proxy too),
+so both agree on who a client is."""
 
 from __future__ import annotations
 

@@ -96,3 +96,28 @@ def test_accepting_an_invite_counts_as_a_signup(client, staff, settings) -> None
     _assert_too_many(accept(PASSWORD))
     assert Invite.objects.get().used_at is None
     assert not User.objects.filter(username="nina").exists()
+
+
+def test_behind_a_trusted_proxy_each_client_counts_on_its_own(alice, settings) -> None:
+    """Behind the ingress every request comes from its address: the client is the last
+    X-Forwarded-For entry, so one client past the limit does not lock the others out, and an
+    entry the client wrote itself (further left) does not get it a fresh budget."""
+    settings.LOGIN_RATE_LIMIT = "2/d"
+
+    def log_in(remote: str, forwarded: str, password: str = "guess"):
+        return Client().post(
+            reverse("login"), {"username": "alice", "password": password},
+            REMOTE_ADDR=remote, HTTP_X_FORWARDED_FOR=forwarded,
+        )  # fmt: skip
+
+    settings.TRUSTED_PROXY_COUNT = 1
+    proxy = "10.0.0.5"
+    for forged in ("198.51.100.1", "198.51.100.2"):  # a different lie each time, same client
+        assert log_in(proxy, f"{forged}, 203.0.113.30").status_code == 200
+    _assert_too_many(log_in(proxy, "198.51.100.3, 203.0.113.30"))
+    assert log_in(proxy, "203.0.113.31", "pw-alice-123").status_code == 302  # another client
+
+    settings.TRUSTED_PROXY_COUNT = 0  # no proxy trusted: the header is the client's own words
+    for forged in ("203.0.113.32", "203.0.113.33"):
+        assert log_in("203.0.113.34", forged).status_code == 200
+    _assert_too_many(log_in("203.0.113.34", "203.0.113.35"))
