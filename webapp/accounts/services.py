@@ -150,6 +150,17 @@ def invite_check(invite: Invite | None) -> Invite:
     return invite
 
 
+def invite_withdraw(*, invite: Invite) -> bool:
+    """Staff take back an invite nobody has used: it expires now (its link then says so).
+    Returns whether it was withdrawn; a used or expired invite is left as it is."""
+    now = timezone.now()
+    return bool(
+        Invite.objects.filter(pk=invite.pk, used_at__isnull=True, expires_at__gt=now).update(
+            expires_at=now
+        )
+    )
+
+
 @transaction.atomic
 def invite_accept(*, token: str, username: str, password: str):
     """Make the account of the invite with ``token`` (its own username, if it has one) and

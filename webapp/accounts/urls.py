@@ -26,6 +26,7 @@ urlpatterns = [
     ),
     path("users/", views.user_list, name="users"),
     path("invites/", views.invite_list, name="invites"),
+    path("invites/<int:invite_id>/withdraw", views.invite_withdraw, name="invite_withdraw"),
     path("invite/<str:token>/", views.invite_accept, name="invite_accept"),
     path("api-keys/", views.api_key_list, name="api_keys"),
     path("api-keys/<int:api_key_id>/revoke", views.api_key_revoke, name="api_key_revoke"),

@@ -14,7 +14,7 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.forms import UserCreationForm
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils.decorators import method_decorator
 from django.views.decorators.http import require_http_methods, require_POST
@@ -157,6 +157,20 @@ def invite_list(request: HttpRequest) -> HttpResponse:
     response = render(request, "accounts/invites.html", context, status=status)
     response["Cache-Control"] = "no-store"  # the page may carry a new invite's link
     return response
+
+
+@staff_required
+@require_POST
+def invite_withdraw(request: HttpRequest, invite_id: int) -> HttpResponse:
+    """Staff take back an invite nobody has used yet; its link then says it expired."""
+    invite = get_object_or_404(Invite, pk=invite_id)
+    if services.invite_withdraw(invite=invite):
+        messages.success(
+            request, f"Invite for {invite.username or invite.email or 'anyone'} withdrawn."
+        )
+    else:
+        messages.info(request, "That invite was used or had expired already: nothing changed.")
+    return redirect("invites")
 
 
 def _invite_form(invite: Invite, data=None) -> UserCreationForm:

@@ -138,3 +138,33 @@ def test_a_refused_password_keeps_the_link_usable(client, staff) -> None:
     assert response.status_code == 422 and "too short" in response.content.decode()
     assert Invite.objects.get().used_at is None
     assert _accept(client, token).status_code == 302
+
+
+def test_staff_withdraw_an_unused_invite_and_its_link_then_says_it_expired(
+    client, staff, alice
+) -> None:
+    invite, token = services.invite_create(created_by=staff, username="nina")
+    withdraw = reverse("invite_withdraw", args=[invite.pk])
+    client.force_login(alice)  # not staff: refused, nothing changes
+    assert client.post(withdraw).status_code == 403
+    assert Client().get(_link_path(token)).status_code == 200
+
+    client.force_login(staff)
+    assert 'class="danger">Withdraw' in client.get(reverse("invites")).content.decode()
+    response = client.post(withdraw, follow=True)
+    assert "withdrawn" in response.content.decode()
+    refused = _accept(Client(), token)
+    assert refused.status_code == 410 and "expired" in refused.content.decode()
+    assert not User.objects.filter(username="nina").exists()
+    again = client.post(withdraw, follow=True)  # already over: said so, nothing changes
+    assert "nothing changed" in again.content.decode()
+    assert client.get(withdraw).status_code == 405
+
+
+def test_a_used_invite_cannot_be_withdrawn(client, staff) -> None:
+    invite, token = services.invite_create(created_by=staff)
+    assert _accept(Client(), token).status_code == 302
+    client.force_login(staff)
+    client.post(reverse("invite_withdraw", args=[invite.pk]))
+    invite.refresh_from_db()
+    assert invite.state == Invite.State.USED and invite.expires_at > timezone.now()
