@@ -57,3 +57,23 @@ def screenshot(driver: Any, name: str) -> Path:
     path = ARTIFACTS / name
     assert driver.save_screenshot(str(path))
     return path
+
+
+def click_and_wait_for_next_page(driver: Any, element: Any, timeout: float = 30) -> None:
+    """Click ``element`` (a link or a form's button) and wait until its page is gone.
+
+    Selenium's ``staleness_of`` waits for a StaleElementReferenceException only; while the
+    next page loads, Chromium may answer the same question with "Node with given id does not
+    belong to the document" instead (seen under load), which ends the wait with an error."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def gone(_driver: Any) -> bool:
+        try:
+            element.is_enabled()
+        except WebDriverException:  # stale, or mid-navigation
+            return True
+        return False
+
+    element.click()
+    WebDriverWait(driver, timeout).until(gone)

@@ -11,26 +11,10 @@ import time
 import pytest
 from django.urls import reverse
 
-from tests.browser import needs_chromium, screenshot
-from tests.conftest import wait_for
+from tests.browser import click_and_wait_for_next_page, needs_chromium, screenshot
 from tests.webapp.dashboard.test_browser import _log_in, browser  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
-
-
-def _wait_for_heading(browser, text: str) -> None:  # noqa: F811 - browser is the driver here
-    """A click that navigates returns before the next page is there: reading the heading at
-    once could read the old page's (seen under load)."""
-    from selenium.common.exceptions import StaleElementReferenceException
-    from selenium.webdriver.common.by import By
-
-    def heading() -> str:
-        try:
-            return browser.find_element(By.TAG_NAME, "h1").text
-        except StaleElementReferenceException:
-            return ""
-
-    wait_for(lambda: heading() == text, timeout=30, what=f"the page headed {text!r}")
 
 
 def test_password_change_from_the_nav(browser, live_server, alice) -> None:  # noqa: F811
@@ -38,14 +22,15 @@ def test_password_change_from_the_nav(browser, live_server, alice) -> None:  # n
 
     _log_in(browser, live_server, alice)
     browser.get(f"{live_server.url}{reverse('documents:list')}")
-    browser.find_element(By.LINK_TEXT, "Password").click()
-    _wait_for_heading(browser, "Change password")
+    click_and_wait_for_next_page(browser, browser.find_element(By.LINK_TEXT, "Password"))
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Change password"
     browser.find_element(By.ID, "id_old_password").send_keys("pw-alice-123")
     browser.find_element(By.ID, "id_new_password1").send_keys("Harbour-lights-77")
     browser.find_element(By.ID, "id_new_password2").send_keys("Harbour-lights-77")
     screenshot(browser, "password-change.png")
-    browser.find_element(By.CSS_SELECTOR, "#password-change-form button").click()
-    _wait_for_heading(browser, "Password changed")
+    submit = browser.find_element(By.CSS_SELECTOR, "#password-change-form button")
+    click_and_wait_for_next_page(browser, submit)  # not the old page's heading (under load)
+    assert browser.find_element(By.TAG_NAME, "h1").text == "Password changed"
     alice.refresh_from_db()
     assert alice.check_password("Harbour-lights-77")
 

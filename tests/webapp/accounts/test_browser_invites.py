@@ -13,7 +13,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
-from tests.browser import log_in, needs_chromium, screenshot
+from tests.browser import click_and_wait_for_next_page, log_in, needs_chromium, screenshot
 from tests.webapp.dashboard.test_browser import browser  # noqa: F401 - a fixture
 from tests.webapp.ui.test_mobile import _overflow, phone  # noqa: F401 - phone is a fixture
 from webapp.accounts import services
@@ -25,14 +25,10 @@ PASSWORD = "Quiet-river-2041"
 
 
 def _submit(driver, selector: str) -> None:
-    """Click a form's button and wait for the page it loads (the old one goes stale)."""
+    """Click a form's button and wait for the page it loads."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    button = driver.find_element(By.CSS_SELECTOR, selector)
-    button.click()
-    WebDriverWait(driver, 15).until(expected_conditions.staleness_of(button))
+    click_and_wait_for_next_page(driver, driver.find_element(By.CSS_SELECTOR, selector))
 
 
 def test_an_invite_from_staff_to_a_signed_in_account(browser, live_server, staff) -> None:  # noqa: F811

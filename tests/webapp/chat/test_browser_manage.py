@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser import needs_chromium, screenshot
+from tests.browser import click_and_wait_for_next_page, needs_chromium, screenshot
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from tests.webapp.dashboard.test_browser import _log_in, browser  # noqa: F401 - a fixture
 from tests.webapp.ui.test_mobile import _overflow, phone  # noqa: F401 - phone is a fixture
@@ -28,13 +28,10 @@ def _text(driver, selector: str) -> list[str]:
 
 
 def _submit(driver, selector: str) -> None:
-    """Click a form's button and wait for the page it loads (the old one goes stale)."""
+    """Click a form's button and wait for the page it loads."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
 
-    button = driver.find_element(By.CSS_SELECTOR, selector)
-    button.click()
-    _wait(driver, expected_conditions.staleness_of(button))
+    click_and_wait_for_next_page(driver, driver.find_element(By.CSS_SELECTOR, selector))
 
 
 def _wait(driver, condition, timeout: float = 15):
