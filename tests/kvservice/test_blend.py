@@ -140,9 +140,27 @@ def test_grouped_attention_equals_one_masked_call():
     query_pos = torch.tensor([2, 5, 6, 11, 17, 23, 27, 28, 29])
     key_pos = torch.arange(30)
     expected = attend(q, k, v, position_mask(query_pos, key_pos))
-    groups = group_queries(query_pos, key_pos, n_groups=4)
-    assert len(groups.spans) == 4 and groups.n_keys == [7, 12, 24, 30]  # keys up to the last
+    groups = group_queries(query_pos, key_pos, heads_per_key=2, min_rows=4)
+    assert len(groups.spans) == 4 and groups.n_keys == [6, 12, 24, 30]  # keys up to the last
     torch.testing.assert_close(attend_grouped(q, k, v, groups), expected)
+
+
+def test_grouped_attention_gives_every_call_at_least_its_minimum_of_stacked_rows():
+    key_pos = torch.arange(4000)
+    for count, heads_per_key, expected_groups in [
+        (596, 3, 2),
+        (200, 3, 1),
+        (1536, 3, 6),
+        (3, 1, 1),
+    ]:
+        query_pos = torch.linspace(100, 3999, count).long()
+        groups = group_queries(query_pos, key_pos, heads_per_key, min_rows=768)
+        assert len(groups.spans) == expected_groups
+        sizes = [span.stop - span.start for span in groups.spans]
+        assert sum(sizes) == count and max(sizes) - min(sizes) <= 1
+        if expected_groups > 1:
+            assert min(sizes) * heads_per_key >= 768
+        assert [m.shape[0] for m in groups.masks] == [heads_per_key * n for n in sizes]
 
 
 def test_grouped_attention_with_queries_bunched_at_the_end():
@@ -150,7 +168,7 @@ def test_grouped_attention_with_queries_bunched_at_the_end():
     q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     query_pos, key_pos = torch.arange(35, 40), torch.arange(40)
     expected = attend(q, k, v, position_mask(query_pos, key_pos))
-    groups = group_queries(query_pos, key_pos)
+    groups = group_queries(query_pos, key_pos, heads_per_key=2)
     assert len(groups.spans) == 1
     torch.testing.assert_close(attend_grouped(q, k, v, groups), expected)
 

@@ -1,0 +1,192 @@
+"""Where a blend's time goes, and the most a faster attention kernel could give it.
+
+    python -m bench.blend_cost --data ../shared/data/musique_dev.json --first 20 --examples 5
+
+Per example, ``full`` and ``blend`` prefill the same prompt (chunk KV precomputed and in CPU
+memory, as in ``kvservice.bench``): a warm-up, ``--repeats`` timed runs (the median), then
+one run with every ``scaled_dot_product_attention`` call timed and its (query, key) pairs
+counted. Full prefill's attention is those calls (the causal prompt); blend's are its
+recompute pass (the selected tokens and the question in groups; its reuse pass weighs the
+question's attention with its own product and holds no SDPA call, so it is in "the rest").
+
+For each run it prints the total, the SDPA time, the pairs a query may see (``visible``) and
+the pairs the kernel was given (``given``, the masked ones included), and the nanoseconds per
+visible pair. Then two bounds for blend, full's time divided by:
+
+* ``at_full_rate``: blend with its attention at full prefill's own rate per visible pair (a
+  kernel that skips masked work and runs small query groups as fast as the big causal one);
+* ``free_attention``: blend with attention that costs nothing (the linear layers, the reuse
+  pass and moving the cached KV into place only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.data import shared_data
+from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT, example_prompt
+from bench.timing import cpu_name
+from kvservice.blend import blend_prefill
+from kvservice.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.prompt import PromptFormat
+
+
+@dataclass
+class AttentionMeter:
+    seconds: float = 0.0
+    visible: int = 0  # (query, key) pairs a query may attend to
+    given: int = 0  # pairs handed to the kernel, masked ones included
+
+
+def visible_pairs(queries: int, keys: int, attn_mask: torch.Tensor | None, is_causal: bool) -> int:
+    """The (query, key) pairs one SDPA call lets a query see (per head)."""
+    if attn_mask is not None:
+        allowed = attn_mask if attn_mask.dtype == torch.bool else torch.isfinite(attn_mask)
+        one_head = allowed.expand(*allowed.shape[:-2], queries, keys).reshape(-1, queries, keys)[0]
+        return int(one_head.sum())
+    if is_causal:  # top-left aligned: query i sees keys 0..i
+        seen = min(queries, keys)
+        return seen * (seen + 1) // 2 + (queries - seen) * keys
+    return queries * keys
+
+
+@contextmanager
+def metered_attention() -> Iterator[AttentionMeter]:
+    """Time and count every ``F.scaled_dot_product_attention`` call inside the block."""
+    meter = AttentionMeter()
+    original = F.scaled_dot_product_attention
+
+    def metered(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        start = time.perf_counter()
+        out = original(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs
+        )
+        meter.seconds += time.perf_counter() - start
+        queries, keys = q.shape[-2], k.shape[-2]
+        meter.given += queries * keys
+        meter.visible += visible_pairs(queries, keys, attn_mask, is_causal)
+        return out
+
+    F.scaled_dot_product_attention = metered
+    try:
+        yield meter
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@torch.no_grad()
+def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) -> dict:
+    prompt = example_prompt(fmt, example, args.passages)
+    head_kv = precompute_head(model, prompt.head_ids)
+    chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
+
+    def prefill(mode: str) -> None:
+        result = blend_prefill(
+            model, prompt.head_ids, chunks, prompt.question_ids, mode=mode,
+            recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
+        )  # fmt: skip
+        int(result.logits.argmax())
+
+    row: dict = {"num_tokens": len(prompt.token_ids)}
+    for mode in ("full", "blend"):
+        prefill(mode)  # warm-up
+        seconds = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            prefill(mode)
+            seconds.append(time.perf_counter() - start)
+        with metered_attention() as meter:
+            prefill(mode)
+        row[mode] = {
+            "seconds": statistics.median(seconds),
+            "sdpa_seconds": meter.seconds,
+            "visible_pairs": meter.visible,
+            "given_pairs": meter.given,
+            "ns_per_visible_pair": 1e9 * meter.seconds / meter.visible,
+        }
+    full, blend = row["full"], row["blend"]
+    full_rate = full["sdpa_seconds"] / full["visible_pairs"]
+    rest = blend["seconds"] - blend["sdpa_seconds"]
+    row["speedup"] = full["seconds"] / blend["seconds"]
+    row["speedup_at_full_rate"] = full["seconds"] / (rest + blend["visible_pairs"] * full_rate)
+    row["speedup_free_attention"] = full["seconds"] / rest
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.blend_cost", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--data", type=Path, default=shared_data())
+    parser.add_argument("--first", type=int, default=20)
+    parser.add_argument("--examples", type=int, default=5)
+    parser.add_argument("--passages", type=int, default=6)
+    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)  # fmt: skip
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_llm_path(args.model_path, default_cache_dir())
+    model = Transformer.from_pretrained(model_dir, device="cpu", dtype=torch.float32)
+    fmt = PromptFormat(
+        AutoTokenizer.from_pretrained(model_dir), SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX
+    )
+    data = json.loads(args.data.read_text())[args.first : args.first + args.examples]
+    print(
+        f"{'':6} {'tokens':>6} {'full s':>7} {'attn':>6} {'ns/pair':>7}"
+        f" {'blend s':>7} {'attn':>6} {'ns/pair':>7} {'given/vis':>9}"
+        f" {'speedup':>7} {'at full rate':>12} {'free attn':>9}"
+    )
+    rows = []
+    for index, example in enumerate(data):
+        row = measure_example(model, fmt, example, args)
+        rows.append(row)
+        full, blend = row["full"], row["blend"]
+        print(
+            f"{args.first + index:6} {row['num_tokens']:6} {full['seconds']:7.3f}"
+            f" {full['sdpa_seconds']:6.3f} {full['ns_per_visible_pair']:7.2f}"
+            f" {blend['seconds']:7.3f} {blend['sdpa_seconds']:6.3f}"
+            f" {blend['ns_per_visible_pair']:7.2f}"
+            f" {blend['given_pairs'] / blend['visible_pairs']:9.2f}"
+            f" {row['speedup']:7.2f} {row['speedup_at_full_rate']:12.2f}"
+            f" {row['speedup_free_attention']:9.2f}",
+            flush=True,
+        )
+    summary = {
+        key: statistics.median(row[key] for row in rows)
+        for key in ("speedup", "speedup_at_full_rate", "speedup_free_attention")
+    }
+    summary["blend_visible_pairs_per_full"] = statistics.median(
+        row["blend"]["visible_pairs"] / row["full"]["visible_pairs"] for row in rows
+    )
+    print(
+        f"median over {len(rows)}: full / blend {summary['speedup']:.2f}x now,"
+        f" {summary['speedup_at_full_rate']:.2f}x with blend's attention at full's rate per pair,"
+        f" {summary['speedup_free_attention']:.2f}x with free attention; blend's attention sees"
+        f" {summary['blend_visible_pairs_per_full']:.3f} of full's (query, key) pairs"
+        f" at ratio {args.ratio}"
+    )
+    result = {"summary": summary, "examples": rows, "cpu": cpu_name(), "args": vars(args)}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
