@@ -7,6 +7,7 @@ This package sits above the product (``kvservice``, ``webapp``) and the dev stac
   (the name the README and the issues give it); ``--synthetic`` runs ``long_context``
   (random weights of a real model's shape), ``--engine vllm`` runs ``prefill_vllm``;
 * ``diagnose``: ``python -m bench.diagnose``, which tokens' true KV would recover full's answer;
+* ``blend_cost``: ``python -m bench.blend_cost``, where a blend's time goes (attention per pair);
 * ``turns``: ``python -m bench.turns``, follow-up questions over their own context KV;
 * ``staging``: where the prefill bench's chunk KV starts (``--tier``) and what loading cost;
 * ``store_io``: ``python -m bench.store_io``, how fast each store tier returns chunk KV;

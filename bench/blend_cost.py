@@ -45,8 +45,8 @@ from kvservice.prompt import PromptFormat
 @dataclass
 class AttentionMeter:
     seconds: float = 0.0
-    visible: int = 0  # (query, key) pairs a query may attend to
-    given: int = 0  # pairs handed to the kernel, masked ones included
+    visible: int = 0  # (query, key) pairs a query may attend to, summed over query heads
+    given: int = 0  # pairs handed to the kernel, masked ones included, summed likewise
 
 
 def visible_pairs(queries: int, keys: int, attn_mask: torch.Tensor | None, is_causal: bool) -> int:
@@ -73,9 +73,10 @@ def metered_attention() -> Iterator[AttentionMeter]:
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs
         )
         meter.seconds += time.perf_counter() - start
-        queries, keys = q.shape[-2], k.shape[-2]
-        meter.given += queries * keys
-        meter.visible += visible_pairs(queries, keys, attn_mask, is_causal)
+        # Per query head: a call may stack several heads' queries as rows (attend_grouped).
+        heads, queries, keys = q.shape[-3], q.shape[-2], k.shape[-2]
+        meter.given += heads * queries * keys
+        meter.visible += heads * visible_pairs(queries, keys, attn_mask, is_causal)
         return out
 
     F.scaled_dot_product_attention = metered
@@ -108,12 +109,13 @@ def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) 
             seconds.append(time.perf_counter() - start)
         with metered_attention() as meter:
             prefill(mode)
+        heads = model.config.n_heads  # pairs below are per (query token, key token)
         row[mode] = {
             "seconds": statistics.median(seconds),
             "sdpa_seconds": meter.seconds,
-            "visible_pairs": meter.visible,
-            "given_pairs": meter.given,
-            "ns_per_visible_pair": 1e9 * meter.seconds / meter.visible,
+            "visible_pairs": meter.visible / heads,
+            "given_pairs": meter.given / heads,
+            "ns_per_visible_pair": 1e9 * meter.seconds * heads / meter.visible,
         }
     full, blend = row["full"], row["blend"]
     full_rate = full["sdpa_seconds"] / full["visible_pairs"]
