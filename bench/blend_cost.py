@@ -22,6 +22,7 @@ visible pair. Then two bounds for blend, full's time divided by:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from bench.data import shared_data
 from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT, example_prompt
-from bench.timing import cpu_name
+from bench.timing import cpu_name, timed
 from kvservice.blend import blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.model import Transformer, precompute_chunks, precompute_head
@@ -102,11 +103,8 @@ def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) 
     row: dict = {"num_tokens": len(prompt.token_ids)}
     for mode in ("full", "blend"):
         prefill(mode)  # warm-up
-        seconds = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            prefill(mode)
-            seconds.append(time.perf_counter() - start)
+        run = functools.partial(prefill, mode)
+        seconds = [timed(run, model.device)[1] for _ in range(args.repeats)]
         with metered_attention() as meter:
             prefill(mode)
         heads = model.config.n_heads  # pairs below are per (query token, key token)

@@ -193,7 +193,7 @@ class QueryGroups:
 
     spans: list[slice]  # each group's queries
     n_keys: list[int]  # each group reads keys [0, n_keys)
-    masks: list[torch.Tensor]  # each group's additive mask [G * S_g, n_keys]: 0 or -inf
+    masks: list[torch.Tensor]  # additive, 0 or -inf: [heads_per_key * S_g, n_keys] each
 
 
 # PyTorch's CPU flash attention cuts a call's queries into 256-row blocks from 768 rows on,
