@@ -133,11 +133,13 @@ def generate(request_data: dict) -> dict:
     inflight_add(redis_client(), WORKER_ID, request)
     try:
         result = answer_request(runtime, request, redis_client())
+        # Reported while still in flight: an answer out of flight is one whose report is
+        # queued, so the reaper never takes a finished answer for one nobody took.
+        report = {**result, "audit_of": request.audit_of}
+        app.send_task(RECORD_TASK, args=[request.message_id, report], queue=RECORD_QUEUE)
     finally:
         inflight_remove(redis_client(), request.request_id)
     _advertise_hot(redis_client())  # the chunks just loaded: routable to here at once
-    report = {**result, "audit_of": request.audit_of}
-    app.send_task(RECORD_TASK, args=[request.message_id, report], queue=RECORD_QUEUE)
     return {"status": result["status"], "request_id": request.request_id}
 
 

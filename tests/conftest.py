@@ -213,3 +213,46 @@ def _route_requests_to_the_live_worker(request: pytest.FixtureRequest) -> Iterat
     ):
         mp.setenv("HEARTBEAT_KEY", LIVE_HEARTBEAT_KEY)
         yield
+
+
+def _work_left(client) -> dict[str, int]:
+    """What the live workers still have to do: tasks queued for either worker, tasks a Celery
+    worker took and has not finished (they are acknowledged late), answers being generated."""
+    from kvservice.protocol import INFLIGHT_KEY, RECORD_QUEUE
+    from kvservice.routing import backlog
+
+    work = {
+        "queued for the Celery worker": sum(client.llen(q) for q in {RECORD_QUEUE, "ingest", "kv"}),
+        "queued for the inference worker": backlog(client, LIVE_INFERENCE_QUEUE),
+        "taken, not finished": client.hlen("unacked"),  # kombu's hash of unacknowledged tasks
+        "answers in flight": client.hlen(INFLIGHT_KEY),
+    }
+    return {what: n for what, n in work.items() if n}
+
+
+def wait_until_the_workers_are_idle(*, timeout: float = 180, settled_polls: int = 3) -> None:
+    """Return once the live workers have had nothing to do for ``settled_polls`` polls in a
+    row (a task moves from its queue to the taken ones in two steps)."""
+    from webapp.redis import redis_client
+
+    client, idle_polls, left = redis_client(), 0, {}
+    deadline = time.monotonic() + timeout
+    while idle_polls < settled_polls:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the live workers were still busy after {timeout:.0f} s: {left}")
+        left = _work_left(client)
+        idle_polls = 0 if left else idle_polls + 1
+        time.sleep(0.2)
+
+
+@pytest.fixture(autouse=True)
+def _let_the_live_workers_finish(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that used the real workers ends once they are idle, before its database is
+    emptied: a task still writing (an answer's report, a fidelity audit) would otherwise race
+    the flush, which then fails on a deadlock, or lands in the next test."""
+    live = {"celery_worker_process", "inference_worker_process"} & set(request.fixturenames)
+    if live and request.node.get_closest_marker("django_db"):
+        request.getfixturevalue("_django_db_helper")  # set up first, so torn down after this
+    yield
+    if live:
+        wait_until_the_workers_are_idle()
