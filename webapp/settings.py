@@ -262,7 +262,7 @@ CHAT_MAX_QUESTION_CHARS = env.int("CHAT_MAX_QUESTION_CHARS", default=4000)
 # --- API (webapp/api) ---------------------------------------------------------------------------
 
 # Requests per user (all their API keys, their session's API calls and their questions in the
-# browser) per fixed window; over it, 429 with Retry-After.
+# browser) per fixed window; over it, 429 with Retry-After (webapp/accounts/ratelimits.py).
 API_RATE_LIMIT_REQUESTS = env.int("API_RATE_LIMIT_REQUESTS", default=120)
 API_RATE_LIMIT_WINDOW_S = env.int("API_RATE_LIMIT_WINDOW_S", default=60)
 # How long a non-streamed answer (or a quiet stream) is awaited before a 504.

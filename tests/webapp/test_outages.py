@@ -44,9 +44,11 @@ def _reset_celery_connections() -> None:
 
 @pytest.fixture
 def valkey_down(settings, stopped_valkey_url):
-    """Point the web app's Redis client and Celery's broker at the stopped valkey."""
+    """Point the web app's Redis client, Django's cache and Celery's broker at the stopped
+    valkey (one valkey serves all three)."""
     live_broker = celery_app.conf.broker_url
     settings.REDIS_URL = stopped_valkey_url
+    settings.CACHES = {"default": {**settings.CACHES["default"], "LOCATION": stopped_valkey_url}}
     settings.CELERY_BROKER_URL = stopped_valkey_url
     celery_app.conf.broker_url = stopped_valkey_url
     _reset_celery_connections()
@@ -123,7 +125,7 @@ def test_the_debug_page_never_shows_the_redis_password(alice, valkey_down, setti
         html = ExceptionReporter(None, type(exc), exc, exc.__traceback__).get_traceback_html()
     assert "REDIS_URL" in html and "CELERY_BROKER_URL" in html
     assert PASSWORD not in html
-    # Django's cache is the live valkey: its URL, password and all, is masked as well.
+    # Django's cache is a valkey too: its URL, password and all, is masked as well.
     assert "CACHES" in html and settings.CACHES["default"]["LOCATION"] not in html
 
 

@@ -1,12 +1,18 @@
-"""Sign-up and login attempts per client address: past ``SIGNUP_RATE_LIMIT`` or
+"""Rate limits, counted by django-ratelimit in Django's cache (valkey, which every web
+process shares).
+
+Sign-up and login attempts per client address: past ``SIGNUP_RATE_LIMIT`` or
 ``LOGIN_RATE_LIMIT`` POSTs from one address (a count per period, "20/m"), a styled 429 with
 Retry-After until the period ends.
 
 This bounds one address across every username (guessing many accounts' passwords, making
 many accounts); django-axes still locks one username at one address after a few wrong
-passwords. Counted by django-ratelimit in Django's cache, valkey, which every web process
-shares. The address is the one django-axes sees (``addresses.client_ip``, behind a proxy too),
-so both agree on who a client is."""
+passwords. The address is the one django-axes sees (``addresses.client_ip``, behind a proxy
+too), so both agree on who a client is.
+
+Requests per user (``user_seconds_until_allowed``): every API key of a user, the session's API
+calls and the questions asked in the browser share ``API_RATE_LIMIT_REQUESTS`` per
+``API_RATE_LIMIT_WINDOW_S``. This one needs the cache: with it down the request fails (503)."""
 
 from __future__ import annotations
 
@@ -48,6 +54,19 @@ def _seconds_until_allowed(request: HttpRequest, limit: str) -> int | None:
     except outages.SERVICE_ERRORS as err:
         log.warning("the %s rate limit is not counted, the cache is down: %s", limit, err)
         return None
+    if usage is None or not usage["should_limit"]:
+        return None
+    return max(1, usage["time_left"])
+
+
+def user_seconds_until_allowed(request: HttpRequest, user) -> int | None:
+    """Count this request against ``user``'s limit; None while under it, else the seconds
+    until its period ends."""
+    rate = f"{settings.API_RATE_LIMIT_REQUESTS}/{settings.API_RATE_LIMIT_WINDOW_S}s"
+    usage = get_usage(
+        request, group="user", key=lambda _group, _request: str(user.pk), rate=rate,
+        increment=True,
+    )  # fmt: skip
     if usage is None or not usage["should_limit"]:
         return None
     return max(1, usage["time_left"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hmac
 import secrets
-import time
 from datetime import timedelta
 
 from django.conf import settings
@@ -17,7 +16,6 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from webapp.accounts.models import ApiKey, Invite, secret_sha256
-from webapp.redis import redis_client
 
 KEY_PREFIX = "rbk_"  # recognisable in logs and secret scanners
 PREFIX_CHARS = 12  # "rbk_" + 8 random characters, shown in the key list
@@ -220,21 +218,3 @@ def api_key_authenticate(*, plaintext: str) -> ApiKey | None:
         ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
         api_key.last_used_at = now
     return api_key
-
-
-def user_rate_limit(*, user) -> int | None:
-    """Count one request against the user's fixed window in Redis (every key, the session
-    and the browser's questions share it); returns None when it is allowed, or the seconds
-    until the window resets when the user is over the limit."""
-    limit = settings.API_RATE_LIMIT_REQUESTS
-    window = settings.API_RATE_LIMIT_WINDOW_S
-    now = time.time()
-    window_start = int(now // window) * window
-    name = f"ragblend:ratelimit:user:{user.pk}:{window_start}"
-    pipe = redis_client().pipeline()
-    pipe.incr(name)
-    pipe.expire(name, window + 1)
-    count, _ = pipe.execute()
-    if count <= limit:
-        return None
-    return max(1, int(window_start + window - now + 0.999))

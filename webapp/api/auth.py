@@ -1,7 +1,7 @@
 """Who is calling: an API key (``Authorization: Bearer``), or the browser's session.
 
 A key's owner becomes ``request.user``, so the views read the same either way. Each user has
-one rate limit (a fixed window in Redis) over all their keys and their session; over it, 429
+one rate limit over all their keys and their session (``accounts.ratelimits``); over it, 429
 with ``Retry-After``."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from typing import Any
 from django.http import HttpRequest
 from ninja.security import HttpBearer, SessionAuth
 
-from webapp.accounts.services import api_key_authenticate, user_rate_limit
+from webapp.accounts.ratelimits import user_seconds_until_allowed
+from webapp.accounts.services import api_key_authenticate
 from webapp.api.errors import ApiError
 
 
-def check_rate_limit(user) -> None:
-    retry_after = user_rate_limit(user=user)
+def check_rate_limit(request: HttpRequest, user) -> None:
+    retry_after = user_seconds_until_allowed(request, user)
     if retry_after is not None:
         raise ApiError(
             429,
@@ -31,7 +32,7 @@ class ApiKeyAuth(HttpBearer):
         api_key = api_key_authenticate(plaintext=token)
         if api_key is None:
             return None
-        check_rate_limit(api_key.user)
+        check_rate_limit(request, api_key.user)
         request.user = api_key.user
         return api_key
 
@@ -42,7 +43,7 @@ class RateLimitedSessionAuth(SessionAuth):
     def authenticate(self, request: HttpRequest, key: str | None) -> Any:
         user = super().authenticate(request, key)
         if user is not None:
-            check_rate_limit(user)
+            check_rate_limit(request, user)
         return user
 
 

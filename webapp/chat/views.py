@@ -24,7 +24,7 @@ from django.views.decorators.http import require_GET, require_POST
 from redis.exceptions import RedisError
 
 from webapp import outages
-from webapp.accounts.services import user_rate_limit
+from webapp.accounts.ratelimits import user_seconds_until_allowed
 from webapp.answer_stream import sse, stream_events
 from webapp.chat import services
 from webapp.chat.conversations import (
@@ -81,7 +81,7 @@ def conversation_detail(request: HttpRequest, conversation_id: int) -> HttpRespo
 @require_POST
 def conversation_ask(request: HttpRequest, conversation_id: int) -> HttpResponse:
     conversation = get_conversation_for_user(request, conversation_id)
-    retry_after = user_rate_limit(user=request.user)  # the same limit as the user's API calls
+    retry_after = user_seconds_until_allowed(request, request.user)  # as the user's API calls
     if retry_after is not None:
         error = f"You are asking faster than your limit allows; try again in {retry_after} s."
         response = render(request, "chat/_error.html", {"error": error}, status=429)
