@@ -27,6 +27,7 @@ TEST_S3_BUCKETS = ("documents", "kvcache")
 # what lands on the default ``inference`` queue while the worker (a session fixture) runs.
 LIVE_INFERENCE_QUEUE = "inference-live"
 LIVE_HEARTBEAT_KEY = "ragblend:inference:heartbeat:live"  # likewise for its heartbeat
+CELERY_QUEUES = ("ingest", "kv")  # what the test Celery worker serves (answers' reports too)
 ROOT = Path(__file__).resolve().parent.parent
 
 _started: list[services.RunningService] = []
@@ -149,7 +150,7 @@ def celery_worker_process(
     env = {**os.environ, "DATABASE_URL": database_url, "PYTHONUNBUFFERED": "1",
            "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE}  # fmt: skip
     process = _spawn_worker(
-        [sys.executable, "-m", "celery", "-A", "worker", "worker", "-Q", "ingest,kv",
+        [sys.executable, "-m", "celery", "-A", "worker", "worker", "-Q", ",".join(CELERY_QUEUES),
          "--concurrency", "1", "--hostname", "ingest-test@%h", "--loglevel", "INFO",
          "--without-gossip", "--without-mingle"],
         log_path, env,
@@ -218,11 +219,11 @@ def _route_requests_to_the_live_worker(request: pytest.FixtureRequest) -> Iterat
 def _work_left(client) -> dict[str, int]:
     """What the live workers still have to do: tasks queued for either worker, tasks a Celery
     worker took and has not finished (they are acknowledged late), answers being generated."""
-    from kvservice.protocol import INFLIGHT_KEY, RECORD_QUEUE
+    from kvservice.protocol import INFLIGHT_KEY
     from kvservice.routing import backlog
 
     work = {
-        "queued for the Celery worker": sum(client.llen(q) for q in {RECORD_QUEUE, "ingest", "kv"}),
+        "queued for the Celery worker": sum(client.llen(queue) for queue in CELERY_QUEUES),
         "queued for the inference worker": backlog(client, LIVE_INFERENCE_QUEUE),
         "taken, not finished": client.hlen("unacked"),  # kombu's hash of unacknowledged tasks
         "answers in flight": client.hlen(INFLIGHT_KEY),

@@ -54,9 +54,7 @@ def _seconds_until_allowed(request: HttpRequest, limit: str) -> int | None:
     except outages.SERVICE_ERRORS as err:
         log.warning("the %s rate limit is not counted, the cache is down: %s", limit, err)
         return None
-    if usage is None or not usage["should_limit"]:
-        return None
-    return max(1, usage["time_left"])
+    return _retry_after(usage)
 
 
 def user_seconds_until_allowed(request: HttpRequest, user) -> int | None:
@@ -67,6 +65,11 @@ def user_seconds_until_allowed(request: HttpRequest, user) -> int | None:
         request, group="user", key=lambda _group, _request: str(user.pk), rate=rate,
         increment=True,
     )  # fmt: skip
+    return _retry_after(usage)
+
+
+def _retry_after(usage: dict | None) -> int | None:
+    """None while under the limit, else the seconds until its period ends."""
     if usage is None or not usage["should_limit"]:
         return None
     return max(1, usage["time_left"])
