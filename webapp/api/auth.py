@@ -38,7 +38,16 @@ class ApiKeyAuth(HttpBearer):
 
 
 class RateLimitedSessionAuth(SessionAuth):
-    """The browser's session (with ninja's CSRF check), under the same per-user limit."""
+    """The browser's session (with ninja's CSRF check), under the same per-user limit.
+
+    Who is calling is decided before CSRF: a request that sends a key (valid or not), or that
+    has no signed-in session, is not the browser's, so it gets the 401 of a bad or missing
+    key rather than ninja's "CSRF check Failed" 403 (seen on ``POST /api/v1/query``)."""
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if "Authorization" in request.headers or not request.user.is_authenticated:
+            return None
+        return super().__call__(request)
 
     def authenticate(self, request: HttpRequest, key: str | None) -> Any:
         user = super().authenticate(request, key)
