@@ -14,12 +14,17 @@
 | ``KV_CPU_CAPACITY_BYTES`` | ``2 GiB`` | CPU-memory tier |
 | ``KV_DISK_CAPACITY_BYTES`` | ``20 GiB`` | local-disk tier (``0`` turns it off) |
 | ``KV_DISK_DIR`` | ``/tmp/ragblend-kv`` | local-disk tier directory |
-| ``KV_QUANTIZE`` | ``false`` | write new objects as 8-bit per-token quantized K/V |
-| ``KV_STORE_DTYPE`` | ``float16`` | float32 KV stored as ``float16``, ``bfloat16`` or ``float32`` |
+| ``KV_CODEC`` | the default | how new objects store K/V: ``fp16``, ``int8``, ``fp8``, ``kivi4``.. |
+| ``KV_QUANTIZE`` | ``false`` | the switch before ``KV_CODEC``: ``true`` means ``KV_CODEC=int8`` |
+| ``KV_STORE_DTYPE`` | ``float16`` | float32 KV stored (fp16) or decoded as this 16-bit type |
 | ``KV_LOAD_WORKERS`` | ``16`` | background fetch threads of the pipelined loader |
 | ``KV_STREAM_THREADS`` | ``2`` | threads reading the chunks that S3 streams, a layer each in turn |
 | ``KV_PREFETCH_DEPTH`` | ``2`` | layers fetched ahead of the one in use, per chunk |
 | ``KV_LOAD_NICE`` | ``0`` | how far the fetch threads lower their CPU priority (Linux, 0-19) |
+
+``KV_CODEC`` names a codec of ``kvservice.store.codec.CODECS`` (``fp16`` is unquantized, in
+``KV_STORE_DTYPE``); objects already stored keep theirs until re-encoded
+(``manage.py kv_reencode``). ``KV_QUANTIZE=true`` means ``int8`` where ``KV_CODEC`` is unset.
 
 Sizes accept plain bytes or a ``KiB/MiB/GiB`` suffix. A bad value fails at start with the
 variable's name in the message.
@@ -31,6 +36,8 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from kvservice.store.codec import DEFAULT_CODEC, Codec, codec_by_name
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
@@ -70,6 +77,7 @@ class StoreConfig:
     disk_capacity_bytes: int = 20 << 30
     disk_dir: str = "/tmp/ragblend-kv"
     quantize: bool = False
+    codec: str = DEFAULT_CODEC
     store_dtype: str = "float16"
     load_workers: int = 16
     stream_threads: int = 2
@@ -97,6 +105,7 @@ class StoreConfig:
             ("KV_DISK_CAPACITY_BYTES", "disk_capacity_bytes", parse_size),
             ("KV_DISK_DIR", "disk_dir", str),
             ("KV_QUANTIZE", "quantize", _parse_bool),
+            ("KV_CODEC", "codec", lambda s: s.strip().lower()),
             ("KV_STORE_DTYPE", "store_dtype", str),
             ("KV_LOAD_WORKERS", "load_workers", int),
             ("KV_STREAM_THREADS", "stream_threads", int),
@@ -109,6 +118,8 @@ class StoreConfig:
                     fields[name] = parse(env[variable])
                 except ValueError as err:
                     raise ValueError(f"{variable}: {err}") from err
+        if fields.get("quantize") and "codec" not in fields:
+            fields["codec"] = "int8"
         config = cls(**fields)  # type: ignore[arg-type]
         config.validate()
         return config
@@ -120,7 +131,16 @@ class StoreConfig:
 
         return None if self.store_dtype == "float32" else getattr(torch, self.store_dtype)
 
+    @property
+    def kv_codec(self) -> Codec:
+        """The codec new objects are written with."""
+        return codec_by_name(self.codec)
+
     def validate(self) -> None:
+        try:
+            codec_by_name(self.codec)
+        except ValueError as err:
+            raise ValueError(f"KV_CODEC: {err}") from err
         for name in ("device_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

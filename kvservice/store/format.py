@@ -3,21 +3,30 @@
 ```
 offset 0             header (header_len bytes, a multiple of 64)
   fixed part         magic "RBKV", format version, header_len, dtype, K storage (pre-RoPE,
-                     or post-RoPE with its base position), quantization, layers, KV heads,
-                     head dim, tokens, sha256 of the token ids, layer_bytes, tokens_offset,
-                     total_bytes, lengths of the two strings below
+                     or post-RoPE with its base position), codec kind, layers, KV heads,
+                     head dim, tokens, sha256 of the token ids, tokens_offset, total_bytes,
+                     lengths of the two strings below, K group and V group (kivi)
   model fingerprint  utf-8
   head hash          utf-8
+  layer_bits[L]      K bits and V bits of each layer (one byte each; 0 for non-kivi kinds)
   layer_crc32[L]     crc32 of each layer block
   tokens_crc32       crc32 of the token-id section
   header_crc32       crc32 of every header byte before it
-header_len + i * layer_bytes      layer i: K then V, each [H_kv, T, D] (64-byte aligned);
-                                  quantized: K int8, K scales f32 [H_kv, T], V int8, V scales
+header_len + sum(layer_size[:i])  layer i: its codec's sections (``codec.section_sizes``),
+                                  each 16-byte aligned; the block 64-byte aligned. raw: K then
+                                  V [H_kv, T, D]; kivi: K codes, K steps, K minima, V codes,
+                                  V steps, V minima
 tokens_offset                     token ids, int32 little-endian (to recompute after a fault)
 ```
 
-All integers are little-endian. A reader fetches the first ``HEADER_PROBE_BYTES`` (or
-``header_len`` if longer), then any layer by itself and checks it against its crc32.
+The codec kinds are in ``kvservice.store.codec``; a layer's size follows from the header,
+so a reader never trusts a length it cannot check. All integers are little-endian. A reader
+fetches the first ``HEADER_PROBE_BYTES`` (or ``header_len`` if longer), then any layer by
+itself and checks it against its crc32.
+
+Version 1 (every object written before the codecs; fp16 or int8 per token, every layer the
+same size, ``layer_bytes`` in the fixed part, no bit table, sections 64-byte aligned) is
+still read; only version 2 is written.
 """
 
 from __future__ import annotations
@@ -30,33 +39,38 @@ from typing import Union
 import torch
 
 from kvservice.chunk import ChunkKV, token_ids_sha256
+from kvservice.store import codec as codecs
+from kvservice.store.codec import FP16, INT8, RAW, Codec
 from kvservice.store.errors import ChunkCorrupt, ChunkTruncated, FingerprintMismatch
 from kvservice.store.keys import ChunkKey
-from kvservice.store.quant import dequantize_per_token, quantize_per_token
 
 MAGIC = b"RBKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 ALIGN = 64
 HEADER_PROBE_BYTES = 16 << 10
 
 K_PRE_ROPE = 0
 K_POST_ROPE = 1
-QUANT_NONE = 0
-QUANT_INT8_PER_TOKEN = 1
+QUANT_NONE = RAW  # version 1's names for its two kinds
+QUANT_INT8_PER_TOKEN = INT8
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
-# magic, version, reserved, header_len, dtype, k_storage, quant, reserved, layers, kv heads,
-# head dim, tokens, rope base position, tokens sha256, layer_bytes, tokens_offset,
+_START = struct.Struct("<4sHHI")  # magic, version, reserved, header_len: every version
+# version 1: magic, version, reserved, header_len, dtype, k_storage, quant, reserved, layers,
+# kv heads, head dim, tokens, rope base position, tokens sha256, layer_bytes, tokens_offset,
 # total_bytes, fingerprint length, head hash length
-_FIXED = struct.Struct("<4sHHIBBBBIIIIq32sQQQHH")
+_FIXED_V1 = struct.Struct("<4sHHIBBBBIIIIq32sQQQHH")
+# version 2: as version 1 without layer_bytes (layers differ in size), with K and V group
+_FIXED = struct.Struct("<4sHHIBBBBIIIIq32sQQHHHH")
 
 Buffer = Union[bytes, bytearray, memoryview, torch.Tensor]  # noqa: UP007 (a runtime alias)
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
 
 
 def as_uint8(buf: Buffer) -> torch.Tensor:
@@ -77,12 +91,35 @@ def _crc(buf: Buffer) -> int:
 
 
 @dataclass(frozen=True)
+class LayerLayout:
+    """Where one layer's sections lie in its block: (offset, nbytes) each, and the block's
+    size (64-byte aligned)."""
+
+    sections: tuple[tuple[int, int], ...]
+    size: int
+
+
+def layer_layout(
+    version: int, kind: int, bits: tuple[int, int], heads: int, tokens: int, dim: int, *,
+    dtype: torch.dtype, k_group: int, v_group: int,
+) -> LayerLayout:  # fmt: skip
+    sizes = codecs.section_sizes(kind, bits, heads, tokens, dim, dtype=dtype,
+                                 k_group=k_group, v_group=v_group)  # fmt: skip
+    inner = ALIGN if version == 1 else codecs.SECTION_ALIGN
+    sections, offset = [], 0
+    for size in sizes:
+        sections.append((offset, size))
+        offset = _align(offset + size, inner)
+    return LayerLayout(tuple(sections), _align(offset))
+
+
+@dataclass(frozen=True)
 class ChunkHeader:
     version: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what K and V decode to
     k_storage: int
     rope_base_position: int
-    quantization: int
+    codec_kind: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -91,7 +128,10 @@ class ChunkHeader:
     model_fingerprint: str
     head_hash: str
     header_len: int
-    layer_bytes: int
+    k_group: int
+    v_group: int
+    layer_bits: tuple[tuple[int, int], ...]
+    layer_sizes: tuple[int, ...]
     tokens_offset: int
     total_bytes: int
     layer_crc32: tuple[int, ...]
@@ -103,12 +143,37 @@ class ChunkHeader:
 
     @property
     def quantized(self) -> bool:
-        return self.quantization != QUANT_NONE
+        return self.codec_kind != RAW
+
+    @property
+    def codec_name(self) -> str:
+        """What the object is stored as: ``fp16`` (or ``raw float32``..), ``int8``, ``fp8``,
+        or ``kivi`` with its (K, V) bit widths (``kivi k4v2``)."""
+        if self.codec_kind == codecs.KIVI:
+            return "kivi " + ",".join(f"k{k}v{v}" for k, v in sorted(set(self.layer_bits)))
+        if self.codec_kind != RAW:
+            return codecs.KIND_NAMES[self.codec_kind]
+        return "fp16" if self.dtype == torch.float16 else f"raw {str(self.dtype)[6:]}"
+
+    @property
+    def layers_bytes(self) -> int:
+        """Bytes of every layer block together (what a load moves)."""
+        return sum(self.layer_sizes)
 
     def layer_offset(self, index: int) -> int:
         if not 0 <= index < self.num_layers:
             raise IndexError(f"layer {index} of {self.num_layers}")
-        return self.header_len + index * self.layer_bytes
+        return self.header_len + sum(self.layer_sizes[:index])
+
+    def layer_size(self, index: int) -> int:
+        return self.layer_sizes[index]
+
+    def layout(self, index: int) -> LayerLayout:
+        return layer_layout(
+            self.version, self.codec_kind, self.layer_bits[index], self.num_kv_heads,
+            self.num_tokens, self.head_dim, dtype=self.dtype, k_group=self.k_group,
+            v_group=self.v_group,
+        )  # fmt: skip
 
     def check_key(self, key: ChunkKey) -> None:
         """Raise :class:`FingerprintMismatch` unless this object is the one ``key`` names."""
@@ -123,91 +188,93 @@ class ChunkHeader:
             raise FingerprintMismatch(f"object {key} holds tokens {self.tokens_sha256}")
 
 
-def _sections(
-    dtype: torch.dtype, quantized: bool, heads: int, tokens: int, dim: int
-) -> list[tuple[int, int]]:
-    """(offset, nbytes) of the sections of one layer block: [K, V] or [Kq, Ks, Vq, Vs]."""
-    if quantized:
-        sizes = [heads * tokens * dim, heads * tokens * 4] * 2
-    else:
-        sizes = [heads * tokens * dim * dtype.itemsize] * 2
-    sections, offset = [], 0
-    for size in sizes:
-        sections.append((offset, size))
-        offset = _align(offset + size)
-    return sections
-
-
-def _block_bytes(sections: list[tuple[int, int]]) -> int:
-    offset, size = sections[-1]
-    return _align(offset + size)
+def _stored_codec(chunk: ChunkKV, codec: Codec, narrow_to: torch.dtype | None):
+    """(chunk in the dtype it is stored or decoded in, that dtype, codec): float32 narrowed
+    to ``narrow_to`` where every value fits; a chunk that cannot be quantized (values beyond
+    float16) is stored raw."""
+    dtype = chunk.k.dtype
+    if narrow_to is not None and dtype == torch.float32 and codec.kind in (RAW, codecs.KIVI,
+                                                                          codecs.FP8):  # fmt: skip
+        narrow_k, narrow_v = chunk.k.to(narrow_to), chunk.v.to(narrow_to)
+        if bool(narrow_k.isfinite().all()) and bool(narrow_v.isfinite().all()):
+            if codec.kind == RAW:
+                chunk = ChunkKV(chunk.token_ids, narrow_k, narrow_v, chunk.model_fingerprint,
+                                chunk.head_hash)  # fmt: skip
+            dtype = narrow_to
+        elif codec.kind != RAW:
+            codec = FP16
+    return chunk, dtype, codec
 
 
 def encode_chunk(
     chunk: ChunkKV,
     *,
+    codec: Codec | None = None,
     quantize: bool = False,
     k_storage: int = K_PRE_ROPE,
     rope_base_position: int = 0,
     narrow_to: torch.dtype | None = None,
 ) -> bytearray:
-    """Serialize a chunk into one contiguous object (see the module docstring).
+    """Serialize a chunk into one contiguous object (see the module docstring) with ``codec``
+    (default: raw, or int8 per token with ``quantize``).
 
-    ``narrow_to`` (float16 or bfloat16) stores a float32 chunk at half the bytes; a chunk
-    already in 16 bits, or one whose values do not fit the narrower type, is stored as is."""
+    ``narrow_to`` (float16 or bfloat16) is the type a float32 chunk is stored in (raw) or
+    decoded to (kivi, fp8); a chunk already in 16 bits, or one whose values do not fit the
+    narrower type, is kept in its own (and stored raw)."""
     if chunk.k.dtype not in _DTYPE_CODES:
         raise ValueError(
             f"unsupported KV dtype {chunk.k.dtype}; store float32, float16 or bfloat16"
         )
     if narrow_to is not None and narrow_to not in (torch.float16, torch.bfloat16):
         raise ValueError(f"KV can be narrowed to float16 or bfloat16, not {narrow_to}")
+    if codec is None:
+        codec = codecs.CODECS["int8"] if quantize else FP16
+    chunk, dtype, codec = _stored_codec(chunk, codec, narrow_to)
     num_layers, heads, tokens, dim = chunk.k.shape
-    dtype = chunk.k.dtype
-    if narrow_to is not None and dtype == torch.float32 and not quantize:
-        narrow_k, narrow_v = chunk.k.to(narrow_to), chunk.v.to(narrow_to)
-        if bool(narrow_k.isfinite().all()) and bool(narrow_v.isfinite().all()):
-            chunk = ChunkKV(chunk.token_ids, narrow_k, narrow_v, chunk.model_fingerprint,
-                            chunk.head_hash)  # fmt: skip
-            dtype = narrow_to
-    sections = _sections(dtype, quantize, heads, tokens, dim)
-    layer_bytes = _block_bytes(sections)
+    k_cpu = chunk.k.detach().to("cpu").contiguous()
+    v_cpu = chunk.v.detach().to("cpu").contiguous()
+    layer_bits = codec.layer_bits(num_layers)
+    try:
+        blocks = [codecs.encode_layer(codec, layer_bits[i], k_cpu[i], v_cpu[i])
+                  for i in range(num_layers)]  # fmt: skip
+    except OverflowError:  # a value beyond float16: kept exactly instead
+        return encode_chunk(chunk, codec=FP16, k_storage=k_storage,
+                            rope_base_position=rope_base_position)  # fmt: skip
+    layouts = [
+        layer_layout(FORMAT_VERSION, codec.kind, layer_bits[i], heads, tokens, dim, dtype=dtype,
+                     k_group=codec.k_group, v_group=codec.v_group)
+        for i in range(num_layers)
+    ]  # fmt: skip
     fingerprint = chunk.model_fingerprint.encode()
     head_hash = chunk.head_hash.encode()
     if len(fingerprint) > 0xFFFF or len(head_hash) > 0xFFFF:
         raise ValueError("model fingerprint and head hash must be shorter than 64 KiB")
-    crc_table_at = _FIXED.size + len(fingerprint) + len(head_hash)
-    header_len = _align(crc_table_at + 4 * num_layers + 8)
-    tokens_offset = header_len + num_layers * layer_bytes
+    bits_at = _FIXED.size + len(fingerprint) + len(head_hash)
+    header_len = _align(bits_at + 2 * num_layers + 4 * num_layers + 8)
+    tokens_offset = header_len + sum(layout.size for layout in layouts)
     total_bytes = tokens_offset + 4 * tokens
 
     out = bytearray(total_bytes)
     view = memoryview(out)
     whole = torch.frombuffer(out, dtype=torch.uint8)
-    k_cpu = chunk.k.detach().to("cpu").contiguous()
-    v_cpu = chunk.v.detach().to("cpu").contiguous()
     layer_crcs = []
-    for layer in range(num_layers):
-        base = header_len + layer * layer_bytes
-        if quantize:
-            kq, ks = quantize_per_token(k_cpu[layer])
-            vq, vs = quantize_per_token(v_cpu[layer])
-            parts = [kq, ks, vq, vs]
-        else:
-            parts = [k_cpu[layer], v_cpu[layer]]
-        for (offset, size), part in zip(sections, parts, strict=True):
+    base = header_len
+    for layout, parts in zip(layouts, blocks, strict=True):
+        for (offset, size), part in zip(layout.sections, parts, strict=True):
             start = base + offset
-            dest = whole[start : start + size].view(part.dtype).view(part.shape)
-            dest.copy_(part)
-        layer_crcs.append(zlib.crc32(view[base : base + layer_bytes]))
+            whole[start : start + size].view(part.dtype).view(part.shape).copy_(part)
+        layer_crcs.append(zlib.crc32(view[base : base + layout.size]))
+        base += layout.size
     token_bytes = b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk.token_ids)
     view[tokens_offset:total_bytes] = token_bytes
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, 0, header_len, _DTYPE_CODES[dtype], k_storage,
-        QUANT_INT8_PER_TOKEN if quantize else QUANT_NONE, 0, num_layers, heads, dim, tokens,
-        rope_base_position, bytes.fromhex(chunk.tokens_sha256), layer_bytes, tokens_offset,
-        total_bytes, len(fingerprint), len(head_hash),
+        MAGIC, FORMAT_VERSION, 0, header_len, _DTYPE_CODES[dtype], k_storage, codec.kind, 0,
+        num_layers, heads, dim, tokens, rope_base_position, bytes.fromhex(chunk.tokens_sha256),
+        tokens_offset, total_bytes, len(fingerprint), len(head_hash), codec.k_group,
+        codec.v_group,
     )  # fmt: skip
     header = fixed + fingerprint + head_hash
+    header += bytes(b for pair in layer_bits for b in pair)
     header += struct.pack(f"<{num_layers}I", *layer_crcs) + struct.pack(
         "<I", zlib.crc32(token_bytes)
     )
@@ -224,12 +291,12 @@ def _host_bytes(buf: Buffer, length: int) -> bytes:
 
 def header_length(buf: Buffer) -> int:
     """``header_len`` from the first bytes of an object (at least the fixed part)."""
-    data = _host_bytes(buf, _FIXED.size)
-    if len(data) < _FIXED.size:
+    data = _host_bytes(buf, _FIXED_V1.size)
+    if len(data) < _FIXED_V1.size:
         raise ChunkTruncated(f"object is {len(data)} bytes, shorter than the fixed header")
     if data[:4] != MAGIC:
         raise ChunkCorrupt(f"bad magic {data[:4]!r}: not a chunk object")
-    return _FIXED.unpack(data)[3]
+    return _START.unpack_from(data)[3]
 
 
 def decode_header(buf: Buffer) -> ChunkHeader:
@@ -238,63 +305,81 @@ def decode_header(buf: Buffer) -> ChunkHeader:
     data = _host_bytes(buf, header_len)
     if len(data) < header_len:
         raise ChunkTruncated(f"object is {len(data)} bytes, header says {header_len}")
-    (_, version, _, _, dtype_code, k_storage, quantization, _, num_layers, heads, dim, tokens,
-     rope_base, tokens_sha, layer_bytes, tokens_offset, total_bytes, fp_len, head_len,
-     ) = _FIXED.unpack_from(data)  # fmt: skip
-    if version != FORMAT_VERSION:
-        raise ChunkCorrupt(f"chunk format version {version}; this reader knows {FORMAT_VERSION}")
-    at = _FIXED.size
+    version = _START.unpack_from(data)[1]
+    if version not in READABLE_VERSIONS:
+        raise ChunkCorrupt(f"chunk format version {version}; this reader knows "
+                           f"{', '.join(map(str, READABLE_VERSIONS))}")  # fmt: skip
+    if version == 1:
+        (_, _, _, _, dtype_code, k_storage, kind, _, num_layers, heads, dim, tokens, rope_base,
+         tokens_sha, layer_bytes, tokens_offset, total_bytes, fp_len, head_len,
+         ) = _FIXED_V1.unpack_from(data)  # fmt: skip
+        k_group = v_group = 0
+        at = _FIXED_V1.size
+    else:
+        (_, _, _, _, dtype_code, k_storage, kind, _, num_layers, heads, dim, tokens, rope_base,
+         tokens_sha, tokens_offset, total_bytes, fp_len, head_len, k_group, v_group,
+         ) = _FIXED.unpack_from(data)  # fmt: skip
+        at = _FIXED.size
     fingerprint = data[at : at + fp_len].decode(errors="replace")
     head_hash = data[at + fp_len : at + fp_len + head_len].decode(errors="replace")
     at += fp_len + head_len
-    if at + 4 * num_layers + 8 > header_len:
+    bits_len = 2 * num_layers if version >= 2 else 0
+    if at + bits_len + 4 * num_layers + 8 > header_len:
         raise ChunkCorrupt("header too short for its checksum table")
+    flat_bits = data[at : at + bits_len]
+    layer_bits = tuple(zip(flat_bits[0::2], flat_bits[1::2], strict=True)) if bits_len else (
+        ((0, 0),) * num_layers)  # fmt: skip
+    at += bits_len
     layer_crcs = struct.unpack_from(f"<{num_layers}I", data, at)
     at += 4 * num_layers
     tokens_crc, header_crc = struct.unpack_from("<II", data, at)
     if zlib.crc32(data[: at + 4]) != header_crc:
         raise ChunkCorrupt("header checksum mismatch")
-    if dtype_code not in _CODE_DTYPES or quantization not in (QUANT_NONE, QUANT_INT8_PER_TOKEN):
-        raise ChunkCorrupt(f"unknown dtype code {dtype_code} or quantization {quantization}")
+    known = (RAW, INT8) if version == 1 else tuple(codecs.KIND_NAMES)
+    if dtype_code not in _CODE_DTYPES or kind not in known:
+        raise ChunkCorrupt(f"unknown dtype code {dtype_code} or codec kind {kind}")
+    if kind == codecs.KIVI and (k_group < 1 or v_group < 1 or any(
+            not (1 <= b <= 8) for pair in layer_bits for b in pair)):  # fmt: skip
+        raise ChunkCorrupt("kivi object with bad group sizes or bit widths")
     dtype = _CODE_DTYPES[dtype_code]
-    expected_layer = _block_bytes(_sections(dtype, quantization != QUANT_NONE, heads, tokens, dim))
-    if (layer_bytes != expected_layer or tokens_offset != header_len + num_layers * layer_bytes
-            or total_bytes != tokens_offset + 4 * tokens):  # fmt: skip
+    sizes = tuple(
+        layer_layout(version, kind, bits, heads, tokens, dim, dtype=dtype, k_group=k_group,
+                     v_group=v_group).size
+        for bits in layer_bits
+    )  # fmt: skip
+    if version == 1 and any(size != layer_bytes for size in sizes):
+        raise ChunkCorrupt("header sizes are inconsistent")
+    if tokens_offset != header_len + sum(sizes) or total_bytes != tokens_offset + 4 * tokens:
         raise ChunkCorrupt("header sizes are inconsistent")
     return ChunkHeader(
         version=version, dtype=dtype, k_storage=k_storage, rope_base_position=rope_base,
-        quantization=quantization, num_layers=num_layers, num_kv_heads=heads, head_dim=dim,
+        codec_kind=kind, num_layers=num_layers, num_kv_heads=heads, head_dim=dim,
         num_tokens=tokens, tokens_sha256=tokens_sha.hex(), model_fingerprint=fingerprint,
-        head_hash=head_hash, header_len=header_len, layer_bytes=layer_bytes,
-        tokens_offset=tokens_offset, total_bytes=total_bytes, layer_crc32=tuple(layer_crcs),
-        tokens_crc32=tokens_crc,
+        head_hash=head_hash, header_len=header_len, k_group=k_group, v_group=v_group,
+        layer_bits=layer_bits, layer_sizes=sizes, tokens_offset=tokens_offset,
+        total_bytes=total_bytes, layer_crc32=tuple(layer_crcs), tokens_crc32=tokens_crc,
     )  # fmt: skip
 
 
 def decode_layer(
     header: ChunkHeader, index: int, block: Buffer, *, verify: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[H_kv, T, D]`` of layer ``index`` from its block (``layer_bytes`` long, or
-    longer: extra bytes are ignored). Unquantized layers are views of ``block``, no copy."""
+    """K and V ``[H_kv, T, D]`` of layer ``index`` from its block (``layer_size(index)``
+    long, or longer: extra bytes are ignored), decoded on the block's device. Raw layers are
+    views of ``block``, no copy."""
     raw = as_uint8(block)
-    if raw.numel() < header.layer_bytes:
-        raise ChunkTruncated(f"layer {index}: got {raw.numel()} of {header.layer_bytes} bytes")
-    raw = raw[: header.layer_bytes]
+    size = header.layer_size(index)
+    if raw.numel() < size:
+        raise ChunkTruncated(f"layer {index}: got {raw.numel()} of {size} bytes")
+    raw = raw[:size]
     if verify and _crc(raw) != header.layer_crc32[index]:
         raise ChunkCorrupt(f"layer {index} checksum mismatch in {header.key}")
     shape = (header.num_kv_heads, header.num_tokens, header.head_dim)
-    sections = _sections(header.dtype, header.quantized, *shape)
-    if not header.quantized:
-        (k_at, k_size), (v_at, v_size) = sections
-        k = raw[k_at : k_at + k_size].view(header.dtype).view(shape)
-        v = raw[v_at : v_at + v_size].view(header.dtype).view(shape)
-        return k, v
-    (kq_at, kq_size), (ks_at, ks_size), (vq_at, vq_size), (vs_at, vs_size) = sections
-    kq = raw[kq_at : kq_at + kq_size].view(torch.int8).view(shape)
-    ks = raw[ks_at : ks_at + ks_size].view(torch.float32).view(shape[:2])
-    vq = raw[vq_at : vq_at + vq_size].view(torch.int8).view(shape)
-    vs = raw[vs_at : vs_at + vs_size].view(torch.float32).view(shape[:2])
-    return dequantize_per_token(kq, ks, header.dtype), dequantize_per_token(vq, vs, header.dtype)
+    sections = [raw[at : at + n] for at, n in header.layout(index).sections]
+    return codecs.decode_sections(
+        header.codec_kind, header.layer_bits[index], sections, shape, header.dtype,
+        k_group=header.k_group, v_group=header.v_group,
+    )  # fmt: skip
 
 
 def decode_token_ids(header: ChunkHeader, section: Buffer, *, verify: bool = True) -> list[int]:
@@ -323,7 +408,7 @@ def verify_object(buf: Buffer, key: ChunkKey | None = None) -> ChunkHeader:
         raise ChunkTruncated(f"object {header.key} is {raw.numel()} of {header.total_bytes} bytes")
     for index in range(header.num_layers):
         start = header.layer_offset(index)
-        if _crc(raw[start : start + header.layer_bytes]) != header.layer_crc32[index]:
+        if _crc(raw[start : start + header.layer_size(index)]) != header.layer_crc32[index]:
             raise ChunkCorrupt(f"layer {index} checksum mismatch in {header.key}")
     decode_token_ids(header, raw[header.tokens_offset :])
     return header
@@ -354,7 +439,14 @@ def decode_chunk(buf: Buffer, key: ChunkKey | None = None, *, verify: bool = Tru
 
 
 def encoded_size(
-    num_layers: int, heads: int, tokens: int, dim: int, dtype: torch.dtype, *, quantize: bool
-) -> int:
+    num_layers: int, heads: int, tokens: int, dim: int, dtype: torch.dtype, *,
+    quantize: bool = False, codec: Codec | None = None,
+) -> int:  # fmt: skip
     """Bytes of the layer blocks (what a load moves), without header and tokens."""
-    return num_layers * _block_bytes(_sections(dtype, quantize, heads, tokens, dim))
+    if codec is None:
+        codec = codecs.CODECS["int8"] if quantize else FP16
+    return sum(
+        layer_layout(FORMAT_VERSION, codec.kind, bits, heads, tokens, dim, dtype=dtype,
+                     k_group=codec.k_group, v_group=codec.v_group).size
+        for bits in codec.layer_bits(num_layers)
+    )  # fmt: skip

@@ -278,10 +278,10 @@ class StoreLayeredKV:
                     raise ChunkMissing(f"{self.key} vanished from the {tier.name} tier")
                 for index in range(header.num_layers):
                     start = header.layer_offset(index)
-                    block = view[start : start + header.layer_bytes]
+                    block = view[start : start + header.layer_size(index)]
                     n = read_fully(stream, block)
                     got += n
-                    if n < header.layer_bytes:
+                    if n < header.layer_size(index):
                         raise ChunkTruncated(f"{self.key}: layer {index} ended after {n} bytes")
                     if index == last and buffer is not None:  # the token ids that follow
                         tokens = view[header.tokens_offset : header.total_bytes]
@@ -314,25 +314,23 @@ class StoreLayeredKV:
 
     def _fetch(self, found: Located, index: int, generation: int) -> LayerKV:
         header, tier = found.header, found.tier
-        start = header.layer_offset(index)
+        start, size = header.layer_offset(index), header.layer_size(index)
         last = index == header.num_layers - 1
         # the last layer's read also takes the token ids that follow it (for promotion)
-        end = (
-            header.total_bytes if last and self._buffer is not None else start + header.layer_bytes
-        )
+        end = header.total_bytes if last and self._buffer is not None else start + size
         self._clock.fetch.start()
         got = 0
         try:
             if tier.trusted:
-                block = tier.read_range(self.key, start, header.layer_bytes)
-                got = header.layer_bytes if block is not None else 0
+                block = tier.read_range(self.key, start, size)
+                got = size if block is not None else 0
             else:
                 buffer = self._buffer if self._buffer is not None else bytearray(end - start)
                 offset = start if self._buffer is not None else 0
                 out = memoryview(buffer)[offset : offset + end - start]
                 n = tier.read_into(self.key, start, out)
                 got = n or 0
-                block = None if n is None else out[: header.layer_bytes]
+                block = None if n is None else out[:size]
             if block is None:
                 raise ChunkUnavailable(f"{self.key} vanished from the {tier.name} tier")
             k, v = self._on_device(*decode_layer(header, index, block, verify=not tier.trusted))
@@ -355,7 +353,7 @@ class StoreLayeredKV:
 
     def loaded_bytes(self) -> int:
         found = self._located
-        return 0 if found is None else found.header.num_layers * found.header.layer_bytes
+        return 0 if found is None else found.header.layers_bytes
 
 
 def _lower_priority(nice: int) -> None:

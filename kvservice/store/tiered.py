@@ -16,6 +16,7 @@ from typing import Any
 
 from kvservice.chunk import ChunkKV
 from kvservice.store.base import Tier, TierStats
+from kvservice.store.codec import Codec, codec_by_name
 from kvservice.store.config import StoreConfig
 from kvservice.store.device import DeviceTier
 from kvservice.store.disk import DiskTier
@@ -69,6 +70,7 @@ class StoreStats:
     recomputes: int
     write_through_failures: int
     quantize: bool
+    codec: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,8 +92,10 @@ class TieredStore:
         self, tiers: Sequence[Tier], *, quantize: bool = False, config: StoreConfig | None = None
     ) -> None:
         self.tiers = list(tiers)
-        self.quantize = quantize
         self.config = config or StoreConfig()
+        self.quantize = quantize
+        # what put() writes: int8 where asked for (KV_QUANTIZE, or quantize=True), else KV_CODEC
+        self.codec = codec_by_name("int8") if quantize else self.config.kv_codec
         self._lock = threading.Lock()
         self._faults: Counter[str] = Counter()
         self.recomputes = 0
@@ -130,20 +134,23 @@ class TieredStore:
 
     def put(
         self, chunk: ChunkKV, *, tiers: Sequence[str] | None = None, quantize: bool | None = None,
-        write_through: bool = True, scope: str = "",
+        codec: Codec | None = None, write_through: bool = True, scope: str = "",
     ) -> ChunkKey:  # fmt: skip
         """Encode and store a chunk under its content address in ``scope``; returns the key.
+
+        ``codec`` defaults to the store's (``KV_CODEC``); ``quantize`` True means int8 per
+        token, False the unquantized ``fp16`` codec.
 
         ``tiers`` names the local tiers to fill (default: the fastest local tier); with
         ``write_through`` the object also goes to S3, and a failure there raises
         :class:`StoreUnavailable` after the local copies are in place.
         """
         key = ChunkKey.of(chunk, scope)
-        data = encode_chunk(
-            chunk,
-            quantize=self.quantize if quantize is None else quantize,
-            narrow_to=self.config.narrow_to,
-        )
+        if codec is None:
+            codec = (
+                self.codec if quantize is None else codec_by_name("int8" if quantize else "fp16")
+            )
+        data = encode_chunk(chunk, codec=codec, narrow_to=self.config.narrow_to)
         self.put_encoded(key, data, tiers=tiers, write_through=write_through)
         return key
 
@@ -326,5 +333,5 @@ class TieredStore:
             recomputes, failures = self.recomputes, self.write_through_failures
         return StoreStats(
             tiers=[tier.stats() for tier in self.tiers], faults=faults, recomputes=recomputes,
-            write_through_failures=failures, quantize=self.quantize,
+            write_through_failures=failures, quantize=self.quantize, codec=self.codec.name,
         )  # fmt: skip

@@ -10,7 +10,8 @@ from tests.kvservice.store.conftest import L, make_chunk
 @pytest.mark.parametrize("tier", ["cpu", "disk", "s3"])
 def test_bench_stages_in_one_tier_and_reports_loading(tier, s3_service):
     chunks = [make_chunk(60 + i) for i in range(3)]
-    bench = StoreBench(tier, environ={**s3_service.env, "KV_STORE_DTYPE": "float32"})
+    environ = {**s3_service.env, "KV_STORE_DTYPE": "float32", "KV_CODEC": "fp16"}  # exact
+    bench = StoreBench(tier, environ=environ)
     try:
         bench.stage(chunks)
         key = bench._keys[id(chunks[0])]

@@ -67,7 +67,7 @@ def test_chunks_loaded_from_the_store_reach_the_cuda_cache(tiny_checkpoints, pro
     )
     kvs = precompute_chunks(model, head, chunks)
     in_memory = blend_prefill(model, head, kvs, question, mode="reuse")
-    bench = StoreBench("cpu", environ={"KV_STORE_DTYPE": "bfloat16"})
+    bench = StoreBench("cpu", environ={"KV_STORE_DTYPE": "bfloat16", "KV_CODEC": "fp16"})
     try:
         bench.stage(kvs)
         loaded = blend_prefill(model, head, bench.sources(kvs, "reuse"), question, mode="reuse")

@@ -36,6 +36,7 @@ def store_config(s3_service, tmp_path: Path) -> StoreConfig:
         "KV_DISK_CAPACITY_BYTES": "64MiB",
         "KV_S3_BUCKET": "kvcache",
         "KV_STORE_DTYPE": "float32",  # exact round trips; narrowing is tested in test_format
+        "KV_CODEC": "fp16",  # unquantized; the codecs are tested in test_codec
     })  # fmt: skip
     return StoreConfig.from_env(env)
 

@@ -58,7 +58,8 @@ def test_the_store_narrows_by_its_setting(tmp_path):
         StoreConfig.from_env({"KV_STORE_DTYPE": "int4"})
     chunk = make_chunk(6)
     for setting, dtype in (("float16", torch.float16), ("float32", torch.float32)):
-        store = TieredStore([MemoryTier(1 << 20)], config=StoreConfig(store_dtype=setting))
+        config = StoreConfig(store_dtype=setting, codec="fp16")
+        store = TieredStore([MemoryTier(1 << 20)], config=config)
         key = store.put(chunk)
         assert store.get(key).k.dtype == dtype
 
@@ -83,7 +84,7 @@ def test_one_layer_decodes_from_its_own_byte_range():
     header = decode_header(data[:HEADER_PROBE_BYTES])
     for i in range(L):
         start = header.layer_offset(i)
-        k, v = decode_layer(header, i, bytes(data[start : start + header.layer_bytes]))
+        k, v = decode_layer(header, i, bytes(data[start : start + header.layer_size(i)]))
         assert torch.equal(k, chunk.k[i]) and torch.equal(v, chunk.v[i])
     tokens = data[header.tokens_offset : header.total_bytes]
     assert decode_token_ids(header, tokens) == chunk.token_ids

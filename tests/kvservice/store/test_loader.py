@@ -41,7 +41,7 @@ def test_loader_serves_exactly_the_stored_layers_in_order(store, where):
             _assert_serves(source, chunk)
         stats = batch.stats()
     assert stats.chunks == 4 and stats.faults == 0 and 0.0 <= stats.hidden_load_fraction <= 1.0
-    assert stats.tier_bytes[where] == 4 * L * decode_header(encode_chunk(chunks[0])).layer_bytes
+    assert stats.tier_bytes[where] == 4 * decode_header(encode_chunk(chunks[0])).layers_bytes
     if where != "cpu":  # read from disk or S3: promoted into the CPU tier once complete
         deadline = time.monotonic() + 2
         while not all(store.tier("cpu").contains(k) for k in keys) and time.monotonic() < deadline:
@@ -117,7 +117,7 @@ class SlowDisk(DiskTier):
 
 def _slow_store(tmp_path, chunk):
     store = TieredStore([MemoryTier(1 << 20), SlowDisk(tmp_path / "slow", 1 << 20)],
-                        config=StoreConfig(store_dtype="float32"))  # fmt: skip
+                        config=StoreConfig(store_dtype="float32", codec="fp16"))  # fmt: skip
     return store, store.put(chunk, tiers=["disk"])
 
 

@@ -1,0 +1,317 @@
+"""Chunk KV codecs: how one layer's K and V become bytes in a chunk object, and back.
+
+A codec is a :class:`Codec`: a kind (how values are coded) and, for the grouped integer kind,
+the bit width of K and of V in each layer and the group sizes. The object records the kind,
+the group sizes and every layer's bit widths (``kvservice.store.format``), so an object
+decodes by what it says, whatever the codecs are named or tuned to later.
+
+Kinds:
+
+* ``raw``: K and V as they are, in 16 bits (``KV_STORE_DTYPE``; float32 if asked).
+* ``int8``: 8-bit per-token quantization with a float32 scale per (head, token)
+  (``kvservice.store.quant``, the store's first quantized format).
+* ``fp8``: float8 e4m3 with a float16 scale per (head, token): the baseline.
+* ``kivi``: grouped asymmetric integer quantization (KIVI, arXiv 2402.02750). K per
+  channel: each channel of each head gets a minimum and a step per group of ``k_group``
+  tokens, because keys, stored before RoPE, have a few channels of large magnitude on every
+  token; V per token: each (head, token) gets a minimum and a step per ``v_group`` channels.
+  Minima and steps are float16; codes of ``b`` bits are packed 8 values to ``b`` bytes.
+
+Decoding is torch only (shifts, masks, one fused multiply-add), so it runs the same on CPU
+and on CUDA, on the device the object's bytes are on.
+
+The named codecs (``KV_CODEC``) and the measurements that chose the default are in
+:data:`CODECS`; ``python -m bench.codec`` measures them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvservice.store.quant import dequantize_per_token, quantize_per_token
+
+RAW = 0
+INT8 = 1  # the value format version 1 wrote for its int8 per-token quantization
+KIVI = 2
+FP8 = 3
+KIND_NAMES = {RAW: "raw", INT8: "int8", KIVI: "kivi", FP8: "fp8"}
+
+SECTION_ALIGN = 16  # inside a layer block: enough for any element type to be viewed in place
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A named way of storing chunk KV.
+
+    ``k_bits`` / ``v_bits`` (kivi only) give the bit widths by depth: ``((upto, bits), ...)``
+    where a layer at relative depth ``layer / num_layers < upto`` takes ``bits`` (the first
+    pair that matches)."""
+
+    name: str
+    kind: int
+    k_bits: tuple[tuple[float, int], ...] = ()
+    v_bits: tuple[tuple[float, int], ...] = ()
+    k_group: int = 0
+    v_group: int = 0
+
+    def layer_bits(self, num_layers: int) -> tuple[tuple[int, int], ...]:
+        """(K bits, V bits) of each layer; (0, 0) for the kinds that have no bit widths."""
+        if self.kind != KIVI:
+            return tuple((0, 0) for _ in range(num_layers))
+        return tuple(
+            (_bits_at(self.k_bits, i / num_layers), _bits_at(self.v_bits, i / num_layers))
+            for i in range(num_layers)
+        )
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != RAW
+
+
+def _bits_at(schedule: Sequence[tuple[float, int]], depth: float) -> int:
+    for upto, bits in schedule:
+        if depth < upto:
+            return bits
+    return schedule[-1][1]
+
+
+def kivi(name: str, k_bits, v_bits, *, k_group: int = 64, v_group: int = 64) -> Codec:
+    """A kivi codec; ``k_bits``/``v_bits`` an int (every layer) or a depth schedule."""
+
+    def schedule(bits) -> tuple[tuple[float, int], ...]:
+        return ((1.0, bits),) if isinstance(bits, int) else tuple(bits)
+
+    return Codec(name, KIVI, schedule(k_bits), schedule(v_bits), k_group, v_group)
+
+
+FP16 = Codec("fp16", RAW)
+# Measured on tuning examples 0-19 (python -m bench.codec), bytes per token of the bundled
+# SmolLM2-135M's objects (fp16: 23,108):
+CODECS: dict[str, Codec] = {
+    codec.name: codec
+    for codec in (
+        FP16,
+        Codec("int8", INT8),
+        Codec("fp8", FP8),
+        kivi("kivi4", 4, 4),
+        kivi("kivi3", 3, 3),
+        kivi("kivi2", 2, 2),
+        kivi("kivi4k2v", 4, 2),
+        kivi("kivi3k2v", 3, 2),
+    )
+}
+DEFAULT_CODEC = "kivi4k2v"
+
+
+def codec_by_name(name: str) -> Codec:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV codec {name!r} (known: {', '.join(CODECS)})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Bit packing: 8 codes of ``bits`` bits in ``bits`` bytes, little-endian within each byte run
+
+
+def packed_size(count: int, bits: int) -> int:
+    return math.ceil(count / 8) * bits
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes (< 2**bits, any shape) -> uint8 ``[packed_size(numel, bits)]``."""
+    flat = codes.reshape(-1).to(torch.int64)
+    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8)).view(-1, 8)  # [N, 8]
+    shifts = torch.arange(8, device=flat.device, dtype=torch.int64) * bits
+    word = (flat << shifts).sum(-1)  # [N]: 8 codes in 8 * bits <= 64 bits
+    byte_shifts = torch.arange(bits, device=flat.device, dtype=torch.int64) * 8
+    return ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)  # [N * bits]
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: uint8 -> ``[count]`` codes (uint8 where ``bits``
+    divides 8, else int32). One shift-and-mask by a constant per code slot of a byte run:
+    as fast as torch's elementwise kernels on CPU and CUDA (a broadcast shift by a tensor
+    of shifts was 4x slower here)."""
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:  # whole codes per byte: byte ops only
+        slots = [(packed >> (i * bits)) & mask for i in range(8 // bits)]
+        return torch.stack(slots, -1).reshape(-1)[:count]
+    raw = packed.view(-1, bits).to(torch.int32 if bits < 4 else torch.int64)  # [N, bits]
+    word = raw[:, 0].clone()  # 8 codes in 8 * bits bits
+    for i in range(1, bits):
+        word |= raw[:, i] << (8 * i)
+    slots = [(word >> (i * bits)) & mask for i in range(8)]
+    return torch.stack(slots, -1).reshape(-1)[:count]
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped asymmetric quantization
+
+
+def quantize_groups(
+    x: torch.Tensor, bits: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes of ``x`` with one float16 minimum and step per slice along ``dim`` (a group):
+    returns (codes like x, int64; step; minimum), the last two with ``dim`` reduced.
+    ``|x - decode| <= step / 2`` up to float16 rounding of the minimum and step."""
+    xf = x.float()
+    levels = (1 << bits) - 1
+    low = xf.amin(dim).to(torch.float16)
+    step = ((xf.amax(dim) - low.float()) / levels).to(torch.float16)
+    if not (bool(low.isfinite().all()) and bool(step.isfinite().all())):
+        raise OverflowError("KV values beyond float16's range: not quantized")
+    safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
+    codes = torch.round((xf - low.float().unsqueeze(dim)) / safe.unsqueeze(dim))
+    return codes.clamp_(0, levels).to(torch.int64), step, low
+
+
+def _k_groups(tokens: int, group: int) -> int:
+    return math.ceil(tokens / group) if tokens else 0
+
+
+def _token_group(tokens: int, group: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(tokens, device=device) // group  # [T]: each token's group
+
+
+def quantize_k_per_channel(
+    k: torch.Tensor, bits: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k: [H, T, D] -> (codes [H, T, D], step [H, G, D], minimum [H, G, D]), ``G`` groups of
+    ``group`` tokens (the last may be shorter) per channel."""
+    heads, tokens, dim = k.shape
+    groups = _k_groups(tokens, group)
+    pad = groups * group - tokens
+    # the last token repeated: the last group's range is its own tokens'
+    padded = torch.cat([k, k[:, -1:].expand(heads, pad, dim)], 1) if pad else k
+    _, step, low = quantize_groups(padded.view(heads, groups, group, dim), bits, dim=2)
+    index = _token_group(tokens, group, k.device)
+    safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
+    codes = torch.round((k.float() - low.float()[:, index]) / safe[:, index])
+    return codes.clamp_(0, (1 << bits) - 1).to(torch.int64), step, low
+
+
+def quantize_v_per_token(
+    v: torch.Tensor, bits: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """v: [H, T, D] -> (codes [H, T, D], step [H, T, D/group], minimum [H, T, D/group])."""
+    heads, tokens, dim = v.shape
+    codes, step, low = quantize_groups(v.reshape(heads, tokens, dim // group, group), bits, dim=3)
+    return codes.view(heads, tokens, dim), step, low
+
+
+# --------------------------------------------------------------------------------------------
+# Layer blocks
+
+
+def _v_group(codec_v_group: int, dim: int) -> int:
+    return codec_v_group if codec_v_group and dim % codec_v_group == 0 else dim
+
+
+def section_sizes(
+    kind: int, bits: tuple[int, int], heads: int, tokens: int, dim: int, *,
+    dtype: torch.dtype, k_group: int, v_group: int,
+) -> list[int]:  # fmt: skip
+    """Byte sizes of one layer block's sections, in order."""
+    values = heads * tokens * dim
+    if kind == RAW:
+        return [values * dtype.itemsize] * 2
+    if kind == INT8:
+        return [values, heads * tokens * 4] * 2
+    if kind == FP8:
+        return [values, heads * tokens * 2] * 2
+    k_bits, v_bits = bits
+    k_params = heads * _k_groups(tokens, k_group) * dim * 2
+    v_params = heads * tokens * (dim // _v_group(v_group, dim)) * 2
+    return [packed_size(values, k_bits), k_params, k_params,
+            packed_size(values, v_bits), v_params, v_params]  # fmt: skip
+
+
+def encode_layer(
+    codec: Codec, bits: tuple[int, int], k: torch.Tensor, v: torch.Tensor
+) -> list[torch.Tensor]:
+    """The sections of one layer (K and V ``[H, T, D]`` on CPU, already in the stored dtype
+    for ``raw``), in :func:`section_sizes`' order."""
+    if codec.kind == RAW:
+        return [k, v]
+    if codec.kind == INT8:
+        kq, ks = quantize_per_token(k)
+        vq, vs = quantize_per_token(v)
+        return [kq, ks, vq, vs]
+    if codec.kind == FP8:
+        return [*_fp8_encode(k), *_fp8_encode(v)]
+    heads, tokens, dim = k.shape
+    k_bits, v_bits = bits
+    k_codes, k_step, k_low = quantize_k_per_channel(k, k_bits, codec.k_group)
+    v_codes, v_step, v_low = quantize_v_per_token(v, v_bits, _v_group(codec.v_group, dim))
+    return [pack_bits(k_codes, k_bits), k_step, k_low, pack_bits(v_codes, v_bits), v_step, v_low]
+
+
+def _fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / FP8_MAX).to(torch.float16)  # [H, T]
+    if not bool(scale.isfinite().all()):
+        raise OverflowError("KV values beyond float16's range: not quantized")
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    codes = (xf / safe.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8), scale
+
+
+def decode_sections(
+    kind: int, bits: tuple[int, int], sections: list[torch.Tensor],
+    shape: tuple[int, int, int], dtype: torch.dtype, *, k_group: int, v_group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """K and V ``[H, T, D]`` in ``dtype`` from a layer's sections (uint8 views, any device).
+    ``raw`` sections come back as views, no copy."""
+    heads, tokens, dim = shape
+    if kind == RAW:
+        k_raw, v_raw = sections
+        return k_raw.view(dtype).view(shape), v_raw.view(dtype).view(shape)
+    if kind == INT8:
+        kq, ks, vq, vs = sections
+        return (
+            dequantize_per_token(kq.view(torch.int8).view(shape), ks.view(torch.float32)
+                                 .view(shape[:2]), dtype),
+            dequantize_per_token(vq.view(torch.int8).view(shape), vs.view(torch.float32)
+                                 .view(shape[:2]), dtype),
+        )  # fmt: skip
+    if kind == FP8:
+        kq, ks, vq, vs = sections
+        return _fp8_decode(kq, ks, shape, dtype), _fp8_decode(vq, vs, shape, dtype)
+    k_bits, v_bits = bits
+    k_packed, k_step, k_low, v_packed, v_step, v_low = sections
+    count = heads * tokens * dim
+    groups = _k_groups(tokens, k_group)
+    k_codes = unpack_bits(k_packed, k_bits, count).view(shape)
+    k_step = k_step.view(torch.float16).view(heads, groups, 1, dim).float()  # [H, G, 1, D]
+    k_low = k_low.view(torch.float16).view(heads, groups, 1, dim).float()
+    k = torch.empty(shape, dtype=dtype, device=k_packed.device)
+    # whole groups through a view that broadcasts each group's step (no per-token gather),
+    # the last partial group on its own; the copy into k is the cast to dtype
+    whole = tokens // k_group
+    if whole:
+        codes = k_codes[:, : whole * k_group].view(heads, whole, k_group, dim).float()
+        k[:, : whole * k_group].copy_(
+            torch.addcmul(k_low[:, :whole], codes, k_step[:, :whole]).view(heads, -1, dim)
+        )
+    if whole < groups:
+        codes = k_codes[:, whole * k_group :].float()
+        k[:, whole * k_group :].copy_(torch.addcmul(k_low[:, -1], codes, k_step[:, -1]))
+    v_groups = dim // _v_group(v_group, dim)
+    v_codes = unpack_bits(v_packed, v_bits, count).view(heads, tokens, v_groups, -1).float()
+    v_step = v_step.view(torch.float16).view(heads, tokens, v_groups, 1).float()
+    v_low = v_low.view(torch.float16).view(heads, tokens, v_groups, 1).float()
+    v = torch.addcmul(v_low, v_codes, v_step).view(shape).to(dtype)
+    return k, v
+
+
+def _fp8_decode(
+    codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    values = codes.view(torch.float8_e4m3fn).view(shape).float()
+    return (values * scale.view(torch.float16).view(shape[:2]).float().unsqueeze(-1)).to(dtype)

@@ -1,0 +1,221 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvservice.chunk import ChunkKV
+from kvservice.store.codec import (
+    CODECS,
+    DEFAULT_CODEC,
+    FP16,
+    codec_by_name,
+    kivi,
+    pack_bits,
+    quantize_k_per_channel,
+    quantize_v_per_token,
+    unpack_bits,
+)
+from kvservice.store.config import StoreConfig
+from kvservice.store.format import (
+    decode_chunk,
+    decode_header,
+    decode_layer,
+    encode_chunk,
+    verify_object,
+)
+from kvservice.store.keys import ChunkKey
+
+from .conftest import make_chunk
+
+DATA = Path(__file__).parent / "data"
+SMOL = dict(layers=30, heads=3, dim=64)  # the bundled SmolLM2-135M's KV shape
+
+
+def smol_like_chunk(tokens: int = 150, seed: int = 0) -> ChunkKV:
+    """Random KV of SmolLM2-135M's shape, K with a few large channels as real keys have."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (SMOL["layers"], SMOL["heads"], tokens, SMOL["dim"])
+    channel_scale = torch.ones(SMOL["dim"])
+    channel_scale[:4] = 20.0  # outlier channels: per-channel K groups keep them apart
+    k = torch.randn(*shape, generator=gen) * channel_scale
+    v = torch.randn(*shape, generator=gen)
+    return ChunkKV(list(range(tokens)), k, v, "smol@test", "head")
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_bit_packing_round_trips_every_width(bits):
+    codes = torch.randint(0, 1 << bits, (1001,))  # not a multiple of 8 codes
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == 126 * bits
+    assert torch.equal(unpack_bits(packed, bits, 1001).long(), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_per_channel_k_error_is_half_a_step_of_its_group(bits):
+    k = torch.randn(3, 150, 64) * torch.logspace(-2, 2, 64)  # channels of very different size
+    codes, step, low = quantize_k_per_channel(k, bits, group=64)
+    assert step.shape == (3, 3, 64) and codes.shape == k.shape  # 150 tokens: 3 groups
+    index = torch.arange(150) // 64
+    back = low.float()[:, index] + codes.float() * step.float()[:, index]
+    # half a step, plus float16 rounding of the minimum (|low| * 2**-11) and of the step
+    group_max = k.abs().view(3, 150, 64).amax(1, keepdim=True)
+    bound = step.float()[:, index] / 2 + group_max * 2**-10
+    assert bool(((back - k).abs() <= bound).all())
+    # a small channel is not blurred by the large ones: its error is its own step's
+    assert (back - k)[..., 0].abs().max() < 0.01 * k[..., -1].abs().max()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_per_token_v_error_is_half_a_step_of_its_group(bits):
+    v = torch.randn(3, 40, 64) * torch.logspace(-3, 2, 40).view(1, 40, 1)  # tokens of any size
+    codes, step, low = quantize_v_per_token(v, bits, group=32)
+    assert step.shape == (3, 40, 2)
+    back = low.float()[..., None] + codes.view(3, 40, 2, 32).float() * step.float()[..., None]
+    bound = step.float()[..., None] / 2 + v.abs().view(3, 40, 2, 32).amax(-1, True) * 2**-10
+    assert bool(((back - v.view(3, 40, 2, 32)).abs() <= bound).all())
+
+
+# relative error (Frobenius) of K and V through each codec on Gaussian KV, and the most
+# bytes per token each may take at SmolLM2's shape (fp16: 23,040 + 4 for the token id)
+BOUNDS = {
+    "fp16": (1e-3, 23_100), "int8": (0.02, 12_300), "fp8": (0.04, 12_000),
+    "kivi4": (0.1, 6_700), "kivi3": (0.22, 5_200), "kivi2": (0.5, 3_800),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BOUNDS)
+def test_each_codec_round_trips_within_its_error_and_size(name):
+    chunk = smol_like_chunk()
+    data = encode_chunk(chunk, codec=codec_by_name(name), narrow_to=torch.float16)
+    back = decode_chunk(data, ChunkKey.of(chunk))
+    max_error, max_bytes = BOUNDS[name]
+    for stored, original in ((back.k, chunk.k), (back.v, chunk.v)):
+        assert (stored.float() - original).norm() / original.norm() < max_error
+    assert len(data) / chunk.num_tokens <= max_bytes
+    assert back.token_ids == chunk.token_ids
+
+
+def test_the_default_codec_takes_at_most_a_quarter_of_fp16s_bytes():
+    chunk = smol_like_chunk(tokens=100)  # a short chunk: its last K group is a partial one
+    fp16 = len(encode_chunk(chunk, codec=FP16, narrow_to=torch.float16))
+    default = len(encode_chunk(chunk, codec=CODECS[DEFAULT_CODEC], narrow_to=torch.float16))
+    assert default <= fp16 / 4
+    assert default / chunk.num_tokens <= 5_760
+
+
+def test_layer_dependent_bits_are_recorded_and_decoded_per_layer():
+    codec = kivi("test", ((0.5, 4), (1.0, 2)), 3, k_group=32, v_group=32)
+    chunk = smol_like_chunk(tokens=70)
+    data = encode_chunk(chunk, codec=codec)
+    header = decode_header(data)
+    assert header.layer_bits[0] == (4, 3) and header.layer_bits[-1] == (2, 3)
+    assert header.layer_size(0) > header.layer_size(29)  # 4-bit K layers take more bytes
+    first = decode_layer(header, 0, data[header.layer_offset(0) :])[0]
+    last = decode_layer(header, 29, data[header.layer_offset(29) :])[0]
+    error = [(first - chunk.k[0]).norm() / chunk.k[0].norm(),
+             (last - chunk.k[29]).norm() / chunk.k[29].norm()]  # fmt: skip
+    assert error[0] < error[1] / 2
+    verify_object(data, ChunkKey.of(chunk))
+
+
+def test_an_object_decodes_by_what_it_records_not_by_todays_codec_table(monkeypatch):
+    chunk = smol_like_chunk(tokens=20)
+    data = encode_chunk(chunk, codec=CODECS["kivi2"])
+    monkeypatch.setitem(CODECS, "kivi2", kivi("kivi2", 8, 8))  # retuned later
+    back = decode_chunk(data)
+    assert (back.v.float() - chunk.v).norm() / chunk.v.norm() > 0.1  # still 2-bit data
+
+
+def test_quantized_chunks_decode_to_the_narrowed_type_and_tiny_chunks_work():
+    for tokens in (1, 7, 64, 65):
+        chunk = make_chunk(3, tokens=tokens)
+        back = decode_chunk(encode_chunk(chunk, codec=CODECS["kivi4"], narrow_to=torch.float16))
+        assert back.k.dtype == torch.float16 and back.k.shape == chunk.k.shape
+        assert (back.k.float() - chunk.k).norm() / chunk.k.norm() < 0.15
+
+
+def test_values_beyond_float16_are_stored_exactly_instead():
+    chunk = make_chunk(4)
+    chunk.k[0, 0, 0, 0] = 1e6
+    data = encode_chunk(chunk, codec=CODECS["kivi4"], narrow_to=torch.float16)
+    assert decode_header(data).codec_name == "raw float32"
+    assert torch.equal(decode_chunk(data).k, chunk.k)
+
+
+def test_zero_and_constant_groups_survive():
+    chunk = make_chunk(5)
+    chunk.k.zero_()
+    chunk.v.fill_(0.25)
+    back = decode_chunk(encode_chunk(chunk, codec=CODECS["kivi2"]))
+    assert torch.equal(back.k.float(), chunk.k) and torch.equal(back.v.float(), chunk.v)
+
+
+@pytest.mark.parametrize("name", ["v1_fp16.rbkv", "v1_int8.rbkv"])
+def test_objects_in_format_version_1_stay_readable(name):
+    # written by the store before the codecs (format version 1): make_chunk(11) in float16,
+    # make_chunk(12) quantized to int8 per token
+    data = bytearray((DATA / name).read_bytes())
+    header = verify_object(data)
+    assert header.version == 1
+    original = make_chunk(11, dtype=torch.float16) if "fp16" in name else make_chunk(12)
+    back = decode_chunk(data, ChunkKey.of(original))
+    assert back.token_ids == original.token_ids
+    if "fp16" in name:
+        assert torch.equal(back.k, original.k) and torch.equal(back.v, original.v)
+    else:
+        bound = original.k.abs().amax(dim=-1, keepdim=True) / 254 + 1e-6
+        assert bool(((back.k - original.k).abs() <= bound).all())
+
+
+def test_kv_codec_is_read_once_and_checked():
+    assert StoreConfig.from_env({}).codec == DEFAULT_CODEC
+    assert StoreConfig.from_env({"KV_CODEC": "FP16"}).kv_codec == FP16
+    assert StoreConfig.from_env({"KV_QUANTIZE": "true"}).codec == "int8"  # the old switch
+    with pytest.raises(ValueError, match="KV_CODEC.*unknown KV codec 'zip'"):
+        StoreConfig.from_env({"KV_CODEC": "zip"})
+
+
+def test_the_store_writes_its_codec():
+    from kvservice.store.memory import MemoryTier
+    from kvservice.store.tiered import TieredStore
+
+    chunk = smol_like_chunk(tokens=64)
+    sizes = {}
+    for name in ("fp16", DEFAULT_CODEC):
+        store = TieredStore([MemoryTier(1 << 30)], config=StoreConfig(codec=name))
+        store.put(chunk)
+        sizes[name] = store.tier("cpu").stats().bytes
+        assert store.stats().codec == name
+    assert sizes[DEFAULT_CODEC] <= sizes["fp16"] / 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kivi4", "kivi3", "kivi2", "fp8", "int8"])
+def test_decoding_on_cuda_gives_the_cpu_values(name):
+    chunk = smol_like_chunk(tokens=90)
+    data = encode_chunk(chunk, codec=codec_by_name(name), narrow_to=torch.float16)
+    header = decode_header(data)
+    on_device = torch.frombuffer(data, dtype=torch.uint8).cuda()
+    for index in (0, 29):
+        cpu = decode_layer(header, index, data[header.layer_offset(index) :])
+        cuda = decode_layer(header, index, on_device[header.layer_offset(index) :], verify=False)
+        for a, b in zip(cpu, cuda, strict=True):
+            assert b.is_cuda and torch.allclose(a.float(), b.float().cpu(), rtol=1e-3, atol=1e-3)
+
+
+def test_the_loader_serves_layer_dependent_objects_from_every_tier(store):
+    from kvservice.store.loader import KVLoader
+
+    codec = kivi("mixed", ((0.5, 4), (1.0, 2)), 3, k_group=16, v_group=4)
+    chunk = make_chunk(50, tokens=70)
+    expected = decode_chunk(encode_chunk(chunk, codec=codec))
+    for where in ("cpu", "disk", "s3"):  # a view, a ranged read, one streamed request
+        key = store.put(chunk, tiers=[] if where == "s3" else [where], codec=codec, scope=where)
+        with KVLoader(store, promote=False) as loader:
+            source = loader.open([key])[0]
+            assert source.tier == where
+            for i in range(expected.num_layers):
+                k, v = source.layer(i)
+                assert torch.equal(k, expected.k[i]) and torch.equal(v, expected.v[i])
