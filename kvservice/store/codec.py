@@ -73,6 +73,16 @@ class Codec:
         return self.kind != RAW
 
 
+def describe(kind: int, layer_bits: Sequence[tuple[int, int]], dtype: torch.dtype) -> str:
+    """What an object is stored as, in words: ``fp16`` (or ``raw float32``..), ``int8``,
+    ``fp8``, or ``kivi`` with its (K, V) bit widths (``kivi k4v2``)."""
+    if kind == KIVI:
+        return "kivi " + ",".join(f"k{k}v{v}" for k, v in sorted(set(layer_bits)))
+    if kind != RAW:
+        return KIND_NAMES[kind]
+    return "fp16" if dtype == torch.float16 else f"raw {str(dtype).removeprefix('torch.')}"
+
+
 def _bits_at(schedule: Sequence[tuple[float, int]], depth: float) -> int:
     for upto, bits in schedule:
         if depth < upto:

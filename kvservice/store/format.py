@@ -147,13 +147,8 @@ class ChunkHeader:
 
     @property
     def codec_name(self) -> str:
-        """What the object is stored as: ``fp16`` (or ``raw float32``..), ``int8``, ``fp8``,
-        or ``kivi`` with its (K, V) bit widths (``kivi k4v2``)."""
-        if self.codec_kind == codecs.KIVI:
-            return "kivi " + ",".join(f"k{k}v{v}" for k, v in sorted(set(self.layer_bits)))
-        if self.codec_kind != RAW:
-            return codecs.KIND_NAMES[self.codec_kind]
-        return "fp16" if self.dtype == torch.float16 else f"raw {str(self.dtype)[6:]}"
+        """What the object is stored as (``codec.describe``: ``fp16``, ``kivi k4v2``..)."""
+        return codecs.describe(self.codec_kind, self.layer_bits, self.dtype)
 
     @property
     def layers_bytes(self) -> int:

@@ -238,6 +238,32 @@ class S3Tier(Tier):
             nbytes, part_size=part_size,
         )  # fmt: skip
 
+    def object_size(self, key: ChunkKey) -> int | None:
+        """Bytes of the stored object (one HEAD request), or None where there is none."""
+        try:
+            stat = self._call("stat", self.client.stat_object, self.bucket, self.object_name(key))
+        except S3Error as err:
+            if err.code in _MISSING_CODES or err.code == "NoSuchBucket":
+                return None
+            raise
+        return int(stat.size or 0)
+
+    def list_keys(self) -> Iterator[tuple[ChunkKey, int]]:
+        """Every chunk object under the prefix with its size, in the store's key order (a
+        listing, paged by the client: for maintenance, never on a request's path)."""
+        prefix = self.config.s3_prefix
+        listing = self._call(
+            "list",
+            lambda: self.client.list_objects(self.bucket, prefix=prefix, recursive=True),
+        )
+        for obj in listing:
+            name = obj.object_name or ""
+            try:
+                key = ChunkKey.from_string(name[len(prefix) :])
+            except ValueError:
+                continue  # not a chunk object
+            yield key, int(obj.size or 0)
+
     def delete(self, key: ChunkKey) -> bool:
         present = self.contains(key)
         if present:

@@ -146,13 +146,15 @@ class TieredStore:
         :class:`StoreUnavailable` after the local copies are in place.
         """
         key = ChunkKey.of(chunk, scope)
-        if codec is None:
-            codec = (
-                self.codec if quantize is None else codec_by_name("int8" if quantize else "fp16")
-            )
-        data = encode_chunk(chunk, codec=codec, narrow_to=self.config.narrow_to)
-        self.put_encoded(key, data, tiers=tiers, write_through=write_through)
+        if codec is None and quantize is not None:
+            codec = codec_by_name("int8" if quantize else "fp16")
+        self.put_encoded(key, self.encode(chunk, codec), tiers=tiers, write_through=write_through)
         return key
+
+    def encode(self, chunk: ChunkKV, codec: Codec | None = None) -> bytearray:
+        """The object :meth:`put` stores for ``chunk``: ``codec`` (default the store's), in
+        the store's 16-bit type (``KV_STORE_DTYPE``)."""
+        return encode_chunk(chunk, codec=codec or self.codec, narrow_to=self.config.narrow_to)
 
     def put_encoded(
         self,

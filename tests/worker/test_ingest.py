@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.urls import reverse
 
 from kvservice.chunk import token_ids_sha256
@@ -69,6 +70,9 @@ def _assert_ready(document: Document) -> None:
         key = ChunkKey.from_string(chunk.kv_key)
         assert (key.head_hash, key.tokens_sha256) == (head_hash, chunk.token_ids_sha256)
         assert store.contains(chunk.kv_key)
+        # written in the default codec; the bytes stored are recorded for quotas and usage
+        assert chunk.kv_bytes == store.object_bytes(chunk.kv_key)
+        assert chunk.kv_bytes <= chunk.token_count * settings.KV_BYTES_PER_TOKEN / 2 + 4096
     stored = store.store.get(ChunkKey.from_string(chunks[0].kv_key))
     assert stored.token_ids == chunks[0].token_ids
     assert stored.k.shape[2] == chunks[0].token_count and stored.head_hash == head_hash

@@ -49,8 +49,10 @@ class UsageOut(Schema):
     max_documents: int
     tokens: int
     max_tokens: int
-    kv_bytes: int
+    kv_bytes: int  # stored, as its codec wrote it
     max_kv_bytes: int
+    kv_bytes_per_token: float | None  # None until some KV is stored
+    compression_ratio: float | None  # fp16's bytes over the stored bytes
 
 
 class DocumentListOut(Schema):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Q
+from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
@@ -159,15 +159,33 @@ def controller_inputs(heartbeat: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def documents_with_cache_counts(limit: int = 100) -> list[Document]:
-    """Documents (every owner's) with their chunk and ready-KV counts, newest first."""
+    """Documents (every owner's) with their chunk and ready-KV counts and the bytes their KV
+    objects take as stored (a chunk shared by two documents counts in both), newest first."""
     return list(
         Document.objects.select_related("owner")
         .annotate(
             chunk_count=Count("chunks"),
             kv_ready_count=Count("chunks", filter=Q(chunks__kv_status=Chunk.KVStatus.READY)),
+            kv_bytes=Sum("chunks__kv_bytes"),
         )
         .order_by("-created_at", "-id")[:limit]
     )
+
+
+def stored_kv_summary() -> dict[str, Any]:
+    """The KV objects stored for every user's chunks, each once: bytes as stored (their
+    codecs'), the tokens they hold, bytes a token and the compression ratio to 16 bits."""
+    from webapp.documents.quotas import stored_kv
+
+    nbytes, tokens = stored_kv(Chunk.objects.all())
+    per_token = nbytes / tokens if tokens and nbytes else None
+    return {
+        "bytes": nbytes,
+        "tokens": tokens,
+        "bytes_per_token": per_token,
+        "fp16_bytes_per_token": settings.KV_BYTES_PER_TOKEN,
+        "compression_ratio": settings.KV_BYTES_PER_TOKEN / per_token if per_token else None,
+    }
 
 
 def document_kv_keys(*, document: Document) -> list[str]:

@@ -107,6 +107,7 @@ def index(request: HttpRequest) -> HttpResponse:
         **_ratio_curve(),
         "health": health.run_checks(),
         "documents": selectors.documents_with_cache_counts(),
+        "stored_kv": selectors.stored_kv_summary(),
         "warmable_tiers": selectors.warmable_tiers(live["heartbeat"]),
     }
     return render(request, "dashboard/index.html", context)

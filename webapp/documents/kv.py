@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -18,6 +19,18 @@ log = logging.getLogger(__name__)
 
 class KVUnavailable(RuntimeError):
     """The engine or store this step needs is not installed or not configured."""
+
+
+@dataclass(frozen=True)
+class Reencoded:
+    """What :meth:`KVStoreClient.reencode` did to one object."""
+
+    key: str
+    codec_before: str
+    codec_after: str
+    bytes_before: int
+    bytes_after: int
+    outcome: str  # reencoded, would (a dry run), already (in the codec), skipped (quantized)
 
 
 class KVStoreClient:
@@ -51,6 +64,45 @@ class KVStoreClient:
     def put(self, chunk: Any, scope: str = "") -> str:
         """Store a ``ChunkKV`` in S3 under ``scope``; returns its key string."""
         return self.store.put(chunk, tiers=[], write_through=True, scope=scope).to_string()
+
+    def reencode(self, key: str, codec: str, *, write: bool = True) -> Reencoded | None:
+        """Read the object, and unless it is in ``codec`` already, store it again in
+        ``codec`` under the same key (``write=False``: only say what would change). None
+        when S3 has no such object. An object in another quantized codec is left as it is
+        (``skipped``): re-quantizing adds a second rounding; recompute it instead."""
+        import torch
+
+        from kvservice.store.codec import FP16, codec_by_name, describe
+        from kvservice.store.format import decode_chunk, decode_header
+
+        target = codec_by_name(codec)
+        chunk_key = self.parse_key(key)
+        s3 = self.store.durable
+        assert s3 is not None
+        data = s3.get(chunk_key)
+        if data is None:
+            return None
+        header = decode_header(data)
+        before = header.codec_name
+        narrow = self.store.config.narrow_to if header.dtype == torch.float32 else None
+        wanted = describe(target.kind, target.layer_bits(header.num_layers),
+                          narrow or header.dtype)  # fmt: skip
+        if wanted == before:
+            return Reencoded(key, before, before, len(data), len(data), "already")
+        if header.quantized and target != FP16:
+            return Reencoded(key, before, before, len(data), len(data), "skipped")
+        chunk = decode_chunk(data, chunk_key)  # verifies every layer and the token ids
+        new = self.store.encode(chunk, target)
+        if write:
+            s3.put(chunk_key, new)
+        return Reencoded(key, before, decode_header(new).codec_name, len(data), len(new),
+                         "reencoded" if write else "would")  # fmt: skip
+
+    def object_bytes(self, key: str) -> int | None:
+        """Bytes of the stored object, as its codec wrote it (one HEAD); None if absent."""
+        s3 = self.store.durable
+        assert s3 is not None
+        return s3.object_size(self.parse_key(key))
 
     def delete(self, key: str) -> None:
         self.store.delete(self.parse_key(key))

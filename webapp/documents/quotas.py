@@ -1,7 +1,13 @@
 """Per-user quotas: how many documents, and how many tokens of text (hence how much KV
-cache: every token's KV is stored, ``KV_BYTES_PER_TOKEN`` each). Checked when a file is
-uploaded and again once its tokens are known (after chunking); shown on the documents page
-and at ``GET /api/v1/usage``. A limit of 0 means unlimited."""
+cache: every token's KV is stored). Checked when a file is uploaded and again once its
+tokens are known (after chunking); shown on the documents page and at
+``GET /api/v1/documents/usage``. A limit of 0 means unlimited.
+
+KV bytes are the bytes actually stored: each distinct object of the user's chunks once, as
+its codec wrote it (``Chunk.kv_bytes``), so ``kv_bytes_per_token`` and the compression
+ratio to 16 bits (``KV_BYTES_PER_TOKEN``, the model's fp16 bytes a token) are measured, not
+assumed. The KV the token quota allows is priced at the measured bytes a token (at fp16's
+until anything is stored)."""
 
 from __future__ import annotations
 
@@ -19,30 +25,58 @@ class Usage:
     tokens: int
     max_documents: int
     max_tokens: int
+    kv_bytes: int = 0  # stored, each object once
+    kv_tokens: int = 0  # the tokens those objects hold
 
     @property
-    def kv_bytes(self) -> int:
-        return self.tokens * settings.KV_BYTES_PER_TOKEN
+    def kv_bytes_per_token(self) -> float | None:
+        return self.kv_bytes / self.kv_tokens if self.kv_tokens and self.kv_bytes else None
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """fp16's bytes for the stored tokens over the bytes stored."""
+        per_token = self.kv_bytes_per_token
+        return settings.KV_BYTES_PER_TOKEN / per_token if per_token else None
 
     @property
     def max_kv_bytes(self) -> int:
-        return self.max_tokens * settings.KV_BYTES_PER_TOKEN
+        per_token = self.kv_bytes_per_token or settings.KV_BYTES_PER_TOKEN
+        return round(self.max_tokens * per_token)
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | float | None]:
+        per_token, ratio = self.kv_bytes_per_token, self.compression_ratio
         return {"documents": self.documents, "max_documents": self.max_documents,
                 "tokens": self.tokens, "max_tokens": self.max_tokens,
-                "kv_bytes": self.kv_bytes, "max_kv_bytes": self.max_kv_bytes}  # fmt: skip
+                "kv_bytes": self.kv_bytes, "max_kv_bytes": self.max_kv_bytes,
+                "kv_bytes_per_token": None if per_token is None else round(per_token, 1),
+                "compression_ratio": None if ratio is None else round(ratio, 2)}  # fmt: skip
+
+
+def stored_kv(chunks) -> tuple[int, int]:
+    """(bytes, tokens) of the distinct stored KV objects of ``chunks`` (a Chunk queryset)."""
+    objects = {
+        key: (nbytes, tokens)
+        for key, nbytes, tokens in chunks.exclude(kv_key="")
+        .filter(kv_bytes__gt=0)
+        .values_list("kv_key", "kv_bytes", "token_count")
+    }
+    return sum(b for b, _ in objects.values()), sum(t for _, t in objects.values())
 
 
 def usage_of(owner, *, excluding_document: int | None = None) -> Usage:
-    """What ``owner`` uses: documents not refused or failed, and the tokens of their chunks."""
+    """What ``owner`` uses: documents not refused or failed, the tokens of their chunks, and
+    the KV stored for them."""
     documents = Document.objects.filter(owner=owner).exclude(status=Document.Status.FAILED)
     chunks = Chunk.objects.filter(document__owner=owner)
     if excluding_document is not None:
         documents = documents.exclude(pk=excluding_document)
         chunks = chunks.exclude(document_id=excluding_document)
     tokens = chunks.aggregate(total=Sum("token_count"))["total"] or 0
-    return Usage(documents.count(), tokens, settings.QUOTA_DOCUMENTS, settings.QUOTA_TOKENS)
+    kv_bytes, kv_tokens = stored_kv(chunks)
+    return Usage(
+        documents.count(), tokens, settings.QUOTA_DOCUMENTS, settings.QUOTA_TOKENS,
+        kv_bytes=kv_bytes, kv_tokens=kv_tokens,
+    )  # fmt: skip
 
 
 def upload_refusal(owner) -> str:

@@ -421,8 +421,9 @@ def document_precompute_kv(
                     stored_key = store.put(kv, scopes[chunk.pk])
                     assert stored_key == key, (stored_key, key)
                 Chunk.objects.filter(pk=chunk.pk).update(
-                    kv_key=key, kv_status=Chunk.KVStatus.READY, kv_error=""
-                )
+                    kv_key=key, kv_status=Chunk.KVStatus.READY, kv_error="",
+                    kv_bytes=store.object_bytes(key) or 0,
+                )  # fmt: skip
     except TransientError:
         raise
     except Exception as err:
@@ -430,6 +431,23 @@ def document_precompute_kv(
             raise TransientError(f"KV store unavailable: {err}") from err
         raise
     _finish_documents({chunk.document_id for chunk in chunks})
+
+
+def kv_object_reencode(*, key: str, codec: str, write: bool = True):
+    """Store one KV object again in ``codec`` (``KVStoreClient.reencode``) and record its new
+    size on the chunks that use it. Under the key's advisory lock, so a delete or a fresh
+    precompute of the same key waits; an object no chunk uses any more is left to the purge.
+    Returns the ``Reencoded`` outcome, or None when nothing is stored under ``key``."""
+    from webapp.documents.kv import kv_store
+
+    with transaction.atomic():
+        _lock_kv_key(key)
+        if not Chunk.objects.filter(kv_key=key).exists():
+            return None
+        outcome = kv_store().reencode(key, codec, write=write)
+        if outcome is not None and write:
+            Chunk.objects.filter(kv_key=key).update(kv_bytes=outcome.bytes_after)
+    return outcome
 
 
 def _is_store_unavailable(err: BaseException) -> bool:

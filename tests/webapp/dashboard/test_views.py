@@ -102,6 +102,21 @@ def test_dashboard_shows_tiers_controller_and_metrics_from_a_real_heartbeat(
     assert "Rivers of Europe" in page and "3 / 3" in page
 
 
+def test_dashboard_shows_the_kv_bytes_stored_per_token_and_the_compression(
+    staff_client, alice, worker_heartbeat, settings
+) -> None:
+    document = make_document(alice, chunks=3)  # 20 tokens a chunk
+    Chunk.objects.filter(document=document).update(kv_bytes=20 * 2_880)
+    page = staff_client.get(reverse("dashboard:index")).content.decode()
+    stored = page.split('id="stored-kv"')[1].split("</p>")[0]
+    ratio = settings.KV_BYTES_PER_TOKEN / 2_880
+    assert "for 60 tokens" in stored and "2880 B a token" in stored
+    assert f"{ratio:.2f}×" in stored
+    assert f"<code>{worker_heartbeat['store']['codec']}</code>" in stored  # what new KV is
+    row = page.split(f'id="dash-document-{document.pk}"')[1].split("</tr>")[0]
+    assert "168.8" in row  # 3 x 57,600 B, each chunk's object as stored
+
+
 def _curve_point(label: str, ratio: float, ttft: float, kl: float) -> dict:
     return {"label": label, "ratio": ratio, "ttft_median_s": ttft * 3.0, "ttft_ratio_to_full": ttft,
             "tf_kl_mean": kl, "tf_kl_median": kl * 0.7, "tf_kl_ci95": [kl * 0.8, kl * 1.3],

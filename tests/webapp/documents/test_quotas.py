@@ -49,7 +49,8 @@ def test_usage_is_shown_on_the_documents_page_and_in_the_api(
                          token_count=300, token_ids_sha256="2" * 64)  # fmt: skip
     usage = quotas.usage_of(user)
     assert (usage.documents, usage.tokens) == (1, 300)
-    assert usage.kv_bytes == 300 * settings.KV_BYTES_PER_TOKEN
+    assert usage.kv_bytes == 0 and usage.kv_bytes_per_token is None  # no KV stored yet
+    assert usage.max_kv_bytes == 1000 * settings.KV_BYTES_PER_TOKEN  # priced at fp16's
 
     client.force_login(user)
     page = client.get("/documents/").content.decode()
@@ -59,3 +60,23 @@ def test_usage_is_shown_on_the_documents_page_and_in_the_api(
     assert mine["tokens"] == 300 and mine["max_kv_bytes"] == 1000 * settings.KV_BYTES_PER_TOKEN
     theirs = client.get("/api/v1/documents/usage", **bearer(other_user)).json()
     assert theirs["documents"] == 0 and theirs["tokens"] == 0
+
+
+def test_usage_counts_the_kv_bytes_actually_stored_each_object_once(user, client) -> None:
+    from django.conf import settings
+
+    document = Document.objects.create(owner=user, title="t", content_sha256="1" * 64,
+                                       status=Document.Status.READY)  # fmt: skip
+    for index, (key, nbytes) in enumerate([("k/a", 500_000), ("k/a", 500_000), ("k/b", 0)]):
+        # two chunks of identical text share one object; k/b is not stored yet
+        Chunk.objects.create(document=document, index=index, text="x", token_ids=[1] * 100,
+                             token_count=100, token_ids_sha256=f"{index:064x}", kv_key=key,
+                             kv_bytes=nbytes)  # fmt: skip
+    usage = quotas.usage_of(user)
+    assert usage.tokens == 300 and usage.kv_bytes == 500_000 and usage.kv_tokens == 100
+    assert usage.kv_bytes_per_token == 5_000
+    assert usage.compression_ratio == pytest.approx(settings.KV_BYTES_PER_TOKEN / 5_000)
+    assert usage.max_kv_bytes == settings.QUOTA_TOKENS * 5_000  # priced at what is measured
+    mine = client.get("/api/v1/documents/usage", **bearer(user)).json()
+    assert mine["kv_bytes"] == 500_000 and mine["kv_bytes_per_token"] == 5_000
+    assert mine["compression_ratio"] == round(settings.KV_BYTES_PER_TOKEN / 5_000, 2)
