@@ -10,10 +10,11 @@ from collections.abc import Iterable
 from django.conf import settings
 
 from kvservice.protocol import GenerateRequest, Turn
+from webapp.chat.follow_ups import topic_questions
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.documents.kv import chunk_ref
 
-HISTORY_TURNS = 3  # recent questions (and helpful answers) carried into a follow-up
+HISTORY_TURNS = 3  # at most this many earlier questions (and helpful answers) in a follow-up
 
 
 def mode_allowed(user, mode: str) -> bool:
@@ -21,19 +22,24 @@ def mode_allowed(user, mode: str) -> bool:
     return mode == Message.Mode.BLEND or (mode in Message.Mode.values and user.is_staff)
 
 
-def conversation_history(conversation: Conversation, before: Message | None) -> list[Turn]:
-    """The last few finished questions before ``before`` (or all), oldest first, each with
-    its answer only when the user marked that answer helpful: earlier answers, wrong or
-    looping, were copied into later ones ("The answer is: 2019" four times), and made the
-    first token slower."""
-    messages = conversation.messages.shown().filter(status=Message.Status.DONE)
-    if before is not None:
-        messages = messages.filter(id__lt=before.id)
-    recent = list(messages.order_by("-id")[: HISTORY_TURNS * 2])[::-1]
+def conversation_history(conversation: Conversation, before: Message) -> list[Turn]:
+    """The earlier turns the question ``before`` refers to, oldest first: none when it is a
+    question of its own (an earlier topic took over the answers to new ones), else the
+    finished questions back to the one it follows up (``follow_ups.topic_questions``, at most
+    ``HISTORY_TURNS``), each with its answer only when the user marked that answer helpful:
+    earlier answers, wrong or looping, were copied into later ones ("The answer is: 2019"
+    four times), and made the first token slower."""
+    messages = conversation.messages.shown().filter(status=Message.Status.DONE, id__lt=before.id)
+    recent = [m for m in list(messages.order_by("-id")[: HISTORY_TURNS * 2])[::-1] if m.content]
+    questions = [m for m in recent if m.role == Message.Role.USER]
+    topic = topic_questions([m.content for m in questions], before.content)
+    if not topic:
+        return []
+    first = questions[len(questions) - len(topic)]
     return [
         Turn(role=m.role, content=m.content)
         for m in recent
-        if m.content and (m.role == Message.Role.USER or m.feedback > 0)
+        if m.id >= first.id and (m.role == Message.Role.USER or m.feedback > 0)
     ]
 
 

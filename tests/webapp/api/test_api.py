@@ -354,9 +354,16 @@ def test_chat_completions_uses_the_last_user_message_and_history(client, alice, 
     assert body["citations"][0]["text"] == PASSAGES["cooking"]
     request = worker.requests[-1]
     assert request["question"] == "Which rice for risotto?"
-    # Earlier questions go to the model; earlier answers (the client's included) do not.
-    assert [t["content"] for t in request["history"]] == ["Where does the Danube flow?"]
+    assert request["history"] == []  # a new topic: the earlier question is not the model's
     assert Message.objects.filter(conversation_id=body["ragblend"]["conversation_id"]).count() == 4
+
+    follow_up = {"role": "user", "content": "And which stock?"}
+    response = client.post("/v1/chat/completions", payload | {"messages": [
+        *payload["messages"], {"role": "assistant", "content": "Arborio."}, follow_up,
+    ]}, content_type="application/json", **alice_auth)  # fmt: skip
+    assert response.status_code == 200, response.content
+    # A follow-up's earlier questions go to the model; the answers (the client's) do not.
+    assert [t["content"] for t in worker.requests[-1]["history"]] == ["Which rice for risotto?"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -86,15 +86,28 @@ def test_citations_record_their_retrieval_scores(alice, queue) -> None:
     assert citation.score >= settings.RETRIEVAL_MIN_SCORE and citation.similarity > 0
 
 
-def test_history_carries_earlier_questions_and_only_helpful_answers(alice, queue) -> None:
+def test_history_is_a_follow_ups_earlier_questions_and_only_helpful_answers(alice, queue) -> None:
     conversation = services.conversation_create(owner=alice)
-    for question, answer, feedback in [("Q1?", "A1 looping", 0), ("Q2?", "A2 good", 1)]:
+    for question, answer, feedback in [
+        ("Which moon hides an ocean?", "A1 looping", 0),
+        ("And how big is it?", "A2 good", 1),
+    ]:
         Message.objects.create(conversation=conversation, role="user", content=question)
         Message.objects.create(
             conversation=conversation, role="assistant", content=answer, feedback=feedback
         )
-    turns = [(t.role, t.content) for t in conversation_history(conversation, before=None)]
-    assert turns == [("user", "Q1?"), ("user", "Q2?"), ("assistant", "A2 good")]
+
+    def history(question: str) -> list[tuple[str, str]]:
+        asked = Message.objects.create(conversation=conversation, role="user", content=question)
+        turns = conversation_history(conversation, before=asked)
+        asked.delete()
+        return [(t.role, t.content) for t in turns]
+
+    assert history("What is its crust made of?") == [
+        ("user", "Which moon hides an ocean?"), ("user", "And how big is it?"),
+        ("assistant", "A2 good"),
+    ]  # fmt: skip
+    assert history("Which rice goes into a risotto?") == []  # a new topic reads no history
 
 
 def test_a_follow_up_is_retrieved_with_the_previous_question(alice, queue) -> None:

@@ -83,7 +83,8 @@ def test_a_follow_up_history_leaves_out_a_replaced_answer(alice) -> None:
     again = _regenerate(alice, answer)
     services.chat_record_answer(message_id=again.id, result={"status": "done", "text": "Arborio."})
     services.chat_feedback(answer=Message.objects.get(pk=again.pk), value=1)
-    history = conversation_history(conversation, before=None)
+    follow_up = Message.objects.create(conversation=conversation, role="user", content="And why?")
+    history = conversation_history(conversation, before=follow_up)
     assert [(turn.role, turn.content) for turn in history] == [
         ("user", "Risotto rice?"),
         ("assistant", "Arborio."),
