@@ -21,7 +21,7 @@ from kvservice.controller import RatioDecision
 from kvservice.engine import TokenEvent
 from kvservice.prompt import TURN_MARKERS, PromptFormat
 from kvservice.protocol import GenerateRequest, publish_event, stop_requested
-from kvservice.sampling import SamplingParams
+from kvservice.sampling import AnswerText, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,13 @@ class Runtime(Protocol):
 
 
 def answer_sampling(request: GenerateRequest) -> SamplingParams:
-    """How an answer is decoded, for either engine: the request's length and temperature,
-    the repetition penalty, and the prompt's turn markers as stop strings."""
+    """How an answer is decoded, for either engine: the request's length, temperature and
+    seed, the repetition penalty, and the prompt's turn markers as stop strings."""
     return SamplingParams(
         max_tokens=request.max_new_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
+        seed=request.seed,
         repetition_penalty=REPETITION_PENALTY,
         frequency_penalty=FREQUENCY_PENALTY,
         stop=TURN_MARKERS,
@@ -152,11 +153,12 @@ def choose_ratio(
 
 
 def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> dict[str, Any]:
-    """Answer ``request``: tokens to its Redis stream as they come, then ``done`` (or
+    """Answer ``request``: tokens to its Redis stream as they come (through ``AnswerText``:
+    a repeat ends the answer, one cut at the token cap ends cleanly), then ``done`` (or
     ``error``) with the metrics; returns the same report for the record."""
     started = time.perf_counter()
     request_id = request.request_id
-    pieces: list[str] = []
+    answer = AnswerText()
     first_token_at, completion_tokens, finish_reason, status = None, 0, "stop", "done"
     try:
         fitted = fit_context(runtime, request)
@@ -168,9 +170,10 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> di
                 first_token_at = first_token_at or time.perf_counter()
                 completion_tokens += 0 <= event.token_id and event.token_id not in stop_ids
                 finish_reason = event.finish_reason or finish_reason
-                if event.text:
-                    pieces.append(event.text)
-                    publish_event(redis, request_id, "token", text=event.text)
+                if shown := answer.push(event.text):
+                    publish_event(redis, request_id, "token", text=shown)
+                if answer.repeated:
+                    break  # the rest would say it again
                 if stop_requested(redis, request_id):
                     status = "stopped"
                     break
@@ -182,17 +185,19 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> di
     except Exception as err:
         log.exception("request %s failed", request_id)
         message = f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
-        publish_event(redis, request_id, "error", message=message, text="".join(pieces))
-        return {"status": "error", "text": "".join(pieces), "error": message, "metrics": {}}
+        publish_event(redis, request_id, "error", message=message, text=answer.text)
+        return {"status": "error", "text": answer.text, "error": message, "metrics": {}}
 
-    citation = None
+    cut = status == "done" and finish_reason == "length" and not answer.repeated
+    if rest := answer.finish(cut=cut):
+        publish_event(redis, request_id, "token", text=rest)
+    text, citation = answer.text, None
     if status == "done":
         passages = [runtime.tokenizer.decode(ids) for ids in fitted.chunks_tokens]
-        extra, citation = citing.complete_citation("".join(pieces), passages, request.question)
+        extra, citation = citing.complete_citation(text, passages, request.question)
         if extra:
-            pieces.append(extra)
+            text += extra
             publish_event(redis, request_id, "token", text=extra)
-    text = "".join(pieces)
     metrics: dict[str, Any] = {
         "mode": request.mode,
         "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
@@ -201,8 +206,12 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> di
         "recompute_ratio": plan.ratio,
         "prompt_tokens": plan.prompt_tokens,
         "completion_tokens": completion_tokens,
-        # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise.
-        "finish_reason": "length" if finish_reason == "length" else "stop",
+        # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise (an answer
+        # ended before a repeat stopped, whatever the cap).
+        "finish_reason": "length" if cut else "stop",
+        "repeat_suppressed": answer.repeated,
+        "temperature": request.temperature,
+        "seed": request.seed,
         "dropped_chunks": fitted.dropped,
         "citation": citation,
         **engine_metrics,

@@ -68,8 +68,9 @@ class GenerateRequest:
     message_id: int | None = None
     recompute_ratio: float | None = None  # None: the controller (or the admin's fixed value)
     max_new_tokens: int = 256
-    temperature: float = 0.0
+    temperature: float = 0.0  # 0: greedy (a first answer); above: sampled (an answer again)
     top_p: float = 1.0
+    seed: int | None = None  # the sampling's seed, recorded with the answer
     timeout_s: float = 300.0
     # Set on a fidelity-audit re-run (mode "full") of the blend answer with this message id:
     # the worker reports the result with it instead of a message of its own.

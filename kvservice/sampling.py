@@ -3,6 +3,7 @@ parameters and penalties, incremental detokenization and stop strings."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -165,3 +166,97 @@ def new_generator(seed: int | None, device: torch.device) -> torch.Generator | N
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+REPEAT_WORDS = 6  # a run of this many words said a second time ends the answer
+_ANSWER_WORD = re.compile(r"\w+", re.UNICODE)
+_SENTENCE_END = re.compile(r"[.!?](?=[\s\"'”’)\]]|$)")
+
+
+class AnswerText:
+    """What of an answer's streamed text is shown, and when, the same for every engine.
+
+    - Repetition is suppressed: the answer ends before a run of ``REPEAT_WORDS`` words it has
+      already said, or a sentence (three words or more) it has already said. Greedy answers of
+      the bundled SmolLM2 repeated a sentence up to the token cap even with the frequency
+      penalty (issue #36: "... the Gannet and the Sk [3]" after the same sentence twice).
+    - An answer cut at the token cap ends at a sentence end within its last words, or else at
+      the last whole word followed by "…", never inside a word.
+
+    The last ``REPEAT_WORDS`` words are held back while the answer is written, so what was
+    shown is never taken back: a reader of the stream sees the final text."""
+
+    def __init__(self, repeat_words: int = REPEAT_WORDS) -> None:
+        self.repeat_words = repeat_words
+        self.text = ""  # the answer so far, as it will stand
+        self.shown = 0  # characters of ``text`` handed on
+        self.repeated = False  # ended before a repeat: nothing more is taken
+
+    def push(self, delta: str) -> str:
+        """The text that can be shown now."""
+        if self.repeated:
+            return ""
+        self.text += delta
+        repeat_at = self._repeat_start()
+        if repeat_at is not None:
+            self.repeated = True
+            self.text = self.text[: max(repeat_at, self.shown)].rstrip()
+            return self._hand_on(len(self.text))
+        words = list(_ANSWER_WORD.finditer(self.text))
+        # Held: the last words and the space before them (an answer may end before them).
+        held_from = words[-self.repeat_words - 1].end() if len(words) > self.repeat_words else 0
+        return self._hand_on(max(held_from, self.shown))
+
+    def finish(self, *, cut: bool) -> str:
+        """What was held back, at the end of the answer; ``cut``: it stopped at the token cap."""
+        if cut and not self.repeated:
+            self.text = _cut_cleanly(self.text, self.shown)
+        return self._hand_on(len(self.text))
+
+    def _hand_on(self, end: int) -> str:
+        piece, self.shown = self.text[self.shown : end], max(end, self.shown)
+        return piece
+
+    def _repeat_start(self) -> int | None:
+        """Where a repeat begins in ``text``, once it is complete; None while there is none."""
+        words = list(_ANSWER_WORD.finditer(self.text))
+        if words and words[-1].end() == len(self.text):
+            words.pop()  # the word being written
+        lowered = [word.group().lower() for word in words]
+        size = self.repeat_words
+        if len(lowered) > size:
+            last = lowered[-size:]
+            if any(lowered[at : at + size] == last for at in range(len(lowered) - size)):
+                return words[-size].start()
+        sentences = _sentence_words(self.text, words)
+        if len(sentences) > 1 and len(sentences[-1][1]) >= 3:
+            start, said = sentences[-1]
+            if any(said == earlier for _, earlier in sentences[:-1]):
+                return start
+        return None
+
+
+def _sentence_words(text: str, words: list[re.Match]) -> list[tuple[int, list[str]]]:
+    """The finished sentences of ``text``: (where each begins, its words in lower case)."""
+    sentences: list[tuple[int, list[str]]] = []
+    start = 0
+    for end in _SENTENCE_END.finditer(text):
+        inside = [w for w in words if start <= w.start() < end.start()]
+        if inside:
+            sentences.append((inside[0].start(), [w.group().lower() for w in inside]))
+        start = end.end()
+    return sentences
+
+
+def _cut_cleanly(text: str, shown: int) -> str:
+    """``text`` cut at the token cap: without the word being written, ending at the last
+    sentence end not yet shown, or else at the last whole word followed by "…"."""
+    words = list(_ANSWER_WORD.finditer(text))
+    if words and words[-1].end() == len(text) and words[-1].start() >= shown:
+        text = text[: words[-1].start()]  # the word the cap cut (or may have cut)
+    ends = [m.end() for m in _SENTENCE_END.finditer(text) if m.end() > shown]
+    if ends:
+        return text[: ends[-1]]
+    text = text.rstrip()
+    kept = text.rstrip(" ,;:-–—([")
+    return (kept if len(kept) >= shown else text) + "…"

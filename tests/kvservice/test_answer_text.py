@@ -1,0 +1,138 @@
+"""What of a streamed answer is shown (kvservice.sampling.AnswerText): a repeat ends the
+answer before it is shown, an answer cut at the token cap ends at a sentence or a whole word,
+and what was shown is never taken back; the inference worker (kvservice.answer) streams and
+records answers through it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import redis
+
+from kvservice.answer import answer_request
+from kvservice.engine import TokenEvent
+from kvservice.prompt import PromptFormat
+from kvservice.protocol import ChunkRef, GenerateRequest, answer_stream
+from kvservice.sampling import AnswerText
+
+
+def stream(pieces: list[str], *, cut: bool) -> tuple[AnswerText, list[str]]:
+    text = AnswerText()
+    shown = [text.push(piece) for piece in pieces]
+    shown.append(text.finish(cut=cut))
+    assert "".join(shown) == text.text  # what was shown is the final text, nothing taken back
+    return text, shown
+
+
+def words(text: str) -> list[str]:
+    """``text`` in pieces as a tokenizer streams it: each word with the space before it."""
+    first, *rest = text.split(" ")
+    return [first, *(" " + word for word in rest)]
+
+
+def test_an_answer_that_ends_normally_is_shown_whole() -> None:
+    answer = "The Osprey seats four people [1]. It needs a certified coxswain on board."
+    text, _ = stream(words(answer), cut=False)
+    assert text.text == answer and not text.repeated
+
+
+def test_a_sentence_said_again_ends_the_answer_before_it_is_shown() -> None:
+    looping = "The Gannet seats six. The Gannet seats six. The Gannet seats six."
+    text, shown = stream(words(looping), cut=False)
+    assert text.repeated and text.text == "The Gannet seats six."
+    assert "".join(shown).count("Gannet") == 1
+
+
+def test_a_run_of_words_said_again_ends_the_answer() -> None:
+    looping = (
+        "Boats stay in when the wind speed is above 25 knots and the wind speed is above 25 knots"
+    )
+    text, _ = stream(words(looping), cut=False)
+    assert text.repeated
+    assert text.text == "Boats stay in when the wind speed is above 25 knots and"
+
+
+def test_a_cut_answer_ends_at_its_last_sentence_within_the_held_words() -> None:
+    text, _ = stream(words("It seats six. The Osprey and the Sk"), cut=True)
+    assert text.text == "It seats six."
+
+
+def test_a_cut_answer_without_a_sentence_end_stops_at_a_whole_word_and_says_so() -> None:
+    answer = "The boats are the Gannet which carries the winch and the Osprey and the Sk"
+    text, _ = stream(words(answer), cut=True)
+    assert text.text == "The boats are the Gannet which carries the winch and the Osprey and the…"
+
+
+def test_the_stream_holds_back_only_the_last_words() -> None:
+    text = AnswerText()
+    shown = "".join(text.push(piece) for piece in words("one two three four five six seven eight"))
+    assert shown == "one two"  # the last six words wait: they could begin a repeat
+
+
+class ScriptedPlan:
+    """An engine's plan that streams ``pieces``, the last with ``finish_reason``."""
+
+    ratio, decision, prompt_tokens = 0.15, None, 40
+
+    def __init__(self, pieces: list[str], finish_reason: str) -> None:
+        self.pieces, self.finish_reason, self.taken = pieces, finish_reason, 0
+
+    def events(self) -> Iterator[TokenEvent]:
+        for index, piece in enumerate(self.pieces):
+            self.taken += 1
+            last = index == len(self.pieces) - 1
+            yield TokenEvent(
+                index + 1, piece, index, finish_reason=self.finish_reason if last else None
+            )
+
+    def finish(self) -> dict:
+        return {}
+
+
+def answer_through_the_worker(smollm2_tokenizer, redis_service, plan: ScriptedPlan):
+    """``answer_request`` on ``plan``, with the real prompt format and valkey: its report,
+    and the text its stream's token events add up to."""
+    client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
+    runtime = SimpleNamespace(
+        prompt=PromptFormat.for_tokenizer(smollm2_tokenizer), context_len=2048,
+        tokenizer=smollm2_tokenizer, engine=SimpleNamespace(stop_ids=set()),
+        plan=lambda request, fitted: plan,
+    )  # fmt: skip
+    passage = "The Gannet seats six people. The Osprey seats four."
+    request = GenerateRequest(
+        request_id=uuid.uuid4().hex, question="How many does the Gannet seat?",
+        chunks=[ChunkRef(chunk_id=1, token_ids=smollm2_tokenizer.encode(passage))],
+    )  # fmt: skip
+    result = answer_request(runtime, request, client)
+    events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
+              for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
+    streamed = "".join(data["text"] for kind, data in events if kind == "token")
+    assert events[-1][1]["text"] == result["text"] == streamed  # the stream is the record
+    return result
+
+
+def test_the_worker_ends_a_looping_answer_and_stops_the_engine(
+    smollm2_tokenizer, redis_service
+) -> None:
+    plan = ScriptedPlan(words("The Gannet seats six [1]. " * 20), finish_reason="length")
+    result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
+    assert result["text"] == "The Gannet seats six [1]."
+    assert plan.taken < len(plan.pieces)  # the engine was stopped at the repeat
+    metrics = result["metrics"]
+    assert metrics["repeat_suppressed"] and metrics["finish_reason"] == "stop"
+
+
+def test_the_worker_cuts_an_answer_at_the_cap_at_a_word_and_says_so(
+    smollm2_tokenizer, redis_service
+) -> None:
+    pieces = words("The boats are the Gannet which carries the winch and the Osprey and the Sk")
+    result = answer_through_the_worker(
+        smollm2_tokenizer, redis_service, ScriptedPlan(pieces, finish_reason="length")
+    )
+    cut = "The boats are the Gannet which carries the winch and the Osprey and the…"
+    assert result["text"] == cut + " [1]"  # the citation the worker completes comes after
+    assert result["metrics"]["finish_reason"] == "length"
+    assert not result["metrics"]["repeat_suppressed"]
