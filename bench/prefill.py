@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from bench.data import passage_texts
-from bench.staging import TIERS, store_bench
+from bench.staging import TIERS, after_full, bench_of, parse_link_rate
 from bench.stats import bootstrap_ci, quantile
 from bench.timing import cpu_name, timed
 from kvservice.blend import MODES, BlendResult, BlendSettings, Mode, blend_prefill
@@ -85,13 +85,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def chunk_sources(
-    chunks: Sequence[ChunkKV], args: argparse.Namespace, mode: str = "blend", key: str | None = None
-) -> list[LayeredKV | None]:
+    chunks: Sequence[ChunkKV], args: argparse.Namespace, mode: str = "blend",
+    key: str | None = None, ratio: float = 0.0,
+) -> list[LayeredKV | None]:  # fmt: skip
     """Where the blender reads chunk KV from: the store's loader over the tier the chunks
-    were staged in (``--tier cpu|disk|s3``), layer by layer, prefetching unless
-    ``--no-pipeline``. The loads are reported under the run ``key`` (``blend@0.05``)."""
+    were staged in (``--tier cpu|disk|s3``, S3 throttled by ``--s3-mbps``), layer by layer,
+    prefetching unless ``--no-pipeline``. The loads are reported under the run ``key``
+    (``blend@0.05``)."""
     tier = args.run_tiers.get(key, args.tier)
-    return store_bench(tier, not args.no_pipeline).sources(chunks, mode, key=key)
+    ratio = ratio if mode == "blend" else 0.0
+    return bench_of(args, tier).sources(chunks, mode, key=key, ratio=ratio)
 
 
 def teacher_forced_fidelity(
@@ -168,7 +171,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     head_kv = precompute_head(model, prompt.head_ids)
     chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
     for tier in {args.tier, *args.run_tiers.values()}:  # before any timing
-        store_bench(tier, not args.no_pipeline).stage(chunks)
+        bench_of(args, tier).stage(chunks)
     # Room after the prompt for the longest greedy answer or teacher-forced answer (each is
     # rolled back before the next).
     extra = max(args.max_new_tokens, GAP_TOKENS)
@@ -178,7 +181,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
         result = blend_prefill(
             model,
             prompt.head_ids,
-            chunk_sources(chunks, args, mode, key),
+            chunk_sources(chunks, args, mode, key, ratio),
             prompt.question_ids,
             mode=mode,
             recompute_ratio=ratio,
@@ -200,6 +203,10 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
                 lambda key=key, mode=mode, ratio=ratio: prefill(key, mode, ratio), model.device
             )
             ttft[key].append(seconds)
+            if key == "full" and len(ttft[key]) == 1:  # --s3-mbps: the link follows full
+                for tier in {args.tier, *args.run_tiers.values()}:
+                    after_full(args, tier, prompt_tokens=len(prompt.token_ids),
+                               num_layers=model.config.n_layers, seconds=seconds)  # fmt: skip
         if hf_model is not None:
             _, seconds = timed(
                 lambda: int(hf_model(ids, logits_to_keep=1).logits[0, -1].argmax()), model.device
@@ -234,7 +241,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
             "gold_f1": max(token_f1(answer, gold) for gold in example["answers"]),
             "answer": answer,
             "recompute_ratio": result.recompute_ratio_effective,
-            **store_bench(args.run_tiers.get(key, args.tier), not args.no_pipeline).report(
+            **bench_of(args, args.run_tiers.get(key, args.tier)).report(
                 key,
                 prompt_tokens=full.num_tokens,
                 num_layers=model.config.n_layers,
@@ -300,6 +307,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--no-pipeline", action="store_true", help="load all KV, then compute")
     parser.add_argument(
+        "--s3-mbps", default=None, metavar="N|auto|4xauto",
+        help="--tier s3 read through a throttling proxy at N MB/s; auto: per example, fp16 KV "
+        "loads as long as full prefill took (bench.staging)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--load-all", action="store_true",
+        help="with --s3-mbps: read every chunk (no per-chunk load-or-recompute choice)",
+    )  # fmt: skip
+    parser.add_argument(
         "--engine", choices=("native", "vllm"), default="native",
         help="vllm: the same modes through vLLM with the Ragblend KV connector (kvservice.vllm)",
     )  # fmt: skip
@@ -332,6 +348,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.plot and not args.ratios:
         parser.error("--plot draws the --ratios curve: give --ratios too")
     args.plan = run_plan(args.modes, args.ratio, args.ratios)
+    try:
+        args.s3_link = parse_link_rate(args.s3_mbps) if args.s3_mbps else (None, None)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.s3_mbps and (args.tier != "s3" or next(iter(args.plan), None) != "full"):
+        parser.error("--s3-mbps needs --tier s3 and full first in --modes (measured first)")
     also = [t.strip() for t in args.also_tiers.split(",") if t.strip() and t.strip() != args.tier]
     if any(t not in TIERS for t in also):
         parser.error(f"--also-tiers {args.also_tiers!r}: tiers are {', '.join(TIERS)}")
@@ -517,7 +539,8 @@ def ratio_curve(modes: Mapping[str, dict], plan: Mapping[str, tuple[Mode, float]
 def _store_means(values: list[dict]) -> dict:
     """Per-mode means of the store's numbers (None where the mode read no cached KV)."""
     out = {}
-    for name in ("load_s", "hidden_load_fraction", "ratio_chosen"):
+    for name in ("load_s", "hidden_load_fraction", "ratio_chosen", "kv_bytes_per_token",
+                 "s3_mbps", "recomputed_chunks"):  # fmt: skip
         known = [v[name] for v in values if v.get(name) is not None]
         out[name] = statistics.fmean(known) if known else None
     return out

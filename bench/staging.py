@@ -6,8 +6,15 @@ only (CPU memory, a local-disk directory, or S3: ``S3_ENDPOINT`` from the enviro
 a SeaweedFS gateway started for the run, ``bench.s3``). Inside the timed prefill,
 :meth:`StoreBench.sources` opens the chunks through the pipelined loader, so the blender
 reads each layer as it arrives. Promotion is off, so every repeat starts from the same tier.
-Store settings (``KV_QUANTIZE``, ``KV_LOAD_WORKERS``, ``KV_PREFETCH_DEPTH``) come from the
+Store settings (``KV_CODEC``, ``KV_LOAD_WORKERS``, ``KV_PREFETCH_DEPTH``) come from the
 environment as everywhere else.
+
+The GPU regime on this machine (``--tier s3 --s3-mbps N|auto``): S3 is read through a
+throttling proxy (``bench.throttle``) at N MB/s, or, per example, at the rate that makes the
+prompt's fp16 KV take as long to read as the example's full prefill took (``auto``; ``4xauto``
+four times that). The loading controller then chooses per chunk whether to read it or to
+recompute it whole (``kvservice.controller.choose_loads``), given the link's rate and the
+recompute throughput of the example's full prefill; ``--load-all`` reads every chunk.
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.s3 import gateway_unless_configured
+from bench.throttle import ThrottlingProxy
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.controller import choose_ratio
+from kvservice.controller import ChunkLoad, LoadPlan, choose_loads, choose_ratio
 from kvservice.store.config import StoreConfig
 from kvservice.store.disk import DiskTier
 from kvservice.store.keys import ChunkKey
@@ -37,20 +45,45 @@ log = logging.getLogger(__name__)
 TIERS = ("cpu", "disk", "s3")
 
 
+def parse_link_rate(text: str) -> tuple[float | None, float | None]:
+    """``--s3-mbps``: ``N`` (MB/s) -> (N, None); ``auto`` -> (None, 1.0); ``4xauto`` ->
+    (None, 4.0): a multiple of the per-example rate at which fp16 KV loads as long as full
+    prefill takes."""
+    text = text.strip().lower()
+    if text.endswith("auto"):
+        scale = float(text.removesuffix("auto").removesuffix("x") or 1.0)
+        if not scale > 0:
+            raise ValueError(f"--s3-mbps {text!r}: the multiple of auto must be above 0")
+        return None, scale
+    mbps = float(text)
+    if not mbps > 0:
+        raise ValueError(f"--s3-mbps {text!r}: a rate above 0 MB/s, or auto")
+    return mbps, None
+
+
 class StoreBench:
     def __init__(
-        self, tier: str = "cpu", *, pipeline: bool = True, environ: dict[str, str] | None = None
-    ) -> None:
+        self, tier: str = "cpu", *, pipeline: bool = True, environ: dict[str, str] | None = None,
+        s3_mbps: float | None = None, load_all: bool = False,
+    ) -> None:  # fmt: skip
+        """``s3_mbps``: read S3 through a throttling proxy at that rate (see
+        :meth:`set_link`); ``load_all``: read every chunk even where recomputing it would be
+        faster."""
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         self.tier = tier
         self.pipeline = pipeline
+        self.load_all = load_all
         env = dict(os.environ if environ is None else environ)
         self._tmp = tempfile.TemporaryDirectory(prefix="kv-bench-")
         root = Path(self._tmp.name)
         self._gateway = gateway_unless_configured(env, root) if tier == "s3" else None
         if self._gateway is not None:
             env.update(self._gateway.env)
+        self.proxy: ThrottlingProxy | None = None
+        if tier == "s3" and s3_mbps is not None:
+            self.proxy = ThrottlingProxy(env["S3_ENDPOINT"], mbps=s3_mbps).start()
+            env["S3_ENDPOINT"] = self.proxy.endpoint
         env.setdefault("KV_S3_PREFIX", f"bench-{os.getpid()}/")
         self.config = StoreConfig.from_env(env)
         tiers: list[Any] = [MemoryTier(1 << 40), DiskTier(root / "disk", 1 << 40)]
@@ -59,41 +92,90 @@ class StoreBench:
         self.store = TieredStore(tiers, quantize=self.config.quantize, config=self.config)
         self.loader = KVLoader(self.store, pipeline=pipeline, promote=False)
         self._keys: dict[int, ChunkKey] = {}
+        self._sizes: dict[int, int] = {}  # stored object bytes per chunk
         self._chunk_tokens = 0
+        self.fp16_bytes = 0  # the staged chunks' KV at 2 bytes a value
         self._pending: dict[str, list[LoadBatch]] = {}
         self._stats: dict[str, list[LoadStats]] = {}
+        self._plans: dict[str, LoadPlan] = {}
+        self._recompute_rate: float | None = None  # token-layers/s of this example's full
+        self._question_tokens = 0
+        self._num_layers = 0
 
     def stage(self, chunks: Sequence[ChunkKV]) -> None:
         """Put the example's chunks into the chosen tier, and nowhere else (not timed)."""
-        self._pending, self._stats = {}, {}
+        self._pending, self._stats, self._plans = {}, {}, {}
+        self._recompute_rate = None
         for key in self._keys.values():
             self.store.drop_local(key)
-        self._keys = {}
+        self._keys, self._sizes = {}, {}
         self._chunk_tokens = sum(chunk.num_tokens for chunk in chunks)
+        self.fp16_bytes = sum(2 * (chunk.k.numel() + chunk.v.numel()) for chunk in chunks)
         for chunk in chunks:
-            key = self.store.put(
-                chunk,
-                tiers=[] if self.tier == "s3" else [self.tier],
+            key, data = ChunkKey.of(chunk), self.store.encode(chunk)
+            self.store.put_encoded(
+                key, data, tiers=[] if self.tier == "s3" else [self.tier],
                 write_through=self.tier == "s3",
-            )
+            )  # fmt: skip
             self._keys[id(chunk)] = key
+            self._sizes[id(chunk)] = len(data)
         log.info("staged %d chunks in the %s tier", len(chunks), self.tier)
 
+    @property
+    def s3_mbps(self) -> float | None:
+        return self.proxy.mbps if self.proxy is not None else None
+
+    def set_link(self, mbps: float) -> None:
+        """The throttled link's rate from now on, in MB/s (10^6 bytes)."""
+        if self.proxy is None:
+            raise RuntimeError("no throttled link: StoreBench(tier='s3', s3_mbps=...)")
+        self.proxy.mbps = mbps
+
+    def observe_full(
+        self, *, prompt_tokens: int, num_layers: int, seconds: float
+    ) -> None:  # fmt: skip
+        """The example's full prefill took ``seconds``: the recompute throughput the per-chunk
+        choice weighs loads against."""
+        self._recompute_rate = prompt_tokens * num_layers / seconds if seconds > 0 else None
+        self._question_tokens = max(0, prompt_tokens - self._chunk_tokens)
+        self._num_layers = num_layers
+
+    def plan(self, chunks: Sequence[ChunkKV], ratio: float) -> LoadPlan | None:
+        """The loading controller's per-chunk choice over the throttled link, or None where
+        every chunk is read (no throttled link, ``load_all``, full not measured yet)."""
+        if self.proxy is None or self.load_all or self._recompute_rate is None:
+            return None
+        return choose_loads(
+            chunks=[ChunkLoad(c.num_tokens, self._sizes[id(c)], "s3") for c in chunks],
+            question_tokens=self._question_tokens, num_layers=self._num_layers,
+            tier_bandwidth={"s3": self.proxy.mbps * 1e6},
+            recompute_token_layers_per_s=self._recompute_rate, recompute_ratio=ratio,
+        )  # fmt: skip
+
     def sources(
-        self, chunks: Sequence[ChunkKV], mode: str, *, key: str | None = None
+        self, chunks: Sequence[ChunkKV], mode: str, *, key: str | None = None, ratio: float = 0.0
     ) -> list[LayeredKV | None]:
         """What the blender reads in ``mode``: ``full`` reads no cached KV; ``prefix`` only
-        the first chunk's (the others are computed: None); ``reuse``/``blend`` every chunk's.
-        The loads are reported under ``key`` (the bench's run key, e.g. ``blend@0.05``;
-        default the mode)."""
+        the first chunk's (the others are computed: None); ``reuse``/``blend`` every chunk's
+        the loading controller chooses to read (:meth:`plan`; the others are recomputed:
+        None). The loads are reported under ``key`` (the bench's run key, e.g.
+        ``blend@0.05``; default the mode)."""
         self._settle()
         if mode == "full":
             return list(chunks)
-        wanted = chunks[:1] if mode == "prefix" else chunks
+        read = [True] * len(chunks) if mode != "prefix" else [i == 0 for i in range(len(chunks))]
+        plan = self.plan(chunks, ratio) if mode != "prefix" else None
+        if plan is not None:
+            read = list(plan.load)
+            self._plans[key or mode] = plan
+        wanted = [chunk for chunk, load in zip(chunks, read, strict=True) if load]
+        if not wanted:  # the link is so slow that every chunk is recomputed
+            return [None] * len(chunks)
         keys = [self._keys[id(chunk)] for chunk in wanted]
         batch = self.loader.open(keys, token_ids=[chunk.token_ids for chunk in wanted])
         self._pending.setdefault(key or mode, []).append(batch)
-        return [*batch, *([None] * (len(chunks) - len(wanted)))]
+        loaded = iter(batch)
+        return [next(loaded) if load else None for load in read]
 
     def _settle(self) -> None:
         for mode, batches in self._pending.items():
@@ -106,16 +188,21 @@ class StoreBench:
         """``load_s``, ``hidden_load_fraction`` (medians over the repeats) and the loading
         controller's ``ratio_chosen`` for this example, for the loads made under ``mode`` (or
         the run key given to :meth:`sources`). The recompute throughput fed to the
-        controller is the ``full`` prefill's: ``prompt_tokens * num_layers / full_ttft_s``."""
+        controller is the ``full`` prefill's: ``prompt_tokens * num_layers / full_ttft_s``.
+        Also ``kv_bytes_per_token`` (the stored objects' bytes a chunk token, in the codec
+        they were written in), ``s3_mbps`` (the throttled link's rate, None unthrottled) and,
+        where the per-chunk choice ran, ``recomputed_chunks`` and ``load_plan``."""
         self._settle()
         stats = self._stats.get(mode, [])
+        plan = self._plans.get(mode)
+        common = {
+            "tier": self.tier,
+            "kv_bytes_per_token": sum(self._sizes.values()) / max(1, self._chunk_tokens),
+            "s3_mbps": self.s3_mbps,
+            **({"recomputed_chunks": plan.recomputed, "load_plan": plan.to_dict()} if plan else {}),
+        }
         if not stats:  # this mode read no cached KV
-            return {
-                "tier": self.tier,
-                "load_s": 0.0,
-                "hidden_load_fraction": None,
-                "ratio_chosen": None,
-            }
+            return common | {"load_s": 0.0, "hidden_load_fraction": None, "ratio_chosen": None}
         throughput = prompt_tokens * num_layers / full_ttft_s if full_ttft_s else None
         bandwidth = {s.name: s.read_bandwidth_bytes_per_s for s in self.store.stats().tiers}
         decision = choose_ratio(
@@ -123,8 +210,7 @@ class StoreBench:
             load_bytes_by_tier=stats[-1].tier_bytes, tier_bandwidth=bandwidth,
             recompute_token_layers_per_s=throughput,
         )  # fmt: skip
-        return {
-            "tier": self.tier,
+        return common | {
             "pipelined": self.pipeline,
             "load_s": statistics.median(s.load_s for s in stats),
             "load_wait_s": statistics.median(s.wait_s for s in stats),
@@ -137,19 +223,54 @@ class StoreBench:
 
     def close(self) -> None:
         self.loader.close()
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
         if self._gateway is not None:
             self._gateway.stop()
             self._gateway = None
         self._tmp.cleanup()
 
 
-_BENCHES: dict[tuple[str, bool], StoreBench] = {}
+_BENCHES: dict[tuple[str, bool, float | None, bool], StoreBench] = {}
 
 
-def store_bench(tier: str, pipeline: bool) -> StoreBench:
-    """One StoreBench per (tier, pipeline) in the process, closed at exit."""
-    key = (tier, pipeline)
+def store_bench(
+    tier: str, pipeline: bool, *, s3_mbps: float | None = None, load_all: bool = False
+) -> StoreBench:
+    """One StoreBench per (tier, pipeline, link) in the process, closed at exit."""
+    key = (tier, pipeline, s3_mbps, load_all)
     if key not in _BENCHES:
-        _BENCHES[key] = StoreBench(tier, pipeline=pipeline)
+        _BENCHES[key] = StoreBench(tier, pipeline=pipeline, s3_mbps=s3_mbps, load_all=load_all)
         atexit.register(_BENCHES[key].close)
     return _BENCHES[key]
+
+
+UNTHROTTLED_MBPS = 1e6  # the link's rate under ``auto`` until the example's full is measured
+
+
+def bench_of(args: Any, tier: str) -> StoreBench:
+    """The StoreBench of ``tier`` under the bench's flags: ``--no-pipeline``, ``--s3-mbps``
+    (``args.s3_link``, from :func:`parse_link_rate`), ``--load-all``."""
+    mbps, scale = getattr(args, "s3_link", (None, None))
+    if tier != "s3" or (mbps is None and scale is None):
+        return store_bench(tier, not args.no_pipeline)
+    return store_bench(
+        tier, not args.no_pipeline, s3_mbps=mbps or UNTHROTTLED_MBPS,
+        load_all=getattr(args, "load_all", False),
+    )  # fmt: skip
+
+
+def after_full(
+    args: Any, tier: str, *, prompt_tokens: int, num_layers: int, seconds: float
+) -> None:
+    """The example's full prefill took ``seconds``: under ``--s3-mbps auto`` the link is set
+    to read the prompt's fp16 KV in as long (times the multiple), and the per-chunk choice
+    weighs loads against full's recompute throughput."""
+    bench = bench_of(args, tier)
+    if bench.proxy is None:
+        return
+    _, scale = args.s3_link
+    if scale is not None:
+        bench.set_link(scale * bench.fp16_bytes / seconds / 1e6)
+    bench.observe_full(prompt_tokens=prompt_tokens, num_layers=num_layers, seconds=seconds)

@@ -13,14 +13,24 @@ For a request whose cached chunks hold ``N`` tokens over ``L`` layers:
 - the cheapest tier (S3 < disk < CPU memory < device) whose load time at the target ratio
   (``r_min`` or the admin's) is no longer than the recompute time keeps loading hidden.
 
-:func:`choose_ratio` is the pure decision; :class:`LoadingController` keeps the running
-measurements (EWMA) and calls it.
+Per chunk, load or recompute (the paper's loading controller; :func:`choose_loads`): a chunk
+is either read (its KV arrives over its tier's link while the GPU recomputes) or recomputed
+whole, like a cache miss. Reading costs link time, recomputing costs compute time, and the
+two overlap, so the request takes about ``max(load_s, compute_s)``. On a link so slow that a
+chunk takes longer to arrive than to recompute, recomputing some chunks instead shortens
+the request; recomputing all of them is full prefill. The plan with the least estimate is
+chosen among "the ``n`` chunks slowest to load, relative to their recompute, are
+recomputed" for every ``n``, all of them included, so a blend is never estimated slower
+than full prefill, whatever the link.
+
+:func:`choose_ratio` and :func:`choose_loads` are the pure decisions;
+:class:`LoadingController` keeps the running measurements (EWMA) and calls them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -141,6 +151,102 @@ def choose_ratio(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ChunkLoad:
+    """One cached chunk of a request: its tokens, its stored bytes, the tier serving it."""
+
+    tokens: int
+    nbytes: int
+    tier: str
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    load: tuple[bool, ...]  # per chunk: read its KV (True) or recompute it whole (False)
+    load_s_estimate: float | None  # the read chunks' link time (tiers in parallel)
+    compute_s_estimate: float | None  # selective recompute + recomputed chunks + question
+    full_s_estimate: float | None  # full prefill of the same prompt
+    why: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def recomputed(self) -> int:
+        return self.load.count(False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"recomputed": self.recomputed}
+
+
+def choose_loads(
+    *,
+    chunks: Sequence[ChunkLoad],
+    question_tokens: int,
+    num_layers: int,
+    tier_bandwidth: Mapping[str, float | None],
+    recompute_token_layers_per_s: float | None,
+    recompute_ratio: float,
+) -> LoadPlan:
+    """Which chunks to read and which to recompute whole, for the least estimated time.
+
+    ``tier_bandwidth``: read bytes/s per tier (None or absent: not measured; such chunks are
+    read, as nothing says they are slow); ``recompute_ratio``: the share of a read chunk's
+    tokens that blend recomputes. Time is estimated as ``max(load_s, compute_s)``: loads
+    overlap compute layer by layer, each tier's reads share its link."""
+    throughput = recompute_token_layers_per_s or None
+    if throughput is None:
+        return LoadPlan(
+            tuple(True for _ in chunks), None, None, None,
+            {"rule": "no measurement of recompute throughput yet: every chunk is read"},
+        )  # fmt: skip
+
+    def seconds_to_load(chunk: ChunkLoad) -> float | None:
+        bandwidth = tier_bandwidth.get(chunk.tier)
+        return chunk.nbytes / bandwidth if bandwidth else None
+
+    def seconds_to_compute(tokens: float) -> float:
+        return tokens * num_layers / throughput
+
+    def estimate(load: Sequence[bool]) -> tuple[float, float]:
+        link_s: dict[str, float] = {}
+        tokens = float(question_tokens)
+        for chunk, read in zip(chunks, load, strict=True):
+            if read:
+                link_s[chunk.tier] = link_s.get(chunk.tier, 0.0) + (seconds_to_load(chunk) or 0.0)
+                tokens += recompute_ratio * chunk.tokens
+            else:
+                tokens += chunk.tokens
+        return max(link_s.values(), default=0.0), seconds_to_compute(tokens)
+
+    # the chunks a slow link makes dearest first: load time over recompute time
+    cost = {
+        i: seconds / seconds_to_compute(chunk.tokens)
+        for i, chunk in enumerate(chunks)
+        if chunk.tokens > 0 and (seconds := seconds_to_load(chunk)) is not None
+    }
+    order = sorted(cost, key=lambda i: -cost[i])
+    best: tuple[float, list[bool]] | None = None
+    for recomputed in range(len(order) + 1):
+        load = [True] * len(chunks)
+        for i in order[:recomputed]:
+            load[i] = False
+        total_s = max(estimate(load))
+        if best is None or total_s < best[0] - 1e-12:
+            best = (total_s, load)
+    assert best is not None
+    load_s, compute_s = estimate(best[1])
+    full_s = seconds_to_compute(question_tokens + sum(chunk.tokens for chunk in chunks))
+    recomputed = best[1].count(False)
+    why = {
+        "load_over_recompute": {str(i): cost[i] for i in order},
+        "rule": (
+            "every chunk is read: loading hides behind compute"
+            if recomputed == 0
+            else f"{recomputed} of {len(chunks)} chunks recomputed: they take longer to arrive "
+            "than to recompute, and the rest arrive within the compute"
+        ),
+    }
+    return LoadPlan(tuple(best[1]), load_s, compute_s, full_s, why)
+
+
 class LoadingController:
     """Running measurements (EWMA) of tier bandwidth and recompute throughput."""
 
@@ -211,6 +317,20 @@ class LoadingController:
         )  # fmt: skip
         self.last_decision = decision
         return decision
+
+    def choose_loads(
+        self, *, chunks: Sequence[ChunkLoad], question_tokens: int, num_layers: int,
+        recompute_ratio: float,
+    ) -> LoadPlan:  # fmt: skip
+        """:func:`choose_loads` on the running measurements."""
+        with self._lock:
+            bandwidth = dict(self.tier_bandwidth)
+            throughput = self.recompute_token_layers_per_s
+        return choose_loads(
+            chunks=chunks, question_tokens=question_tokens, num_layers=num_layers,
+            tier_bandwidth=bandwidth, recompute_token_layers_per_s=throughput,
+            recompute_ratio=recompute_ratio,
+        )  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data for the dashboard."""

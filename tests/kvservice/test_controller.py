@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvservice.controller import LoadingController, choose_ratio
+from kvservice.controller import ChunkLoad, LoadingController, choose_loads, choose_ratio
 
 MB = 1 << 20
 # 3000 tokens x 30 layers; recompute at 900k token-layers/s -> full recompute 0.1 s
@@ -83,3 +83,89 @@ def test_controller_smooths_measurements_and_explains_itself():
     json.dumps(snapshot)
     with pytest.raises(ValueError):
         controller.set_fixed_ratio(1.5)
+
+
+# Per chunk, load or recompute: 6 chunks of 500 tokens x 30 layers at 900k token-layers/s
+# recompute in 1/60 s each (full prefill with a 100-token question: 0.1033 s)
+LOAD = {"question_tokens": 100, "num_layers": 30, "recompute_token_layers_per_s": 900_000.0}
+
+
+def _chunks(nbytes: int, tier: str = "s3", count: int = 6) -> list[ChunkLoad]:
+    return [ChunkLoad(tokens=500, nbytes=nbytes, tier=tier) for _ in range(count)]
+
+
+def test_fast_link_reads_every_chunk():
+    # 200 kB a chunk at 100 MB/s: 6 chunks in 0.012 s, within blend's 0.0183 s of compute
+    plan = choose_loads(
+        chunks=_chunks(MB // 5), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15, **LOAD
+    )
+    assert plan.load == (True,) * 6 and plan.recomputed == 0
+    assert plan.load_s_estimate == pytest.approx(0.012)
+    assert max(plan.load_s_estimate, plan.compute_s_estimate) < plan.full_s_estimate
+
+
+def test_chunk_slower_to_load_than_to_recompute_on_a_slow_link():
+    # 20 MB a chunk at 100 MB/s: 0.2 s to arrive, longer than full prefill: all recomputed
+    plan = choose_loads(
+        chunks=_chunks(20 * MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15, **LOAD
+    )
+    assert plan.load == (False,) * 6
+    assert plan.load_s_estimate == 0.0
+    assert plan.compute_s_estimate == pytest.approx(plan.full_s_estimate)
+
+
+def test_some_chunks_recomputed_while_the_rest_arrive():
+    # 2 MB a chunk: 0.02 s to arrive against 0.0167 s to recompute. Reading all: 0.12 s (slower
+    # than full's 0.103); recomputing all: full. Recomputing 3 and reading 3 while they
+    # compute: max(0.06, 0.0608) -- the least of every split
+    plan = choose_loads(
+        chunks=_chunks(2 * MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15, **LOAD
+    )
+    assert plan.recomputed == 3
+    assert max(plan.load_s_estimate, plan.compute_s_estimate) == pytest.approx(0.0608, abs=1e-4)
+    assert "3 of 6 chunks recomputed" in plan.why["rule"]
+
+
+def test_never_estimated_slower_than_full_whatever_the_link():
+    for mbps in (0.01, 1, 10, 50, 100, 1000, 1e6):
+        plan = choose_loads(
+            chunks=_chunks(5 * MB), tier_bandwidth={"s3": mbps * MB}, recompute_ratio=0.15,
+            **LOAD,
+        )  # fmt: skip
+        assert max(plan.load_s_estimate, plan.compute_s_estimate) <= plan.full_s_estimate + 1e-12
+
+
+def test_the_slow_tiers_chunks_are_recomputed_first():
+    # three chunks in CPU memory (instant) and three from a slow S3: only S3's are recomputed
+    chunks = [*_chunks(10 * MB, "cpu", 3), *_chunks(10 * MB, "s3", 3)]
+    plan = choose_loads(chunks=chunks, tier_bandwidth=BANDWIDTH, recompute_ratio=0.15, **LOAD)
+    assert plan.load == (True, True, True, False, False, False)
+
+
+def test_chunks_of_unmeasured_tiers_are_read_and_no_throughput_reads_all():
+    plan = choose_loads(
+        chunks=_chunks(10 * MB, "disk"), tier_bandwidth={}, recompute_ratio=0.15, **LOAD
+    )
+    assert plan.load == (True,) * 6
+    unmeasured = choose_loads(
+        chunks=_chunks(10 * MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
+        question_tokens=100, num_layers=30, recompute_token_layers_per_s=None,
+    )  # fmt: skip
+    assert unmeasured.load == (True,) * 6 and "no measurement" in unmeasured.why["rule"]
+    json.dumps(plan.to_dict())
+
+
+def test_controller_chooses_loads_from_its_measurements():
+    controller = LoadingController()
+    assert (
+        controller.choose_loads(
+            chunks=_chunks(20 * MB), question_tokens=100, num_layers=30, recompute_ratio=0.15
+        ).load
+        == (True,) * 6
+    )  # nothing measured yet
+    controller.observe_recompute(tokens=3100, layers=30, seconds=0.1033)
+    controller.observe_tier("s3", nbytes=100 * MB, seconds=1.0)
+    plan = controller.choose_loads(
+        chunks=_chunks(20 * MB), question_tokens=100, num_layers=30, recompute_ratio=0.15
+    )
+    assert plan.recomputed == 6
