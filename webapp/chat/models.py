@@ -87,6 +87,12 @@ class Message(models.Model):
     total_s = models.FloatField(null=True, blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    # "length": the answer was cut at the token cap (it ends at a sentence, or with "…").
+    finish_reason = models.CharField(max_length=16, blank=True)
+    # How it was decoded: 0, greedy (a first answer); above, sampled with ``seed`` (an answer
+    # asked again: webapp.chat.requests.REGENERATE_TEMPERATURE).
+    temperature = models.FloatField(default=0.0)
+    seed = models.BigIntegerField(null=True, blank=True)
     # Which tier served each cited chunk's KV, e.g. {"cpu": 4, "s3": 2}.
     tiers = models.JSONField(default=dict, blank=True)
     feedback = models.SmallIntegerField(default=0)  # -1 thumbs down, 0 none, +1 thumbs up
@@ -110,6 +116,11 @@ class Message(models.Model):
     @property
     def is_open(self) -> bool:
         return self.status in (self.Status.PENDING, self.Status.STREAMING)
+
+    @property
+    def was_cut(self) -> bool:
+        """It reached the longest answer the model may write, and was cut there."""
+        return self.finish_reason == "length"
 
     @property
     def sources(self) -> list[Citation]:

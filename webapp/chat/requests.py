@@ -16,6 +16,13 @@ from webapp.documents.kv import chunk_ref
 
 HISTORY_TURNS = 3  # at most this many earlier questions (and helpful answers) in a follow-up
 
+# An answer asked again is sampled, so that it is another attempt: a first answer is greedy,
+# and greedy decoding of the same prompt gave the identical text every time (#36). 0.7 with
+# top-p 0.9 (common chat settings) keeps the likely words and varies the wording; each
+# attempt draws a seed of its own, recorded with it (Message.temperature, Message.seed).
+REGENERATE_TEMPERATURE = 0.7
+REGENERATE_TOP_P = 0.9
+
 
 def mode_allowed(user, mode: str) -> bool:
     """Blend for everyone; the other prefill modes (full, reuse, prefix) for staff only."""
@@ -53,8 +60,10 @@ def generate_request(
     recompute_ratio: float | None = None,
     audit_of: int | None = None,
 ) -> GenerateRequest:
-    """The request for ``answer`` (its stream and record), or for an audit of another answer
-    (``audit_of``, a stream of its own). Each passage in its owner's KV scope."""
+    """The request for ``answer`` (its stream and record; sampled when it is an answer asked
+    again), or for an audit of another answer (``audit_of``, a stream of its own). Each
+    passage in its owner's KV scope."""
+    sampled = answer is not None and answer.temperature > 0
     return GenerateRequest(
         request_id=str(answer.request_id) if answer is not None else str(uuid.uuid4()),
         message_id=answer.id if answer is not None else None,
@@ -64,5 +73,8 @@ def generate_request(
         mode=mode,
         recompute_ratio=recompute_ratio,  # None: the worker's controller decides
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
+        temperature=answer.temperature if sampled else 0.0,
+        top_p=REGENERATE_TOP_P if sampled else 1.0,
+        seed=answer.seed if sampled else None,
         audit_of=audit_of,
     )

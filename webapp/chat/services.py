@@ -4,6 +4,7 @@ answer when it is complete, stop, regenerate, feedback."""
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -25,7 +26,12 @@ from kvservice.protocol import (
 )
 from webapp import outages
 from webapp.chat.models import Citation, Conversation, Message
-from webapp.chat.requests import conversation_history, generate_request, mode_allowed
+from webapp.chat.requests import (
+    REGENERATE_TEMPERATURE,
+    conversation_history,
+    generate_request,
+    mode_allowed,
+)
 from webapp.chat.retrieval import has_ready_chunks, retrieve_chunks
 from webapp.dashboard.selectors import fixed_recompute_ratio
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
@@ -223,12 +229,16 @@ def _check_can_ask(user, mode: str) -> None:
         raise AnswerServiceBusy(BUSY)
 
 
-def _pending_answer(conversation: Conversation, mode: str) -> Message:
+def _pending_answer(conversation: Conversation, mode: str, *, sampled: bool = False) -> Message:
+    """A pending answer: greedy, or ``sampled`` at ``REGENERATE_TEMPERATURE`` with a seed of
+    its own (recorded, so that the attempt can be told apart and repeated)."""
     return Message.objects.create(
         conversation=conversation,
         role=Message.Role.ASSISTANT,
         status=Message.Status.PENDING,
         mode=mode,
+        temperature=REGENERATE_TEMPERATURE if sampled else 0.0,
+        seed=secrets.randbelow(2**31) if sampled else None,
     )
 
 
@@ -330,9 +340,10 @@ def _retrieve(
 
 @transaction.atomic
 def chat_regenerate(*, user, answer: Message, mode: str | None = None) -> Message:
-    """Answer the question before ``answer`` again, in its place: the new answer takes its
-    time, so its place in the conversation, and ``answer`` is kept, unseen
-    (``Message.replaced_by``), for the dashboard's measures. Returns the new pending answer."""
+    """Answer the question before ``answer`` again, in its place, as another attempt
+    (sampled: ``REGENERATE_TEMPERATURE``): the new answer takes its time, so its place in
+    the conversation, and ``answer`` is kept, unseen (``Message.replaced_by``), for the
+    dashboard's measures. Returns the new pending answer."""
     answer = Message.objects.select_for_update().get(pk=answer.pk)  # one regeneration at a time
     if answer.replaced_by_id is not None:
         raise ChatError("This answer has been asked again already.")
@@ -348,7 +359,7 @@ def chat_regenerate(*, user, answer: Message, mode: str | None = None) -> Messag
         raise ChatError("There is no question to answer again.")
     mode = mode or answer.mode or Message.Mode.BLEND
     _check_can_ask(user, mode)
-    new_answer = _pending_answer(conversation, mode)
+    new_answer = _pending_answer(conversation, mode, sampled=True)
     Message.objects.filter(pk=new_answer.pk).update(created_at=answer.created_at)
     answer.replaced_by = new_answer
     answer.save(update_fields=["replaced_by"])
@@ -384,7 +395,9 @@ def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> Non
     if result.get("audit_of"):  # a fidelity re-run in full prefill, not an answer of its own
         fidelity_record(audit_of=result["audit_of"], result=result)
         return
-    fidelity_maybe_audit(message_id=message_id, result=result)  # a sampled share of blend answers
+    metrics = result.get("metrics") or {}
+    if not metrics.get("temperature"):  # a sampled attempt differs from full prefill by chance
+        fidelity_maybe_audit(message_id=message_id, result=result)  # a share of blend answers
     with transaction.atomic():
         answer = Message.objects.select_for_update().filter(id=message_id).first()
         if answer is None or not answer.is_open:
@@ -396,13 +409,13 @@ def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> Non
         }.get(status, Message.Status.FAILED)
         answer.content = result.get("text", "")
         answer.error_message = result.get("error", "")
-        metrics = result.get("metrics") or {}
         answer.mode = metrics.get("mode") or answer.mode
         answer.recompute_ratio = metrics.get("recompute_ratio")
         answer.ttft_s = metrics.get("ttft_s")
         answer.total_s = metrics.get("total_s")
         answer.prompt_tokens = metrics.get("prompt_tokens")
         answer.completion_tokens = metrics.get("completion_tokens")
+        answer.finish_reason = metrics.get("finish_reason") or ""
         chunk_tiers: dict[str, str] = metrics.get("chunk_tiers") or {}
         answer.tiers = dict(Counter(chunk_tiers.values()))
         answer.completed_at = timezone.now()

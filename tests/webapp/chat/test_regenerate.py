@@ -1,8 +1,12 @@
 """Regenerate answers the same question again in the old answer's place: one question, the
 new answer where the old one was (also for an answer before the last), the old one kept out
-of sight for the dashboard's measures, and each answer asked again only once."""
+of sight for the dashboard's measures, each answer asked again only once, and as another
+attempt: sampled with a seed of its own, recorded with it."""
 
 from __future__ import annotations
+
+import base64
+import json
 
 import pytest
 import redis
@@ -14,7 +18,7 @@ from kvservice.protocol import INFERENCE_QUEUE
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Message
-from webapp.chat.requests import conversation_history
+from webapp.chat.requests import REGENERATE_TEMPERATURE, REGENERATE_TOP_P, conversation_history
 
 pytestmark = pytest.mark.django_db
 
@@ -123,3 +127,51 @@ def test_export_and_search_leave_out_a_replaced_answer(client, alice) -> None:
     assert "Arborio." in markdown and answer.content not in markdown
     found = client.get(reverse("chat:index"), {"q": "An answer to"}).content.decode()
     assert f'href="/chat/{conversation.id}/"' not in found  # only the replaced answer said it
+
+
+def _sent_requests() -> list[dict]:
+    """The generate requests queued for the inference worker, oldest first."""
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    messages = [json.loads(raw) for raw in client.lrange(INFERENCE_QUEUE, 0, -1)]
+    return [json.loads(base64.b64decode(m["body"]))[0][0] for m in messages][::-1]
+
+
+def test_an_answer_asked_again_is_sampled_with_a_seed_of_its_own(client, alice) -> None:
+    make_document(alice, "notes", list(PASSAGES.values()))
+    conversation = services.conversation_create(owner=alice)
+    first = _ask_and_answer(alice, conversation, "Risotto rice?")
+    again = _regenerate(alice, first)
+    services.chat_record_answer(
+        message_id=again.id, result={"status": "done", "text": "Arborio, or carnaroli [1]."}
+    )
+    third = _regenerate(alice, Message.objects.get(pk=again.pk))
+
+    greedy, *sampled = _sent_requests()
+    assert (greedy["temperature"], greedy["top_p"], greedy["seed"]) == (0.0, 1.0, None)
+    assert first.temperature == 0 and first.seed is None
+    for request, answer in zip(sampled, (again, third), strict=True):
+        answer.refresh_from_db()
+        assert request["temperature"] == answer.temperature == REGENERATE_TEMPERATURE
+        assert request["top_p"] == REGENERATE_TOP_P and request["seed"] == answer.seed
+    assert again.seed != third.seed  # each attempt its own draw
+    services.chat_record_answer(message_id=third.id, result={"status": "done", "text": "Rice."})
+    client.force_login(alice)
+    page = client.get(f"/chat/{conversation.id}/").content.decode()
+    assert "another attempt" in page and "a different attempt" in page  # and the button says so
+
+
+def test_a_sampled_attempt_is_not_audited_against_full_prefill(alice, monkeypatch) -> None:
+    from webapp.dashboard import services as dashboard
+
+    monkeypatch.setattr(dashboard.selectors, "audit_sample_rate", lambda: 1.0)
+    make_document(alice, "notes", list(PASSAGES.values()))
+    conversation = services.conversation_create(owner=alice)
+    first = _ask_and_answer(alice, conversation, "Risotto rice?")
+    again = _regenerate(alice, first)
+    metrics = {"mode": "blend", "temperature": REGENERATE_TEMPERATURE, "seed": again.seed}
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        services.chat_record_answer(
+            message_id=again.id, result={"status": "done", "text": "Arborio.", "metrics": metrics}
+        )
+    assert not dashboard.FidelityAudit.objects.filter(message_id=again.id).exists()
+    assert dashboard.FidelityAudit.objects.filter(message_id=first.id).exists()  # greedy: audited
