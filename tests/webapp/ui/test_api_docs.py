@@ -1,6 +1,7 @@
 """The API's docs page (/api/v1/docs, Swagger UI, vendored) in a real browser: it renders every
 operation of the schema and logs no error to the console (it refused the schema once, for two
-"200" keys under one operation).
+"200" keys under one operation), and fits a 390 px phone (django-ninja's page has no viewport
+tag: a phone laid it out 980 px wide).
 
 Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they are missing."""
 
@@ -40,3 +41,38 @@ def test_the_api_docs_render_every_operation_without_a_console_error(
     errors = [e for e in logging_browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
     screenshot(logging_browser, "api-docs.png")
+
+
+@pytest.fixture
+def phone():
+    driver = start_chromium("--hide-scrollbars")
+    # A phone's browser: a page without a viewport meta tag is laid out 980 px wide and
+    # zoomed out, and one wider than the screen grows the layout viewport to fit it.
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 390, "height": 844, "deviceScaleFactor": 3, "mobile": True},
+    )
+    yield driver
+    driver.quit()
+
+
+def test_the_api_docs_fit_a_phone_with_every_operation_open(phone, live_server) -> None:
+    from selenium.webdriver.common.by import By
+
+    phone.get(f"{live_server.url}/api/v1/docs")
+    blocks = wait_for(
+        lambda: phone.find_elements(By.CSS_SELECTOR, ".opblock"), timeout=30,
+        what="Swagger UI's operations",
+    )  # fmt: skip
+    for block in blocks:  # each with its parameters, body and responses
+        phone.execute_script("arguments[0].scrollIntoView()", block)
+        block.find_element(By.CSS_SELECTOR, ".opblock-summary").click()
+    wait_for(
+        lambda: len(phone.find_elements(By.CSS_SELECTOR, ".responses-wrapper")) == len(blocks),
+        timeout=20, what="every operation to open",
+    )  # fmt: skip
+    widths = phone.execute_script(
+        "return [document.scrollingElement.scrollWidth, window.innerWidth]"
+    )
+    screenshot(phone, "mobile-api-docs.png")
+    assert widths == [390, 390], f"laid out at {widths[1]} px, {widths[0]} px wide"
