@@ -12,6 +12,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.template.defaultfilters import pluralize
 from django.views.decorators.http import require_http_methods, require_POST
 
 from webapp.documents import selectors, services
@@ -70,13 +71,27 @@ def collection_detail(request: HttpRequest, collection_id: int) -> HttpResponse:
     return render(request, "documents/collection.html", context)
 
 
-def _changed(request: HttpRequest, collection: Collection, change) -> HttpResponse:
-    """Apply ``change`` (a service call), flash its error if any, back to the collection."""
+def _changed(request: HttpRequest, collection: Collection, change, done) -> HttpResponse:
+    """Apply ``change`` (a service call), flash its error, or ``done(its result)`` to say
+    what changed, back to the collection."""
     try:
-        change()
+        result = change()
     except services.CollectionError as err:
         messages.error(request, str(err))
+    else:
+        messages.success(request, done(result))
     return redirect("documents:collection", collection_id=collection.pk)
+
+
+def _documents_saved(collection: Collection) -> str:
+    held = collection.documents.count()
+    return f"Saved: “{collection.name}” holds {held} document{pluralize(held)}."
+
+
+def _shared(usernames: list[str]) -> str:
+    if not usernames:
+        return "Saved: shared with nobody, only you can see this collection."
+    return f"Saved: shared read-only with {', '.join(usernames)}."
 
 
 @login_required
@@ -85,8 +100,10 @@ def collection_rename(request: HttpRequest, collection_id: int) -> HttpResponse:
     collection = _get_collection_for_user(request, collection_id, change=True)
     name = request.POST.get("name", "")
     return _changed(
-        request, collection, lambda: services.collection_rename(collection=collection, name=name)
-    )
+        request, collection,
+        lambda: services.collection_rename(collection=collection, name=name),
+        lambda renamed: f"Renamed to “{renamed.name}”.",
+    )  # fmt: skip
 
 
 @login_required
@@ -98,6 +115,7 @@ def collection_documents(request: HttpRequest, collection_id: int) -> HttpRespon
         request,
         collection,
         lambda: services.collection_set_documents(collection=collection, document_ids=ids),
+        lambda _: _documents_saved(collection),
     )
 
 
@@ -110,6 +128,7 @@ def collection_share(request: HttpRequest, collection_id: int) -> HttpResponse:
         request,
         collection,
         lambda: services.collection_share(collection=collection, usernames=usernames),
+        _shared,
     )
 
 

@@ -41,12 +41,14 @@ def _list_response(
     status: int = 200,
     errors: list[str] | None = None,
     duplicates: list[tuple[str, Document]] | None = None,
+    uploaded: list[str] | None = None,
 ) -> HttpResponse:
     documents = list(selectors.document_list(owner=request.user).prefetch_related("collections"))
     context = {
         "errors": errors or [],
         "upload_answer": duplicates is not None,  # an upload's answer (not a poll)
         "duplicates": duplicates or [],
+        "uploaded": uploaded or [],
         "documents": documents,
         "polling": selectors.documents_active(documents),
         "poll_seconds": POLL_SECONDS,
@@ -65,6 +67,7 @@ def document_list(request: HttpRequest) -> HttpResponse:
     files = request.FILES.getlist("files")
     errors = [] if files else ["Choose one or more files to upload."]
     duplicates: list[tuple[str, Document]] = []  # (the name uploaded, the document it already is)
+    uploaded: list[str] = []  # the names of the documents added
     for uploaded_file in files:
         try:
             result = services.document_upload_result(
@@ -75,10 +78,14 @@ def document_list(request: HttpRequest) -> HttpResponse:
             continue
         if result.duplicate:
             duplicates.append((uploaded_file.name, result.document))
+        else:
+            uploaded.append(uploaded_file.name)
     if request.htmx:
-        return _list_response(request, errors=errors, duplicates=duplicates)
+        return _list_response(request, errors=errors, duplicates=duplicates, uploaded=uploaded)
     for error in errors:
         messages.error(request, error)
+    if uploaded:
+        messages.success(request, f"Uploaded {', '.join(uploaded)}.")
     for name, document in duplicates:
         notice = render_to_string("documents/_duplicate.html", {"name": name, "document": document})
         messages.info(request, notice)  # safe HTML: the message storage keeps it so

@@ -160,3 +160,12 @@ def test_htmx_upload_returns_the_list_with_the_new_document(alice_client) -> Non
     html = response.content.decode()
     assert response.status_code == 200 and "fresh.txt" in html
     assert 'hx-trigger="every' in html  # it is queued, so the list polls
+    assert "Uploaded fresh.txt: it is being prepared below" in html  # says what happened
+
+
+def test_an_upload_without_htmx_says_what_was_uploaded(alice_client) -> None:
+    response = alice_client.post(
+        reverse("documents:list"), {"files": [upload("plain.txt", files.text_bytes("plain"))]},
+        follow=True,
+    )  # fmt: skip
+    assert "Uploaded plain.txt." in response.content.decode()

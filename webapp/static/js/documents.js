@@ -20,6 +20,11 @@ document.addEventListener("DOMContentLoaded", () => {
     submit();
   });
   input.addEventListener("change", submit);
+  // Choosing files uploads them, so there is nothing left for an Upload button to do (pressed
+  // after a choice, it only answered "Choose one or more files"): it is there without
+  // JavaScript, where choosing does not upload.
+  document.getElementById("upload-button").hidden = true;
+  document.getElementById("upload-hint").hidden = false;
   // After an htmx upload, clear the picker so the same file can be chosen again.
   form.addEventListener("htmx:afterRequest", () => { input.value = ""; });
 });
