@@ -31,10 +31,15 @@ def test_the_owner_creates_renames_fills_and_deletes_a_collection(alice_client, 
     assert collection.name == "Port history"
     assert response.url == f"/documents/collections/{collection.pk}/"
 
-    alice_client.post(f"/documents/collections/{collection.pk}/rename", {"name": "Harbours"})
-    alice_client.post(
-        f"/documents/collections/{collection.pk}/documents", {"documents": [harbour.pk]}
+    renamed = alice_client.post(
+        f"/documents/collections/{collection.pk}/rename", {"name": "Harbours"}, follow=True
     )
+    assert "Renamed to “Harbours”." in renamed.content.decode()  # each change says so
+    filled = alice_client.post(
+        f"/documents/collections/{collection.pk}/documents", {"documents": [harbour.pk]},
+        follow=True,
+    )  # fmt: skip
+    assert "Saved: “Harbours” holds 1 document." in filled.content.decode()
     collection.refresh_from_db()
     assert collection.name == "Harbours"
     assert list(collection.documents.all()) == [harbour]
