@@ -92,8 +92,7 @@ def test_log_in_upload_ask_and_watch_the_answer_stream(
         "Its breakwater is two kilometres long and shelters forty fishing boats.\n"
     )
     browser.get(f"{asgi_server}/documents/")
-    browser.find_element(By.ID, "upload-files").send_keys(str(source))
-    browser.find_element(By.CSS_SELECTOR, "#upload-form button[type=submit]").click()
+    browser.find_element(By.ID, "upload-files").send_keys(str(source))  # uploads it at once
 
     def ready() -> bool:
         rows = browser.find_elements(By.CSS_SELECTOR, "#document-list tr.status-ready")
