@@ -14,11 +14,13 @@ For a request whose cached chunks hold ``N`` tokens over ``L`` layers:
   (``r_min`` or the admin's) is no longer than the recompute time keeps loading hidden.
 
 Per chunk, load or recompute (the paper's loading controller; :func:`choose_loads`): a chunk
-is either read (its KV arrives over its tier's link while the GPU recomputes) or recomputed
-whole, like a cache miss. Reading costs link time, recomputing costs compute time, and the
-two overlap, so the request takes about ``max(load_s, compute_s)``. On a link so slow that a
-chunk takes longer to arrive than to recompute, recomputing some chunks instead shortens
-the request; recomputing all of them is full prefill. The plan with the least estimate is
+is either read (its KV arrives over its tier's link) or recomputed whole, like a cache miss.
+Blend runs in two passes (``kvservice.blend``): the first computes the misses and the
+question layer by layer as the read chunks' layers arrive, the second the selected tokens
+of the read chunks and the question again, once everything is there. A request so takes
+about ``max(load_s, first_pass_s) + second_pass_s``. On a link so slow that a chunk takes
+longer to arrive than to recompute, recomputing some chunks instead shortens the request;
+recomputing all of them is full prefill (no second pass). The plan with the least estimate is
 chosen among "the ``n`` chunks slowest to load, relative to their recompute, are
 recomputed" for every ``n``, all of them included, so a blend is never estimated slower
 than full prefill, whatever the link.
@@ -164,7 +166,8 @@ class ChunkLoad:
 class LoadPlan:
     load: tuple[bool, ...]  # per chunk: read its KV (True) or recompute it whole (False)
     load_s_estimate: float | None  # the read chunks' link time (tiers in parallel)
-    compute_s_estimate: float | None  # selective recompute + recomputed chunks + question
+    compute_s_estimate: float | None  # both passes' compute
+    total_s_estimate: float | None  # the loads overlapping the first pass, then the second
     full_s_estimate: float | None  # full prefill of the same prompt
     why: dict[str, Any] = field(default_factory=dict)
 
@@ -189,12 +192,13 @@ def choose_loads(
 
     ``tier_bandwidth``: read bytes/s per tier (None or absent: not measured; such chunks are
     read, as nothing says they are slow); ``recompute_ratio``: the share of a read chunk's
-    tokens that blend recomputes. Time is estimated as ``max(load_s, compute_s)``: loads
-    overlap compute layer by layer, each tier's reads share its link."""
+    tokens that blend recomputes. Time is estimated as
+    ``max(load_s, first_pass_s) + second_pass_s`` (the module's docstring); each tier's
+    reads share its link, tiers read in parallel."""
     throughput = recompute_token_layers_per_s or None
     if throughput is None:
         return LoadPlan(
-            tuple(True for _ in chunks), None, None, None,
+            tuple(True for _ in chunks), None, None, None, None,
             {"rule": "no measurement of recompute throughput yet: every chunk is read"},
         )  # fmt: skip
 
@@ -205,16 +209,21 @@ def choose_loads(
     def seconds_to_compute(tokens: float) -> float:
         return tokens * num_layers / throughput
 
-    def estimate(load: Sequence[bool]) -> tuple[float, float]:
+    def estimate(load: Sequence[bool]) -> tuple[float, float, float]:
+        """(load_s, compute_s, total_s) of reading the chunks marked in ``load``."""
         link_s: dict[str, float] = {}
-        tokens = float(question_tokens)
+        first, second = float(question_tokens), 0.0  # tokens of each pass
         for chunk, read in zip(chunks, load, strict=True):
             if read:
                 link_s[chunk.tier] = link_s.get(chunk.tier, 0.0) + (seconds_to_load(chunk) or 0.0)
-                tokens += recompute_ratio * chunk.tokens
+                second += recompute_ratio * chunk.tokens
             else:
-                tokens += chunk.tokens
-        return max(link_s.values(), default=0.0), seconds_to_compute(tokens)
+                first += chunk.tokens
+        if any(load):  # the second pass recomputes the question again
+            second += question_tokens
+        load_s = max(link_s.values(), default=0.0)
+        first_s, second_s = seconds_to_compute(first), seconds_to_compute(second)
+        return load_s, first_s + second_s, max(load_s, first_s) + second_s
 
     # the chunks a slow link makes dearest first: load time over recompute time
     cost = {
@@ -228,11 +237,11 @@ def choose_loads(
         load = [True] * len(chunks)
         for i in order[:recomputed]:
             load[i] = False
-        total_s = max(estimate(load))
+        total_s = estimate(load)[2]
         if best is None or total_s < best[0] - 1e-12:
             best = (total_s, load)
     assert best is not None
-    load_s, compute_s = estimate(best[1])
+    load_s, compute_s, total_s = estimate(best[1])
     full_s = seconds_to_compute(question_tokens + sum(chunk.tokens for chunk in chunks))
     recomputed = best[1].count(False)
     why = {
@@ -241,10 +250,10 @@ def choose_loads(
             "every chunk is read: loading hides behind compute"
             if recomputed == 0
             else f"{recomputed} of {len(chunks)} chunks recomputed: they take longer to arrive "
-            "than to recompute, and the rest arrive within the compute"
+            "than to recompute, and the rest arrive while they are computed"
         ),
     }
-    return LoadPlan(tuple(best[1]), load_s, compute_s, full_s, why)
+    return LoadPlan(tuple(best[1]), load_s, compute_s, total_s, full_s, why)
 
 
 class LoadingController:
