@@ -156,19 +156,27 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     from kvservice.answer import answer_sampling
     from kvservice.citing import complete_citation
     from kvservice.prompt import Prompt
+    from kvservice.sampling import AnswerText
     from kvservice.vllm.engine import VllmRequest
 
     segments = fmt.numbered([c.token_ids for c in chunks])
     keys = [runtime.chunk_key(ids).to_string() for ids in segments]
     suffix = fmt.question_ids(QUESTIONS[0])
-    completion = vllm_engine.generate(
+    streamed = vllm_engine.stream(
         VllmRequest(Prompt(list(fmt.head_ids), segments, suffix), mode="blend", chunk_keys=keys,
                     recompute_ratio=0.15, sampling=answer_sampling(request))
     )  # fmt: skip
+    shown = AnswerText()  # what the worker shows of it: no repeat, a clean cut at the cap
+    for event in streamed:
+        shown.push(event.text)
+        if shown.repeated:
+            break
+    streamed.close()  # aborts it in vLLM when left early, as the worker does
+    shown.finish(cut=event.finish_reason == "length" and not shown.repeated)
     passages = [vllm_engine.tokenizer.decode(c.token_ids) for c in chunks]
-    extra, how = complete_citation(completion.text, passages, request.question)
+    extra, how = complete_citation(shown.text, passages, request.question)
     assert result["status"] == "done", result
-    assert result["text"] == completion.text + extra and result["metrics"]["citation"] == how
+    assert result["text"] == shown.text + extra and result["metrics"]["citation"] == how
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
               for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
     assert "".join(data["text"] for kind, data in events if kind == "token") == result["text"]
