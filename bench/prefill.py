@@ -58,6 +58,7 @@ from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.curve import ratio_curve_svg
 from kvservice.engine import stop_token_ids
+from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat
 from kvservice.synthetic import SYNTHETIC_CONFIGS
@@ -315,6 +316,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--load-all", action="store_true",
         help="with --s3-mbps: read every chunk (no per-chunk load-or-recompute choice)",
     )  # fmt: skip
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
+        help="the linear layers' products (kvservice.kernels): auto takes bfloat16 where native",
+    )  # fmt: skip
+    parser.add_argument("--kernel", choices=KERNELS, default=None, help="force a linear kernel")
     parser.add_argument(
         "--engine", choices=("native", "vllm"), default="native",
         help="vllm: the same modes through vLLM with the Ragblend KV connector (kvservice.vllm)",
@@ -593,7 +599,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
-    model = Transformer.from_pretrained(model_dir, device=args.device, dtype=args.dtype)
+    model = Transformer.from_pretrained(
+        model_dir, device=args.device, dtype=args.dtype, precision=args.precision
+    )
+    if args.kernel:
+        model.prepare_kernels(args.precision, args.kernel)
+    print(model.kernel_choice.describe(), flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_model = None
     if not args.no_hf:
@@ -647,6 +658,7 @@ def _env(args, model, model_dir, rows, load_before) -> dict:
         "cores": os.cpu_count(),
         "model": str(model_dir),
         "model_fingerprint": model.fingerprint,
+        "kernels": model.kernel_choice.to_dict(),
         "dtype": str(args.dtype).removeprefix("torch."),
         "device": str(args.device),
         "examples": len(rows),

@@ -105,6 +105,9 @@ def rotate_into(
     dtype. One copy (which also widens a float16 store to the cache's float32) and four
     in-place products instead of ``apply_rope``'s seven temporaries and a copy: placing the
     cached chunks was ~45 % of the reuse pass (3,700 tokens, 30 layers)."""
+    if dest.dtype == torch.bfloat16:  # rotated in fp32, rounded once (8 bits of mantissa)
+        dest.copy_(apply_rope(k_pre.float(), cos, sin))
+        return
     half = dest.shape[-1] // 2
     dest.copy_(k_pre)
     x1, x2 = dest[..., :half], dest[..., half:]
@@ -133,7 +136,7 @@ def attend_and_weigh(
     heads, length, dim = q.shape
     kv_heads, num_keys = k.shape[0], k.shape[1]
     group = heads // kv_heads
-    stacked = (q * (1.0 / math.sqrt(dim))).reshape(kv_heads, group * length, dim)
+    stacked = (q * (1.0 / math.sqrt(dim))).to(k.dtype).reshape(kv_heads, group * length, dim)
     scores = (stacked @ k.transpose(1, 2)).view(kv_heads, group, length, num_keys)
     visible = position_mask(query_pos, key_pos, sliding_window=sliding_window)  # [S, T]
     scores.masked_fill_(~visible, float("-inf"))
@@ -248,7 +251,7 @@ def attend_grouped(
     outputs = []
     for span, keys, mask in zip(groups.spans, groups.n_keys, groups.masks, strict=True):
         n = span.stop - span.start
-        rows = q[0, :, span].reshape(1, kv_heads, heads // kv_heads * n, dim)
+        rows = q[0, :, span].to(k.dtype).reshape(1, kv_heads, heads // kv_heads * n, dim)
         out = F.scaled_dot_product_attention(rows, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
         outputs.append(out.view(1, heads, n, dim))
     return torch.cat(outputs, dim=2)
@@ -398,8 +401,9 @@ def _run_pass(
                 rotate_into(cache.k[i, 0, :, span], k, cos_all[span], sin_all[span])
             cache.v[i, 0, :, span] = v
         q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
-        cache.k[i, 0, :, active] = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
-        cache.v[i, 0, :, active] = v[0]
+        k_rot = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
+        cache.k[i, 0, :, active] = k_rot.to(dtype)  # index_put does not convert
+        cache.v[i, 0, :, active] = v[0].to(dtype)
         k_layer, v_layer = cache.k[i, :, :, :num_tokens], cache.v[i, :, :, :num_tokens]
         last = i == config.n_layers - 1
         if question_length:  # the question's attention is recorded as it is computed
@@ -497,8 +501,7 @@ def blend_prefill(
     num_tokens = segments[-1].stop
     token_ids = _prompt_ids(segments, head_ids, chunk_ids, question_ids, device)
     segments = _with_prefix(segments, cached_prefix)
-    dtype = model.embed_tokens.weight.dtype
-    cache = KVCache(config, 1, num_tokens + extra_capacity, device, dtype, num_tokens)
+    cache = KVCache(config, 1, num_tokens + extra_capacity, device, model.cache_dtype, num_tokens)
     cache.reserve(torch.arange(num_tokens, device=device)[None])
 
     candidate = _candidates(segments, head_ids, num_tokens, device)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvservice.chunk import ChunkKV, token_ids_sha256
+from kvservice.kernels import FusedLinear, KernelChoice, prepare
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -237,6 +238,7 @@ def attend(
     mask ``[B, S, T]`` or ``[S, T]`` bool, or None for the plain causal triangle (S == T).
     Returns ``[B, H, S, D]``."""
     gqa = q.shape[1] != k.shape[1]
+    q = q.to(k.dtype)  # the cache's dtype (bfloat16 attention: kvservice.kernels)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask.dim() == 3:
@@ -276,6 +278,9 @@ class Attention(nn.Module):
             config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
+        # The products as run: q, k and v in one (kvservice.kernels), o alone.
+        self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
+        self.out = FusedLinear(self.o_proj)
 
     def project(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -283,9 +288,10 @@ class Attention(nn.Module):
         """Normed hidden ``h [B, S, dim]`` -> rotated q ``[B, H, S, D]``, pre-RoPE k and v
         ``[B, H_kv, S, D]``. cos/sin ``[B, S, D]`` at the tokens' positions."""
         bsz, seqlen, _ = h.shape
-        q = self.q_proj(h).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t.to(h.dtype) for t in self.qkv(h))  # [B, S, H*D], [B, S, H_kv*D] x2
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         # q: [B, H, S, D]; k, v: [B, H_kv, S, D]
         q = apply_rope(q, cos[:, None], sin[:, None])
         return q, k, v
@@ -295,7 +301,7 @@ class Attention(nn.Module):
         attn = attn.transpose(1, 2).reshape(
             bsz, seqlen, self.n_heads * self.head_dim
         )  # [B, S, H*D]
-        return self.o_proj(attn)
+        return self.out(attn)[0]
 
 
 class FeedForward(nn.Module):
@@ -306,9 +312,12 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
+        self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
+        self.down = FusedLinear(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)  # [..., I] each (bfloat16 under onednn-bf16)
+        return self.down(F.silu(gate) * up)[0]
 
 
 class Block(nn.Module):
@@ -339,7 +348,7 @@ class Block(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection of the attention result ``attn [B, H, S, D]``, residual, MLP."""
-        x = x + self.self_attn.output(attn)
+        x = x + self.self_attn.output(attn)  # fp32 residual (+ a bfloat16 product: fp32)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -411,8 +420,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.head = FusedLinear(self.lm_head)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.fingerprint = ""  # set by from_pretrained / fingerprint_weights
+        self.kernel_choice: KernelChoice | None = None  # set by prepare_kernels
 
     @property
     def device(self) -> torch.device:
@@ -432,8 +443,23 @@ class Transformer(nn.Module):
             return None
         return position_mask(query_pos, key_pos, key_valid, window)
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype, which attention runs in (``kvservice.kernels``)."""
+        if self.kernel_choice is not None:
+            return self.kernel_choice.attention_dtype
+        return self.embed_tokens.weight.dtype
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x)).float()
+        return self.head(self.norm(x))[0].float()
+
+    def prepare_kernels(
+        self, precision: str = "float32", kernel: str | None = None
+    ) -> KernelChoice:
+        """Pack the linear layers for the fastest kernel this device has at ``precision``
+        (``kvservice.kernels``); call again after changing weights."""
+        self.kernel_choice = prepare(self, precision, kernel)
+        return self.kernel_choice
 
     @torch.no_grad()
     def forward(
@@ -485,8 +511,11 @@ class Transformer(nn.Module):
         path: str | Path,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        precision: str = "float32",
     ) -> Transformer:
-        """Load an HF checkpoint directory (config.json + *.safetensors, mmapped)."""
+        """Load an HF checkpoint directory (config.json + *.safetensors, mmapped), its linear
+        layers packed for the fastest kernel allowed at ``precision`` (``float32``; ``auto``:
+        bfloat16 products where the CPU has them natively; ``kvservice.kernels``)."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -518,6 +547,7 @@ class Transformer(nn.Module):
             raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}")
         model.inv_freq = rope_inv_freq(config).to(device)
         model.fingerprint = digest.hexdigest()[:32]
+        model.prepare_kernels(precision)
         return model.eval()
 
     def fingerprint_weights(self) -> str:
@@ -591,7 +621,7 @@ def precompute_chunks(
             ids[row, :n] = torch.tensor(list(chunks_ids[index]), device=device)
             valid[row, :n] = True
         positions = (h + torch.arange(longest, device=device))[None].expand(bsz, -1)  # [B, n]
-        cache = KVCache(config, bsz, h + longest, device, model.embed_tokens.weight.dtype)
+        cache = KVCache(config, bsz, h + longest, device, model.cache_dtype)
         if head is not None:
             cache.reserve(torch.arange(h, device=device)[None].expand(bsz, -1))
             cos, sin = model.rope(torch.arange(h, device=device))

@@ -47,7 +47,7 @@ class NativeRuntime:
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = Transformer.from_pretrained(path, device=device)
+        self.model = Transformer.from_pretrained(path, device=device, precision=cfg.precision)
         self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
         self.engine = Engine(self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency)
         self.engine.head_kv  # computed now, not on the first question  # noqa: B018
@@ -67,6 +67,7 @@ class NativeRuntime:
         if self.model is not None:
             state["store"] = self.store.stats().to_dict()
             state["controller"] = self.controller.snapshot()
+            state["kernels"] = self.model.kernel_choice.to_dict()
             config = self.model.config  # K and V, every layer, at the model's dtype
             element = self.model.embed_tokens.weight.element_size()
             state["kv_bytes_per_token"] = (

@@ -27,6 +27,7 @@ from celery import Celery
 
 from kvservice.bundled import default_cache_dir
 from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
+from kvservice.kernels import DEFAULT_PRECISION, PRECISIONS
 from kvservice.protocol import (
     ALIVE_INTERVAL_S,
     EVICT_TASK,
@@ -54,6 +55,7 @@ class ServerConfig:
     queue: str  # the shared queue; this worker also serves routing.worker_queue(WORKER_ID)
     engine: str  # "native" (kvservice's engine) or "vllm" (kvservice.vllm)
     node_name: str  # Celery's name for this worker; several on one host need their own
+    precision: str = DEFAULT_PRECISION  # the native engine's products (kvservice.kernels)
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -66,6 +68,9 @@ class ServerConfig:
         engine = os.environ.get("ENGINE", "native").strip().lower() or "native"
         if engine not in ("native", "vllm"):
             raise SystemExit(f"ENGINE must be 'native' or 'vllm', not {engine!r}")
+        precision = os.environ.get("ENGINE_PRECISION", "").strip() or DEFAULT_PRECISION
+        if precision not in PRECISIONS:
+            raise SystemExit(f"ENGINE_PRECISION must be one of {PRECISIONS}, not {precision!r}")
         return cls(
             redis_url=redis_url,
             model_path=os.environ.get("MODEL_PATH") or None,
@@ -74,6 +79,7 @@ class ServerConfig:
             queue=os.environ.get("INFERENCE_QUEUE", INFERENCE_QUEUE),
             engine=engine,
             node_name=os.environ.get("INFERENCE_NODE_NAME", "inference@%h"),
+            precision=precision,
         )
 
 

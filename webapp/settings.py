@@ -171,6 +171,9 @@ S3_KV_BUCKET = env.str("KV_S3_BUCKET", default="kvcache")
 # The LLM whose tokenizer chunks documents and whose KV is precomputed: a local HF checkpoint
 # directory, or "" for the bundled SmolLM2 (kvservice.bundled.resolve_llm_path).
 MODEL_PATH = env.str("MODEL_PATH", default="")
+# The native engine's products, in ingest's KV precompute as in the inference worker
+# (kvservice.kernels): float32, or auto (bfloat16 where the CPU has it natively).
+ENGINE_PRECISION = env.str("ENGINE_PRECISION", default="") or None
 for _name, _value in [("REDIS_URL", REDIS_URL), ("S3_ENDPOINT", S3_ENDPOINT)]:
     if not _value:
         raise ImproperlyConfigured(f"{_name} is not set, and DATA_DIR={DATA_DIR} has no stack.")

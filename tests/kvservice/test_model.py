@@ -128,5 +128,6 @@ def test_bundled_smollm2_logits_equal_hf(smollm2, smollm2_dir, smollm2_tokenizer
     text = "The quick brown fox jumps over the lazy dog. " * 8
     ids = torch.tensor([smollm2_tokenizer(text)["input_ids"]])
     logits, _ = smollm2(ids, torch.arange(ids.shape[1])[None], all_logits=True)
-    torch.testing.assert_close(logits, _hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)
+    # 3e-4: oneDNN's fp32 products sum in another order than MKL's (up to 1.1e-4 seen)
+    torch.testing.assert_close(logits, _hf_logits(hf_model, ids), atol=3e-4, rtol=1e-4)
     assert smollm2.fingerprint and len(smollm2.fingerprint) == 32

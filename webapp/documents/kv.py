@@ -152,12 +152,14 @@ class KVPrecomputer:
         from django.conf import settings
 
         from kvservice.bundled import resolve_llm_path
+        from kvservice.kernels import DEFAULT_PRECISION
         from kvservice.model import Transformer, head_hash
         from webapp.documents.chunking import llm_tokenizer
 
         path = resolve_llm_path(settings.MODEL_PATH or None)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = Transformer.from_pretrained(path, device=device)
+        precision = settings.ENGINE_PRECISION or DEFAULT_PRECISION
+        self.model = Transformer.from_pretrained(path, device=device, precision=precision)
         self.tokenizer = llm_tokenizer()
         self.head_ids = prompt_head_ids(self.tokenizer)
         self.head_hash = head_hash(self.head_ids)

@@ -1,0 +1,239 @@
+"""The linear layers' kernel: the fastest product this machine has for the model's weights,
+chosen at load by a short measurement and logged.
+
+A transformer's prefill, blend recompute, reuse pass, decode and chunk precompute spend
+most of their time in the linear layers (42 % of a 3,700-token SmolLM2 prefill on 2 cores;
+the rest is attention). Which product is fastest depends on the CPU:
+
+* ``torch``: ``F.linear`` (MKL's sgemm on x86). At the machine's fp32 peak on Intel
+  (208 GFLOP/s for a 3,700x576 @ 576x1536 product on a 2-core Xeon with AMX), but half of it
+  on AMD EPYC, where MKL takes a generic path (208 against oneDNN's 448 GFLOP/s).
+* ``onednn``: oneDNN with the weight reordered once into its blocked layout
+  (``mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what vLLM's CPU backend runs).
+* ``onednn-bf16``: the same with the weight in bfloat16 and the activations cast to it,
+  products accumulated in fp32: AMX tiles or AVX512-BF16 where the CPU has them (5-6x fp32's
+  rate on the Xeon above), refused where bfloat16 would be emulated. It rounds activations and
+  weights to 8 bits of mantissa, so it runs only where ``precision`` allows it: see
+  ``docs/kernels.md`` for what it changed in fidelity.
+* On CUDA the products stay ``torch`` (cuBLAS): nothing to choose.
+
+``prepare(model, precision)`` measures the candidates on layer 0's own weights at two shapes
+(a prefill block and a decode step), packs every layer with the fastest for prefill, and
+returns the ``KernelChoice`` (logged, and reported by the benches and the worker's status).
+The q/k/v projections and the MLP's gate/up are each run as one product over their
+concatenated weights (``FusedLinear``): one pass over the activations instead of three or two.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("torch", "onednn", "onednn-bf16")
+PRECISIONS = ("float32", "auto")  # auto: bfloat16 products where the CPU has them natively
+DEFAULT_PRECISION = "float32"
+PREFILL_ROWS = 512  # the measured prefill block (rows of one product)
+DECODE_ROWS = 1
+# oneDNN picks its blocked layout for a batch size; decode runs the same packed weight.
+PACK_ROWS_HINT = 1024
+
+
+class UnknownPrecisionError(ValueError):
+    """A precision setting this engine does not know."""
+
+
+def native_bf16() -> bool:
+    """True when this CPU multiplies bfloat16 in hardware (AMX tiles or AVX512-BF16) and
+    oneDNN is there to use it; elsewhere bfloat16 products are emulated and slower than fp32."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+def attention_dtype(device: torch.device, precision: str, weights: torch.dtype) -> torch.dtype:
+    """What attention and the KV cache run in: bfloat16 under ``auto`` on a CPU that has it
+    natively, else the weights' dtype (on CUDA ``auto`` changes nothing: load the model in
+    the dtype wanted)."""
+    if precision == "auto" and device.type == "cpu" and native_bf16():
+        return torch.bfloat16
+    return weights
+
+
+def candidates(device: torch.device, precision: str) -> list[str]:
+    """The kernels worth measuring on ``device`` at ``precision``."""
+    if precision not in PRECISIONS:
+        raise UnknownPrecisionError(
+            f"unknown linear precision {precision!r} (one of {', '.join(PRECISIONS)})"
+        )
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return ["torch"]
+    names = ["torch", "onednn"]
+    if precision == "auto" and native_bf16():
+        names.append("onednn-bf16")
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# The packed product
+
+
+class FusedLinear(nn.Module):
+    """Several ``nn.Linear`` of one input run as one product, their outputs returned apart.
+
+    Holds no parameters of its own (the checkpoint's ``q_proj``/``k_proj``/... stay where the
+    state dict names them); ``pack`` builds the concatenated weight in the kernel's layout
+    once the weights are loaded. Unpacked (a model built in a test and never prepared), it
+    runs the parts one by one."""
+
+    def __init__(self, *parts: nn.Linear):
+        super().__init__()
+        self._parts = list(parts)  # not submodules: their parameters are registered elsewhere
+        self.sizes = [part.out_features for part in parts]
+        self.kernel = "torch"
+        self.input_dtype = parts[0].weight.dtype
+        # (weight [sum(out), in] in the kernel's layout, bias): a tuple, so that nn.Module
+        # never registers a part's Parameter here a second time.
+        self.packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @torch.no_grad()
+    def pack(self, kernel: str) -> None:
+        weights = [part.weight for part in self._parts]
+        biases = [part.bias for part in self._parts]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum(out), in]
+        bias = None if biases[0] is None else torch.cat(biases)
+        self.kernel = kernel
+        self.input_dtype = torch.bfloat16 if kernel == "onednn-bf16" else weight.dtype
+        if kernel == "torch":
+            # The parts' weights become views of the fused one: no second copy in memory
+            # (an 8B model's on a GPU).
+            offset = 0
+            for part in self._parts:
+                rows = part.out_features
+                part.weight.data = weight[offset : offset + rows]
+                if part.bias is not None:
+                    part.bias.data = bias[offset : offset + rows]
+                offset += rows
+            self.packed = (weight, bias)
+            return
+        dtype = self.input_dtype
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_ROWS_HINT)
+        self.packed = (packed, None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [..., in]`` -> each part's output ``[..., out_i]`` (bfloat16 under
+        ``onednn-bf16``: the caller widens what it must, fp32 + bf16 promotes to fp32)."""
+        if self.packed is None:
+            x = x.to(self._parts[0].weight.dtype)
+            return tuple(part(x) for part in self._parts)
+        weight, bias = self.packed
+        x = x.to(self.input_dtype)  # e.g. a bfloat16 attention output into fp32 products
+        if self.kernel == "torch":
+            y = F.linear(x, weight, bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if len(self.sizes) == 1:
+            return (y,)
+        return y.split(self.sizes, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# The choice
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kernel: str
+    precision: str
+    prefill_ms: dict[str, float] = field(default_factory=dict)  # per candidate, one layer
+    decode_ms: dict[str, float] = field(default_factory=dict)
+    cpu_bf16: bool = False
+    # What attention and the KV cache it reads run in: bfloat16 under ``auto`` on a CPU with
+    # native bfloat16 (SDPA's flash kernel 2.5x fp32's rate there), else the weights' dtype.
+    attention_dtype: torch.dtype = torch.float32
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kernel": self.kernel,
+            "precision": self.precision,
+            "prefill_ms": self.prefill_ms,
+            "decode_ms": self.decode_ms,
+            "cpu_bf16": self.cpu_bf16,
+            "attention_dtype": str(self.attention_dtype).removeprefix("torch."),
+        }
+
+    def describe(self) -> str:
+        timings = ", ".join(
+            f"{name} {self.prefill_ms[name]:.2f}/{self.decode_ms[name]:.3f} ms"
+            for name in self.prefill_ms
+        )
+        measured = timings or "not measured"
+        attention = str(self.attention_dtype).removeprefix("torch.")
+        return (
+            f"linear kernel {self.kernel}, attention in {attention} "
+            f"(precision {self.precision}; {measured})"
+        )
+
+
+def _fused_of(model: nn.Module) -> list[FusedLinear]:
+    return [m for m in model.modules() if isinstance(m, FusedLinear)]
+
+
+def _layer_products(layer: nn.Module) -> list[FusedLinear]:
+    return [m for m in layer.modules() if isinstance(m, FusedLinear)]
+
+
+def _time_layer(products: Sequence[FusedLinear], rows: int, repeats: int) -> float:
+    """Median milliseconds of one pass of a layer's products over ``rows`` rows."""
+    samples = []
+    for _ in range(repeats + 1):  # the first run is a warm-up
+        start = time.perf_counter()
+        for product in products:
+            x = torch.randn(1, rows, product._parts[0].in_features)
+            product(x)
+        samples.append(time.perf_counter() - start)
+    samples = sorted(samples[1:])
+    return 1000 * samples[len(samples) // 2]
+
+
+@torch.no_grad()
+def prepare(
+    model: nn.Module, precision: str = "float32", kernel: str | None = None
+) -> KernelChoice:
+    """Pack ``model``'s linear layers with the fastest kernel allowed at ``precision``
+    (``kernel`` forces one, for tests and benches). Returns the choice, also logged."""
+    device = next(model.parameters()).device
+    names = candidates(device, precision)
+    if kernel is not None:
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown linear kernel {kernel!r} (one of {', '.join(KERNELS)})")
+        names = [kernel]
+    products = _fused_of(model)
+    prefill_ms: dict[str, float] = {}
+    decode_ms: dict[str, float] = {}
+    if len(names) > 1:
+        first_layer = _layer_products(model.layers[0])
+        for name in names:
+            for product in first_layer:
+                product.pack(name)
+            prefill_ms[name] = _time_layer(first_layer, PREFILL_ROWS, repeats=5)
+            decode_ms[name] = _time_layer(first_layer, DECODE_ROWS, repeats=9)
+        chosen = min(prefill_ms, key=prefill_ms.__getitem__)
+    else:
+        chosen = names[0]
+    for product in products:
+        product.pack(chosen)
+    weights = next(model.parameters()).dtype
+    choice = KernelChoice(
+        chosen, precision, prefill_ms, decode_ms, native_bf16(),
+        attention_dtype(device, precision, weights),
+    )  # fmt: skip
+    log.info("%s", choice.describe())
+    return choice

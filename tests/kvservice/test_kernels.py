@@ -1,0 +1,103 @@
+"""The linear layers' kernels (kvservice.kernels): each computes the same products as
+``F.linear``, the choice is made among the candidates the device allows, and packing leaves
+the checkpoint's parameters as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvservice import kernels
+from kvservice.kernels import FusedLinear, UnknownPrecisionError, candidates, prepare
+from kvservice.model import Transformer
+
+ONEDNN = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+def _parts(bias: bool) -> list[nn.Linear]:
+    torch.manual_seed(0)
+    return [nn.Linear(96, out, bias=bias) for out in (96, 32, 32)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "kernel,tolerance",
+    [("torch", 1e-5), pytest.param("onednn", 1e-5, marks=ONEDNN),
+     pytest.param("onednn-bf16", 3e-2, marks=ONEDNN)],
+)  # fmt: skip
+def test_each_kernel_computes_each_parts_product(kernel, tolerance, bias):
+    parts = _parts(bias)
+    fused = FusedLinear(*parts)
+    x = torch.randn(2, 37, 96)
+    unpacked = fused(x)
+    fused.pack(kernel)
+    packed = fused(x)
+    assert [tuple(y.shape) for y in packed] == [(2, 37, 96), (2, 37, 32), (2, 37, 32)]
+    for part, before, after in zip(parts, unpacked, packed, strict=True):
+        expected = F.linear(x, part.weight, part.bias)
+        torch.testing.assert_close(before, expected)
+        torch.testing.assert_close(after.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_torch_packing_keeps_one_copy_of_the_weights():
+    parts = _parts(bias=True)
+    before = [part.weight.detach().clone() for part in parts]
+    fused = FusedLinear(*parts)
+    fused.pack("torch")
+    weight, _ = fused.packed
+    for part, original in zip(parts, before, strict=True):
+        assert part.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        torch.testing.assert_close(part.weight, original, atol=0, rtol=0)
+
+
+def test_candidates_follow_device_and_precision():
+    assert candidates(torch.device("cuda"), "auto") == ["torch"]
+    cpu_fp32 = candidates(torch.device("cpu"), "float32")
+    assert "onednn-bf16" not in cpu_fp32 and cpu_fp32[0] == "torch"
+    bf16_allowed = "onednn-bf16" in candidates(torch.device("cpu"), "auto")
+    assert bf16_allowed == kernels.native_bf16()
+    with pytest.raises(UnknownPrecisionError, match="unknown linear precision 'int4'"):
+        candidates(torch.device("cpu"), "int4")
+
+
+def test_prepare_measures_every_candidate_and_keeps_the_state_dict(tiny_checkpoints):
+    model = Transformer.from_pretrained(tiny_checkpoints["llama"])
+    keys_before = set(model.state_dict())
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(50)[None]
+    expected, _ = model(ids, positions, all_logits=True)
+
+    choice = prepare(model, "float32")
+    assert set(choice.prefill_ms) == set(candidates(torch.device("cpu"), "float32"))
+    assert choice.kernel == min(choice.prefill_ms, key=choice.prefill_ms.__getitem__)
+    assert all(ms > 0 for ms in [*choice.prefill_ms.values(), *choice.decode_ms.values()])
+    assert choice.kernel in choice.describe()
+    assert set(model.state_dict()) == keys_before  # nothing of the packing is a parameter
+    logits, _ = model(ids, positions, all_logits=True)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+    with pytest.raises(ValueError, match="unknown linear kernel 'fast'"):
+        prepare(model, "float32", kernel="fast")
+
+
+@ONEDNN
+def test_bfloat16_products_stay_close_to_float32(tiny_checkpoints):
+    """The model run with bfloat16 products predicts what it predicts in float32: the
+    fidelity measured on the bundled model is in docs/kernels.md."""
+    model = Transformer.from_pretrained(tiny_checkpoints["llama"])
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(60)[None]
+    reference, _ = model(ids, positions, all_logits=True)
+    forced = model.prepare_kernels("auto", kernel="onednn-bf16")
+    assert forced.kernel == "onednn-bf16" and forced.prefill_ms == {}
+    logits, _ = model(ids, positions, all_logits=True)
+    assert logits.dtype == torch.float32
+    kl = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)  # fmt: skip
+    assert float(kl.mean()) < 1e-3
+    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+    assert float(agree) > 0.9
