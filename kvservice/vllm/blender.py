@@ -140,6 +140,11 @@ class VllmBackedTransformer(Transformer):
         )
         self.fingerprint = fingerprint
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The blend's working cache: vLLM's weights' dtype (its kernels, not ours)."""
+        return self.embed_tokens.weight.dtype
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Next-token logits of hidden states ``x [..., dim]`` through vLLM's head."""
         flat = x.reshape(-1, x.shape[-1])
