@@ -18,7 +18,8 @@ section, e.g. CacheGen's arithmetic coder) would reach at best on the codes, as 
 
 A codec is a name in ``kvservice.store.codec.CODECS`` or a kivi spec such as
 ``kivi:k=4@0.25/2:v=2:kg=64:vg=32`` (K 4 bits below a quarter of the depth then 2 bits;
-V 2 bits; groups of 64 tokens for K, 32 channels for V).
+V 2 bits; groups of 64 tokens for K, 32 channels for V; ``clip=0|1`` each group's range
+searched for the least error or not, ``rot=1`` V turned by a Hadamard matrix).
 
 ``--speed`` also times decoding (one layer at a time, as the loader does) and prints GB/s
 of decoded float16 KV per thread.
@@ -64,7 +65,7 @@ MODES = ("reuse", "blend")
 
 
 def parse_codec(text: str) -> Codec:
-    """A codec name, or ``kivi:k=BITS[@UPTO/BITS..]:v=..:kg=N:vg=N``."""
+    """A codec name, or ``kivi:k=BITS[@UPTO/BITS..]:v=..:kg=N:vg=N[:clip=0|1][:rot=0|1]``."""
     if not text.startswith("kivi:"):
         return codec_by_name(text)
     fields = dict(part.split("=", 1) for part in text.removeprefix("kivi:").split(":"))
@@ -79,6 +80,7 @@ def parse_codec(text: str) -> Codec:
     return kivi(
         text, schedule(fields["k"]), schedule(fields["v"]),
         k_group=int(fields.get("kg", 64)), v_group=int(fields.get("vg", 64)),
+        clip=fields.get("clip", "1") == "1", v_rotate=fields.get("rot", "0") == "1",
     )  # fmt: skip
 
 

@@ -3,7 +3,8 @@
 ```
 offset 0             header (header_len bytes, a multiple of 64)
   fixed part         magic "RBKV", format version, header_len, dtype, K storage (pre-RoPE,
-                     or post-RoPE with its base position), codec kind, layers, KV heads,
+                     or post-RoPE with its base position), codec kind, flags (V
+                     rotated), layers, KV heads,
                      head dim, tokens, sha256 of the token ids, tokens_offset, total_bytes,
                      lengths of the two strings below, K group and V group (kivi)
   model fingerprint  utf-8
@@ -50,6 +51,7 @@ READABLE_VERSIONS = (1, 2)
 ALIGN = 64
 HEADER_PROBE_BYTES = 16 << 10
 
+FLAG_V_ROTATED = 1  # version 2's flags byte: V stored turned by a Hadamard matrix
 K_PRE_ROPE = 0
 K_POST_ROPE = 1
 QUANT_NONE = RAW  # version 1's names for its two kinds
@@ -63,7 +65,8 @@ _START = struct.Struct("<4sHHI")  # magic, version, reserved, header_len: every 
 # kv heads, head dim, tokens, rope base position, tokens sha256, layer_bytes, tokens_offset,
 # total_bytes, fingerprint length, head hash length
 _FIXED_V1 = struct.Struct("<4sHHIBBBBIIIIq32sQQQHH")
-# version 2: as version 1 without layer_bytes (layers differ in size), with K and V group
+# version 2: as version 1 without layer_bytes (layers differ in size), a flags byte where
+# version 1 had a reserved one, and the K and V group sizes at the end
 _FIXED = struct.Struct("<4sHHIBBBBIIIIq32sQQHHHH")
 
 Buffer = Union[bytes, bytearray, memoryview, torch.Tensor]  # noqa: UP007 (a runtime alias)
@@ -130,6 +133,7 @@ class ChunkHeader:
     header_len: int
     k_group: int
     v_group: int
+    v_rotated: bool
     layer_bits: tuple[tuple[int, int], ...]
     layer_sizes: tuple[int, ...]
     tokens_offset: int
@@ -263,7 +267,8 @@ def encode_chunk(
     token_bytes = b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk.token_ids)
     view[tokens_offset:total_bytes] = token_bytes
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, 0, header_len, _DTYPE_CODES[dtype], k_storage, codec.kind, 0,
+        MAGIC, FORMAT_VERSION, 0, header_len, _DTYPE_CODES[dtype], k_storage, codec.kind,
+        FLAG_V_ROTATED if codecs.rotates_v(codec, dim) else 0,
         num_layers, heads, dim, tokens, rope_base_position, bytes.fromhex(chunk.tokens_sha256),
         tokens_offset, total_bytes, len(fingerprint), len(head_hash), codec.k_group,
         codec.v_group,
@@ -308,11 +313,11 @@ def decode_header(buf: Buffer) -> ChunkHeader:
         (_, _, _, _, dtype_code, k_storage, kind, _, num_layers, heads, dim, tokens, rope_base,
          tokens_sha, layer_bytes, tokens_offset, total_bytes, fp_len, head_len,
          ) = _FIXED_V1.unpack_from(data)  # fmt: skip
-        k_group = v_group = 0
+        k_group = v_group = flags = 0
         at = _FIXED_V1.size
     else:
-        (_, _, _, _, dtype_code, k_storage, kind, _, num_layers, heads, dim, tokens, rope_base,
-         tokens_sha, tokens_offset, total_bytes, fp_len, head_len, k_group, v_group,
+        (_, _, _, _, dtype_code, k_storage, kind, flags, num_layers, heads, dim, tokens,
+         rope_base, tokens_sha, tokens_offset, total_bytes, fp_len, head_len, k_group, v_group,
          ) = _FIXED.unpack_from(data)  # fmt: skip
         at = _FIXED.size
     fingerprint = data[at : at + fp_len].decode(errors="replace")
@@ -351,8 +356,9 @@ def decode_header(buf: Buffer) -> ChunkHeader:
         codec_kind=kind, num_layers=num_layers, num_kv_heads=heads, head_dim=dim,
         num_tokens=tokens, tokens_sha256=tokens_sha.hex(), model_fingerprint=fingerprint,
         head_hash=head_hash, header_len=header_len, k_group=k_group, v_group=v_group,
-        layer_bits=layer_bits, layer_sizes=sizes, tokens_offset=tokens_offset,
-        total_bytes=total_bytes, layer_crc32=tuple(layer_crcs), tokens_crc32=tokens_crc,
+        v_rotated=bool(flags & FLAG_V_ROTATED), layer_bits=layer_bits, layer_sizes=sizes,
+        tokens_offset=tokens_offset, total_bytes=total_bytes, layer_crc32=tuple(layer_crcs),
+        tokens_crc32=tokens_crc,
     )  # fmt: skip
 
 
@@ -373,7 +379,7 @@ def decode_layer(
     sections = [raw[at : at + n] for at, n in header.layout(index).sections]
     return codecs.decode_sections(
         header.codec_kind, header.layer_bits[index], sections, shape, header.dtype,
-        k_group=header.k_group, v_group=header.v_group,
+        k_group=header.k_group, v_group=header.v_group, v_rotated=header.v_rotated,
     )  # fmt: skip
 
 

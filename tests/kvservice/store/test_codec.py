@@ -11,8 +11,10 @@ from kvservice.store.codec import (
     DEFAULT_CODEC,
     FP16,
     codec_by_name,
+    hadamard,
     kivi,
     pack_bits,
+    quantize_groups,
     quantize_k_per_channel,
     quantize_v_per_token,
     unpack_bits,
@@ -55,7 +57,7 @@ def test_bit_packing_round_trips_every_width(bits):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_per_channel_k_error_is_half_a_step_of_its_group(bits):
     k = torch.randn(3, 150, 64) * torch.logspace(-2, 2, 64)  # channels of very different size
-    codes, step, low = quantize_k_per_channel(k, bits, group=64)
+    codes, step, low = quantize_k_per_channel(k, bits, group=64, clip=False)
     assert step.shape == (3, 3, 64) and codes.shape == k.shape  # 150 tokens: 3 groups
     index = torch.arange(150) // 64
     back = low.float()[:, index] + codes.float() * step.float()[:, index]
@@ -70,11 +72,50 @@ def test_per_channel_k_error_is_half_a_step_of_its_group(bits):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_per_token_v_error_is_half_a_step_of_its_group(bits):
     v = torch.randn(3, 40, 64) * torch.logspace(-3, 2, 40).view(1, 40, 1)  # tokens of any size
-    codes, step, low = quantize_v_per_token(v, bits, group=32)
+    codes, step, low = quantize_v_per_token(v, bits, group=32, clip=False)
     assert step.shape == (3, 40, 2)
     back = low.float()[..., None] + codes.view(3, 40, 2, 32).float() * step.float()[..., None]
     bound = step.float()[..., None] / 2 + v.abs().view(3, 40, 2, 32).amax(-1, True) * 2**-10
     assert bool(((back - v.view(3, 40, 2, 32)).abs() <= bound).all())
+
+
+def test_clipped_ranges_never_add_error_and_trim_a_rare_outlier():
+    x = torch.randn(3, 40, 64)
+    x[:, :, 7] *= 8.0  # one large value in every group of 64 channels
+    errors = {}
+    for clip in (False, True):
+        codes, step, low = quantize_groups(x, 2, dim=2, clip=clip)
+        back = low.float()[:, :, None] + codes.float() * step.float()[:, :, None]
+        errors[clip] = ((back - x) ** 2).sum(2)  # per group
+    assert bool((errors[True] <= errors[False] * (1 + 1e-3)).all())  # full range is a candidate
+    assert errors[True].sum() < 0.9 * errors[False].sum()
+
+
+def test_hadamard_is_orthonormal_and_its_own_inverse():
+    for size in (1, 2, 64, 128):
+        matrix = hadamard(size)
+        assert torch.allclose(matrix @ matrix, torch.eye(size), atol=1e-5)
+        assert torch.equal(matrix, matrix.T)
+
+
+def test_rotated_v_is_recorded_and_turned_back_at_decode():
+    chunk = smol_like_chunk(tokens=70)
+    chunk.v[..., 5] *= 30.0  # an outlier channel: it widens every token's range
+    plain, turned = kivi("plain", 4, 3), kivi("turned", 4, 3, v_rotate=True)
+    objects = {
+        c.name: encode_chunk(chunk, codec=c, narrow_to=torch.float16) for c in (plain, turned)
+    }
+    assert len(objects["plain"]) == len(objects["turned"])  # a flag, no bytes
+    assert decode_header(objects["turned"]).v_rotated
+    assert not decode_header(objects["plain"]).v_rotated
+    back = {name: decode_chunk(data, ChunkKey.of(chunk)) for name, data in objects.items()}
+    assert torch.equal(back["plain"].k, back["turned"].k)  # K is not turned
+
+    def error(name: str) -> float:
+        return float((back[name].v.float() - chunk.v).norm() / chunk.v.norm())
+
+    assert error("turned") < 0.5 * error("plain")
+    verify_object(objects["turned"], ChunkKey.of(chunk))
 
 
 # relative error (Frobenius) of K and V through each codec on Gaussian KV, and the most
@@ -181,7 +222,7 @@ def test_the_store_writes_its_codec():
     from kvservice.store.memory import MemoryTier
     from kvservice.store.tiered import TieredStore
 
-    chunk = smol_like_chunk(tokens=64)
+    chunk = smol_like_chunk(tokens=256)  # K groups of 128 tokens: a whole number of them
     sizes = {}
     for name in ("fp16", DEFAULT_CODEC):
         store = TieredStore([MemoryTier(1 << 30)], config=StoreConfig(codec=name))
