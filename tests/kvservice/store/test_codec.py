@@ -260,3 +260,27 @@ def test_the_loader_serves_layer_dependent_objects_from_every_tier(store):
             for i in range(expected.num_layers):
                 k, v = source.layer(i)
                 assert torch.equal(k, expected.k[i]) and torch.equal(v, expected.v[i])
+
+
+def test_memory_tiers_hold_the_compressed_object_and_decode_it_at_use(store):
+    from kvservice.store.loader import KVLoader
+
+    codec = CODECS[DEFAULT_CODEC]
+    chunk = smol_like_chunk(tokens=256)
+    data = store.encode(chunk, codec)
+    expected = decode_chunk(data)
+    key = store.put(chunk, tiers=[], codec=codec)  # in S3 only
+    with KVLoader(store, promote=True) as loader:
+        source = loader.open([key])[0]
+        assert source.tier == "s3"
+        for i in range(expected.num_layers):
+            k, v = source.layer(i)
+            assert torch.equal(k, expected.k[i]) and torch.equal(v, expected.v[i])
+    cpu = store.tier("cpu")
+    assert cpu.contains(key)
+    assert cpu.stats().bytes == len(data) <= 2 * chunk.k.numel() * 2 / 4  # a quarter of fp16
+    with KVLoader(store, promote=False) as loader:  # served from memory, decoded at use
+        source = loader.open([key])[0]
+        assert source.tier == "cpu"
+        k, v = source.layer(0)
+        assert torch.equal(v, expected.v[0])
