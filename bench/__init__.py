@@ -9,7 +9,9 @@ This package sits above the product (``kvservice``, ``webapp``) and the dev stac
 * ``diagnose``: ``python -m bench.diagnose``, which tokens' true KV would recover full's answer;
 * ``blend_cost``: ``python -m bench.blend_cost``, where a blend's time goes (attention per pair);
 * ``turns``: ``python -m bench.turns``, follow-up questions over their own context KV;
-* ``staging``: where the prefill bench's chunk KV starts (``--tier``) and what loading cost;
+* ``staging``: where the prefill bench's chunk KV starts (``--tier``) and what loading cost,
+  S3 throttled (``--s3-mbps N|auto``) through ``throttle``'s proxy, and the per-chunk choice;
+* ``codec``: ``python -m bench.codec``, bytes per token against fidelity of the KV codecs;
 * ``store_io``: ``python -m bench.store_io``, how fast each store tier returns chunk KV;
 * ``answers``: ``python -m bench.answers``, what the user reads (loops, citations, not found);
 * ``ingest``: ``python -m bench.ingest``, ingest throughput (or, ``--url``, through a stack);
