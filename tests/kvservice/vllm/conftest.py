@@ -49,8 +49,11 @@ def vllm_setup(smollm2, smollm2_dir, smollm2_tokenizer, tmp_path_factory):
     from kvservice.store import StoreConfig, TieredStore
 
     fmt = PromptFormat.for_tokenizer(smollm2_tokenizer)
-    # Only a disk tier: the vLLM processes open the same store and must find the chunks.
-    config = StoreConfig(disk_dir=str(tmp_path_factory.mktemp("kv")), cpu_capacity_bytes=0)
+    # Only a disk tier: the vLLM processes open the same store and must find the chunks. In
+    # fp16: the tests compare answers from stored KV with vLLM's own prefill token for token.
+    config = StoreConfig(
+        disk_dir=str(tmp_path_factory.mktemp("kv")), cpu_capacity_bytes=0, codec="fp16"
+    )
     store = TieredStore.from_config(config)
     chunk_ids = [fmt.chunk_ids(text) for text in PASSAGES]
     keys = {}
