@@ -7,8 +7,9 @@ Per example the passages' KV is precomputed by the native model (after the bench
 head) and put in a disk-tier store in a temporary directory, which vLLM's connector opens
 too. Then, per mode:
 
-* ``native``: ``blend_prefill`` + the first token, chunk KV already in memory (as the native
-  bench's ``--tier cpu``), all examples before vLLM starts;
+* ``native``: one request through the native ``Engine`` with ``max_tokens=1``, submit to first
+  token (its batcher thread runs ``blend_prefill``, as in the inference worker), chunk KV
+  already in memory (as the native bench's ``--tier cpu``), all examples before vLLM starts;
 * ``vllm``: one request through ``VllmEngine`` with ``max_tokens=1``, timed from submit to
   the first token in the caller's thread (so it includes vLLM's process hops and, for
   ``reuse``/``blend``, the connector's store read and blend in vLLM's worker). An untimed
@@ -38,10 +39,9 @@ import torch
 from bench.data import passage_texts
 from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT
 from bench.timing import cpu_name
-from kvservice.blend import blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.engine import Engine, Request
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.model import Transformer, precompute_chunks
 from kvservice.prompt import Prompt, PromptFormat
 from kvservice.sampling import SamplingParams
 from kvservice.store import ChunkKey, StoreConfig, TieredStore
@@ -72,7 +72,6 @@ def main(args: argparse.Namespace) -> dict:
     prompts = _prompts(args, fmt)
     store_config = StoreConfig(disk_dir=tempfile.mkdtemp(prefix="ragblend-vllm-bench-"))
     store = TieredStore.from_config(store_config)
-    head_kv = precompute_head(model, fmt.head_ids)
     for prompt in prompts:  # before any timing, and before vLLM takes its memory
         for chunk in precompute_chunks(model, fmt.head_ids, prompt.chunk_ids):
             store.put(chunk, tiers=["disk"])
@@ -85,19 +84,15 @@ def main(args: argparse.Namespace) -> dict:
 
     # 1. The native engine, before vLLM starts (its idle worker threads would share the cores).
     rows: list[dict[str, Any]] = []
+    native.generate(Request(prompts[0], [None] * len(prompts[0].chunk_ids), sampling=one))
     for prompt, prompt_keys in zip(prompts, keys, strict=True):
         cached = [store.get(ChunkKey.from_string(key)) for key in prompt_keys]  # in memory
         row: dict[str, Any] = {"num_tokens": len(prompt.token_ids), "modes": {}}
         for mode in args.modes:
-            seconds = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                result = blend_prefill(
-                    model, prompt.head_ids, cached, prompt.question_ids, mode=mode,
-                    recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
-                )  # fmt: skip
-                int(result.logits.argmax())
-                seconds.append(time.perf_counter() - start)
+            # Through the engine, as the worker runs it (its batcher thread), submit to first
+            # token: the same span as vLLM's below.
+            timed = Request(prompt, cached, mode=mode, recompute_ratio=args.ratio, sampling=one)
+            seconds = [native.generate(timed).ttft_s for _ in range(args.repeats)]
             request = Request(
                 prompt, cached, mode=mode, recompute_ratio=args.ratio, sampling=answer
             )
@@ -177,27 +172,36 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def _summarize(rows: list[dict], modes: list[str]) -> dict:
+    """Per mode the TTFT medians and the speedups (per example, then the median) against
+    the native engine's own full prefill and against vLLM's, the reference users compare."""
     out: dict[str, Any] = {"modes": {}}
-    full_of = [r["modes"]["full"]["vllm_ttft_s"] for r in rows] if "full" in modes else []
-    vllm_full = statistics.median(full_of) if full_of else None
+    if "full" in modes:
+        native_full = [r["modes"]["full"]["native_ttft_s"] for r in rows]
+        vllm_full = [r["modes"]["full"]["vllm_ttft_s"] for r in rows]
     for mode in modes:
         values = [r["modes"][mode] for r in rows]
-        native = statistics.median(v["native_ttft_s"] for v in values)
-        vllm = statistics.median(v["vllm_ttft_s"] for v in values)
-        out["modes"][mode] = {
-            "native_ttft_median_s": native,
-            "vllm_ttft_median_s": vllm,
-            # vLLM's full over this mode's TTFT: how many times faster than what a user of
-            # vLLM would wait for (per example, then the median)
-            "native_speedup_vs_vllm_full": _median_ratio(values, "native_ttft_s", full_of)
-            if vllm_full
-            else None,
-            "vllm_speedup_vs_vllm_full": vllm_full / vllm if vllm_full else None,
+        entry = {
+            "native_ttft_median_s": statistics.median(v["native_ttft_s"] for v in values),
+            "vllm_ttft_median_s": statistics.median(v["vllm_ttft_s"] for v in values),
+            "native_speedup_vs_native_full": None,
+            "native_speedup_vs_vllm_full": None,
+            "vllm_speedup_vs_vllm_full": None,
             "same_tokens_share": statistics.fmean(float(v["same_tokens"]) for v in values),
             "native_decode_tokens_per_s": _median_of(values, "native_decode_tokens_per_s"),
             "vllm_decode_tokens_per_s": _median_of(values, "vllm_decode_tokens_per_s"),
         }
+        if "full" in modes:
+            entry["native_speedup_vs_native_full"] = _speedup(native_full, values, "native")
+            entry["native_speedup_vs_vllm_full"] = _speedup(vllm_full, values, "native")
+            entry["vllm_speedup_vs_vllm_full"] = _speedup(vllm_full, values, "vllm")
+        out["modes"][mode] = entry
     return out
+
+
+def _speedup(full_s: list[float], values: list[dict], engine: str) -> float:
+    """Median over the examples of a full prefill's TTFT over ``engine``'s in this mode."""
+    key = f"{engine}_ttft_s"
+    return statistics.median(full / v[key] for full, v in zip(full_s, values, strict=True))
 
 
 def _answer(generate, request) -> tuple[list[int], float | None]:
@@ -215,14 +219,11 @@ def _median_of(values: list[dict], key: str) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _median_ratio(values: list[dict], key: str, full_of: list[float]) -> float:
-    return statistics.median(full / v[key] for v, full in zip(values, full_of, strict=True))
-
-
 def _print_table(summary: dict) -> None:
     """TTFT medians; each engine's speedup against vLLM's full prefill of the same prompt;
     decode rates; whether the engines' greedy answers agree."""
-    header = (f"{'mode':8} {'native s':>9} {'vllm s':>8} {'vllm full/native':>17} "
+    header = (f"{'mode':8} {'native s':>9} {'vllm s':>8} {'own full/native':>16} "
+              f"{'vllm full/native':>17} "
               f"{'vllm full/vllm':>15} {'decode tok/s n|v':>17} {'same tokens':>12}")  # fmt: skip
     print(header)
     print("-" * len(header))
@@ -237,6 +238,7 @@ def _print_table(summary: dict) -> None:
         decode = f"{rate(m['native_decode_tokens_per_s'])}|{rate(m['vllm_decode_tokens_per_s'])}"
         print(
             f"{mode:8} {m['native_ttft_median_s']:9.3f} {m['vllm_ttft_median_s']:8.3f} "
+            f"{times(m['native_speedup_vs_native_full']):>16} "
             f"{times(m['native_speedup_vs_vllm_full']):>17} "
             f"{times(m['vllm_speedup_vs_vllm_full']):>15} {decode:>17} "
             f"{m['same_tokens_share']:12.2f}"
