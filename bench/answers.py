@@ -105,7 +105,6 @@ def musique_cases(path: Path, examples: int, passages: int) -> list[Case]:
 
 
 def run(cases: list[Case], engine: Any, sampling: Any) -> list[Outcome]:
-    from kvservice.answer import _TokensOnly
     from kvservice.engine import Request
     from kvservice.prompt import Prompt
 
@@ -117,7 +116,7 @@ def run(cases: list[Case], engine: Any, sampling: Any) -> list[Outcome]:
         else:
             segments = fmt.numbered([fmt.chunk_ids(t) for t in case.passages])
             prompt = Prompt(list(fmt.head_ids), segments, fmt.question_ids(case.question))
-            sources = [_TokensOnly(ids) for ids in segments]
+            sources = [None] * len(segments)  # none cached: full prefill computes them
             completion = engine.generate(Request(prompt, sources, "full", 1.0, sampling))
             text, finish = completion.text, completion.finish_reason
             tokens = len(completion.token_ids)
@@ -214,7 +213,10 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens=args.max_tokens, repetition_penalty=penalty, frequency_penalty=frequency,
         stop=TURN_MARKERS,
     )  # fmt: skip
-    outcomes = run(cases, engine, sampling)
+    try:
+        outcomes = run(cases, engine, sampling)
+    finally:
+        engine.close()  # its batcher thread
     chosen = {"repetition_penalty": penalty, "frequency_penalty": frequency}
     result = {"settings": vars(args) | chosen, **summary(outcomes)}
     print(json.dumps({k: v for k, v in result.items() if k != "settings"}, indent=1))
