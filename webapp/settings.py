@@ -172,7 +172,7 @@ S3_KV_BUCKET = env.str("KV_S3_BUCKET", default="kvcache")
 # directory, or "" for the bundled SmolLM2 (kvservice.bundled.resolve_llm_path).
 MODEL_PATH = env.str("MODEL_PATH", default="")
 # The native engine's products, in ingest's KV precompute as in the inference worker
-# (kvservice.kernels): float32, or auto (bfloat16 where the CPU has it natively).
+# (kvservice.kernels): auto (the default: bfloat16 where the CPU has it natively), or float32.
 ENGINE_PRECISION = env.str("ENGINE_PRECISION", default="") or None
 for _name, _value in [("REDIS_URL", REDIS_URL), ("S3_ENDPOINT", S3_ENDPOINT)]:
     if not _value:

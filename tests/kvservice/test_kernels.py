@@ -101,3 +101,16 @@ def test_bfloat16_products_stay_close_to_float32(tiny_checkpoints):
     assert float(kl.mean()) < 1e-3
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
     assert float(agree) > 0.9
+
+
+def test_the_worker_reads_and_checks_engine_precision(monkeypatch):
+    from kvservice.server import ServerConfig
+
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.delenv("ENGINE_PRECISION", raising=False)
+    assert ServerConfig.from_env().precision == kernels.DEFAULT_PRECISION
+    monkeypatch.setenv("ENGINE_PRECISION", "float32")
+    assert ServerConfig.from_env().precision == "float32"
+    monkeypatch.setenv("ENGINE_PRECISION", "int4")
+    with pytest.raises(SystemExit, match="ENGINE_PRECISION must be one of"):
+        ServerConfig.from_env()
