@@ -19,6 +19,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from bench.data import shared_data
 from bench.prefill import (
     GAP_TOKENS,
     INSTRUCTION,
@@ -30,7 +31,8 @@ from bench.prefill import (
     _without_stop,
     example_prompt,
     teacher_forced_fidelity,
-)  # fmt: skip
+)
+from bench.stats import quantile
 from kvservice.blend import blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.engine import stop_token_ids
@@ -77,15 +79,13 @@ def _example(model, fmt, example, args, stop_ids) -> dict:
 
 
 def _spread(values: list[float]) -> str:
-    ordered = sorted(values)
-    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
     return (f"mean {statistics.fmean(values):.4f} median {statistics.median(values):.4f} "
-            f"p90 {p90:.4f}")  # fmt: skip
+            f"p90 {quantile(values, 0.9):.4f}")  # fmt: skip
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--data", type=Path, default=shared_data())
     parser.add_argument("--first", type=int, default=20)
     parser.add_argument("--examples", type=int, default=20)
     parser.add_argument("--passages", type=int, default=6)

@@ -600,10 +600,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
     model = Transformer.from_pretrained(
-        model_dir, device=args.device, dtype=args.dtype, precision=args.precision
-    )
-    if args.kernel:
-        model.prepare_kernels(args.precision, args.kernel)
+        model_dir, device=args.device, dtype=args.dtype, precision=args.precision,
+        kernel=args.kernel,
+    )  # fmt: skip
     print(model.kernel_choice.describe(), flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_model = None

@@ -62,10 +62,9 @@ def main(args: argparse.Namespace) -> dict:
 
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
     model = Transformer.from_pretrained(
-        model_dir, device="cpu", dtype=torch.float32, precision=args.precision
-    )
-    if args.kernel:
-        model.prepare_kernels(args.precision, args.kernel)
+        model_dir, device="cpu", dtype=torch.float32, precision=args.precision,
+        kernel=args.kernel,
+    )  # fmt: skip
     print(model.kernel_choice.describe(), flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)

@@ -186,12 +186,9 @@ class KernelChoice:
         )
 
 
-def _fused_of(model: nn.Module) -> list[FusedLinear]:
-    return [m for m in model.modules() if isinstance(m, FusedLinear)]
-
-
-def _layer_products(layer: nn.Module) -> list[FusedLinear]:
-    return [m for m in layer.modules() if isinstance(m, FusedLinear)]
+def _products(module: nn.Module) -> list[FusedLinear]:
+    """The packed products under ``module`` (a model or one layer)."""
+    return [m for m in module.modules() if isinstance(m, FusedLinear)]
 
 
 def _time_layer(products: Sequence[FusedLinear], rows: int, repeats: int) -> float:
@@ -219,11 +216,11 @@ def prepare(
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r} (one of {', '.join(KERNELS)})")
         names = [kernel]
-    products = _fused_of(model)
+    products = _products(model)
     prefill_ms: dict[str, float] = {}
     decode_ms: dict[str, float] = {}
     if len(names) > 1:
-        first_layer = _layer_products(model.layers[0])
+        first_layer = _products(model.layers[0])
         for name in names:
             for product in first_layer:
                 product.pack(name)

@@ -512,10 +512,12 @@ class Transformer(nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         precision: str = "float32",
+        kernel: str | None = None,
     ) -> Transformer:
         """Load an HF checkpoint directory (config.json + *.safetensors, mmapped), its linear
         layers packed for the fastest kernel allowed at ``precision`` (``float32``; ``auto``:
-        bfloat16 products where the CPU has them natively; ``kvservice.kernels``)."""
+        bfloat16 products where the CPU has them natively; ``kvservice.kernels``), or for
+        ``kernel`` when given (benches)."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -547,7 +549,7 @@ class Transformer(nn.Module):
             raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}")
         model.inv_freq = rope_inv_freq(config).to(device)
         model.fingerprint = digest.hexdigest()[:32]
-        model.prepare_kernels(precision)
+        model.prepare_kernels(precision, kernel)
         return model.eval()
 
     def fingerprint_weights(self) -> str:
