@@ -40,6 +40,7 @@ from bench.data import passage_texts
 from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT
 from bench.timing import cpu_name
 from kvservice.bundled import default_cache_dir, resolve_llm_path
+from kvservice.compute_threads import run_in_passing_thread, single_threaded
 from kvservice.engine import Engine, Request
 from kvservice.model import Transformer, precompute_chunks
 from kvservice.prompt import Prompt, PromptFormat
@@ -61,21 +62,28 @@ def main(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
-    model = Transformer.from_pretrained(
-        model_dir, device="cpu", dtype=torch.float32, precision=args.precision,
-        kernel=args.kernel,
-    )  # fmt: skip
-    print(model.kernel_choice.describe(), flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
     prompts = _prompts(args, fmt)
     store_config = StoreConfig(disk_dir=tempfile.mkdtemp(prefix="ragblend-vllm-bench-"))
     store = TieredStore.from_config(store_config)
-    for prompt in prompts:  # before any timing, and before vLLM takes its memory
-        for chunk in precompute_chunks(model, fmt.head_ids, prompt.chunk_ids):
-            store.put(chunk, tiers=["disk"])
+
+    def set_up() -> Transformer:  # before any timing, and before vLLM takes its memory
+        model = Transformer.from_pretrained(
+            model_dir, device="cpu", dtype=torch.float32, precision=args.precision,
+            kernel=args.kernel,
+        )  # fmt: skip
+        for prompt in prompts:
+            for chunk in precompute_chunks(model, fmt.head_ids, prompt.chunk_ids):
+                store.put(chunk, tiers=["disk"])
+        return model
+
+    # As the inference worker does: only the batcher thread keeps an OpenMP team.
+    model = run_in_passing_thread(set_up)
+    single_threaded()
+    print(model.kernel_choice.describe(), flush=True)
     load_before = os.getloadavg()
-    native = Engine(model, tokenizer, fmt)
+    native = Engine(model, tokenizer, fmt, threads=args.threads)
     one = SamplingParams(max_tokens=1)
     answer = SamplingParams(max_tokens=args.max_new_tokens)
     keys = [[ChunkKey.for_tokens(model.fingerprint, fmt.head_hash, ids).to_string()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvservice.blend import BlendResult
+from kvservice.compute_threads import use_threads
 from kvservice.model import KVCache, Transformer
 from kvservice.sampling import (
     Detokenizer,
@@ -58,10 +59,14 @@ class Job:
 
 
 class ContinuousBatcher:
-    def __init__(self, model: Transformer, tokenizer, *, max_batch: int = 8) -> None:
+    def __init__(
+        self, model: Transformer, tokenizer, *, max_batch: int = 8, threads: int | None = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+        # The batch's torch threads: by default the count of the thread that builds it.
+        self.threads = threads or torch.get_num_threads()
         self._incoming: queue.Queue[Job] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
@@ -92,6 +97,7 @@ class ContinuousBatcher:
     # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        use_threads(self.threads)  # the one thread with an OpenMP team (kvservice.compute_threads)
         while not self._stop.is_set():
             try:
                 if len(self._jobs) < self.max_batch:

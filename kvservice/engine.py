@@ -68,8 +68,10 @@ def stop_token_ids(tokenizer) -> set[int]:
 
 
 class Engine:
-    """Prefill and decode for the native model. The batcher's thread owns the model's compute:
-    it starts with the first request and stops with ``close``."""
+    """Prefill and decode for the native model. The batcher's thread owns the model's compute
+    with ``threads`` torch threads (by default the building thread's count; other threads had
+    best run torch on one core, ``kvservice.compute_threads``): it starts with the first
+    request and stops with ``close``."""
 
     def __init__(
         self,
@@ -78,13 +80,14 @@ class Engine:
         prompt_format: PromptFormat | None = None,
         *,
         max_batch: int = 8,
+        threads: int | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.format = prompt_format or PromptFormat(tokenizer)
         self.device = model.device
         self.stop_ids = stop_token_ids(tokenizer)
-        self.batcher = ContinuousBatcher(model, tokenizer, max_batch=max_batch)
+        self.batcher = ContinuousBatcher(model, tokenizer, max_batch=max_batch, threads=threads)
         self._head_kv: ChunkKV | None = None
         self._start_lock = threading.Lock()
         self._started = False

@@ -32,6 +32,16 @@ class NativeRuntime:
         self.tokenizer = None
 
     def load(self, cfg: Any) -> None:
+        """Load the model and warm up in a thread that ends, so that the engine's batcher
+        thread is left the one thread with an OpenMP team; this thread and every thread
+        started after it (Celery's, the KV loader's) then run torch on one core
+        (``kvservice.compute_threads``)."""
+        from kvservice.compute_threads import run_in_passing_thread, single_threaded
+
+        run_in_passing_thread(lambda: self._load(cfg), name="model-load")
+        single_threaded()
+
+    def _load(self, cfg: Any) -> None:
         import torch
         from transformers import AutoTokenizer
 

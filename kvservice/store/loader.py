@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kvservice.chunk import ChunkKV
+from kvservice.compute_threads import single_threaded
 from kvservice.store.base import ReadMeter, read_fully
 from kvservice.store.errors import ChunkCorrupt, ChunkMissing, ChunkTruncated, ChunkUnavailable
 from kvservice.store.format import K_PRE_ROPE, decode_layer, decode_token_ids
@@ -356,14 +357,17 @@ class StoreLayeredKV:
         return 0 if found is None else found.header.layers_bytes
 
 
-def _lower_priority(nice: int) -> None:
-    """Lower this fetch thread's CPU priority by ``nice`` (Linux schedules threads on their
-    own: a thread id is a process id to ``setpriority``), so that on shared cores the
-    prefill's threads go first; elsewhere, or without the right, it stays as it is."""
+def _start_fetch_thread(nice: int) -> None:
+    """A fetch thread runs torch on one core (``kvservice.compute_threads``) and below the
+    prefill's priority by ``nice`` (Linux schedules threads on their own: a thread id is a
+    process id to ``setpriority``), so that on shared cores the prefill's threads go first;
+    elsewhere, or without the right, its priority stays as it is."""
+    single_threaded()
     if nice <= 0 or not hasattr(os, "setpriority"):
         return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    tid = threading.get_native_id()
+    try:  # relative to the process's own niceness, which the thread started with
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError:
         pass
 
@@ -439,12 +443,12 @@ class KVLoader:
         nice = (store.config.load_nice,)
         self.executor = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="kv-load",
-            initializer=_lower_priority, initargs=nice,
+            initializer=_start_fetch_thread, initargs=nice,
         )  # fmt: skip
         self.stream_threads = store.config.stream_threads
         self.stream_executor = ThreadPoolExecutor(
             max_workers=self.stream_threads, thread_name_prefix="kv-stream",
-            initializer=_lower_priority, initargs=nice,
+            initializer=_start_fetch_thread, initargs=nice,
         )  # fmt: skip
 
     def read_streams(self, sources: Sequence[StoreLayeredKV]) -> None:

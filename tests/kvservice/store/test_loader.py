@@ -232,19 +232,26 @@ def test_s3_unreachable_while_loading_recomputes_without_hanging(tmp_path, recom
     assert store.tier("cpu").contains(ChunkKey.of(chunk))
 
 
-def test_fetch_threads_run_at_the_configured_lower_priority(tmp_path):
+def test_fetch_threads_run_single_threaded_at_the_configured_lower_priority(tmp_path):
     import os
     import threading
 
-    def nice_of_a_fetch_thread(loader: KVLoader) -> int:
-        tid = loader.executor.submit(threading.get_native_id).result()
-        return os.getpriority(os.PRIO_PROCESS, tid)
+    def nice_and_threads_of_a_fetch_thread(loader: KVLoader) -> tuple[int, int]:
+        tid, threads = loader.executor.submit(
+            lambda: (threading.get_native_id(), torch.get_num_threads())
+        ).result()
+        return os.getpriority(os.PRIO_PROCESS, tid), threads
 
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    for nice, expected in [(0, base), (7, min(19, base + 7))]:
-        store = TieredStore([MemoryTier(1 << 20)], config=StoreConfig(load_nice=nice))
-        with KVLoader(store) as loader:
-            assert nice_of_a_fetch_thread(loader) == expected
-    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's own thread is untouched
+    base, own_threads = os.getpriority(os.PRIO_PROCESS, 0), torch.get_num_threads()
+    try:
+        for nice, expected in [(0, base), (7, min(19, base + 7))]:
+            store = TieredStore([MemoryTier(1 << 20)], config=StoreConfig(load_nice=nice))
+            with KVLoader(store) as loader:
+                assert nice_and_threads_of_a_fetch_thread(loader) == (expected, 1)
+        # the caller's own thread is untouched
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base
+        assert torch.get_num_threads() == own_threads
+    finally:
+        torch.set_num_threads(own_threads)  # threads started later take this count again
     with pytest.raises(ValueError, match="KV_LOAD_NICE"):
         StoreConfig.from_env({"KV_LOAD_NICE": "25"})
