@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "webapp.documents",
     "webapp.chat",
     "webapp.dashboard",
+    "webapp.kdn",
 ]
 
 MIDDLEWARE = [
@@ -217,6 +218,12 @@ DOCX_MAX_COMPRESSION_RATIO = env.int("DOCX_MAX_COMPRESSION_RATIO", default=100)
 QUOTA_DOCUMENTS = env.int("QUOTA_DOCUMENTS", default=1000)
 QUOTA_TOKENS = env.int("QUOTA_TOKENS", default=1_000_000)
 KV_BYTES_PER_TOKEN = env.int("KV_BYTES_PER_TOKEN", default=30 * 2 * 3 * 64 * 2)
+# The knowledge delivery API (/kdn/v1, docs/kdn.md): texts per fetch, a text's characters and
+# tokens (a chunk of ingest is CHUNK_TOKENS), and how long a PUT waits for the KV worker.
+KDN_MAX_TEXTS = env.int("KDN_MAX_TEXTS", default=64)
+KDN_MAX_TEXT_CHARS = env.int("KDN_MAX_TEXT_CHARS", default=64_000)
+KDN_MAX_TEXT_TOKENS = env.int("KDN_MAX_TEXT_TOKENS", default=4096)
+KDN_PUT_WAIT_S = env.float("KDN_PUT_WAIT_S", default=120.0)
 # Parsing runs in a child process under these limits (webapp/documents/sandbox.py): a file
 # that needs more memory or CPU time is refused, and the worker goes on.
 PARSE_MAX_MEMORY_MB = env.int("PARSE_MAX_MEMORY_MB", default=2048)

@@ -9,6 +9,7 @@ from webapp import health
 from webapp.accounts.ratelimits import limit_posts
 from webapp.api.openai import openai_api
 from webapp.api.v1 import api as api_v1
+from webapp.kdn.api import kdn_api
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
@@ -20,6 +21,7 @@ urlpatterns = [
     path("dashboard/", include("webapp.dashboard.urls")),
     path("api/v1/", api_v1.urls),
     path("v1/", openai_api.urls),  # OpenAI-compatible
+    path("kdn/v1/", kdn_api.urls),  # knowledge delivery (docs/kdn.md)
     # Admin's login page counts against the same per-address limit as ours.
     path("admin/login/", limit_posts("login")(admin.site.login)),
     path("admin/", admin.site.urls),

@@ -95,6 +95,18 @@ def precompute_kv(self, chunk_ids: list[int]) -> None:
         )
 
 
+@shared_task(name="worker.tasks.precompute_kdn_text", soft_time_limit=600)
+def precompute_kdn_text(token_ids: list[int], head_ids: list[int], scope: str) -> dict:
+    """The KV of a text stored through the knowledge delivery API (``PUT /kdn/v1/kv``),
+    computed on the ``kv`` queue unless stored; the web process waits for its result, so
+    a failure is the PUT's error rather than a retry here."""
+    from webapp.kdn.services import kdn_compute
+    from worker.celery import wait_for_warm_up
+
+    wait_for_warm_up()
+    return kdn_compute(token_ids=token_ids, head_ids=head_ids, scope=scope)
+
+
 @shared_task(name="worker.tasks.purge_orphan_objects", ignore_result=True)
 def purge_orphan_objects() -> int:
     """Delete the S3 objects of deleted documents that S3 did not take at the time."""

@@ -1,0 +1,161 @@
+"""The knowledge delivery API's work: a text to its chunk tokens and key, storing its KV
+through the KV workers, and finding what a user stored.
+
+A text maps to chunk tokens exactly as ingest's chunks do (the LLM's tokenizer, no special
+tokens: ``kvservice.prompt.chunk_token_ids``) and its KV is computed after a prompt head, the
+deployment's unless the caller names one (``head``, its text): the key is then
+``ChunkKey.for_tokens(model fingerprint, head hash, tokens, the caller's KV scope)``. The web
+process has the tokenizer but not the model, so the key (which holds the model's fingerprint)
+is made by the KV worker that computes or finds the object, and recorded here
+(``StoredText``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from celery.exceptions import TimeoutError as CeleryTimeout
+from django.conf import settings
+from django.db.models import Sum
+
+from kvservice.chunk import token_ids_sha256
+from kvservice.prompt import chunk_token_ids
+from webapp.documents import quotas
+from webapp.documents.chunking import llm_tokenizer
+from webapp.documents.kv import kv_scope_for, prompt_head_ids
+from webapp.kdn.models import StoredText
+
+
+class KdnRefused(ValueError):
+    """The request is over a limit (``code`` says which; a 400) or the quota (413)."""
+
+    def __init__(self, code: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+class StillComputing(RuntimeError):
+    """The KV worker has not finished within ``KDN_PUT_WAIT_S``; the PUT may be repeated."""
+
+
+class NotStored(LookupError):
+    def __init__(self, index: int) -> None:
+        super().__init__(
+            f"texts[{index}] is not stored in your KV scope: store it with PUT /kdn/v1/kv first"
+        )
+        self.index = index
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    token_ids: list[int]
+    head_ids: list[int]
+
+    @property
+    def head_hash(self) -> str:
+        return token_ids_sha256(self.head_ids)
+
+
+def _tokenize(text: str, what: str) -> list[int]:
+    if len(text) > settings.KDN_MAX_TEXT_CHARS:
+        raise KdnRefused("text_too_long", f"{what} has {len(text):,} characters; the limit is "
+                         f"{settings.KDN_MAX_TEXT_CHARS:,}.")  # fmt: skip
+    ids = chunk_token_ids(llm_tokenizer(), text)
+    if len(ids) > settings.KDN_MAX_TEXT_TOKENS:
+        raise KdnRefused("text_too_long", f"{what} has {len(ids):,} tokens; the limit is "
+                         f"{settings.KDN_MAX_TEXT_TOKENS:,}.")  # fmt: skip
+    if not ids:
+        raise KdnRefused("empty_text", f"{what} has no tokens.")
+    return ids
+
+
+def _head_ids(head: str | None) -> list[int]:
+    """The deployment's prompt head, or the one named (its text, tokenized as a whole)."""
+    if head is None:
+        return prompt_head_ids(llm_tokenizer())
+    return _tokenize(head, "head")
+
+
+def tokenize(texts: Sequence[str], head: str | None) -> list[Tokenized]:
+    """Each text's chunk tokens after the head; a clear 400 (``KdnRefused``) over a limit."""
+    if len(texts) > settings.KDN_MAX_TEXTS:
+        raise KdnRefused("too_many_texts", f"{len(texts)} texts; at most "
+                         f"{settings.KDN_MAX_TEXTS} per request.")  # fmt: skip
+    head_ids = _head_ids(head)
+    return [Tokenized(_tokenize(t, f"texts[{i}]"), head_ids) for i, t in enumerate(texts)]
+
+
+def tokens_used(owner) -> int:
+    """Tokens of text the user holds: documents' chunks and texts stored here."""
+    stored = StoredText.objects.filter(owner=owner).aggregate(total=Sum("token_count"))
+    return quotas.usage_of(owner).tokens + (stored["total"] or 0)
+
+
+def _check_quota(owner, tokenized: Tokenized) -> None:
+    limit = settings.QUOTA_TOKENS
+    known = StoredText.objects.filter(
+        owner=owner, tokens_sha256=token_ids_sha256(tokenized.token_ids),
+        head_hash=tokenized.head_hash,
+    ).exists()  # fmt: skip
+    if limit and not known and tokens_used(owner) + len(tokenized.token_ids) > limit:
+        raise KdnRefused("quota_exceeded", f"This text's {len(tokenized.token_ids):,} tokens "
+                         f"are over your quota of {limit:,} tokens of text.", 413)  # fmt: skip
+
+
+def kdn_put(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
+    """Store ``text``'s KV in ``owner``'s scope: a KV worker finds or computes it
+    (``precompute_kdn_text``, the ``kv`` queue); waits up to ``KDN_PUT_WAIT_S``, then
+    raises :class:`StillComputing` (the task goes on; a PUT again finds it stored)."""
+    from worker.tasks import precompute_kdn_text
+
+    (tokenized,) = tokenize([text], head)
+    _check_quota(owner, tokenized)
+    result = precompute_kdn_text.delay(tokenized.token_ids, tokenized.head_ids,
+                                       kv_scope_for(owner.pk))  # fmt: skip
+    try:
+        stored = result.get(timeout=settings.KDN_PUT_WAIT_S)
+    except CeleryTimeout as err:
+        raise StillComputing("The KV is still being computed; PUT the text again.") from err
+    StoredText.objects.update_or_create(
+        owner=owner, tokens_sha256=token_ids_sha256(tokenized.token_ids),
+        head_hash=tokenized.head_hash,
+        defaults={"kv_key": stored["key"], "token_count": stored["tokens"],
+                  "kv_bytes": stored["stored_bytes"]},
+    )  # fmt: skip
+    return stored
+
+
+def kdn_compute(*, token_ids: list[int], head_ids: list[int], scope: str) -> dict[str, Any]:
+    """In a KV worker: the object of these tokens after this head, in ``scope``, computed
+    and stored unless S3 holds it already. Idempotent."""
+    from kvservice.model import head_hash, precompute_chunks
+    from kvservice.store.keys import ChunkKey
+    from webapp.documents.kv import kv_precomputer, kv_store
+
+    precomputer, store = kv_precomputer(), kv_store()
+    key = ChunkKey.for_tokens(precomputer.fingerprint, head_hash(head_ids), token_ids, scope)
+    stored_bytes = store.object_bytes(key.to_string())
+    computed = stored_bytes is None
+    if computed:
+        (chunk,) = precompute_chunks(precomputer.model, head_ids, [token_ids])
+        store.put(chunk, scope=scope)
+        stored_bytes = store.object_bytes(key.to_string()) or 0
+    return {"key": key.to_string(), "tokens": len(token_ids), "stored_bytes": stored_bytes,
+            "computed": computed}  # fmt: skip
+
+
+def stored_keys(*, owner, texts: Sequence[str], head: str | None = None) -> list[str]:
+    """The chunk key of each text ``owner`` stored, in order; :class:`NotStored` names the
+    first text they did not (another user's text is not theirs: the same 404)."""
+    tokenized = tokenize(texts, head)
+    shas = [token_ids_sha256(t.token_ids) for t in tokenized]
+    head_hash = tokenized[0].head_hash if tokenized else ""
+    keys = dict(
+        StoredText.objects.filter(owner=owner, head_hash=head_hash, tokens_sha256__in=shas)
+        .values_list("tokens_sha256", "kv_key")
+    )  # fmt: skip
+    for index, sha in enumerate(shas):
+        if sha not in keys:
+            raise NotStored(index)
+    return [keys[sha] for sha in shas]
