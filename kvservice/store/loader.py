@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -104,6 +104,7 @@ class StoreLayeredKV:
         self._pending_stream: Iterator[None] | None = None  # located, not yet being read
         self._layers_done = 0
         self._error: BaseException | None = None
+        self.skipped = False  # the loading controller chose to recompute it (skip)
         self.num_layers = 0
         self.tier = "?"
         if self._token_ids is not None:
@@ -356,6 +357,17 @@ class StoreLayeredKV:
         found = self._located
         return 0 if found is None else found.header.layers_bytes
 
+    def skip(self) -> None:
+        """Read nothing more of this chunk: the loading controller chose to recompute it
+        whole (``KVLoader.open(choose=...)``). Fetches already queued are cancelled."""
+        with self._lock:
+            self._generation += 1
+            self._located, self._pending_stream, self._buffer = None, None, None
+            futures, self._futures = self._futures, {}
+            self.tier, self.skipped = "recomputed", True
+        for future in futures.values():
+            future.cancel()
+
 
 def _start_fetch_thread(nice: int) -> None:
     """A fetch thread runs torch on one core (``kvservice.compute_threads``) and below the
@@ -401,6 +413,11 @@ class LoadBatch:
     @property
     def tiers(self) -> list[str]:
         return [source.tier for source in self.sources]
+
+    @property
+    def read(self) -> list[bool]:
+        """Per chunk: its KV is read (False: skipped by ``open(choose=...)``, recompute it)."""
+        return [not source.skipped for source in self.sources]
 
     def tier_bytes(self) -> dict[str, int]:
         """Layer bytes to move per serving tier (what the controller prices)."""
@@ -468,10 +485,14 @@ class KVLoader:
         *,
         token_ids: Sequence[Sequence[int]] | None = None,
         recompute_fn: RecomputeFn | None = None,
+        choose: Callable[[Sequence[StoreLayeredKV]], Sequence[bool]] | None = None,
     ) -> LoadBatch:
         """Start loading ``keys``; returns once every chunk is located (or, without
         pipelining, fully loaded). ``token_ids`` (per key) and ``recompute_fn`` enable
-        recovery from faults; without them a fault raises from ``.layer()``."""
+        recovery from faults; without them a fault raises from ``.layer()``. ``choose``,
+        given the located sources (tier, tokens, ``loaded_bytes``), says which to read; the
+        others are skipped before their reads start (``LoadBatch.read``: False), for the
+        caller to recompute (the loading controller's per-chunk choice)."""
         if token_ids is not None and len(token_ids) != len(keys):
             raise ValueError("token_ids must have one entry per key")
         clock = _Clock()
@@ -485,6 +506,10 @@ class KVLoader:
         located = [self.executor.submit(source._locate) for source in sources]
         for future in located:
             future.result()
+        if choose is not None:
+            for source, read in zip(sources, choose(sources), strict=True):
+                if not read:
+                    source.skip()
         self.read_streams(sources)
         if not self.pipeline:  # load-then-compute: every layer of every chunk, now
             for source in sources:

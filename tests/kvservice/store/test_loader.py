@@ -67,6 +67,32 @@ def test_s3_chunk_layers_come_from_one_request_per_chunk(store):
     assert all(store.tier("cpu").contains(k) for k in keys)
 
 
+def test_chunks_the_controller_skips_are_not_read(store):
+    """``open(choose=...)`` sees every located chunk (tier, tokens, bytes) before any read
+    starts; a skipped S3 chunk is never streamed and is left for the caller to recompute."""
+    chunks = [make_chunk(70 + i) for i in range(3)]
+    keys = [store.put(chunk, tiers=[]) for chunk in chunks]
+    s3 = store.tier("s3")
+    seen = []
+
+    def choose(located):
+        seen.extend((source.tier, source.num_tokens, source.loaded_bytes()) for source in located)
+        return [True, False, True]
+
+    before = s3.hits
+    with KVLoader(store) as loader:
+        batch = loader.open(keys, choose=choose)
+        assert batch.read == [True, False, True]
+        assert batch.tiers == ["s3", "recomputed", "s3"]
+        for i in (0, 2):
+            _assert_serves(batch[i], chunks[i])
+        stats = batch.stats()
+    layer_bytes = decode_header(encode_chunk(chunks[0])).layers_bytes
+    assert seen == [("s3", chunk.num_tokens, layer_bytes) for chunk in chunks]
+    assert s3.hits - before == 3 + 2  # three headers, two streams: the skipped one unread
+    assert stats.tier_bytes == {"s3": 2 * layer_bytes, "recomputed": 0}
+
+
 def test_s3_streams_are_read_by_the_stream_threads_only(store, monkeypatch):
     """Five chunks streaming from S3 are read by at most ``KV_STREAM_THREADS`` (2) readers,
     not a thread each, and still served exactly."""
