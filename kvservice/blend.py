@@ -108,9 +108,10 @@ def rotate_into(
     if dest.dtype == torch.bfloat16:  # rotated in fp32, rounded once (8 bits of mantissa)
         dest.copy_(apply_rope(k_pre.float(), cos, sin))
         return
-    half = dest.shape[-1] // 2
+    rotary = cos.shape[-1]  # < D with partial rotary: the other dims stay as copied
+    half = rotary // 2
     dest.copy_(k_pre)
-    x1, x2 = dest[..., :half], dest[..., half:]
+    x1, x2 = dest[..., :half], dest[..., half:rotary]
     cos_h, sin_h = cos[..., :half].to(dest.dtype), sin[..., :half].to(dest.dtype)
     x1_sin = x1 * sin_h
     x1.mul_(cos_h).addcmul_(x2, sin_h, value=-1)  # x1 cos - x2 sin
@@ -375,23 +376,32 @@ def _run_pass(
     the next one meanwhile. With ``question_length``, the attention of the last that many
     active tokens (the question) is recorded per layer."""
     device, config = model.device, model.config
-    window = config.sliding_window
     num_tokens = token_ids.numel()
     positions = torch.arange(num_tokens, device=device)  # [T] (slot = position)
-    cos_all, sin_all = model.rope(positions)  # [T, D]
-    cos_a, sin_a = cos_all[active][None], sin_all[active][None]  # [1, S, D]
-    x = model.embed_tokens(token_ids[active])[None]  # x: [1, S, dim]
+    ropes = model.ropes(positions)  # per layer: cos, sin [T, R]
+    x = model.embed(token_ids[active])[None]  # x: [1, S, dim]
     everything = active.numel() == num_tokens  # plain causal prefill
     # The queries attended in groups: the active tokens before the recorded question (all of
     # them when none is recorded). After the last layer only the last token's output counts.
     grouped = active.numel() - question_length
     dtype, heads_per_key = cache.k.dtype, config.n_heads // config.n_kv_heads
-    groups = None
-    if grouped and not everything:
-        groups = group_queries(active[:grouped], positions, heads_per_key, window, dtype=dtype)
-    last_query = group_queries(active[-1:], positions, heads_per_key, window, dtype=dtype)
+    plans: dict = {}  # per sliding window (Gemma 3 has two): (groups, last_query)
     attention = []
     for i, layer in enumerate(model.layers):
+        cos_all, sin_all = ropes[i]
+        cos_a, sin_a = cos_all[active][None], sin_all[active][None]  # [1, S, R]
+        window = config.window(i)
+        if window not in plans:
+            groups = None
+            if grouped and not everything:
+                groups = group_queries(
+                    active[:grouped], positions, heads_per_key, window, dtype=dtype
+                )
+            plans[window] = (
+                groups,
+                group_queries(active[-1:], positions, heads_per_key, window, dtype=dtype),
+            )
+        groups, last_query = plans[window]
         for seg in sources:
             k, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE unless a rotated prefix
             span = slice(seg.start, seg.stop)
@@ -419,7 +429,7 @@ def _run_pass(
         elif last:
             out = attend_grouped(q[:, :, -1:], k_layer, v_layer, last_query)
         elif everything:
-            out = attend(q, k_layer, v_layer, model.mask(positions, positions))
+            out = attend(q, k_layer, v_layer, model.mask(positions, positions, layer=i))
         else:
             out = attend_grouped(q, k_layer, v_layer, groups)
         if last:

@@ -23,10 +23,8 @@ from kvservice.batcher import ContinuousBatcher, Job
 from kvservice.blend import BlendResult, Mode, blend_prefill
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import Prompt, PromptFormat
+from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
 from kvservice.sampling import SamplingParams
-
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
 
 
 @dataclass
@@ -55,16 +53,6 @@ class Completion:
     ttft_s: float
     finish_reason: str
     prefill: BlendResult | None = None
-
-
-def stop_token_ids(tokenizer) -> set[int]:
-    """End of sequence and the chat templates' end-of-turn tokens the tokenizer knows."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for token in END_OF_TURN_TOKENS:
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-            ids.add(token_id)
-    return ids
 
 
 class Engine:

@@ -17,6 +17,7 @@ Two things differ from a textbook implementation, both for KV blending:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -32,8 +33,9 @@ from torch import nn
 from kvservice.chunk import ChunkKV, token_ids_sha256
 from kvservice.kernels import FusedLinear, KernelChoice, prepare
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "phi3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class UnsupportedModelError(ValueError):
@@ -67,100 +69,241 @@ class ModelConfig:
     tie_embeddings: bool = False
     sliding_window: int | None = None
     model_type: str = "llama"
+    # Added for Qwen3, Gemma 3 and Phi-3 (``_FAMILY_FIELDS``: left out of the fingerprint at
+    # their defaults, so the older families' chunk keys stay what they were).
+    layer_windows: tuple[int | None, ...] = ()  # per layer (Gemma 3); () = sliding_window
+    local_rope_theta: float | None = None  # the sliding layers' own plain RoPE (Gemma 3)
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by offset + weight (Gemma: 1)
+    sandwich_norms: bool = False  # norms after attention and around the MLP (Gemma 3)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(dim))
+    attention_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
+    hidden_act: str = "silu"  # the gated MLP's activation
+    final_logit_softcap: float | None = None  # cap * tanh(logits / cap)
+    rotary_fraction: float = 1.0  # of each head's dims that RoPE turns (Phi-4-mini 0.75)
+    rope_short_factor: tuple[float, ...] = ()  # longrope's per-frequency divisors (Phi-3)
+    rope_attention_factor: float = 1.0  # longrope's scale of cos and sin
+    max_positions: int | None = None  # positions this engine computes as HF does
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any] | Any) -> ModelConfig:
         """From an HF ``config.json`` dict (or a ``PretrainedConfig``). Refuses what it would
-        get wrong: other architectures, unknown RoPE scaling, partial rotary, MLP variants."""
+        get wrong: other architectures, unknown RoPE scaling, MLP variants."""
         if not isinstance(hf, dict):
             hf = hf.to_dict()
         model_type = hf.get("model_type")
+        if model_type == "gemma3":  # the multimodal checkpoint: its language model
+            hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+            hf.setdefault("tie_word_embeddings", True)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
             )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(
-                f"hidden_act {hf.get('hidden_act')!r} is not supported (silu only)"
-            )
-        if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedModelError(
-                f"partial rotary embeddings (partial_rotary_factor={hf['partial_rotary_factor']}) "
-                "are not supported"
-            )
+        act = hf.get("hidden_act") or hf.get("hidden_activation") or "silu"
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({ACTIVATIONS})")
         if hf.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError("pretraining_tp > 1 is not supported")
-
-        # transformers 5 nests RoPE settings in `rope_parameters`; older configs keep
-        # `rope_theta` and `rope_scaling` at top level.
-        rope = dict(hf.get("rope_parameters") or {})
-        if hf.get("rope_scaling"):
-            rope = {**hf["rope_scaling"], **rope}
-        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"rope scaling type {rope_type!r} is not supported "
-                f"(supported: {SUPPORTED_ROPE_TYPES})"
-            )
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings are not supported")
-
-        n_heads = hf["num_attention_heads"]
-        dim = hf["hidden_size"]
-        head_dim = hf.get("head_dim") or dim // n_heads
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-            sliding_window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-        elif model_type == "mistral":
-            qkv_bias = o_bias = False
-            sliding_window = hf.get("sliding_window")
-        else:
-            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
-            sliding_window = None
-        if (
-            sliding_window is not None
-            and model_type == "qwen2"
-            and hf.get("max_window_layers")
-            not in (
-                None,
-                0,
-            )
-        ):
-            # Qwen2 applies the window only to layers >= max_window_layers; not modelled here.
-            raise UnsupportedModelError("Qwen2 sliding-window attention is not supported")
-        return cls(
+        n_heads, dim = hf["num_attention_heads"], hf["hidden_size"]
+        fields = dict(
             vocab_size=hf["vocab_size"],
             dim=dim,
             n_layers=hf["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
+            head_dim=hf.get("head_dim") or dim // n_heads,
             intermediate_size=hf["intermediate_size"],
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_type=rope_type,
-            rope_factor=float(rope.get("factor", 1.0)),
-            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=sliding_window,
-            model_type=model_type,
+            model_type=hf.get("model_type", model_type),
+            hidden_act=act,
         )
+        fields |= _rope_fields(hf, _rope_parameters(hf))
+        if fields["rotary_fraction"] != 1.0 and model_type != "phi3":  # Phi-4-mini's 0.75
+            raise UnsupportedModelError(
+                f"partial rotary embeddings (partial_rotary_factor={fields['rotary_fraction']}) "
+                f"are not supported for {model_type!r}"
+            )
+        fields |= _FAMILY_OPTIONS[fields["model_type"]](hf)
+        return cls(**fields)
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it attends to every earlier token)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """True when layer ``layer`` turns q and k by the local RoPE (Gemma 3's sliding
+        layers), not the global one."""
+        return self.local_rope_theta is not None and self.window(layer) is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE turns (the first ones; the rest pass)."""
+        return int(self.head_dim * self.rotary_fraction)
+
+    def identity(self) -> dict[str, Any]:
+        """What the fingerprint hashes: every field, but the later families' fields only
+        where they differ from their defaults."""
+        fields = asdict(self)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return {
+            name: value
+            for name, value in fields.items()
+            if name not in _FAMILY_FIELDS or value != defaults[name]
+        }
+
+
+_FAMILY_FIELDS = frozenset(
+    "layer_windows local_rope_theta qk_norm norm_offset sandwich_norms embed_scale "
+    "attention_scale hidden_act final_logit_softcap rotary_fraction rope_short_factor "
+    "rope_attention_factor max_positions".split()
+)
+
+
+def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The global layers' RoPE settings: transformers 5 nests them in ``rope_parameters``
+    (per layer type for Gemma 3); older configs keep ``rope_theta`` and ``rope_scaling`` at
+    top level."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if "full_attention" in rope:
+        rope = dict(rope["full_attention"] or {})
+    if hf.get("rope_scaling"):
+        rope = {**hf["rope_scaling"], **rope}
+    return rope
+
+
+def _rope_fields(hf: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+        )
+    rotary = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    original = rope.get("original_max_position_embeddings") or hf.get(
+        "original_max_position_embeddings", 8192
+    )
+    fields: dict[str, Any] = dict(
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_type=rope_type,
+        rope_factor=float(rope.get("factor") or 1.0),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position=int(original),
+        rotary_fraction=rotary,
+    )
+    if rope_type == "longrope":
+        fields |= _longrope_fields(hf, rope, int(original))
+    return fields
+
+
+def _longrope_fields(hf: dict[str, Any], rope: dict[str, Any], original: int) -> dict[str, Any]:
+    """LongRoPE (Phi-3/Phi-4 long-context): HF turns every token by the short factors while
+    the sequence stays within the original context and by the long ones past it, which
+    changes every cached key's rotation at that length. This engine keeps the short factors
+    and serves that original context (``max_positions``)."""
+    factor = rope.get("factor") or hf.get("max_position_embeddings", original) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dict(
+        rope_short_factor=tuple(float(f) for f in rope["short_factor"]),
+        rope_attention_factor=float(attention),
+        max_positions=original,
+    )
+
+
+def _llama_options(hf: dict[str, Any]) -> dict[str, Any]:
+    bias = bool(hf.get("attention_bias", False))
+    return dict(qkv_bias=bias, o_bias=bias)
+
+
+def _mistral_options(hf: dict[str, Any]) -> dict[str, Any]:
+    return dict(sliding_window=hf.get("sliding_window"))
+
+
+def _qwen2_options(hf: dict[str, Any]) -> dict[str, Any]:
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is not None and hf.get("max_window_layers") not in (None, 0):
+        # Qwen2 applies the window only to layers >= max_window_layers; not modelled here.
+        raise UnsupportedModelError("Qwen2 sliding-window attention is not supported")
+    return dict(qkv_bias=True, sliding_window=window)
+
+
+def _qwen3_options(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("use_sliding_window"):  # no released Qwen3 uses it
+        raise UnsupportedModelError("Qwen3 sliding-window attention is not supported")
+    return _llama_options(hf) | dict(qk_norm=True)
+
+
+def _phi3_options(hf: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3/Phi-4: fused qkv and gate-up weights (split at load), a window on every layer."""
+    return dict(sliding_window=hf.get("sliding_window"))
+
+
+def _gemma3_options(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3: sliding-window layers with their own RoPE between global ones, (1 + weight)
+    norms around attention and MLP, q/k norms, scaled embeddings and query scalar."""
+    if hf.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError(
+            "attention logit soft-capping (attn_logit_softcapping) is not supported: "
+            "Gemma 3 checkpoints have none; this one is a Gemma 2 layout"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
+    n_layers, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if types is None:  # older configs: every sliding_window_pattern-th layer is global
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"local rope type {local['rope_type']!r} is not supported")
+    softcap = hf.get("final_logit_softcapping")
+    return dict(
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        local_rope_theta=float(local_theta),
+        qk_norm=True,
+        norm_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=float(hf["hidden_size"]) ** 0.5,
+        attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)),
+        final_logit_softcap=None if softcap is None else float(softcap),
+    )
+
+
+_FAMILY_OPTIONS = {
+    "llama": _llama_options,
+    "mistral": _mistral_options,
+    "qwen2": _qwen2_options,
+    "qwen3": _qwen3_options,
+    "phi3": _phi3_options,
+    "gemma3_text": _gemma3_options,
+}
 
 
 # --------------------------------------------------------------------------------------------
 # RoPE: pure functions. Rotate-half layout (HF's), so HF weights need no permutation.
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[D/2]`` (fp32), with Llama-3 / linear scaling applied."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies ``[R/2]`` (fp32, ``R = config.rotary_dim``), with Llama-3 / linear /
+    LongRoPE (short factors) scaling applied; ``local``: the sliding layers' plain RoPE at
+    ``local_rope_theta`` (Gemma 3)."""
+    d = config.rotary_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
+    if local:
+        return (1.0 / (config.local_rope_theta**exponents)).float()
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_type == "longrope":  # HF computes this one in fp32
+        short = torch.tensor(config.rope_short_factor, dtype=torch.float32)
+        base = torch.tensor(config.rope_theta, dtype=torch.float32)
+        return 1.0 / (short * base ** (torch.arange(0, d, 2).float() / d))
     if config.rope_type == "linear":
         inv_freq = inv_freq / config.rope_factor
     elif config.rope_type == "llama3":
@@ -181,16 +324,23 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor
+    inv_freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[..., T, D]`` for integer ``positions [..., T]`` (computed in fp32)."""
-    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # [..., T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, D]
+    """cos and sin ``[..., T, R]`` for integer ``positions [..., T]`` (computed in fp32),
+    times ``scale`` (LongRoPE's attention factor; 1 for the others)."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # [..., T, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, R]
+    if scale != 1.0:
+        return emb.cos() * scale, emb.sin() * scale
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [..., T, D]`` by the angles in cos/sin ``[T, D]`` (broadcast over heads)."""
+    """Rotate ``x [..., T, D]`` by the angles in cos/sin ``[T, R]`` (broadcast over heads);
+    with ``R < D`` (partial rotary) the first ``R`` dims turn and the rest pass."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)  # halves are equal
@@ -251,14 +401,19 @@ def attend(
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMS norm scaled by ``weight`` (Llama), or by ``1 + weight`` in fp32 before rounding
+    to the input's dtype (Gemma: ``offset`` 1)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -281,6 +436,12 @@ class Attention(nn.Module):
         # The products as run: q, k and v in one (kvservice.kernels), o alone.
         self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
         self.out = FusedLinear(self.o_proj)
+        if config.qk_norm:  # each head's q and k normed before RoPE (Qwen3, Gemma 3)
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+        # SDPA scales by 1/sqrt(D); another softmax scale is folded into q.
+        scale = config.attention_scale
+        self.q_scale = 1.0 if scale is None else scale * math.sqrt(config.head_dim)
 
     def project(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -293,7 +454,11 @@ class Attention(nn.Module):
         k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         # q: [B, H, S, D]; k, v: [B, H_kv, S, D]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos[:, None], sin[:, None])
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         return q, k, v
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
@@ -305,10 +470,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU."""
+    """A gated MLP: SwiGLU, or GeGLU with tanh-approximated GELU (Gemma)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
@@ -317,16 +483,24 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)  # [..., I] each (bfloat16 under onednn-bf16)
-        return self.down(F.silu(gate) * up)[0]
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down(gate * up)[0]
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        offset = config.norm_offset
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps, offset)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        # Llama: the MLP's input norm. Gemma 3 (sandwich): the attention output's norm, and
+        # the MLP has a norm before and after it.
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps, offset)
         self.mlp = FeedForward(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.dim, config.norm_eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.dim, config.norm_eps, offset)
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -348,6 +522,9 @@ class Block(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection of the attention result ``attn [B, H, S, D]``, residual, MLP."""
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn.output(attn))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn.output(attn)  # fp32 residual (+ a bfloat16 product: fp32)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -416,12 +593,12 @@ class Transformer(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.head = FusedLinear(self.lm_head)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        set_rope_buffers(self, config)
         self.fingerprint = ""  # set by from_pretrained / fingerprint_weights
         self.kernel_choice: KernelChoice | None = None  # set by prepare_kernels
 
@@ -429,15 +606,40 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(self.inv_freq, positions)
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings ``[..., dim]`` (times ``embed_scale``, rounded to the
+        weights' dtype first, as Gemma does)."""
+        x = self.embed_tokens(token_ids)
+        if self.config.embed_scale != 1.0:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def rope(self, positions: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[..., T, R]`` at ``positions`` for layer ``layer`` (the global RoPE,
+        or Gemma 3's local one on its sliding layers)."""
+        if self.config.local_rope(layer):
+            return rope_cos_sin(self.local_inv_freq, positions)
+        return rope_cos_sin(self.inv_freq, positions, self.config.rope_attention_factor)
+
+    def ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's ``rope(positions, layer)``, each distinct one computed once."""
+        tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(self.config.n_layers):
+            local = self.config.local_rope(i)
+            if local not in tables:
+                tables[local] = self.rope(positions, layer=i)
+        return [tables[self.config.local_rope(i)] for i in range(self.config.n_layers)]
 
     def mask(
-        self, query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor | None = None
+        self,
+        query_pos: torch.Tensor,
+        key_pos: torch.Tensor,
+        key_valid: torch.Tensor | None = None,
+        layer: int = 0,
     ) -> torch.Tensor | None:
-        """The attention mask from real positions; None when it is exactly the causal
-        triangle (see ``attend``)."""
-        window = self.config.sliding_window
+        """Layer ``layer``'s attention mask from real positions (its sliding window, if it
+        has one); None when it is exactly the causal triangle (see ``attend``)."""
+        window = self.config.window(layer)
         span = int(key_pos.max() - key_pos.min()) if key_pos.numel() else 0
         if (window is None or span < window) and is_causal_triangle(query_pos, key_pos, key_valid):
             return None
@@ -451,7 +653,9 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(x))[0].float()
+        logits = self.head(self.norm(x))[0].float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def prepare_kernels(
         self, precision: str = "float32", kernel: str | None = None
@@ -479,16 +683,20 @@ class Transformer(nn.Module):
         with ``collect_kv``, each layer's (pre-RoPE k, v) of these tokens, ``[B, H_kv, T, D]``.
         ``valid [B, T]`` marks padding (False) in ragged batches; padded keys are never seen.
         """
-        x = self.embed_tokens(token_ids)  # x: [B, T, dim]
-        cos, sin = self.rope(positions)  # [B, T, D]
+        x = self.embed(token_ids)  # x: [B, T, dim]
+        ropes = self.ropes(positions)  # per layer: cos, sin [B, T, R]
         if cache is not None:
             slots = cache.reserve(positions, valid)
             key_pos, key_valid = cache.positions[:, : slots.stop], cache.valid[:, : slots.stop]
         else:
             key_pos, key_valid = positions, valid
-        mask = self.mask(positions, key_pos, key_valid)  # [B, T, T_keys] or None (causal)
+        masks = {}  # per window: [B, T, T_keys] or None (causal)
         collected = [] if collect_kv else None
         for i, layer in enumerate(self.layers):
+            window = self.config.window(i)
+            if window not in masks:
+                masks[window] = self.mask(positions, key_pos, key_valid, layer=i)
+            cos, sin = ropes[i]
             q, k, v = layer.project(x, cos, sin)
             if collected is not None:
                 collected.append((k, v))
@@ -497,7 +705,7 @@ class Transformer(nn.Module):
                 cache.k[i, :, :, slots] = k
                 cache.v[i, :, :, slots] = v
                 k, v = cache.k[i, :, :, : slots.stop], cache.v[i, :, :, : slots.stop]
-            x = layer.attend_and_mlp(x, q, k, v, mask)
+            x = layer.attend_and_mlp(x, q, k, v, masks[window])
         if not all_logits:
             x = x[:, -1]  # x: [B, dim]; only the next-token distribution is needed
         return self.logits(x), collected
@@ -529,16 +737,20 @@ class Transformer(nn.Module):
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
         state: dict[str, torch.Tensor] = {}
-        digest = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
+        digest = hashlib.sha256(json.dumps(config.identity(), sort_keys=True).encode())
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     tensor = f.get_tensor(name)
-                    state[_hf_to_ours(name)] = tensor.to(device=device, dtype=dtype)
                     # Identify weights by name, shape and a sample of content, not all bytes.
                     flat = tensor.reshape(-1)
                     digest.update(name.encode() + str(tuple(tensor.shape)).encode())
                     digest.update(flat[:: max(1, flat.numel() // 64)].float().numpy().tobytes())
+                    ours = _hf_to_ours(name)
+                    if ours is None:  # a multimodal checkpoint's vision tower
+                        continue
+                    for part, value in _split_fused(ours, tensor, config):
+                        state[part] = value.to(device=device, dtype=dtype)
         if config.tie_embeddings:
             state.pop("lm_head.weight", None)
         model.load_state_dict(state, strict=not config.tie_embeddings, assign=True)
@@ -547,23 +759,63 @@ class Transformer(nn.Module):
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise UnsupportedModelError(f"checkpoint {path} lacks weights: {missing[:5]}")
-        model.inv_freq = rope_inv_freq(config).to(device)
+        set_rope_buffers(model, config, device)
         model.fingerprint = digest.hexdigest()[:32]
         model.prepare_kernels(precision, kernel)
         return model.eval()
 
     def fingerprint_weights(self) -> str:
         """Fingerprint an in-memory model (tests, random configs) from config and weights."""
-        digest = hashlib.sha256(json.dumps(asdict(self.config), sort_keys=True).encode())
+        digest = hashlib.sha256(json.dumps(self.config.identity(), sort_keys=True).encode())
         for name, param in self.state_dict().items():
             digest.update(name.encode() + param.float().cpu().numpy().tobytes())
         self.fingerprint = digest.hexdigest()[:32]
         return self.fingerprint
 
 
-def _hf_to_ours(name: str) -> str:
-    """HF parameter names map onto ours by dropping the ``model.`` prefix."""
-    return name.removeprefix("model.")
+def set_rope_buffers(
+    model: nn.Module, config: ModelConfig, device: torch.device | str | None = None
+) -> None:
+    """The RoPE inverse frequencies a model turns q and k by: ``inv_freq`` and, where sliding
+    layers have their own (Gemma 3), ``local_inv_freq``."""
+    model.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+    if config.local_rope_theta is not None:
+        local = rope_inv_freq(config, local=True).to(device)
+        model.register_buffer("local_inv_freq", local, persistent=False)
+
+
+# A multimodal Gemma 3's language model, as transformers 5 and the original checkpoints name it.
+_LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                    "multi_modal_projector.")  # fmt: skip
+
+
+def _hf_to_ours(name: str) -> str | None:
+    """HF parameter names map onto ours by dropping the ``model.`` prefix (a multimodal
+    checkpoint's language model prefix); None for a vision tower's weights."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return name.removeprefix("language_model.").removeprefix("model.")
+
+
+def _split_fused(
+    name: str, tensor: torch.Tensor, config: ModelConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as our separate parts (views; the
+    kernels fuse them again, ``kvservice.kernels.FusedLinear``); other weights as they are."""
+    if ".self_attn.qkv_proj." in name:
+        q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        parts, sizes = ("q_proj", "k_proj", "v_proj"), [q_rows, kv_rows, kv_rows]
+        pieces = tensor.split(sizes, dim=0)
+        return [(name.replace("qkv_proj", p), t) for p, t in zip(parts, pieces, strict=True)]
+    if ".mlp.gate_up_proj." in name:
+        gate, up = tensor.chunk(2, dim=0)  # gate first, as Phi-3's MLP reads them
+        return [(name.replace("gate_up_proj", "gate_proj"), gate),
+                (name.replace("gate_up_proj", "up_proj"), up)]  # fmt: skip
+    return [(name, tensor)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,10 +878,10 @@ def precompute_chunks(
         cache = KVCache(config, bsz, h + longest, device, model.cache_dtype)
         if head is not None:
             cache.reserve(torch.arange(h, device=device)[None].expand(bsz, -1))
-            cos, sin = model.rope(torch.arange(h, device=device))
+            ropes = model.ropes(torch.arange(h, device=device))
             for i in range(config.n_layers):
                 k_head, v_head = head.layer(i)  # [H_kv, h, D]
-                cache.k[i, :, :, :h] = apply_rope(k_head.to(device), cos, sin)
+                cache.k[i, :, :, :h] = apply_rope(k_head.to(device), *ropes[i])
                 cache.v[i, :, :, :h] = v_head.to(device)
         _, kv = model(ids, positions, cache, valid=valid, collect_kv=True)
         k_all = torch.stack([layer_k for layer_k, _ in kv], dim=1)  # [B, L, H_kv, n, D]

@@ -8,15 +8,18 @@
 - The question part carries the recent conversation, the question, the end of the user turn
   and the assistant turn's opening; it is always computed fresh.
 
-The chat template comes from the model's own tokenizer, so any Llama/Mistral/Qwen2 checkpoint
-gets its own format. One class serves the product (``PromptFormat.for_tokenizer``) and the
+The chat template comes from the model's own tokenizer, so every checkpoint gets its own
+format, and the tokens that end an answer from its tokenizer and ``generation_config.json``
+(``stop_token_ids``). One class serves the product (``PromptFormat.for_tokenizer``) and the
 benchmark (the paper's Musique prompt, built with other texts).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvservice.chunk import token_ids_sha256
@@ -68,9 +71,7 @@ class PromptFormat:
         if system_prompt:
             messages.insert(0, {"role": "system", "content": system_prompt})
         if getattr(tokenizer, "chat_template", None):
-            rendered = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            rendered = _render(tokenizer, messages)
         else:  # a base model: plain text turns
             rendered = f"{system_prompt or ''}\n\nUser: {_MARK}\nAssistant:"
         before, after = rendered.split(_MARK)
@@ -129,6 +130,33 @@ class PromptFormat:
             [self.chunk_ids(t) for t in chunk_texts],
             self.question_ids(question),
         )
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The chat template applied, up to the assistant's turn. A template that refuses a
+    system turn gets the system prompt at the start of the user's instead."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # jinja raises its own errors (raise_exception in the template)
+        if messages[0]["role"] != "system":
+            raise
+        system, user = messages
+        merged = [{"role": "user", "content": system["content"] + "\n\n" + user["content"]}]
+        return tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+
+
+def stop_token_ids(tokenizer: Any, checkpoint: str | Path | None = None) -> set[int]:
+    """The token ids that end an answer, as the checkpoint says: its tokenizer's end of
+    sequence and every ``eos_token_id`` of its ``generation_config.json`` (an id or a list:
+    Llama 3's ``<|eot_id|>``, Gemma 3's ``<end_of_turn>``, Phi-3's ``<|end|>``).
+    ``checkpoint``: the directory; by default the one the tokenizer was loaded from."""
+    ids = {tokenizer.eos_token_id} - {None}
+    directory = Path(checkpoint if checkpoint is not None else tokenizer.name_or_path)
+    generation = directory / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    return ids
 
 
 def chunk_token_ids(tokenizer: Any, text: str) -> list[int]:

@@ -40,25 +40,51 @@ and hands it to the worker-side connector in the same process. vLLM runs the con
 ``start_load_kv`` in that process, just before the forward that prefills the question, so
 the blend runs where the paged KV cache is, with no transfer between processes.
 
-Supported: the Llama-family layer layout vLLM uses for Llama, Mistral and Qwen2 (what our
-``ModelConfig`` accepts); anything else is refused loudly at attach time.
+Supported: the layer layout vLLM uses for Llama, Mistral, Qwen2, Phi-3 (its fused
+``qkv_proj`` and ``gate_up_proj`` are vLLM's own layout for all of them), Qwen3 (``q_norm`` and
+``k_norm`` in the attention) and Gemma 3 (also the norms around the MLP, and the text model
+of a multimodal checkpoint); the family's options come from our ``ModelConfig`` of the same
+checkpoint. A model whose modules lack what its config says it needs is refused at attach
+time with the missing parts named.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from kvservice.model import Block, ModelConfig, Transformer, apply_rope, rope_inv_freq
+from kvservice.model import Block, ModelConfig, Transformer, apply_rope, set_rope_buffers
 
 _REQUIRED_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _REQUIRED_ATTENTION_PARTS = ("qkv_proj", "o_proj")
+_SANDWICH_PARTS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # Gemma 3
+_QK_NORM_PARTS = ("q_norm", "k_norm")  # Qwen3, Gemma 3
+
+
+def _missing_parts(layer: nn.Module, config: ModelConfig) -> list[str]:
+    """What a vLLM decoder layer lacks of the modules ``config``'s family computes with."""
+    needed = list(_REQUIRED_LAYER_PARTS) + (list(_SANDWICH_PARTS) if config.sandwich_norms else [])
+    attention = getattr(layer, "self_attn", None)
+    needed_attention = list(_REQUIRED_ATTENTION_PARTS) + (
+        list(_QK_NORM_PARTS) if config.qk_norm else []
+    )
+    return [p for p in needed if not hasattr(layer, p)] + [
+        f"self_attn.{p}" for p in needed_attention if not hasattr(attention, p)
+    ]
+
+
+def _text_model(vllm_model: nn.Module) -> nn.Module | None:
+    """The module holding ``layers``, ``embed_tokens`` and ``norm``: ``model``, or the
+    language model's for a multimodal checkpoint (Gemma 3 4B and up)."""
+    language = getattr(vllm_model, "language_model", None)
+    if language is not None and hasattr(getattr(language, "model", None), "layers"):
+        return language.model
+    return getattr(vllm_model, "model", None)
 
 
 class VllmBlock(Block):
@@ -74,6 +100,9 @@ class VllmBlock(Block):
             config.n_kv_heads,
             config.head_dim,
         )
+        self.qk_norm, self.sandwich = config.qk_norm, config.sandwich_norms
+        scale = config.attention_scale  # folded into q, as in ``kvservice.model.Attention``
+        self.q_scale = 1.0 if scale is None else scale * config.head_dim**0.5
 
     @property
     def vllm_layer(self) -> nn.Module:
@@ -89,10 +118,15 @@ class VllmBlock(Block):
         qkv, _ = layer.self_attn.qkv_proj(h)  # [N, (H + 2 H_kv) * D], bias included
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm:  # vLLM's norms take [N, D]: each head's vector
+            q = layer.self_attn.q_norm(q.reshape(-1, self.head_dim))
+            k = layer.self_attn.k_norm(k.reshape(-1, self.head_dim))
         q = q.reshape(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = k.reshape(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.reshape(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos[:, None], sin[:, None])
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         return q, k, v  # k, v: [B, H_kv, S, D]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -101,6 +135,11 @@ class VllmBlock(Block):
         layer = self.vllm_layer
         attn = attn.transpose(1, 2).reshape(bsz * seqlen, self.n_heads * self.head_dim)
         out, _ = layer.self_attn.o_proj(attn)  # [N, dim]
+        if self.sandwich:  # Gemma 3: the attention output normed, the MLP between two norms
+            x = x + layer.post_attention_layernorm(out).reshape(bsz, seqlen, dim)
+            flat = layer.pre_feedforward_layernorm(x.reshape(bsz * seqlen, dim))
+            mlp = layer.post_feedforward_layernorm(layer.mlp(flat))
+            return x + mlp.reshape(bsz, seqlen, dim)
         x = x + out.reshape(bsz, seqlen, dim)
         flat = x.reshape(bsz * seqlen, dim)
         return x + layer.mlp(layer.post_attention_layernorm(flat)).reshape(bsz, seqlen, dim)
@@ -114,7 +153,7 @@ class VllmBackedTransformer(Transformer):
 
     def __init__(self, vllm_model: nn.Module, config: ModelConfig, fingerprint: str = "") -> None:
         nn.Module.__init__(self)
-        inner = getattr(vllm_model, "model", None)
+        inner = _text_model(vllm_model)
         layers = getattr(inner, "layers", None)
         if inner is None or layers is None or len(layers) != config.n_layers:
             raise TypeError(
@@ -122,22 +161,18 @@ class VllmBackedTransformer(Transformer):
                 "(model.layers with one decoder layer per config layer)"
             )
         for index, layer in enumerate(layers):
-            missing = [p for p in _REQUIRED_LAYER_PARTS if not hasattr(layer, p)]
-            missing += [
-                f"self_attn.{p}"
-                for p in _REQUIRED_ATTENTION_PARTS
-                if not hasattr(getattr(layer, "self_attn", None), p)
-            ]
+            missing = _missing_parts(layer, config)
             if missing:
-                raise TypeError(f"vLLM layer {index} lacks {missing}: not a Llama-family layer")
+                raise TypeError(
+                    f"vLLM layer {index} ({type(layer).__name__}) lacks {missing}, which a "
+                    f"{config.model_type!r} layer computes with: the blender cannot run it"
+                )
         self.config = config
         self._vllm = (vllm_model,)
         self.embed_tokens = inner.embed_tokens  # has .weight: device and dtype come from it
         self.layers = nn.ModuleList(VllmBlock(layer, config) for layer in layers)
         self.norm = inner.norm
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(config).to(self.embed_tokens.weight.device), persistent=False
-        )
+        set_rope_buffers(self, config, self.embed_tokens.weight.device)
         self.fingerprint = fingerprint
 
     @property
@@ -164,7 +199,7 @@ def checkpoint_fingerprint(path: str | Path) -> str:
 
     path = Path(path)
     config = checkpoint_config(path)
-    digest = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps(config.identity(), sort_keys=True).encode())
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")

@@ -32,7 +32,7 @@ from typing import Any
 
 from kvservice.blend import MODES
 from kvservice.engine import Completion, TokenEvent
-from kvservice.prompt import Prompt, PromptFormat
+from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
 from kvservice.sampling import SamplingParams
 from kvservice.store import StoreConfig
 
@@ -120,11 +120,7 @@ class VllmEngine:
         self.connector = connector
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.format = prompt_format or PromptFormat.for_tokenizer(self.tokenizer)
-        self.stop_ids = {self.tokenizer.eos_token_id} - {None}
-        for token in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
-            token_id = self.tokenizer.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
-                self.stop_ids.add(token_id)
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model_path)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vllm-engine-loop", daemon=True

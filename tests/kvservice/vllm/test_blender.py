@@ -8,3 +8,46 @@ def test_checkpoint_fingerprint_is_the_native_models(smollm2, smollm2_dir):
 
     # Chunk cache keys carry the fingerprint: vLLM-side keys must name the same objects.
     assert checkpoint_fingerprint(smollm2_dir) == smollm2.fingerprint
+
+
+def test_checkpoint_fingerprint_is_the_native_models_for_the_new_families(tmp_path):
+    """Gemma 3 and Phi-3 (fused weights split at load) too: the recipe reads every tensor
+    by its checkpoint name, and the config's family fields."""
+    from kvservice.model import Transformer
+    from kvservice.vllm.blender import checkpoint_fingerprint
+
+    from ..test_families import tiny_family_model
+
+    for kind in ("gemma3", "phi3"):
+        tiny_family_model(kind).save_pretrained(tmp_path / kind)
+        native = Transformer.from_pretrained(tmp_path / kind).fingerprint
+        assert checkpoint_fingerprint(tmp_path / kind) == native
+
+
+def test_a_vllm_model_without_its_familys_modules_is_refused_by_name(tmp_path):
+    """A Qwen3 config over a model whose attention has no q/k norms (what an older vLLM's
+    Llama layer would give) is refused at attach time, the missing modules named."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from kvservice.vllm.blender import VllmBackedTransformer, checkpoint_config
+
+    from ..test_families import tiny_family_model
+
+    tiny_family_model("qwen3").save_pretrained(tmp_path)
+    config = checkpoint_config(tmp_path)
+    layer = nn.Module()
+    layer.input_layernorm = layer.post_attention_layernorm = nn.Identity()
+    layer.mlp, layer.self_attn = nn.Identity(), nn.Module()
+    layer.self_attn.qkv_proj = layer.self_attn.o_proj = nn.Identity()
+    vllm_model = nn.Module()
+    vllm_model.model = nn.Module()
+    vllm_model.model.layers = nn.ModuleList(layer for _ in range(config.n_layers))
+    vllm_model.model.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+    vllm_model.model.norm = nn.Identity()
+    with pytest.raises(TypeError, match=r"self_attn\.q_norm.*'qwen3'"):
+        VllmBackedTransformer(vllm_model, config)
+    layer.self_attn.q_norm = layer.self_attn.k_norm = nn.Identity()
+    wrapped = VllmBackedTransformer(vllm_model, config)  # now it has what Qwen3 needs
+    assert wrapped.inv_freq.dtype == torch.float32

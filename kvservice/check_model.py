@@ -1,0 +1,263 @@
+"""``python -m kvservice.check_model PATH``: does this engine run a checkpoint as it should?
+
+Loads the checkpoint as the inference worker does (``kvservice.runtime.NativeRuntime``: its
+tokenizer, ``PromptFormat.for_tokenizer``, ``Transformer.from_pretrained``; float32 here, so
+that the engine can be held to HF transformers' own float32 result), builds the product's
+prompt for a fixed question over three fixed passages, and checks:
+
+* **logits**: the engine's logits for every prompt token against HF transformers' for the
+  same ids (``AutoModelForCausalLM``; it loads the weights a second time);
+* **blend at ratio 1.0** equals full prefill (``kvservice.blend.blend_prefill``): every
+  chunk token recomputed over the chunks' stored KV gives full's logits and cache;
+* **stored chunk KV**: the first passage's KV as precomputed and stored (K before RoPE,
+  ``kvservice.model.precompute_chunks``), turned to its place, is full prefill's KV there,
+  and prefix caching, which reads it, gives full's logits.
+
+It prints what a user needs to decide (supported or not, the largest logit difference, KV
+bytes per token in fp16 and in the store's default codec, weight memory, the chat template
+and the stop tokens) and exits 0 when supported, 1 when not (a model type the engine does
+not run is named in the message), 2 when the path is no checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PASSAGES = (
+    "The Amazon river flows through Peru, Colombia and Brazil before reaching the Atlantic "
+    "Ocean. It carries more water than any other river on Earth.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa. Its summit, Uhuru "
+    "Peak, stands 5,895 metres above sea level.",
+    "The first public library in the United States opened in Peterborough, New Hampshire, "
+    "in 1833, funded by the town's own taxes.",
+)
+QUESTION = "Which ocean does the Amazon river reach?"
+# The engine against HF, both float32: differences of the order of float32 rounding through
+# the layers, scaled by the logits' size (a 30-layer model's logits reach 20-40).
+LOGIT_TOLERANCE = 1e-3  # of the largest |logit|
+# Blend at 1.0 against full, and stored KV against full's: the same engine computing the same
+# values in another order (grouped attention, in-place rotation).
+EXACT_TOLERANCE = 1e-3
+CODEC_CHUNK_TOKENS = 512  # the chunk size the per-token storage is given for
+
+
+@dataclass
+class Report:
+    path: Path
+    model_type: str
+    supported: bool = False
+    problems: list[str] = field(default_factory=list)
+    max_logit_diff: float = float("nan")
+    logit_scale: float = float("nan")
+    blend_diff: float = float("nan")
+    chunk_kv_diff: float = float("nan")
+    prefix_diff: float = float("nan")
+    prompt_tokens: int = 0
+    kv_bytes_fp16: float = 0.0
+    kv_bytes_codec: float = 0.0
+    weight_bytes: int = 0
+    checkpoint_bytes: int = 0
+    chat_template: bool = False
+    stop_tokens: list[tuple[int, str]] = field(default_factory=list)
+    layers: str = ""
+
+    def lines(self) -> list[str]:
+        verdict = "supported" if self.supported else "NOT supported"
+        lines = [f"{self.path}: {verdict} (model type {self.model_type!r})"]
+        lines += [f"  problem: {problem}" for problem in self.problems]
+        if not self.prompt_tokens:
+            return lines
+        stops = ", ".join(f"{token_id} {text!r}" for token_id, text in self.stop_tokens)
+        return lines + [
+            f"  layers: {self.layers}",
+            f"  max logit difference to HF transformers (float32, {self.prompt_tokens} prompt "
+            f"tokens): {self.max_logit_diff:.2e} (largest |logit| {self.logit_scale:.2f}, "
+            f"tolerance {LOGIT_TOLERANCE * max(1.0, self.logit_scale):.2e})",
+            f"  blend at ratio 1.0 against full prefill: {self.blend_diff:.2e}",
+            f"  stored chunk KV against full prefill's: {self.chunk_kv_diff:.2e} "
+            f"(prefix caching's logits: {self.prefix_diff:.2e})",
+            f"  KV per token: {self.kv_bytes_fp16:,.0f} B in fp16, "
+            f"{self.kv_bytes_codec:,.0f} B in the default codec ({_codec_name()})",
+            f"  weights: {self.weight_bytes / 2**30:.2f} GiB in float32 "
+            f"({self.checkpoint_bytes / 2**30:.2f} GiB of safetensors on disk)",
+            f"  chat template: {'found' if self.chat_template else 'none (plain text turns)'}",
+            f"  stop tokens: {stops or 'none'}",
+        ]
+
+
+def _codec_name() -> str:
+    from kvservice.store.codec import DEFAULT_CODEC
+
+    return DEFAULT_CODEC
+
+
+def kv_bytes_per_token(config, codec_name: str, tokens: int = CODEC_CHUNK_TOKENS) -> float:
+    """Bytes per token of a ``tokens``-token chunk object's layer blocks in ``codec_name``
+    (``kvservice.store.format.encoded_size``; fp16 is 2 bytes per K and V value)."""
+    from kvservice.store.codec import codec_by_name
+    from kvservice.store.format import encoded_size
+
+    size = encoded_size(
+        config.n_layers, config.n_kv_heads, tokens, config.head_dim, torch.float16,
+        codec=codec_by_name(codec_name),
+    )  # fmt: skip
+    return size / tokens
+
+
+def _describe_layers(config) -> str:
+    windows = [config.window(i) for i in range(config.n_layers)]
+    local = sum(w is not None for w in windows)
+    text = f"{config.n_layers} layers, {config.n_kv_heads} KV heads of {config.head_dim}"
+    if local:
+        text += f", {local} with a {max(w for w in windows if w)}-token sliding window"
+    return text
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's distinct parameter storage (a tied weight counted once)."""
+    seen: dict[int, int] = {}
+    for param in model.parameters():
+        seen[param.data_ptr()] = param.numel() * param.element_size()
+    return sum(seen.values())
+
+
+def _hf_logits(path: Path, ids: torch.Tensor, device: str) -> torch.Tensor:
+    """HF transformers' float32 logits ``[T, V]`` for ``ids [T]``."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        logits = hf_model(ids[None]).logits[0].float()
+    del hf_model
+    return logits
+
+
+def _chunk_kv_diff(model, full_cache, chunk, start: int) -> float:
+    """Largest difference between a stored chunk's KV, turned to its place at ``start``,
+    and full prefill's cache there (every layer; K rotated in the cache)."""
+    from kvservice.model import apply_rope
+
+    positions = torch.arange(start, start + chunk.num_tokens, device=model.device)
+    ropes = model.ropes(positions)
+    worst = 0.0
+    for i in range(model.config.n_layers):
+        k_pre, v = chunk.layer(i)  # [H_kv, n, D]
+        k = apply_rope(k_pre.to(model.device).float(), *ropes[i])
+        span = slice(start, start + chunk.num_tokens)
+        worst = max(worst, (k - full_cache.k[i, 0, :, span].float()).abs().max().item())
+        worst = max(worst, (v.float() - full_cache.v[i, 0, :, span].float()).abs().max().item())
+    return worst
+
+
+def _engine_checks(report: Report, model, prompt) -> None:
+    """Blend at 1.0 and prefix caching against full; the first chunk's stored KV."""
+    from kvservice.blend import blend_prefill
+    from kvservice.model import precompute_chunks
+
+    head, chunk_ids, question = prompt.head_ids, prompt.chunk_ids, prompt.question_ids
+    chunks = precompute_chunks(model, head, chunk_ids)
+    full = blend_prefill(model, head, chunks, question, mode="full", chunk_ids=chunk_ids)
+    blend = blend_prefill(model, head, chunks, question, mode="blend", recompute_ratio=1.0)
+    prefix = blend_prefill(model, head, chunks, question, mode="prefix")
+    n = full.num_tokens
+    cache_diff = max(
+        (blend.cache.k[..., :n, :] - full.cache.k[..., :n, :]).abs().max().item(),
+        (blend.cache.v[..., :n, :] - full.cache.v[..., :n, :]).abs().max().item(),
+    )
+    report.blend_diff = max((blend.logits - full.logits).abs().max().item(), cache_diff)
+    report.prefix_diff = (prefix.logits - full.logits).abs().max().item()
+    report.chunk_kv_diff = _chunk_kv_diff(model, full.cache, chunks[0], len(head))
+
+
+def _measure(report: Report, path: Path, device: str) -> None:
+    """Everything but the verdict: load as the worker does, compare, size."""
+    from transformers import AutoTokenizer
+
+    from kvservice.model import Transformer
+    from kvservice.prompt import PromptFormat, stop_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = Transformer.from_pretrained(path, device=device, precision="float32")
+    prompt = PromptFormat.for_tokenizer(tokenizer).build(PASSAGES, QUESTION)
+    ids = torch.tensor(prompt.token_ids, device=device)
+    positions = torch.arange(ids.numel(), device=device)
+    ours, _ = model(ids[None], positions[None], all_logits=True)
+    reference = _hf_logits(path, ids, device)
+    report.prompt_tokens = ids.numel()
+    report.max_logit_diff = (ours[0] - reference).abs().max().item()
+    report.logit_scale = reference.abs().max().item()
+    _engine_checks(report, model, prompt)
+    report.layers = _describe_layers(model.config)
+    report.kv_bytes_fp16 = kv_bytes_per_token(model.config, "fp16")
+    report.kv_bytes_codec = kv_bytes_per_token(model.config, _codec_name())
+    report.weight_bytes = _weight_bytes(model)
+    report.checkpoint_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    report.chat_template = bool(getattr(tokenizer, "chat_template", None))
+    report.stop_tokens = [
+        (token_id, tokenizer.convert_ids_to_tokens(token_id))
+        for token_id in sorted(stop_token_ids(tokenizer, path))
+    ]
+
+
+def _verdict(report: Report) -> None:
+    tolerance = LOGIT_TOLERANCE * max(1.0, report.logit_scale)
+    if not report.max_logit_diff <= tolerance:
+        report.problems.append(
+            f"logits differ from HF transformers' by {report.max_logit_diff:.2e}"
+        )
+    if not report.blend_diff <= EXACT_TOLERANCE:
+        report.problems.append(f"blend at 1.0 differs from full prefill by {report.blend_diff:.2e}")
+    if not max(report.chunk_kv_diff, report.prefix_diff) <= EXACT_TOLERANCE:
+        report.problems.append("stored chunk KV does not reproduce full prefill's")
+    if not report.stop_tokens:
+        report.problems.append("no stop token: answers would only end at the length limit")
+    report.supported = not report.problems
+
+
+def check(path: str | Path, device: str | None = None) -> Report:
+    """The report for the checkpoint directory ``path`` (``ModelPathError`` when it is none).
+    An unsupported model type or layout is a report with ``supported`` False, not an error."""
+    from kvservice.bundled import check_checkpoint_dir
+    from kvservice.model import ModelConfig, UnsupportedModelError
+
+    path = check_checkpoint_dir(Path(path).expanduser())
+    hf_config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    report = Report(path, str(hf_config.get("model_type")))
+    try:
+        ModelConfig.from_hf_config(hf_config)
+    except UnsupportedModelError as error:
+        report.problems.append(str(error))
+        return report
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _measure(report, path, device)
+    _verdict(report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvservice.bundled import ModelPathError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kvservice.check_model", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("path", help="an HF checkpoint directory (config.json, *.safetensors)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda where there is one)")
+    args = parser.parse_args(argv)
+    try:
+        report = check(args.path, args.device)
+    except ModelPathError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(report.lines()))
+    return 0 if report.supported else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
