@@ -137,6 +137,11 @@ class ModelConfig:
         layers), not the global one."""
         return self.local_rope_theta is not None and self.window(layer) is not None
 
+    def served_context(self, declared: int) -> int:
+        """The context length to serve of the checkpoint's ``max_position_embeddings``:
+        LongRoPE's original context (``_longrope_fields``), else all of it."""
+        return min(declared, self.max_positions or declared)
+
     @property
     def rotary_dim(self) -> int:
         """How many of each head's dims RoPE turns (the first ones; the rest pass)."""

@@ -66,7 +66,8 @@ class NativeRuntime:
         self.prefix_cache = PrefixCache(prefix_capacity_from_env())
         self.controller = LoadingController()
         hf_config = json.loads((path / "config.json").read_text())
-        self.context_len = int(hf_config.get("max_position_embeddings", 4096))
+        declared = int(hf_config.get("max_position_embeddings", 4096))
+        self.context_len = self.model.config.served_context(declared)
         self.model_name = path.name
 
     def status(self) -> dict[str, object]:

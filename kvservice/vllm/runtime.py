@@ -60,8 +60,9 @@ class VllmRuntime:
         self.tokenizer = self.engine.tokenizer
         self.prompt = self.engine.format
         hf_config = json.loads((path / "config.json").read_text())
+        declared = int(hf_config.get("max_position_embeddings", 4096))
         self.context_len = min(
-            int(hf_config.get("max_position_embeddings", 4096)), self.engine.settings.max_model_len
+            self.config.served_context(declared), self.engine.settings.max_model_len
         )
         self.model_name = path.name
 
