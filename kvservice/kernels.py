@@ -27,6 +27,7 @@ concatenated weights (``FusedLinear``): one pass over the activations instead of
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -191,6 +192,9 @@ def _products(module: nn.Module) -> list[FusedLinear]:
     return [m for m in module.modules() if isinstance(m, FusedLinear)]
 
 
+ROUNDS = 3  # rounds of timing every candidate kernel at load
+
+
 def _time_layer(products: Sequence[FusedLinear], rows: int, repeats: int) -> float:
     """Fastest milliseconds of one pass of a layer's products over ``rows`` rows (the
     fastest: other processes on the cores only ever slow a run down)."""
@@ -221,11 +225,14 @@ def prepare(
     decode_ms: dict[str, float] = {}
     if len(names) > 1:
         first_layer = _products(model.layers[0])
-        for name in names:
-            for product in first_layer:
-                product.pack(name)
-            prefill_ms[name] = _time_layer(first_layer, PREFILL_ROWS, repeats=5)
-            decode_ms[name] = _time_layer(first_layer, DECODE_ROWS, repeats=9)
+        for _ in range(ROUNDS):  # candidates in turn, so a burst of other work hits them alike
+            for name in names:
+                for product in first_layer:
+                    product.pack(name)
+                prefill = _time_layer(first_layer, PREFILL_ROWS, repeats=2)
+                decode = _time_layer(first_layer, DECODE_ROWS, repeats=3)
+                prefill_ms[name] = min(prefill_ms.get(name, prefill), prefill)
+                decode_ms[name] = min(decode_ms.get(name, decode), decode)
         chosen = min(prefill_ms, key=prefill_ms.__getitem__)
     else:
         chosen = names[0]
@@ -237,4 +244,11 @@ def prepare(
         attention_dtype(device, precision, weights),
     )  # fmt: skip
     log.info("%s", choice.describe())
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if len(names) > 1 and busy > (os.cpu_count() or 1):
+        log.warning(
+            "the kernels were timed on a busy machine (load average %.1f on %d cores): the "
+            "choice may not be the fastest (restart when quieter, or set ENGINE_KERNEL)",
+            busy, os.cpu_count() or 1,
+        )  # fmt: skip
     return choice

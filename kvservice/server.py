@@ -27,7 +27,7 @@ from celery import Celery
 
 from kvservice.bundled import default_cache_dir
 from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
-from kvservice.kernels import DEFAULT_PRECISION, PRECISIONS
+from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.protocol import (
     ALIVE_INTERVAL_S,
     EVICT_TASK,
@@ -56,6 +56,7 @@ class ServerConfig:
     engine: str  # "native" (kvservice's engine) or "vllm" (kvservice.vllm)
     node_name: str  # Celery's name for this worker; several on one host need their own
     precision: str = DEFAULT_PRECISION  # the native engine's products (kvservice.kernels)
+    kernel: str | None = None  # ENGINE_KERNEL: one kernel instead of the fastest measured
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -71,6 +72,9 @@ class ServerConfig:
         precision = os.environ.get("ENGINE_PRECISION", "").strip() or DEFAULT_PRECISION
         if precision not in PRECISIONS:
             raise SystemExit(f"ENGINE_PRECISION must be one of {PRECISIONS}, not {precision!r}")
+        kernel = os.environ.get("ENGINE_KERNEL", "").strip() or None
+        if kernel is not None and kernel not in KERNELS:
+            raise SystemExit(f"ENGINE_KERNEL must be one of {KERNELS}, not {kernel!r}")
         return cls(
             redis_url=redis_url,
             model_path=os.environ.get("MODEL_PATH") or None,
@@ -80,6 +84,7 @@ class ServerConfig:
             engine=engine,
             node_name=os.environ.get("INFERENCE_NODE_NAME", "inference@%h"),
             precision=precision,
+            kernel=kernel,
         )
 
 

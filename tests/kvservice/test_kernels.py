@@ -103,7 +103,7 @@ def test_bfloat16_products_stay_close_to_float32(tiny_checkpoints):
     assert float(agree) > 0.9
 
 
-def test_the_worker_reads_and_checks_engine_precision(monkeypatch):
+def test_the_worker_reads_and_checks_engine_precision_and_kernel(monkeypatch):
     from kvservice.server import ServerConfig
 
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
@@ -113,4 +113,10 @@ def test_the_worker_reads_and_checks_engine_precision(monkeypatch):
     assert ServerConfig.from_env().precision == "float32"
     monkeypatch.setenv("ENGINE_PRECISION", "int4")
     with pytest.raises(SystemExit, match="ENGINE_PRECISION must be one of"):
+        ServerConfig.from_env()
+    monkeypatch.setenv("ENGINE_PRECISION", "auto")
+    monkeypatch.setenv("ENGINE_KERNEL", "onednn")
+    assert ServerConfig.from_env().kernel == "onednn"
+    monkeypatch.setenv("ENGINE_KERNEL", "cublas-int8")
+    with pytest.raises(SystemExit, match="ENGINE_KERNEL must be one of"):
         ServerConfig.from_env()
