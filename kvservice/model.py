@@ -1,4 +1,8 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) over explicit positions.
+"""A decoder of the Llama family and its relatives (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3,
+Phi-3/Phi-4) over explicit positions. Where the families differ is in ``ModelConfig`` (read
+from the checkpoint's config, one small function per family) and a few switches in the
+modules: q/k norms, (1 + weight) norms around attention and MLP, sliding-window layers with
+their own RoPE, LongRoPE and partial rotary, fused weights split at load.
 
 Read top to bottom: config, RoPE (pure functions), the masked attention helper, the small
 modules, the KV cache, the model, loading, chunk precompute.

@@ -56,7 +56,12 @@ def tiny_hf_model(kind: str):
         model = transformers.Qwen2ForCausalLM(config)
     else:
         raise ValueError(kind)
-    # Random init leaves biases and norms at 0/1; perturb them so the test can see them.
+    return perturbed(model)
+
+
+def perturbed(model):
+    """``model`` in eval mode with its biases and norms moved off the values random init
+    leaves them at (0 and 1, or 0 for Gemma's 1 + weight norms), so a test can see them."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -19,6 +19,8 @@ from kvservice.check_model import check
 from kvservice.model import KVCache, Transformer, precompute_chunks
 from kvservice.prompt import PromptFormat, stop_token_ids
 
+from .conftest import perturbed
+
 FAMILIES = ("llama3", "qwen3", "gemma3", "phi3")
 WINDOW = 24  # Gemma 3's and Phi-3's sliding window here: far shorter than the prompt
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -68,12 +70,7 @@ def tiny_family_model(kind: str, vocab_size: int = 128):
     """A tiny random HF model of ``kind``, its norms and biases moved off their init."""
     config, model_class = _tiny_config(kind, vocab_size)
     torch.manual_seed(FAMILIES.index(kind))
-    model = model_class(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    return model.eval()
+    return perturbed(model_class(config))
 
 
 @pytest.fixture(scope="module")
