@@ -141,14 +141,15 @@ def choose_ratio(
 ) -> tuple[float, RatioDecision | None]:
     """The recompute ratio: the request's own, a fixed mode's, or the loading controller's
     choice for a blend (over the chunk tokens it would recompute and the bytes to load per
-    tier)."""
+    tier), from the request's fidelity-target ratio where the operator set a target."""
     if request.recompute_ratio is not None:
         return request.recompute_ratio, None
     if request.mode != "blend":
         return FIXED_RATIOS.get(request.mode) or 0.0, None
     decision = runtime.controller.choose(
-        num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes
-    )
+        num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes,
+        target_ratio=request.target_ratio,
+    )  # fmt: skip
     return decision.recompute_ratio, decision
 
 

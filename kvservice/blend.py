@@ -38,6 +38,7 @@ itself where the resulting KV goes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -81,6 +82,11 @@ class BlendSettings:
 
     attention_from_depth: float = ATTENTION_FROM_DEPTH  # ``attention_importance``
     smooth_window: int = SMOOTH_WINDOW  # ``smooth_scores``
+    rounds: int = 1  # selection rounds: each later one selects by the attention after the last
+    first_round_share: float = 0.5  # of the budget, with rounds > 1
+    chunk_starts: int = 0  # the first tokens of every cached chunk always recomputed (EPIC)
+    stale_bias: float = 0.0  # added to the attention logits of stale cached keys (APE)
+    stale_key_scale: float = 1.0  # stale cached keys scaled: an attention temperature (APE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,6 +131,7 @@ def attend_and_weigh(
     query_pos: torch.Tensor,
     key_pos: torch.Tensor,
     sliding_window: int | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the question's queries ``q [H, S, D]`` (rotated) over a layer's keys
     ``k, v [H_kv, T, D]`` (rotated), causal by position, and the weights it paid each key.
@@ -140,6 +147,8 @@ def attend_and_weigh(
     stacked = (q * (1.0 / math.sqrt(dim))).to(k.dtype).reshape(kv_heads, group * length, dim)
     scores = (stacked @ k.transpose(1, 2)).view(kv_heads, group, length, num_keys)
     visible = position_mask(query_pos, key_pos, sliding_window=sliding_window)  # [S, T]
+    if key_bias is not None:
+        scores += key_bias.to(scores.dtype)
     scores.masked_fill_(~visible, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [H_kv, G, S, T]
     out = (weights.view(kv_heads, group * length, num_keys) @ v).view(heads, length, dim)
@@ -212,6 +221,7 @@ def group_queries(
     sliding_window: int | None = None,
     min_rows: int = MIN_ROWS_PER_CALL,
     dtype: torch.dtype = torch.float32,
+    key_bias: torch.Tensor | None = None,
 ) -> QueryGroups:
     """Cut queries at positions ``query_pos [S]`` (sorted) over keys at ``key_pos [T]``
     (position order) into groups of consecutive queries that each read only the keys up to
@@ -235,6 +245,8 @@ def group_queries(
         keys = int(torch.searchsorted(key_pos, group_pos[-1], right=True))
         visible = position_mask(group_pos, key_pos[:keys], sliding_window=sliding_window)
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        if key_bias is not None:
+            mask += key_bias[:keys].to(dtype)
         spans.append(slice(start, stop))
         n_keys.append(keys)
         masks.append(mask.masked_fill_(~visible, float("-inf")).repeat(heads_per_key, 1))
@@ -360,6 +372,84 @@ class _Pass:
     attention: torch.Tensor | None  # [L, T] the question's attention per layer, if recorded
 
 
+@dataclass(frozen=True)
+class _Stale:
+    """How the cached chunk KV that was not recomputed is read (``BlendSettings``'
+    ``stale_bias`` and ``stale_key_scale``): ``spans`` are the cached chunks' slots."""
+
+    spans: tuple[slice, ...] = ()
+    key_scale: float = 1.0
+    bias: torch.Tensor | None = None  # [T] added to every active query's logits
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """Who attends how in one pass, built once and used by every layer (``_attend_layer``)."""
+
+    positions: torch.Tensor  # [T] key positions (slot = position)
+    active: torch.Tensor  # [S] the computed slots
+    grouped: int  # the active queries before the recorded question (all when none is)
+    question_length: int  # the last that many active tokens' attention is recorded
+    everything: bool  # every slot is active: plain causal prefill
+    groups: QueryGroups | None
+    last_query: QueryGroups
+    window: int | None
+    bias: torch.Tensor | None
+    layer: int  # the first layer of this plan's window (``Transformer.mask``)
+
+
+def _attention_plan(model, cache, active, num_tokens, question_length, bias, layer) -> _Attention:
+    """Layer ``layer``'s plan; every layer with the same sliding window shares it."""
+    config, positions = model.config, torch.arange(num_tokens, device=model.device)
+    window, dtype = config.window(layer), cache.k.dtype
+    heads_per_key = config.n_heads // config.n_kv_heads
+    grouped = active.numel() - question_length
+    everything = active.numel() == num_tokens
+
+    def groups_of(queries: torch.Tensor) -> QueryGroups:
+        return group_queries(queries, positions, heads_per_key, window, dtype=dtype, key_bias=bias)
+
+    groups = groups_of(active[:grouped]) if grouped and not everything else None
+    return _Attention(positions, active, grouped, question_length, everything, groups,
+                      groups_of(active[-1:]), window, bias, layer)  # fmt: skip
+
+
+def _attend_layer(model, plan: _Attention, q, k_layer, v_layer, last: bool):
+    """One layer's attention output ``[1, H, S', D]`` for the active queries (only the last
+    one's in the last layer) and, when the question is recorded, its weights ``[T]``."""
+    if plan.question_length:
+        out, weights = attend_and_weigh(
+            q[0, :, plan.grouped :], k_layer[0], v_layer[0], plan.active[plan.grouped :],
+            plan.positions, plan.window, plan.bias,
+        )  # fmt: skip
+        if plan.groups is not None and not last:
+            before = attend_grouped(q[:, :, : plan.grouped], k_layer, v_layer, plan.groups)
+            return torch.cat([before, out[None]], 2), weights
+        return out[None], weights
+    if last:
+        return attend_grouped(q[:, :, -1:], k_layer, v_layer, plan.last_query), None
+    if plan.everything:
+        mask = model.mask(plan.positions, plan.positions, layer=plan.layer)
+        return attend(q, k_layer, v_layer, mask), None
+    return attend_grouped(q, k_layer, v_layer, plan.groups), None
+
+
+def _place_sources(cache, i: int, sources, cos_all, sin_all, stale: _Stale) -> None:
+    """Layer ``i`` of every cached segment written into the cache, rotated to its place
+    (a cached prefix is already rotated); stale chunk keys scaled by ``stale.key_scale``."""
+    for seg in sources:
+        k, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE unless a rotated prefix
+        span = slice(seg.start, seg.stop)
+        if seg.kind == "prefix":
+            cache.k[i, 0, :, span] = k
+        else:
+            rotate_into(cache.k[i, 0, :, span], k, cos_all[span], sin_all[span])
+        cache.v[i, 0, :, span] = v
+    if stale.key_scale != 1.0:
+        for span in stale.spans:
+            cache.k[i, 0, :, span] *= stale.key_scale
+
+
 @torch.no_grad()
 def _run_pass(
     model: Transformer,
@@ -369,70 +459,38 @@ def _run_pass(
     *,
     sources: Sequence[Segment] = (),
     question_length: int = 0,
+    stale: _Stale = _Stale(),
 ) -> _Pass:
     """Compute the ``active`` slots (sorted; the last one is the prompt's last token) through
     every layer. ``sources``' cached KV is written into the cache (rotated to its place) as each
     layer begins, so ``.layer(i)`` is read once per layer in order and a loader may prefetch
     the next one meanwhile. With ``question_length``, the attention of the last that many
     active tokens (the question) is recorded per layer."""
-    device, config = model.device, model.config
-    num_tokens = token_ids.numel()
-    positions = torch.arange(num_tokens, device=device)  # [T] (slot = position)
-    ropes = model.ropes(positions)  # per layer: cos, sin [T, R]
+    num_tokens, config = token_ids.numel(), model.config
+    ropes = model.ropes(torch.arange(num_tokens, device=model.device))  # per layer: [T, R] x2
     x = model.embed(token_ids[active])[None]  # x: [1, S, dim]
-    everything = active.numel() == num_tokens  # plain causal prefill
-    # The queries attended in groups: the active tokens before the recorded question (all of
-    # them when none is recorded). After the last layer only the last token's output counts.
-    grouped = active.numel() - question_length
-    dtype, heads_per_key = cache.k.dtype, config.n_heads // config.n_kv_heads
-    plans: dict = {}  # per sliding window (Gemma 3 has two): (groups, last_query)
+    plans: dict[int | None, _Attention] = {}  # per sliding window (Gemma 3 has two)
     attention = []
     for i, layer in enumerate(model.layers):
         cos_all, sin_all = ropes[i]
         cos_a, sin_a = cos_all[active][None], sin_all[active][None]  # [1, S, R]
         window = config.window(i)
         if window not in plans:
-            groups = None
-            if grouped and not everything:
-                groups = group_queries(
-                    active[:grouped], positions, heads_per_key, window, dtype=dtype
-                )
-            plans[window] = (
-                groups,
-                group_queries(active[-1:], positions, heads_per_key, window, dtype=dtype),
+            plans[window] = _attention_plan(
+                model, cache, active, num_tokens, question_length, stale.bias, i
             )
-        groups, last_query = plans[window]
-        for seg in sources:
-            k, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE unless a rotated prefix
-            span = slice(seg.start, seg.stop)
-            if seg.kind == "prefix":
-                cache.k[i, 0, :, span] = k
-            else:
-                rotate_into(cache.k[i, 0, :, span], k, cos_all[span], sin_all[span])
-            cache.v[i, 0, :, span] = v
+        plan = plans[window]
+        _place_sources(cache, i, sources, cos_all, sin_all, stale)
         q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
         k_rot = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
-        cache.k[i, 0, :, active] = k_rot.to(dtype)  # index_put does not convert
-        cache.v[i, 0, :, active] = v[0].to(dtype)
+        cache.k[i, 0, :, active] = k_rot.to(cache.k.dtype)  # index_put does not convert
+        cache.v[i, 0, :, active] = v[0].to(cache.v.dtype)
         k_layer, v_layer = cache.k[i, :, :, :num_tokens], cache.v[i, :, :, :num_tokens]
         last = i == config.n_layers - 1
-        if question_length:  # the question's attention is recorded as it is computed
-            out, weights = attend_and_weigh(
-                q[0, :, grouped:], k_layer[0], v_layer[0], active[grouped:], positions, window
-            )
+        out, weights = _attend_layer(model, plan, q, k_layer, v_layer, last)
+        if weights is not None:
             attention.append(weights)
-            out = out[None]  # [1, H, S_question, D]
-            if groups is not None and not last:
-                out = torch.cat(
-                    [attend_grouped(q[:, :, :grouped], k_layer, v_layer, groups), out], 2
-                )
-        elif last:
-            out = attend_grouped(q[:, :, -1:], k_layer, v_layer, last_query)
-        elif everything:
-            out = attend(q, k_layer, v_layer, model.mask(positions, positions, layer=i))
-        else:
-            out = attend_grouped(q, k_layer, v_layer, groups)
-        if last:
+        if last:  # after the last layer only the last token's output counts
             x, out = x[:, -1:], out[:, :, -1:]
         x = layer.finish(x, out)
     return _Pass(model.logits(x[0, -1]), torch.stack(attention) if attention else None)
@@ -529,40 +587,115 @@ def blend_prefill(
         computed |= candidate
         budget = 0
     select_by_attention = budget > 0 and recompute_slots is None
+    stale = _stale_reading(segments, candidate & ~computed, settings)
 
     # Pass 1: what is not cached (the question, misses; everything in full), over the cache.
     sources = [seg for seg in segments if seg.source is not None]
     first = _run_pass(
-        model,
-        cache,
-        token_ids,
-        computed.nonzero().squeeze(1),
-        sources=sources,
-        question_length=len(question_ids) if select_by_attention else 0,
-    )
-    recomputed_per_layer = [int(computed.sum())] * config.n_layers
+        model, cache, token_ids, computed.nonzero().squeeze(1), sources=sources,
+        question_length=len(question_ids) if select_by_attention else 0, stale=stale,
+    )  # fmt: skip
+    per_layer = int(computed.sum())
     if not budget:
         recomputed = int((computed & candidate).sum()) if mode == "blend" else 0
         share = recomputed / max(1, total_chunk_tokens)
-        return BlendResult(first.logits, cache, num_tokens, recomputed_per_layer, share)
+        return BlendResult(first.logits, cache, num_tokens, [per_layer] * config.n_layers, share)
 
-    # Pass 2: the selected chunk tokens and the question again, from layer 0 on.
-    if select_by_attention:
-        importance = attention_importance(first.attention, candidate, settings.attention_from_depth)
-        scores = smooth_scores(importance, settings.smooth_window)
-        selected = select_recompute(scores, candidate, budget)
-    else:
-        selected = torch.as_tensor(list(recompute_slots), device=device).sort().values
-    again = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    again[selected] = True
-    again[segments[-1].start :] = True
-    second = _run_pass(model, cache, token_ids, again.nonzero().squeeze(1))
-    recomputed_per_layer = [n + int(again.sum()) for n in recomputed_per_layer]
+    # Then the selected chunk tokens and the question again, from layer 0 on, in rounds.
+    rounds = _Rounds(segments, candidate, budget, len(question_ids), settings, stale)
+    if recompute_slots is not None:
+        rounds = rounds.fixed(torch.as_tensor(list(recompute_slots), device=device))
+    logits, selected, passes = _recompute(model, cache, token_ids, rounds, first.attention)
     return BlendResult(
-        second.logits,
+        logits,
         cache,
         num_tokens,
-        recomputed_per_layer,
+        [per_layer + passes] * config.n_layers,
         selected.numel() / max(1, total_chunk_tokens),
         first.attention,
     )
+
+
+def _stale_reading(segments: list[Segment], stale: torch.Tensor, settings: BlendSettings) -> _Stale:
+    """How the stale cached chunk KV (``stale [T]``) is read in the first pass."""
+    spans = tuple(
+        slice(seg.start, seg.stop)
+        for seg in segments
+        if seg.kind == "chunk" and bool(stale[seg.start : seg.stop].any())
+    )
+    bias = stale.float() * settings.stale_bias if settings.stale_bias else None
+    return _Stale(spans, settings.stale_key_scale, bias)
+
+
+@dataclass
+class _Rounds:
+    """What the recompute passes select from: the candidates, the budget over the rounds,
+    the tokens every first round takes (``chunk_starts``), or a fixed set."""
+
+    segments: list[Segment]
+    candidate: torch.Tensor  # [T] bool
+    budget: int
+    question_length: int
+    settings: BlendSettings
+    stale: _Stale
+    slots: torch.Tensor | None = None
+
+    def fixed(self, slots: torch.Tensor) -> _Rounds:
+        return dataclasses.replace(self, slots=slots.sort().values)
+
+    def counts(self) -> list[int]:
+        """Tokens selected per round (``round_budgets``)."""
+        if self.slots is not None:
+            return [self.slots.numel()]
+        return round_budgets(self.budget, self.settings.rounds, self.settings.first_round_share)
+
+    def forced(self) -> torch.Tensor:
+        """``[T]`` bool: the first ``chunk_starts`` tokens of every candidate chunk."""
+        forced = torch.zeros_like(self.candidate)
+        for seg in (s for s in self.segments if s.kind == "chunk"):
+            forced[seg.start : seg.start + self.settings.chunk_starts] = True
+        return forced & self.candidate
+
+
+def round_budgets(budget: int, rounds: int, first_share: float) -> list[int]:
+    """The budget cut over ``rounds`` selection rounds: ``first_share`` of it in the first,
+    the rest evenly; every count at least 1 while the budget lasts."""
+    if rounds < 1 or not 0.0 < first_share <= 1.0:
+        raise ValueError(f"rounds >= 1 and 0 < first_share <= 1; got {rounds}, {first_share}")
+    if rounds == 1 or budget <= 1:
+        return [budget]
+    first = max(1, min(budget - 1, round(budget * first_share)))
+    rest = budget - first
+    later = [rest * (r + 1) // (rounds - 1) - rest * r // (rounds - 1) for r in range(rounds - 1)]
+    return [first, *(n for n in later if n > 0)]
+
+
+def _recompute(model, cache, token_ids, rounds: _Rounds, attention):
+    """The recompute passes: each round selects by the question's attention in the pass
+    before it (``attention [L, T]``) among the candidates not yet recomputed, then computes
+    those tokens and the question from layer 0 on. Returns the last logits, every selected
+    slot, and the tokens computed per layer in all."""
+    num_tokens, settings = token_ids.numel(), rounds.settings
+    chosen = torch.zeros_like(rounds.candidate)
+    counts, forced, computed = rounds.counts(), rounds.forced(), 0
+    for index, count in enumerate(counts):
+        if rounds.slots is not None:
+            new = rounds.slots
+        else:
+            left = rounds.candidate & ~chosen
+            scores = attention_importance(attention, left, settings.attention_from_depth)
+            scores = smooth_scores(scores, settings.smooth_window)
+            if index == 0:
+                scores = scores.masked_fill(forced, float("inf"))
+            new = select_recompute(scores, left, count)
+        chosen[new] = True
+        again = torch.zeros_like(chosen)
+        again[new] = True
+        again[num_tokens - rounds.question_length :] = True
+        recorded = rounds.question_length if index < len(counts) - 1 else 0
+        bias = rounds.stale.bias
+        stale = _Stale(bias=None if bias is None else bias * ~chosen)
+        step = _run_pass(model, cache, token_ids, again.nonzero().squeeze(1),
+                         question_length=recorded, stale=stale)  # fmt: skip
+        attention, computed = step.attention, computed + int(again.sum())
+    return step.logits, chosen.nonzero().squeeze(1), computed

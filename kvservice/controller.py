@@ -62,20 +62,73 @@ def choose_ratio(
     recompute_token_layers_per_s: float | None,
     r_min: float = R_MIN_DEFAULT,
     fixed_ratio: float | None = None,
+    target_ratio: float | None = None,
 ) -> RatioDecision:
     """The recompute ratio for one request, and the cheapest tier that would hide loading.
 
     ``load_bytes_by_tier``: bytes of layer KV each tier must deliver for this request;
     ``tier_bandwidth``: measured read bandwidth in bytes/s (None or absent: not measured).
+    ``target_ratio``: the lowest ratio the measured curve says reaches the operator's
+    fidelity target (``kvservice.curve.ratio_for_target``); it is the floor in ``r_min``'s
+    place, which loading may raise (recomputing while the load runs is free) but not lower.
     """
-    if not 0.0 <= r_min <= 1.0:
-        raise ValueError(f"r_min must be in [0, 1], got {r_min}")
-    if fixed_ratio is not None and not 0.0 <= fixed_ratio <= 1.0:
-        raise ValueError(f"fixed ratio must be in [0, 1], got {fixed_ratio}")
+    limits = (("r_min", r_min), ("fixed ratio", fixed_ratio), ("target ratio", target_ratio))
+    for name, value in limits:
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
     token_layers = num_tokens * num_layers
     throughput = recompute_token_layers_per_s if recompute_token_layers_per_s else None
     full_recompute_s = token_layers / throughput if throughput and token_layers else None
+    load_by_tier, unmeasured = _load_seconds(load_bytes_by_tier, tier_bandwidth)
+    load_s = max(load_by_tier.values(), default=0.0) if not unmeasured else None
+    floor = _Floor(target_ratio, "target") if target_ratio is not None else _Floor(r_min, "r_min")
+    why: dict[str, Any] = {
+        "num_tokens": num_tokens,
+        "num_layers": num_layers,
+        "r_min": r_min,
+        "target_ratio": target_ratio,
+        "recompute_token_layers_per_s": throughput,
+        "full_recompute_s": full_recompute_s,
+        "load_s_by_tier": load_by_tier,
+        "unmeasured_tiers": unmeasured,
+    }
+    break_even = load_s / full_recompute_s if load_s is not None and full_recompute_s else None
+    why["break_even_ratio"] = break_even
+    if fixed_ratio is not None:
+        ratio, source = fixed_ratio, "admin"
+        why["rule"] = f"admin fixed the ratio at {fixed_ratio:.3f}"
+    else:
+        ratio, source, why["rule"] = _ratio_rule(
+            floor, break_even, load_s, full_recompute_s, unmeasured
+        )
+    total_bytes = sum(max(0, b) for b in load_bytes_by_tier.values())
+    hide_at = fixed_ratio if fixed_ratio is not None else floor.ratio
+    hidden_tier = _cheapest_hidden_tier(hide_at, full_recompute_s, total_bytes, tier_bandwidth, why)
+    recompute_s = ratio * full_recompute_s if full_recompute_s is not None else None
+    return RatioDecision(
+        recompute_ratio=min(1.0, max(0.0, ratio)), source=source, load_s_estimate=load_s,
+        recompute_s_estimate=recompute_s, cheapest_hidden_tier=hidden_tier, why=why,
+    )  # fmt: skip
 
+
+@dataclass(frozen=True)
+class _Floor:
+    """The least ratio a request gets before loading is weighed: r_min, or the ratio of the
+    operator's fidelity target (``source`` "target")."""
+
+    ratio: float
+    source: str
+
+    @property
+    def named(self) -> str:
+        return "r_min" if self.source == "r_min" else "the fidelity target's ratio"
+
+
+def _load_seconds(
+    load_bytes_by_tier: Mapping[str, int], tier_bandwidth: Mapping[str, float | None]
+) -> tuple[dict[str, float], list[str]]:
+    """Seconds each tier takes to deliver its bytes, and the tiers with bytes to deliver whose
+    bandwidth is not measured."""
     load_by_tier: dict[str, float] = {}
     unmeasured = []
     for tier, nbytes in load_bytes_by_tier.items():
@@ -86,71 +139,54 @@ def choose_ratio(
             load_by_tier[tier] = nbytes / bandwidth
         else:
             unmeasured.append(tier)
-    load_s = max(load_by_tier.values(), default=0.0) if not unmeasured else None
-    total_bytes = sum(max(0, b) for b in load_bytes_by_tier.values())
+    return load_by_tier, unmeasured
 
-    why: dict[str, Any] = {
-        "num_tokens": num_tokens,
-        "num_layers": num_layers,
-        "r_min": r_min,
-        "recompute_token_layers_per_s": throughput,
-        "full_recompute_s": full_recompute_s,
-        "load_s_by_tier": load_by_tier,
-        "unmeasured_tiers": unmeasured,
-    }
 
-    # the ratio
-    break_even = load_s / full_recompute_s if load_s is not None and full_recompute_s else None
-    why["break_even_ratio"] = break_even
-    if fixed_ratio is not None:
-        ratio, source = fixed_ratio, "admin"
-        why["rule"] = f"admin fixed the ratio at {fixed_ratio:.3f}"
-    elif break_even is None:
-        ratio, source = r_min, "r_min"
+def _ratio_rule(floor: _Floor, break_even, load_s, full_recompute_s, unmeasured):
+    """(ratio, source, rule): the floor, raised to the break-even ratio where loading takes
+    longer than recomputing the floor's share of the tokens."""
+    if break_even is None:
         missing = (
             "recompute throughput" if full_recompute_s is None else f"bandwidth of {unmeasured}"
         )
-        why["rule"] = f"no measurement of {missing} yet: r_min"
-    elif break_even <= r_min:
-        ratio, source = r_min, "r_min"
-        why["rule"] = (
-            f"loading ({load_s:.4f} s) hides behind recomputing r_min of the tokens "
-            f"({r_min * full_recompute_s:.4f} s): r = r_min"
+        return floor.ratio, floor.source, f"no measurement of {missing} yet: {floor.named}"
+    if break_even <= floor.ratio:
+        rule = (
+            f"loading ({load_s:.4f} s) hides behind recomputing {floor.named} of the tokens "
+            f"({floor.ratio * full_recompute_s:.4f} s): r = {floor.named} ({floor.ratio:.3f})"
         )
-    elif break_even < 1.0:
-        ratio, source = break_even, "auto"
-        why["rule"] = (
+        return floor.ratio, floor.source, rule
+    if break_even < 1.0:
+        rule = (
             f"loading takes {load_s:.4f} s; recomputing {break_even:.1%} of the tokens takes "
             "as long, so that extra recompute is free"
         )
-    else:
-        ratio, source = 1.0, "auto"
-        why["rule"] = (
-            f"loading ({load_s:.4f} s) is slower than recomputing every token "
-            f"({full_recompute_s:.4f} s): full recompute"
-        )
+        return break_even, "auto", rule
+    rule = (
+        f"loading ({load_s:.4f} s) is slower than recomputing every token "
+        f"({full_recompute_s:.4f} s): full recompute"
+    )
+    return 1.0, "auto", rule
 
-    # the cheapest tier that keeps loading hidden at the target ratio
-    target = fixed_ratio if fixed_ratio is not None else r_min
-    hidden_tier = None
-    if full_recompute_s is not None:
-        budget_s = target * full_recompute_s
-        why["hide_budget_s"] = budget_s
-        verdicts = {}
-        for tier in TIER_COST_ORDER:
-            bandwidth = tier_bandwidth.get(tier)
-            if not bandwidth:
-                continue
-            tier_load_s = total_bytes / bandwidth
-            verdicts[tier] = {"load_s": tier_load_s, "hidden": tier_load_s <= budget_s}
-            if hidden_tier is None and tier_load_s <= budget_s:
-                hidden_tier = tier
-        why["tiers"] = verdicts
-    recompute_s = ratio * full_recompute_s if full_recompute_s is not None else None
-    return RatioDecision(
-        recompute_ratio=min(1.0, max(0.0, ratio)), source=source, load_s_estimate=load_s,
-        recompute_s_estimate=recompute_s, cheapest_hidden_tier=hidden_tier, why=why,
-    )  # fmt: skip
+
+def _cheapest_hidden_tier(target, full_recompute_s, total_bytes, tier_bandwidth, why) -> str | None:
+    """The cheapest tier whose load of ``total_bytes`` hides behind recomputing ``target``
+    of the tokens; each measured tier's verdict goes into ``why``."""
+    if full_recompute_s is None:
+        return None
+    budget_s = target * full_recompute_s
+    why["hide_budget_s"] = budget_s
+    verdicts, hidden_tier = {}, None
+    for tier in TIER_COST_ORDER:
+        bandwidth = tier_bandwidth.get(tier)
+        if not bandwidth:
+            continue
+        tier_load_s = total_bytes / bandwidth
+        verdicts[tier] = {"load_s": tier_load_s, "hidden": tier_load_s <= budget_s}
+        if hidden_tier is None and tier_load_s <= budget_s:
+            hidden_tier = tier
+    why["tiers"] = verdicts
+    return hidden_tier
 
 
 @dataclass(frozen=True)
@@ -314,15 +350,16 @@ class LoadingController:
         self.observe_tier_bandwidths({t.name: t.read_bandwidth_bytes_per_s for t in tier_stats})
 
     def choose(
-        self, *, num_tokens: int, num_layers: int, load_bytes_by_tier: Mapping[str, int]
-    ) -> RatioDecision:
+        self, *, num_tokens: int, num_layers: int, load_bytes_by_tier: Mapping[str, int],
+        target_ratio: float | None = None,
+    ) -> RatioDecision:  # fmt: skip
         with self._lock:
             bandwidth = dict(self.tier_bandwidth)
             throughput = self.recompute_token_layers_per_s
         decision = choose_ratio(
             num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes_by_tier,
             tier_bandwidth=bandwidth, recompute_token_layers_per_s=throughput, r_min=self.r_min,
-            fixed_ratio=self.fixed_ratio,
+            fixed_ratio=self.fixed_ratio, target_ratio=target_ratio,
         )  # fmt: skip
         self.last_decision = decision
         return decision

@@ -6,10 +6,16 @@ with its TTFT relative to full and its teacher-forced KL to full. ``--plot`` dra
 :func:`ratio_curve_svg`; the staff dashboard draws the same points from the JSON
 (:func:`load_curve`; :func:`bench_command` says how to measure it). Plain Python and the
 standard library: no Django, no plotting library.
+
+The curve also answers "which ratio for this fidelity": :func:`ratio_for_target` gives the
+lowest recompute ratio whose interpolated mean KL to full is at most a target (the dashboard's
+fidelity target), and :func:`predict` what the curve expects of a ratio (the fidelity audit's
+prediction beside what it measured).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -46,6 +52,56 @@ def load_curve(path: str | Path) -> list[dict] | None:
     if not isinstance(curve, list) or not all(isinstance(point, dict) for point in curve):
         raise ValueError(f"{path}: 'curve' is not a list of points")
     return curve
+
+
+def _by_ratio(points: list[dict], field: str) -> list[tuple[float, float]]:
+    """(ratio, value) of the points that have both, by ratio; one value per ratio."""
+    pairs = {}
+    for point in points:
+        ratio, value = point.get("ratio"), point.get(field)
+        if isinstance(ratio, int | float) and isinstance(value, int | float):
+            pairs.setdefault(float(ratio), float(value))
+    return sorted(pairs.items())
+
+
+def _interpolate(pairs: list[tuple[float, float]], ratio: float) -> float | None:
+    """The piecewise-linear value at ``ratio`` (the nearest end outside the measured span)."""
+    if not pairs:
+        return None
+    if ratio <= pairs[0][0]:
+        return pairs[0][1]
+    for (r0, v0), (r1, v1) in itertools.pairwise(pairs):
+        if ratio <= r1:
+            return v0 + (v1 - v0) * (ratio - r0) / (r1 - r0)
+    return pairs[-1][1]
+
+
+def predict(points: list[dict], ratio: float) -> dict[str, float | None]:
+    """What the curve expects at ``ratio``: the mean teacher-forced KL to full
+    (``tf_kl_mean``) and the token F1 of the greedy answer against full's (``fidelity_f1``),
+    each interpolated between the measured ratios; None where the curve lacks the field."""
+    return {
+        field: _interpolate(_by_ratio(points, field), ratio)
+        for field in ("tf_kl_mean", "fidelity_f1")
+    }
+
+
+def ratio_for_target(points: list[dict], max_kl: float) -> float | None:
+    """The lowest recompute ratio at which the curve's mean KL to full, interpolated between
+    the measured ratios, is at most ``max_kl``; None when no point of the curve reaches it
+    (a curve without full). Walking up from the lowest ratio, the first point at or under the
+    target ends the search, interpolated from the point before it."""
+    if max_kl < 0:
+        raise ValueError(f"a KL target is not negative, got {max_kl}")
+    pairs = _by_ratio(points, "tf_kl_mean")
+    for index, (ratio, kl) in enumerate(pairs):
+        if kl > max_kl:
+            continue
+        if index == 0:
+            return ratio
+        r0, kl0 = pairs[index - 1]
+        return r0 + (ratio - r0) * (kl0 - max_kl) / (kl0 - kl)
+    return None
 
 
 def _nice_max(value: float) -> float:

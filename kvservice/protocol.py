@@ -67,6 +67,9 @@ class GenerateRequest:
     history: list[Turn] = field(default_factory=list)
     message_id: int | None = None
     recompute_ratio: float | None = None  # None: the controller (or the admin's fixed value)
+    # The least ratio the measured curve says reaches the operator's fidelity target: the
+    # controller's floor for this request in r_min's place (loading may raise it).
+    target_ratio: float | None = None
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0: greedy (a first answer); above: sampled (an answer again)
     top_p: float = 1.0

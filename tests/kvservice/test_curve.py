@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from kvservice.curve import load_curve, ratio_curve_svg
+from kvservice.curve import load_curve, predict, ratio_curve_svg, ratio_for_target
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -89,3 +89,24 @@ def test_load_curve_reads_the_bench_json(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError):
         load_curve(path)
+
+
+def test_ratio_for_target_interpolates_the_first_crossing():
+    # reuse 0.40, 0.05 -> 0.09, 0.15 -> 0.05, 0.4 -> 0.02, full 0
+    assert ratio_for_target(POINTS, 0.09) == pytest.approx(0.05)
+    assert ratio_for_target(POINTS, 0.07) == pytest.approx(0.10)  # halfway from 0.09 to 0.05
+    assert ratio_for_target(POINTS, 0.5) == 0.0  # reuse already reaches it
+    assert ratio_for_target(POINTS, 0.0) == pytest.approx(1.0)  # only full
+    without_full = [p for p in POINTS if p["label"] != "full"]
+    assert ratio_for_target(without_full, 0.01) is None
+    with pytest.raises(ValueError, match="not negative"):
+        ratio_for_target(POINTS, -0.1)
+
+
+def test_predict_interpolates_kl_and_f1_and_says_none_without_the_field():
+    points = [dict(p, fidelity_f1=1.0 - p["tf_kl_mean"]) for p in POINTS]
+    expected = predict(points, 0.10)
+    assert expected["tf_kl_mean"] == pytest.approx(0.07)
+    assert expected["fidelity_f1"] == pytest.approx(0.93)
+    assert predict(points, 2.0)["tf_kl_mean"] == 0.0  # past the last point: its value
+    assert predict(POINTS, 0.10)["fidelity_f1"] is None

@@ -33,7 +33,7 @@ from webapp.chat.requests import (
     mode_allowed,
 )
 from webapp.chat.retrieval import has_ready_chunks, retrieve_chunks
-from webapp.dashboard.selectors import fixed_recompute_ratio
+from webapp.dashboard.selectors import fixed_recompute_ratio, target_ratio
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
 from webapp.documents.kv import kv_scope_for
@@ -183,7 +183,7 @@ def conversation_set_scope(
 def _send(answer: Message, question: str, history: list[Turn], citations: list[Citation]) -> None:
     request = generate_request(
         answer=answer, question=question, history=history, citations=citations,
-        mode=answer.mode, recompute_ratio=fixed_recompute_ratio(),
+        mode=answer.mode, recompute_ratio=fixed_recompute_ratio(), target_ratio=target_ratio(),
     )  # fmt: skip
     try:
         # To the worker that holds most of the chunks hot, or to whichever is free first.

@@ -18,6 +18,7 @@ class DashboardSettings(models.Model):
     class ControllerMode(models.TextChoices):
         AUTO = "auto", "Auto (the worker's loading controller decides)"
         FIXED = "fixed", "Fixed ratio"
+        TARGET = "target", "Fidelity target (the measured curve gives the ratio)"
 
     SINGLETON_PK = 1
 
@@ -26,6 +27,10 @@ class DashboardSettings(models.Model):
     )
     # Sent as GenerateRequest.recompute_ratio on every chat request while the mode is fixed.
     fixed_recompute_ratio = models.FloatField(null=True, blank=True, validators=UNIT_INTERVAL)
+    # While the mode is "target": the mean KL to full prefill answers may have at most; the
+    # measured ratio curve turns it into the least ratio, sent as GenerateRequest.target_ratio
+    # (the worker's controller may raise it where loading takes longer, never lower it).
+    fidelity_target = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.0)])
     # Share of finished blend answers re-run in full prefill to measure their fidelity.
     audit_sample_rate = models.FloatField(default=0.0, validators=UNIT_INTERVAL)
     updated_at = models.DateTimeField(auto_now=True)
@@ -49,15 +54,21 @@ class DashboardSettings(models.Model):
                 name="dashboard_fixed_ratio_0_1",
             ),
             models.CheckConstraint(
-                condition=models.Q(controller_mode="auto")
+                condition=~models.Q(controller_mode="fixed")
                 | models.Q(fixed_recompute_ratio__isnull=False),
                 name="dashboard_fixed_mode_has_ratio",
+            ),
+            models.CheckConstraint(
+                condition=~models.Q(controller_mode="target") | models.Q(fidelity_target__gte=0.0),
+                name="dashboard_target_mode_has_target",
             ),
         ]
 
     def __str__(self) -> str:
         if self.controller_mode == self.ControllerMode.FIXED:
             return f"fixed ratio {self.fixed_recompute_ratio:.3f}"
+        if self.controller_mode == self.ControllerMode.TARGET:
+            return f"fidelity target: mean KL to full <= {self.fidelity_target:g}"
         return "auto"
 
 

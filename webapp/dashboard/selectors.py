@@ -14,7 +14,7 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from kvservice.curve import bench_command, load_curve
+from kvservice.curve import bench_command, load_curve, ratio_for_target
 from kvservice.heartbeat import read_heartbeat
 from webapp.chat.models import Message
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
@@ -43,6 +43,30 @@ def fixed_recompute_ratio() -> float | None:
     if row is None or row[0] != DashboardSettings.ControllerMode.FIXED:
         return None
     return row[1]
+
+
+def fidelity_target() -> float | None:
+    """The operator's fidelity target (mean KL to full prefill at most this), or None while
+    the mode is not "target"."""
+    row = (
+        DashboardSettings.objects.filter(pk=DashboardSettings.SINGLETON_PK)
+        .values_list("controller_mode", "fidelity_target")
+        .first()
+    )
+    if row is None or row[0] != DashboardSettings.ControllerMode.TARGET:
+        return None
+    return row[1]
+
+
+def target_ratio(target: float | None = None) -> float | None:
+    """The least recompute ratio the measured curve (``ratio_curve``) says reaches the
+    fidelity target (the operator's unless ``target`` is given); None without a target or
+    without a readable curve, when the worker's controller decides as in auto."""
+    target = fidelity_target() if target is None else target
+    if target is None:
+        return None
+    points = ratio_curve()["points"]
+    return None if not points else ratio_for_target(points, target)
 
 
 def audit_sample_rate() -> float:

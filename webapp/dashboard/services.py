@@ -70,10 +70,23 @@ def _locked_settings() -> DashboardSettings:
     return DashboardSettings.objects.select_for_update().get(pk=DashboardSettings.SINGLETON_PK)
 
 
+def _parse_target(value: str | float | None) -> float:
+    """A fidelity target: a mean KL to full prefill, a number of at least 0 (0 is full)."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as err:
+        raise DashboardError("The fidelity target must be a mean KL, a number from 0 up.") from err
+    if not 0.0 <= number < float("inf"):
+        raise DashboardError(f"The fidelity target must be a mean KL from 0 up, got {number:g}.")
+    return number
+
+
 def controller_set(
-    *, mode: str, fixed_ratio: str | float | None = None, user=None
-) -> DashboardSettings:
-    """Auto, or a fixed recompute ratio that every chat request carries from now on."""
+    *, mode: str, fixed_ratio: str | float | None = None,
+    fidelity_target: str | float | None = None, user=None,
+) -> DashboardSettings:  # fmt: skip
+    """Auto, a fixed recompute ratio that every chat request carries from now on, or a
+    fidelity target that the measured curve turns into each request's least ratio."""
     if mode not in DashboardSettings.ControllerMode.values:
         raise DashboardError(f"Unknown controller mode {mode!r}.")
     with transaction.atomic():
@@ -81,6 +94,8 @@ def controller_set(
         row.controller_mode = mode
         if mode == DashboardSettings.ControllerMode.FIXED:
             row.fixed_recompute_ratio = _parse_unit(fixed_ratio, "The recompute ratio")
+        if mode == DashboardSettings.ControllerMode.TARGET:
+            row.fidelity_target = _parse_target(fidelity_target)
         row.updated_by = user
         row.save()
     return row

@@ -15,6 +15,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from kvservice.curve import predict
 from webapp import health
 from webapp.accounts.decorators import staff_required
 from webapp.dashboard import charts, selectors, services
@@ -41,6 +42,10 @@ def _metrics() -> dict[str, object]:
     recent = answers[-TIER_MIX_ANSWERS:]
     hourly = selectors.questions_per_hour(hours=24)
     audits = selectors.fidelity_audits(since=since)
+    points = selectors.ratio_curve()["points"] or []
+    for audit in audits:  # what the measured curve expected of the answer's ratio
+        ratio = audit.blend_recompute_ratio
+        audit.predicted = predict(points, ratio) if points and ratio is not None else {}
     scored = [a for a in audits if a.token_f1 is not None]
     return {
         "summary": selectors.metrics_summary(answers),
@@ -84,7 +89,8 @@ def _metrics() -> dict[str, object]:
 def _ratio_curve() -> dict[str, object]:
     curve = selectors.ratio_curve()
     chart = None if curve["points"] is None else charts.ratio_curve(curve["points"])
-    return {"ratio_curve": curve, "ratio_curve_chart": chart}
+    target = selectors.target_ratio()  # the ratio the operator's fidelity target asks for
+    return {"ratio_curve": curve, "ratio_curve_chart": chart, "target_ratio": target}
 
 
 def _live_context() -> dict[str, object]:
@@ -129,10 +135,19 @@ def controller(request: HttpRequest) -> HttpResponse:
         row = services.controller_set(
             mode=request.POST.get("mode", ""),
             fixed_ratio=request.POST.get("fixed_ratio"),
+            fidelity_target=request.POST.get("fidelity_target"),
             user=request.user,
         )
         if row.controller_mode == row.ControllerMode.FIXED:
             return f"Recompute ratio fixed at {row.fixed_recompute_ratio:g} from the next answer."
+        if row.controller_mode == row.ControllerMode.TARGET:
+            ratio = selectors.target_ratio(row.fidelity_target)
+            reach = (
+                "no measured curve yet: the loading controller decides"
+                if ratio is None
+                else f"the measured curve gives a ratio of at least {ratio:.3f}"
+            )
+            return f"Fidelity target: mean KL to full at most {row.fidelity_target:g}; {reach}."
         return "The loading controller chooses the recompute ratio again."
 
     return _apply(request, action)

@@ -6,6 +6,7 @@ extra); skipped, with the reason, where they are missing."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -149,3 +150,41 @@ def test_dashboard_with_the_real_workers_evict_warm_and_screenshot(
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / "dashboard-live.png"
     assert browser.save_screenshot(str(path)) and path.stat().st_size > 50_000
+
+
+def test_an_operator_sets_a_fidelity_target_and_sees_the_ratio_it_gives(
+    browser, live_server, staff, settings, tmp_path
+) -> None:
+    """The target is chosen in the controller form like a person would (radio, number, Save);
+    the page then says which ratio the measured curve gives it and the live panel shows it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.webapp.dashboard.test_target import CURVE
+    from webapp.dashboard import selectors
+
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"modes": {}, "curve": CURVE}))
+    settings.RATIO_CURVE_PATH = path
+    _log_in(browser, live_server, staff)
+    browser.get(f"{live_server.url}/dashboard/")
+    form = browser.find_element(By.ID, "controller-form")
+    form.find_element(By.CSS_SELECTOR, 'input[name="mode"][value="target"]').click()
+    target = form.find_element(By.CSS_SELECTOR, 'input[name="fidelity_target"]')
+    target.clear()
+    target.send_keys("0.04")
+    form.find_element(By.CSS_SELECTOR, 'button[type="submit"]').click()
+
+    saved = WebDriverWait(browser, 15).until(
+        lambda b: b.find_elements(By.CSS_SELECTOR, "ul.messages")
+    )
+    assert "at least 0.100" in saved[0].text
+    assert selectors.fidelity_target() == 0.04
+    assert selectors.target_ratio() == pytest.approx(0.1)
+    checked = browser.find_element(By.CSS_SELECTOR, 'input[name="mode"][value="target"]')
+    assert checked.is_selected()
+    assert "from r = 0.100" in browser.find_element(By.ID, "target-ratio").text
+    setting = browser.find_element(By.ID, "controller-setting").text
+    assert setting == "fidelity target: mean KL to full ≤ 0.0400"
+    ARTIFACTS.mkdir(exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "dashboard-target.png"))

@@ -1,0 +1,119 @@
+"""A fidelity target set on the dashboard: stored, turned into a ratio by the measured curve,
+sent with the next chat request as its least ratio, shown in the live panel; the fidelity
+audit shows what the curve predicted for each audited answer beside what was measured."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import redis
+from django.conf import settings as django_settings
+from django.test import TestCase
+from django.urls import reverse
+
+from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE
+from tests.webapp.chat.test_chat import PASSAGES, make_document
+from tests.webapp.dashboard.factories import make_answers
+from tests.webapp.dashboard.factories import make_document as make_dashboard_document
+from webapp.chat import services as chat
+from webapp.dashboard import selectors
+from webapp.dashboard.models import DashboardSettings, FidelityAudit
+
+pytestmark = pytest.mark.django_db
+
+
+def _point(label: str, ratio: float, kl: float, f1: float) -> dict:
+    return {"label": label, "ratio": ratio, "ttft_median_s": 1.0, "ttft_ratio_to_full": ratio,
+            "tf_kl_mean": kl, "tf_kl_median": kl, "tf_kl_ci95": [kl, kl], "tf_agreement": 1 - kl,
+            "tf_logprob_gap_mean": kl, "fidelity_f1": f1}  # fmt: skip
+
+
+CURVE = [
+    _point("reuse", 0.0, 0.09, 0.70),
+    _point("blend@0.05", 0.05, 0.05, 0.80),
+    _point("blend@0.15", 0.15, 0.03, 0.90),
+    _point("full", 1.0, 0.0, 1.0),
+]
+
+
+@pytest.fixture
+def curve(settings, tmp_path):
+    path = tmp_path / "ratio_curve.json"
+    path.write_text(json.dumps({"modes": {}, "curve": CURVE}))
+    settings.RATIO_CURVE_PATH = path
+    return path
+
+
+def test_a_fidelity_target_is_stored_and_the_curve_gives_its_ratio(staff_client, curve) -> None:
+    response = staff_client.post(
+        reverse("dashboard:controller"), {"mode": "target", "fidelity_target": "0.04"}, follow=True
+    )
+    page = response.content.decode()
+    assert "mean KL to full at most 0.04" in page and "at least 0.100" in page
+    assert selectors.fidelity_target() == pytest.approx(0.04)
+    assert selectors.target_ratio() == pytest.approx(0.10)  # halfway from 0.05 to 0.03
+    assert selectors.fixed_recompute_ratio() is None
+    assert str(DashboardSettings.objects.get()) == "fidelity target: mean KL to full <= 0.04"
+    live = staff_client.get(reverse("dashboard:index"), HTTP_HX_REQUEST="true").content.decode()
+    assert "fidelity target: mean KL to full ≤ 0.0400" in live
+
+    staff_client.post(reverse("dashboard:controller"), {"mode": "auto"})
+    assert selectors.fidelity_target() is None and selectors.target_ratio() is None
+
+
+@pytest.mark.parametrize("bad", ["-0.01", "abc", "", "inf"])
+def test_a_bad_target_is_refused_with_a_message(staff_client, bad) -> None:
+    response = staff_client.post(
+        reverse("dashboard:controller"), {"mode": "target", "fidelity_target": bad}, follow=True
+    )
+    assert "fidelity target must be a mean KL" in response.content.decode()
+    assert selectors.fidelity_target() is None
+
+
+def test_without_a_curve_the_target_leaves_the_ratio_to_the_controller(staff_client) -> None:
+    response = staff_client.post(
+        reverse("dashboard:controller"), {"mode": "target", "fidelity_target": "0.04"}, follow=True
+    )
+    assert "no measured curve yet" in response.content.decode()
+    assert selectors.fidelity_target() == pytest.approx(0.04) and selectors.target_ratio() is None
+
+
+def test_the_next_chat_request_carries_the_targets_ratio(alice, staff_client, curve) -> None:
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    client.delete(INFERENCE_QUEUE)
+    try:
+        staff_client.post(
+            reverse("dashboard:controller"), {"mode": "target", "fidelity_target": "0.05"}
+        )
+        make_document(alice, "space.md", [PASSAGES["space"]])
+        conversation = chat.conversation_create(owner=alice)
+        with TestCase.captureOnCommitCallbacks(execute=True):
+            chat.chat_ask(
+                user=alice, conversation=conversation, question="Which moon hides an ocean?"
+            )
+        sent = []
+        for raw in client.lrange(INFERENCE_QUEUE, 0, -1):
+            message = json.loads(raw)
+            if message["headers"]["task"] == GENERATE_TASK:
+                sent.append(json.loads(base64.b64decode(message["body"]))[0][0])
+    finally:
+        client.delete(INFERENCE_QUEUE)
+    assert len(sent) == 1
+    assert sent[0]["target_ratio"] == pytest.approx(0.05) and sent[0]["recompute_ratio"] is None
+
+
+def test_the_audit_shows_the_curves_prediction_beside_the_measured_f1(
+    staff_client, alice, curve
+) -> None:
+    document = make_dashboard_document(alice, "Rivers of Europe", chunks=2)
+    answer = next(a for a in make_answers(alice, document) if a.mode == "blend")
+    audit = FidelityAudit.objects.create(message=answer, blend_text="x", full_text="y",
+                                         token_f1=0.62, status="done", blend_recompute_ratio=0.10,
+                                         completed_at=answer.completed_at)  # fmt: skip
+    page = staff_client.get(reverse("dashboard:index")).content.decode()
+    row = page.split(f'id="audit-{audit.message_id}"')[1].split("</tr>")[0]
+    assert '<td class="predicted-kl">0.0400</td>' in row  # halfway from 0.05 to 0.03
+    assert '<td class="predicted-f1">0.850</td>' in row
+    assert '<td class="measured-f1">0.620</td>' in row
