@@ -537,6 +537,7 @@ def ratio_curve(modes: Mapping[str, dict], plan: Mapping[str, tuple[Mode, float]
                 "tf_kl_ci95": m["tf_kl_ci95"],
                 "tf_agreement": m["tf_agreement"],
                 "tf_logprob_gap_mean": m["tf_logprob_gap"],
+                "fidelity_f1": m["fidelity_f1"],  # the greedy answer's token F1 against full's
             }
         )
     return sorted(points, key=lambda point: point["ratio"])
