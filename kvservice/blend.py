@@ -38,7 +38,6 @@ itself where the resulting KV goes.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -572,48 +571,59 @@ def blend_prefill(
     cache = KVCache(config, 1, num_tokens + extra_capacity, device, model.cache_dtype, num_tokens)
     cache.reserve(torch.arange(num_tokens, device=device)[None])
 
+    plan = _plan(segments, head_ids, mode, recompute_ratio, recompute_slots, settings, device)
+    return _prefill(model, cache, token_ids, plan)
+
+
+def _plan(segments, head_ids, mode, ratio, recompute_slots, settings, device) -> _Plan:
+    """What blend computes: the slots not cached (pass 1), the candidates and the budget of
+    the recompute rounds after it."""
+    num_tokens = segments[-1].stop
     candidate = _candidates(segments, head_ids, num_tokens, device)
-    total_chunk_tokens = sum(s.length for s in segments if s.kind == "chunk")
-    n_candidates = int(candidate.sum())
-    budget = math.ceil(recompute_ratio * total_chunk_tokens - 1e-9)
-    if recompute_slots is not None:
-        budget = len(recompute_slots)
-    budget = min(budget, n_candidates) if mode == "blend" else 0
+    chunk_tokens = sum(s.length for s in segments if s.kind == "chunk")
+    slots = None if recompute_slots is None else len(recompute_slots)
+    budget = _budget(mode, ratio, chunk_tokens, int(candidate.sum()), slots)
     computed = torch.zeros(num_tokens, dtype=torch.bool, device=device)
     for seg in segments:
         if seg.source is None:
             computed[seg.start : seg.stop] = True
-    if budget == n_candidates and budget > 0:  # everything: one pass, as full
+    if budget and budget == int(candidate.sum()):  # everything: one pass, as full
         computed |= candidate
         budget = 0
-    select_by_attention = budget > 0 and recompute_slots is None
     stale = _stale_reading(segments, candidate & ~computed, settings)
+    plan = _Plan(segments, candidate, computed, budget, chunk_tokens, mode == "blend", settings,
+                 stale)  # fmt: skip
+    if recompute_slots is not None and budget:
+        plan.slots = torch.as_tensor(list(recompute_slots), device=device).sort().values
+    return plan
 
-    # Pass 1: what is not cached (the question, misses; everything in full), over the cache.
-    sources = [seg for seg in segments if seg.source is not None]
+
+def _prefill(model, cache, token_ids, plan: _Plan) -> BlendResult:
+    """Pass 1 (what is not cached: the question, misses; everything in full) over the cached
+    KV, then the recompute rounds (``_recompute``) when there is a budget."""
+    num_tokens, layers = token_ids.numel(), model.config.n_layers
+    question = plan.segments[-1].length
+    sources = [seg for seg in plan.segments if seg.source is not None]
     first = _run_pass(
-        model, cache, token_ids, computed.nonzero().squeeze(1), sources=sources,
-        question_length=len(question_ids) if select_by_attention else 0, stale=stale,
+        model, cache, token_ids, plan.computed.nonzero().squeeze(1), sources=sources,
+        question_length=question if plan.budget and plan.slots is None else 0, stale=plan.stale,
     )  # fmt: skip
-    per_layer = int(computed.sum())
-    if not budget:
-        recomputed = int((computed & candidate).sum()) if mode == "blend" else 0
-        share = recomputed / max(1, total_chunk_tokens)
-        return BlendResult(first.logits, cache, num_tokens, [per_layer] * config.n_layers, share)
+    per_layer = int(plan.computed.sum())
+    if not plan.budget:
+        recomputed = int((plan.computed & plan.candidate).sum()) if plan.blend else 0
+        share = recomputed / max(1, plan.chunk_tokens)
+        return BlendResult(first.logits, cache, num_tokens, [per_layer] * layers, share)
+    logits, selected, passes = _recompute(model, cache, token_ids, plan, first.attention)
+    share = selected.numel() / max(1, plan.chunk_tokens)
+    return BlendResult(logits, cache, num_tokens, [per_layer + passes] * layers, share,
+                       first.attention)  # fmt: skip
 
-    # Then the selected chunk tokens and the question again, from layer 0 on, in rounds.
-    rounds = _Rounds(segments, candidate, budget, len(question_ids), settings, stale)
-    if recompute_slots is not None:
-        rounds = rounds.fixed(torch.as_tensor(list(recompute_slots), device=device))
-    logits, selected, passes = _recompute(model, cache, token_ids, rounds, first.attention)
-    return BlendResult(
-        logits,
-        cache,
-        num_tokens,
-        [per_layer + passes] * config.n_layers,
-        selected.numel() / max(1, total_chunk_tokens),
-        first.attention,
-    )
+
+def _budget(mode: Mode, ratio: float, chunk_tokens: int, candidates: int, slots: int | None) -> int:
+    """How many chunk tokens blend recomputes: ``ceil(ratio * chunk tokens)``, or the fixed
+    slots' count, at most the candidates; 0 in the other modes."""
+    budget = math.ceil(ratio * chunk_tokens - 1e-9) if slots is None else slots
+    return min(budget, candidates) if mode == "blend" else 0
 
 
 def _stale_reading(segments: list[Segment], stale: torch.Tensor, settings: BlendSettings) -> _Stale:
@@ -628,20 +638,20 @@ def _stale_reading(segments: list[Segment], stale: torch.Tensor, settings: Blend
 
 
 @dataclass
-class _Rounds:
-    """What the recompute passes select from: the candidates, the budget over the rounds,
-    the tokens every first round takes (``chunk_starts``), or a fixed set."""
+class _Plan:
+    """What one prefill computes: ``computed`` slots in pass 1 (not cached), then ``budget``
+    of the ``candidate`` slots over the recompute rounds (``settings.rounds``; each first
+    round takes the ``chunk_starts``), or the fixed ``slots``."""
 
     segments: list[Segment]
     candidate: torch.Tensor  # [T] bool
+    computed: torch.Tensor  # [T] bool
     budget: int
-    question_length: int
+    chunk_tokens: int  # what the ratio is a share of
+    blend: bool  # the mode is blend
     settings: BlendSettings
     stale: _Stale
     slots: torch.Tensor | None = None
-
-    def fixed(self, slots: torch.Tensor) -> _Rounds:
-        return dataclasses.replace(self, slots=slots.sort().values)
 
     def counts(self) -> list[int]:
         """Tokens selected per round (``round_budgets``)."""
@@ -670,7 +680,7 @@ def round_budgets(budget: int, rounds: int, first_share: float) -> list[int]:
     return [first, *(n for n in later if n > 0)]
 
 
-def _recompute(model, cache, token_ids, rounds: _Rounds, attention):
+def _recompute(model, cache, token_ids, rounds: _Plan, attention):
     """The recompute passes: each round selects by the question's attention in the pass
     before it (``attention [L, T]``) among the candidates not yet recomputed, then computes
     those tokens and the question from layer 0 on. Returns the last logits, every selected
@@ -691,8 +701,9 @@ def _recompute(model, cache, token_ids, rounds: _Rounds, attention):
         chosen[new] = True
         again = torch.zeros_like(chosen)
         again[new] = True
-        again[num_tokens - rounds.question_length :] = True
-        recorded = rounds.question_length if index < len(counts) - 1 else 0
+        question = rounds.segments[-1].length
+        again[num_tokens - question :] = True
+        recorded = question if index < len(counts) - 1 else 0
         bias = rounds.stale.bias
         stale = _Stale(bias=None if bias is None else bias * ~chosen)
         step = _run_pass(model, cache, token_ids, again.nonzero().squeeze(1),

@@ -1,0 +1,76 @@
+"""The experiment settings of blend's selection (``BlendSettings``: rounds, chunk starts,
+a logit bias on stale keys), as pure functions and through ``blend_prefill``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvservice.blend import (
+    BlendSettings,
+    attend_and_weigh,
+    attend_grouped,
+    blend_prefill,
+    group_queries,
+    round_budgets,
+)
+from kvservice.model import attend, position_mask, precompute_chunks
+
+
+@pytest.fixture(scope="module")
+def tiny_blend(tiny_llama):
+    gen = torch.Generator().manual_seed(11)
+    head = torch.randint(0, 128, (5,), generator=gen).tolist()
+    chunk_ids = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (12, 17, 9, 14)]
+    question = torch.randint(0, 128, (6,), generator=gen).tolist()
+    return tiny_llama, head, precompute_chunks(tiny_llama, head, chunk_ids), chunk_ids, question
+
+
+def test_round_budgets_split_the_budget_and_refuse_nonsense():
+    assert round_budgets(100, 1, 0.5) == [100]
+    assert round_budgets(100, 2, 0.5) == [50, 50]
+    assert round_budgets(100, 3, 0.4) == [40, 30, 30]
+    assert round_budgets(7, 3, 0.5) == [4, 1, 2]
+    assert round_budgets(1, 3, 0.5) == [1]  # nothing left to split
+    assert sum(round_budgets(593, 4, 0.25)) == 593
+    with pytest.raises(ValueError, match="rounds"):
+        round_budgets(10, 0, 0.5)
+    with pytest.raises(ValueError, match="first_share"):
+        round_budgets(10, 2, 0.0)
+
+
+def test_a_key_bias_moves_attention_like_an_added_logit_in_both_attention_paths():
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(4, 3, 8, generator=gen)
+    k, v = torch.randn(2, 12, 8, generator=gen), torch.randn(2, 12, 8, generator=gen)
+    query_pos, key_pos = torch.tensor([9, 10, 11]), torch.arange(12)
+    bias = torch.zeros(12)
+    bias[2:6] = -1.0
+    mask = position_mask(query_pos, key_pos)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")) + bias
+    expected = attend(q[None], k[None], v[None], additive)[0]
+    out, weights = attend_and_weigh(q, k, v, query_pos, key_pos, key_bias=bias)
+    torch.testing.assert_close(out, expected)
+    _, plain = attend_and_weigh(q, k, v, query_pos, key_pos)
+    assert weights[2:6].sum() < plain[2:6].sum() and weights.sum().item() == pytest.approx(1.0)
+    groups = group_queries(query_pos, key_pos, heads_per_key=2, min_rows=2, key_bias=bias)
+    torch.testing.assert_close(attend_grouped(q[None], k[None], v[None], groups), expected[None])
+
+
+def test_rounds_chunk_starts_and_bias_recompute_the_budget_and_change_the_result(tiny_blend):
+    """Through blend_prefill on a tiny model: every setting recomputes the same budget of
+    candidates (chunk starts among them where asked), and a bias changes the logits."""
+    model, head, chunks, chunk_ids, question = tiny_blend
+    kwargs = dict(chunk_ids=chunk_ids, recompute_ratio=0.25)
+    plain = blend_prefill(model, head, chunks, question, **kwargs)
+    for settings in (BlendSettings(rounds=2), BlendSettings(rounds=3, first_round_share=0.2),
+                     BlendSettings(chunk_starts=2), BlendSettings(stale_bias=-0.5),
+                     BlendSettings(stale_key_scale=0.9)):  # fmt: skip
+        result = blend_prefill(model, head, chunks, question, settings=settings, **kwargs)
+        assert result.recompute_ratio_effective == pytest.approx(plain.recompute_ratio_effective)
+        assert result.recomputed_per_layer[0] >= plain.recomputed_per_layer[0]
+    biased = blend_prefill(model, head, chunks, question, settings=BlendSettings(stale_bias=-2.0),
+                           **kwargs)  # fmt: skip
+    assert not torch.allclose(biased.logits, plain.logits, atol=1e-4)
+    untouched = blend_prefill(model, head, chunks, question, settings=BlendSettings(), **kwargs)
+    torch.testing.assert_close(untouched.logits, plain.logits)
