@@ -43,8 +43,11 @@ from bench.prefill import chunk_sources
 from bench.staging import store_bench
 from bench.timing import cpu_name, synchronize, timed
 from kvservice.blend import BlendSettings, Mode, blend_prefill
+from kvservice.chunk import ChunkKV
 from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.synthetic import random_model, synthetic_config
+from kvservice.store.codec import codec_by_name
+from kvservice.store.format import encode_chunk
+from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 
 HEAD_TOKENS = 32  # the system prompt's stand-in, before the chunks
 QUESTION_TOKENS = 32
@@ -157,6 +160,7 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
     return {
         "synthetic": args.synthetic,
         "modes": modes,
+        "codecs": codec_report(chunks, model, args.synthetic),
         "memory": memory_report(model, baseline),
         "fidelity_note": FIDELITY_NOTE,
         "prompt": {
@@ -167,6 +171,31 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
             "question_tokens": len(question),
         },
     }
+
+
+def codec_report(chunks: list[ChunkKV], model: Transformer, name: str) -> dict:
+    """Per stored form (``fp16`` and the store's codec, ``KV_CODEC``): the objects' bytes a
+    token, those at the full model's depth (``--layers`` keeps fewer), and decoding's speed,
+    layer by layer as the loader does it, in GB/s of float16 KV on this device's threads."""
+    from bench.codec import decode_speed
+    from kvservice.store.config import StoreConfig
+
+    config = StoreConfig.from_env()
+    full_layers = SYNTHETIC_CONFIGS[name]["num_hidden_layers"]
+    tokens = sum(chunk.num_tokens for chunk in chunks)
+    report = {}
+    for codec_name in dict.fromkeys(["fp16", config.codec]):
+        codec = codec_by_name(codec_name)
+        objects = [
+            encode_chunk(chunk, codec=codec, narrow_to=config.narrow_to) for chunk in chunks
+        ]
+        per_token = sum(map(len, objects)) / tokens
+        report[codec_name] = {
+            "bytes_per_token": per_token,
+            "bytes_per_token_all_layers": per_token * full_layers / model.config.n_layers,
+            "decode_gb_per_s": decode_speed(objects, str(model.device)),
+        }
+    return report
 
 
 def memory_report(model: Transformer, baseline: int | None) -> dict:
@@ -252,6 +281,12 @@ def print_table(report: Mapping) -> None:
         print(
             f"memory: {memory['measure']}; weights {_gib(memory['weights_bytes'])} GiB, "
             f"allocated before the runs {_gib(memory['baseline_bytes'])} GiB"
+        )
+    for name, c in report.get("codecs", {}).items():
+        print(
+            f"stored as {name}: {c['bytes_per_token']:,.0f} B a token "
+            f"({c['bytes_per_token_all_layers']:,.0f} at every layer of {env['model']}), "
+            f"decoded at {c['decode_gb_per_s']:.2f} GB/s of fp16 KV"
         )
     print(FIDELITY_NOTE)
 

@@ -171,18 +171,19 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     prompt = example_prompt(fmt, example, args.passages)
     head_kv = precompute_head(model, prompt.head_ids)
     chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
+    texts = [text + fmt.chunk_separator for text in passage_texts(example, args.passages)]
     for tier in {args.tier, *args.run_tiers.values()}:  # before any timing
-        bench_of(args, tier).stage(chunks)
+        bench_of(args, tier).stage(chunks, texts=texts, head=fmt.head_text)
     # Room after the prompt for the longest greedy answer or teacher-forced answer (each is
     # rolled back before the next).
     extra = max(args.max_new_tokens, GAP_TOKENS)
     plan: dict[str, tuple[Mode, float]] = args.plan
 
-    def prefill(key: str, mode: Mode, ratio: float) -> BlendResult:
+    def prefill(key: str, mode: Mode, ratio: float, sources=None) -> BlendResult:
         result = blend_prefill(
             model,
             prompt.head_ids,
-            chunk_sources(chunks, args, mode, key, ratio),
+            chunk_sources(chunks, args, mode, key, ratio) if sources is None else sources,
             prompt.question_ids,
             mode=mode,
             recompute_ratio=ratio,
@@ -193,6 +194,14 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
         )
         int(result.logits.argmax())  # the first token: TTFT ends here
         return result
+
+    def blend_in_memory() -> tuple[float, int]:
+        """Blend with every chunk's KV in memory: what the loading controller prices blend's
+        compute by (``--s3-mbps``; not a result)."""
+        result, seconds = timed(
+            lambda: prefill("blend", "blend", args.ratio, list(chunks)), model.device
+        )
+        return seconds, sum(result.recomputed_per_layer)
 
     # Timed runs, the modes interleaved so that load from other processes hits all alike.
     ttft: dict[str, list[float]] = {key: [] for key in [*plan, "hf_full"]}
@@ -207,7 +216,8 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
             if key == "full" and len(ttft[key]) == 1:  # --s3-mbps: the link follows full
                 for tier in {args.tier, *args.run_tiers.values()}:
                     after_full(args, tier, prompt_tokens=len(prompt.token_ids),
-                               num_layers=model.config.n_layers, seconds=seconds)  # fmt: skip
+                               num_layers=model.config.n_layers, seconds=seconds,
+                               blend_in_memory=blend_in_memory)  # fmt: skip
         if hf_model is not None:
             _, seconds = timed(
                 lambda: int(hf_model(ids, logits_to_keep=1).logits[0, -1].argmax()), model.device
@@ -306,6 +316,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also run reuse/blend with the chunks starting in these tiers, interleaved with "
         "the --tier runs on the same prompts (keys blend[s3]); reports TTFT(tier)/TTFT(--tier)",
     )  # fmt: skip
+    parser.add_argument("--kdn-url", default=None, help="--tier kdn: a server (else one starts)")
+    parser.add_argument("--kdn-key", default=None, help="--tier kdn: an API key of that server")
     parser.add_argument("--no-pipeline", action="store_true", help="load all KV, then compute")
     parser.add_argument(
         "--s3-mbps", default=None, metavar="N|auto|4xauto",

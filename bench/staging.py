@@ -24,14 +24,14 @@ import logging
 import os
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.s3 import gateway_unless_configured
 from bench.throttle import ThrottlingProxy
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.controller import ChunkLoad, LoadPlan, choose_loads, choose_ratio
+from kvservice.controller import ChunkLoad, LoadingController, LoadPlan, choose_ratio
 from kvservice.store.config import StoreConfig
 from kvservice.store.disk import DiskTier
 from kvservice.store.keys import ChunkKey
@@ -42,7 +42,7 @@ from kvservice.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
-TIERS = ("cpu", "disk", "s3")
+TIERS = ("cpu", "disk", "s3", "kdn")  # kdn: through the knowledge delivery API (bench.kdn)
 
 
 def parse_link_rate(text: str) -> tuple[float | None, float | None]:
@@ -98,14 +98,15 @@ class StoreBench:
         self._pending: dict[str, list[LoadBatch]] = {}
         self._stats: dict[str, list[LoadStats]] = {}
         self._plans: dict[str, LoadPlan] = {}
-        self._recompute_rate: float | None = None  # token-layers/s of this example's full
+        self.controller = LoadingController(smoothing=1.0)  # this example's measurements
         self._question_tokens = 0
         self._num_layers = 0
 
-    def stage(self, chunks: Sequence[ChunkKV]) -> None:
-        """Put the example's chunks into the chosen tier, and nowhere else (not timed)."""
+    def stage(self, chunks: Sequence[ChunkKV], **_texts: Any) -> None:
+        """Put the example's chunks into the chosen tier, and nowhere else (not timed); the
+        passages' texts (``bench.kdn``'s stage) are not needed here."""
         self._pending, self._stats, self._plans = {}, {}, {}
-        self._recompute_rate = None
+        self.controller = LoadingController(smoothing=1.0)
         for key in self._keys.values():
             self.store.drop_local(key)
         self._keys, self._sizes = {}, {}
@@ -136,20 +137,32 @@ class StoreBench:
     ) -> None:  # fmt: skip
         """The example's full prefill took ``seconds``: the recompute throughput the per-chunk
         choice weighs loads against."""
-        self._recompute_rate = prompt_tokens * num_layers / seconds if seconds > 0 else None
+        self.controller.observe_recompute(
+            tokens=prompt_tokens, layers=num_layers, seconds=seconds
+        )  # fmt: skip
         self._question_tokens = max(0, prompt_tokens - self._chunk_tokens)
         self._num_layers = num_layers
+
+    def observe_blend(self, *, computed_token_layers: int, seconds: float) -> None:
+        """The example's blend took ``seconds`` with every chunk's KV in memory: what blend
+        costs per read token, beyond the tokens it computes (after :meth:`observe_full`)."""
+        self.controller.observe_blend(
+            read_token_layers=self._chunk_tokens * self._num_layers,
+            computed_token_layers=computed_token_layers, compute_s=seconds,
+        )  # fmt: skip
 
     def plan(self, chunks: Sequence[ChunkKV], ratio: float) -> LoadPlan | None:
         """The loading controller's per-chunk choice over the throttled link, or None where
         every chunk is read (no throttled link, ``load_all``, full not measured yet)."""
-        if self.proxy is None or self.load_all or self._recompute_rate is None:
+        if self.proxy is None or self.load_all:
             return None
-        return choose_loads(
+        if self.controller.recompute_token_layers_per_s is None:
+            return None
+        self.controller.observe_tier_bandwidths({"s3": self.proxy.mbps * 1e6})
+        return self.controller.choose_loads(
             chunks=[ChunkLoad(c.num_tokens, self._sizes[id(c)], "s3") for c in chunks],
             question_tokens=self._question_tokens, num_layers=self._num_layers,
-            tier_bandwidth={"s3": self.proxy.mbps * 1e6},
-            recompute_token_layers_per_s=self._recompute_rate, recompute_ratio=ratio,
+            recompute_ratio=ratio,
         )  # fmt: skip
 
     def sources(
@@ -251,7 +264,12 @@ UNTHROTTLED_MBPS = 1e6  # the link's rate under ``auto`` until the example's ful
 
 def bench_of(args: Any, tier: str) -> StoreBench:
     """The StoreBench of ``tier`` under the bench's flags: ``--no-pipeline``, ``--s3-mbps``
-    (``args.s3_link``, from :func:`parse_link_rate`), ``--load-all``."""
+    (``args.s3_link``, from :func:`parse_link_rate`), ``--load-all``; ``kdn``: the
+    knowledge delivery API's (``bench.kdn``, ``--kdn-url``/``--kdn-key``)."""
+    if tier == "kdn":
+        from bench.kdn import kdn_bench
+
+        return kdn_bench(args.kdn_url, args.kdn_key, getattr(args, "precision", None))
     mbps, scale = getattr(args, "s3_link", (None, None))
     if tier != "s3" or (mbps is None and scale is None):
         return store_bench(tier, not args.no_pipeline)
@@ -262,11 +280,14 @@ def bench_of(args: Any, tier: str) -> StoreBench:
 
 
 def after_full(
-    args: Any, tier: str, *, prompt_tokens: int, num_layers: int, seconds: float
-) -> None:
+    args: Any, tier: str, *, prompt_tokens: int, num_layers: int, seconds: float,
+    blend_in_memory: Callable[[], tuple[float, int]] | None = None,
+) -> None:  # fmt: skip
     """The example's full prefill took ``seconds``: under ``--s3-mbps auto`` the link is set
     to read the prompt's fp16 KV in as long (times the multiple), and the per-chunk choice
-    weighs loads against full's recompute throughput."""
+    weighs loads against full's recompute throughput and against blend's own cost per read
+    token, from ``blend_in_memory()`` (seconds and computed token-layers of a blend with
+    every chunk in memory; not counted in the results)."""
     bench = bench_of(args, tier)
     if bench.proxy is None:
         return
@@ -274,3 +295,6 @@ def after_full(
     if scale is not None:
         bench.set_link(scale * bench.fp16_bytes / seconds / 1e6)
     bench.observe_full(prompt_tokens=prompt_tokens, num_layers=num_layers, seconds=seconds)
+    if blend_in_memory is not None:
+        blend_s, computed = blend_in_memory()
+        bench.observe_blend(computed_token_layers=computed, seconds=blend_s)

@@ -223,14 +223,17 @@ def choose_loads(
     tier_bandwidth: Mapping[str, float | None],
     recompute_token_layers_per_s: float | None,
     recompute_ratio: float,
+    read_token_layer_s: float = 0.0,
 ) -> LoadPlan:
     """Which chunks to read and which to recompute whole, for the least estimated time.
 
     ``tier_bandwidth``: read bytes/s per tier (None or absent: not measured; such chunks are
     read, as nothing says they are slow); ``recompute_ratio``: the share of a read chunk's
-    tokens that blend recomputes. Time is estimated as
-    ``max(load_s, first_pass_s) + second_pass_s`` (the module's docstring); each tier's
-    reads share its link, tiers read in parallel."""
+    tokens that blend recomputes; ``read_token_layer_s``: what blend spends per read token
+    and layer beyond the tokens it computes (placing and rotating the cached KV, selecting,
+    attention over it; measured, :meth:`LoadingController.observe_blend`), counted in the
+    second pass. Time is estimated as ``max(load_s, first_pass_s) + second_pass_s`` (the
+    module's docstring); each tier's reads share its link, tiers read in parallel."""
     throughput = recompute_token_layers_per_s or None
     if throughput is None:
         return LoadPlan(
@@ -248,17 +251,19 @@ def choose_loads(
     def estimate(load: Sequence[bool]) -> tuple[float, float, float]:
         """(load_s, compute_s, total_s) of reading the chunks marked in ``load``."""
         link_s: dict[str, float] = {}
-        first, second = float(question_tokens), 0.0  # tokens of each pass
-        for chunk, read in zip(chunks, load, strict=True):
-            if read:
+        first, second, read = float(question_tokens), 0.0, 0  # tokens of each pass
+        for chunk, loaded in zip(chunks, load, strict=True):
+            if loaded:
                 link_s[chunk.tier] = link_s.get(chunk.tier, 0.0) + (seconds_to_load(chunk) or 0.0)
                 second += recompute_ratio * chunk.tokens
+                read += chunk.tokens
             else:
                 first += chunk.tokens
         if any(load):  # the second pass recomputes the question again
             second += question_tokens
         load_s = max(link_s.values(), default=0.0)
-        first_s, second_s = seconds_to_compute(first), seconds_to_compute(second)
+        first_s = seconds_to_compute(first)
+        second_s = seconds_to_compute(second) + read * num_layers * read_token_layer_s
         return load_s, first_s + second_s, max(load_s, first_s) + second_s
 
     # the chunks a slow link makes dearest first: load time over recompute time
@@ -308,12 +313,18 @@ class LoadingController:
         self.fixed_ratio = fixed_ratio
         self.smoothing = smoothing
         self.recompute_token_layers_per_s: float | None = None
+        self.read_token_layer_s = 0.0  # blend's cost per read token and layer (observe_blend)
         self.tier_bandwidth: dict[str, float] = {}
         self._lock = threading.Lock()
         self.last_decision: RatioDecision | None = None
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    @property
+    def target_ratio(self) -> float:
+        """The ratio blend aims at before loading is weighed: the admin's, else r_min."""
+        return self.fixed_ratio if self.fixed_ratio is not None else self.r_min
 
     def set_fixed_ratio(self, ratio: float | None) -> None:
         """Admin override: a ratio in [0, 1], or None to go back to auto."""
@@ -329,6 +340,23 @@ class LoadingController:
                 self.recompute_token_layers_per_s = self._ewma(
                     self.recompute_token_layers_per_s, rate
                 )
+
+    def observe_blend(
+        self, *, read_token_layers: int, computed_token_layers: int, compute_s: float
+    ) -> None:
+        """A blend or reuse prefill read cached KV for ``read_token_layers`` (read tokens
+        times layers), computed ``computed_token_layers`` (``recomputed_per_layer`` summed)
+        and spent ``compute_s`` not waiting for loads. What the computed tokens do not
+        explain at the measured recompute throughput is blend's cost per read token and
+        layer, for :func:`choose_loads`."""
+        with self._lock:
+            throughput = self.recompute_token_layers_per_s
+            if not throughput or read_token_layers <= 0 or compute_s <= 0:
+                return
+            rest_s = max(0.0, compute_s - computed_token_layers / throughput)
+            per = rest_s / read_token_layers
+            old = self.read_token_layer_s or None
+            self.read_token_layer_s = self._ewma(old, per)
 
     def observe_tier(self, tier: str, *, nbytes: int, seconds: float) -> None:
         if seconds > 0 and nbytes > 0:
@@ -372,10 +400,11 @@ class LoadingController:
         with self._lock:
             bandwidth = dict(self.tier_bandwidth)
             throughput = self.recompute_token_layers_per_s
+            read_cost = self.read_token_layer_s
         return choose_loads(
             chunks=chunks, question_tokens=question_tokens, num_layers=num_layers,
             tier_bandwidth=bandwidth, recompute_token_layers_per_s=throughput,
-            recompute_ratio=recompute_ratio,
+            recompute_ratio=recompute_ratio, read_token_layer_s=read_cost,
         )  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
@@ -386,6 +415,7 @@ class LoadingController:
                 "fixed_ratio": self.fixed_ratio,
                 "mode": "admin" if self.fixed_ratio is not None else "auto",
                 "recompute_token_layers_per_s": self.recompute_token_layers_per_s,
+                "read_token_layer_s": self.read_token_layer_s,
                 "tier_bandwidth_bytes_per_s": dict(self.tier_bandwidth),
                 "last_decision": None
                 if self.last_decision is None

@@ -16,7 +16,8 @@ from typing import Any
 
 from kvservice.answer import FittedContext, answer_sampling, choose_ratio, chunk_keys
 from kvservice.blend import BlendResult
-from kvservice.engine import Request, TokenEvent
+from kvservice.controller import ChunkLoad
+from kvservice.engine import Engine, Request, TokenEvent
 from kvservice.prefix import PrefixKV, boundaries
 from kvservice.prompt import Prompt
 from kvservice.protocol import GenerateRequest
@@ -57,7 +58,9 @@ class NativeRuntime:
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = Transformer.from_pretrained(path, device=device, precision=cfg.precision)
+        self.model = Transformer.from_pretrained(
+            path, device=device, precision=cfg.precision, kernel=cfg.kernel
+        )
         self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
         self.engine = Engine(self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency)
         self.engine.head_kv  # computed now, not on the first question  # noqa: B018
@@ -65,6 +68,7 @@ class NativeRuntime:
         self.loader = KVLoader(self.store)
         self.prefix_cache = PrefixCache(prefix_capacity_from_env())
         self.controller = LoadingController()
+        calibrate(self.engine, self.controller)
         hf_config = json.loads((path / "config.json").read_text())
         declared = int(hf_config.get("max_position_embeddings", 4096))
         self.context_len = self.model.config.served_context(declared)
@@ -118,6 +122,38 @@ class NativeRuntime:
             self.loader.close()
 
 
+def calibrate(engine: Engine, controller: Any, *, chunks: int = 2, chunk_tokens: int = 512) -> None:
+    """Measure, at load, what the loading controller weighs loads against: full prefill's
+    throughput and blend's cost per read token, on a made-up prompt of ``chunks`` chunks
+    (its token ids do not matter for the time). Real requests refine both; the first
+    question so also finds every kernel warm."""
+    vocab, layers = engine.model.config.vocab_size, engine.model.config.n_layers
+    segments = [
+        [(101 + 7919 * (c * chunk_tokens + t)) % vocab for t in range(chunk_tokens)]
+        for c in range(chunks)
+    ]
+    prompt = Prompt(list(engine.format.head_ids), segments, segments[0][:16])
+
+    def seconds(request: Request) -> tuple[float, BlendResult]:
+        started = time.perf_counter()
+        result = engine.prefill(request)
+        int(result.logits.argmax())  # waits for the device
+        return time.perf_counter() - started, result
+
+    full = Request(prompt, [None] * chunks, mode="full")
+    seconds(full)  # untimed: the first run pays for setting kernels up
+    full_s, result = seconds(full)
+    controller.observe_recompute(tokens=sum(result.recomputed_per_layer), layers=1, seconds=full_s)
+    cached = engine.precompute(segments)
+    blend = Request(prompt, list(cached), mode="blend", recompute_ratio=controller.target_ratio)
+    blend_s, result = seconds(blend)
+    controller.observe_blend(
+        read_token_layers=chunks * chunk_tokens * layers,
+        computed_token_layers=sum(result.recomputed_per_layer),
+        compute_s=blend_s,
+    )
+
+
 class NativePlan:
     """One request on the native engine. A follow-up whose prompt starts like an earlier one
     reads that prompt's context KV as it stands (``kvservice.prefix``; not in ``full``, the
@@ -137,24 +173,27 @@ class NativePlan:
                 self.prefix, covered = found
                 reused = covered // 2  # whole passages: marker and text
         self.reused = reused
-        self.batch = None
+        self.batch, self.load_plan = None, None
+        head = list(runtime.prompt.head_ids)
+        prompt = Prompt(head, fitted.segments, fitted.suffix_ids)
         sources: list = [None] * len(fitted.chunks_tokens)  # full: every chunk computed
         if request.mode != "full":
             self.batch = runtime.loader.open(
                 chunk_keys(runtime, request, fitted)[reused:],
                 token_ids=fitted.chunks_tokens[reused:],
                 recompute_fn=runtime.recompute_chunk,
+                choose=lambda located: self._choose_loads(request, prompt, located),
             )
-            sources = [None] * reused + list(self.batch)
+            loaded = [s if read else None for s, read in zip(self.batch, self.batch.read)]
+            sources = [None] * reused + loaded
         self.ratio, self.decision = choose_ratio(
             runtime, request,
             num_tokens=sum(map(len, fitted.chunks_tokens[reused:])),
             num_layers=runtime.model.config.n_layers,
             load_bytes=self.batch.tier_bytes() if self.batch is not None else {},
         )  # fmt: skip
-        head = list(runtime.prompt.head_ids)
         self.request = Request(
-            Prompt(head, fitted.segments, fitted.suffix_ids),
+            prompt,
             [part for source in sources for part in (None, source)],  # markers: computed
             mode=request.mode, recompute_ratio=self.ratio, sampling=answer_sampling(request),
             cached_prefix=self.prefix,
@@ -162,6 +201,28 @@ class NativePlan:
         self.prompt_tokens = len(self.request.prompt.token_ids)
         self._result: BlendResult | None = None
         self._prefill_s: float | None = None
+
+    def _choose_loads(self, request: GenerateRequest, prompt: Prompt, located) -> list[bool]:
+        """The loading controller's per-chunk choice over the located chunks: a chunk whose
+        KV would take longer to arrive than to recompute is recomputed whole
+        (``kvservice.controller.choose_loads``)."""
+        runtime = self.runtime
+        tokens = self.fitted.chunks_tokens[self.reused :]
+        chunks = [
+            ChunkLoad(len(ids), source.loaded_bytes(), source.tier)
+            for ids, source in zip(tokens, located, strict=True)
+        ]
+        covered = self.prefix.num_tokens if self.prefix is not None else len(prompt.head_ids)
+        ratio = request.recompute_ratio
+        if ratio is None and request.mode == "blend":
+            ratio = request.target_ratio or runtime.controller.target_ratio
+        self.load_plan = runtime.controller.choose_loads(
+            chunks=chunks,
+            question_tokens=len(prompt.token_ids) - covered - sum(map(len, tokens)),
+            num_layers=runtime.model.config.n_layers,
+            recompute_ratio=ratio or 0.0,  # reuse recomputes none of a read chunk
+        )
+        return list(self.load_plan.load)
 
     def events(self) -> Iterator[TokenEvent]:
         return self.runtime.engine.stream(
@@ -181,11 +242,10 @@ class NativePlan:
         }
         if result is not None:
             metrics["recompute_ratio_effective"] = round(result.recompute_ratio_effective, 4)
-            if self._prefill_s:
-                runtime.controller.observe_recompute(
-                    tokens=sum(result.recomputed_per_layer), layers=1, seconds=self._prefill_s
-                )
+            self._observe(result)
             self._keep_prefix(result)
+        if self.load_plan is not None:
+            metrics["recomputed_chunks"] = self.load_plan.recomputed
         if self.batch is not None:
             load = self.batch.stats()
             metrics["chunk_tiers"].update(
@@ -196,6 +256,28 @@ class NativePlan:
             metrics["hidden_load_fraction"] = round(load.hidden_load_fraction, 3)
             runtime.controller.observe_store_stats(runtime.store.stats().tiers)
         return metrics
+
+    def _observe(self, result: BlendResult) -> None:
+        """What the prefill took, for the loading controller: a prefill that read no cached
+        KV measures the recompute throughput; one that did, blend's cost per read token
+        (its time waiting for loads left out)."""
+        if not self._prefill_s:
+            return
+        controller, computed = self.runtime.controller, sum(result.recomputed_per_layer)
+        read = [] if self.batch is None else [
+            len(ids) for ids, loaded in
+            zip(self.fitted.chunks_tokens[self.reused :], self.batch.read, strict=True) if loaded
+        ]  # fmt: skip
+        if not read and self.prefix is None:
+            controller.observe_recompute(tokens=computed, layers=1, seconds=self._prefill_s)
+            return
+        read_tokens = sum(read) + (self.prefix.num_tokens if self.prefix is not None else 0)
+        wait_s = self.batch.stats().wait_s if self.batch is not None else 0.0
+        controller.observe_blend(
+            read_token_layers=read_tokens * self.runtime.model.config.n_layers,
+            computed_token_layers=computed,
+            compute_s=self._prefill_s - wait_s,
+        )
 
     def _keep_prefix(self, result: BlendResult) -> None:
         """This prompt's context KV (before the question part) for a follow-up, in the

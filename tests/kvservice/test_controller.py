@@ -170,3 +170,31 @@ def test_controller_chooses_loads_from_its_measurements():
         chunks=_chunks(20 * MB), question_tokens=100, num_layers=30, recompute_ratio=0.15
     )
     assert plan.recomputed == 6
+
+
+def test_blends_own_cost_per_read_token_can_make_recomputing_pay():
+    # 1 MB a chunk at 100 MB/s arrives in 0.01 s, under its 0.0167 s of recompute: priced at
+    # full's throughput, blend reads most chunks. Measured at 2 us a read token-layer,
+    # reading a chunk adds 0.03 s to the second pass, more than recomputing it: full prefill.
+    free = choose_loads(chunks=_chunks(MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15, **LOAD)
+    assert free.recomputed < 3
+    priced = choose_loads(
+        chunks=_chunks(MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
+        read_token_layer_s=2e-6, **LOAD,
+    )  # fmt: skip
+    assert priced.recomputed == 6
+    assert priced.total_s_estimate == pytest.approx(priced.full_s_estimate)
+
+
+def test_controller_learns_blends_cost_per_read_token():
+    controller = LoadingController(smoothing=1.0)
+    controller.observe_blend(read_token_layers=3000 * 30, computed_token_layers=1000, compute_s=1.0)
+    assert controller.read_token_layer_s == 0.0  # no recompute throughput to weigh it by yet
+    controller.observe_recompute(tokens=1000, layers=30, seconds=0.1)  # 300k token-layers/s
+    # 1000 computed token-layers explain 1/300 s; the rest is over 90,000 read token-layers
+    controller.observe_blend(read_token_layers=90_000, computed_token_layers=1000, compute_s=1.0)
+    assert controller.read_token_layer_s == pytest.approx((1.0 - 1000 / 300_000) / 90_000)
+    assert controller.snapshot()["read_token_layer_s"] == controller.read_token_layer_s
+    assert controller.target_ratio == controller.r_min
+    controller.set_fixed_ratio(0.3)
+    assert controller.target_ratio == 0.3

@@ -130,3 +130,21 @@ def test_batched_decode_equals_one_by_one(engine, request_parts):
     assert engine.batcher.max_rows_seen >= 2
     assert [c.token_ids for c in batched] == [c.token_ids for c in single]
     assert all(c.token_ids for c in batched) and len(batched[2].token_ids) <= 4
+
+
+def test_calibration_at_load_measures_what_the_loading_controller_weighs(engine):
+    from kvservice.controller import ChunkLoad, LoadingController
+    from kvservice.runtime import calibrate
+
+    controller = LoadingController()
+    calibrate(engine, controller, chunks=2, chunk_tokens=64)
+    snapshot = controller.snapshot()
+    assert snapshot["recompute_token_layers_per_s"] > 0 and snapshot["read_token_layer_s"] >= 0
+    # measured, the per-chunk choice weighs loads: over a link that takes an hour for a
+    # chunk, every chunk is recomputed (unmeasured, every chunk would be read)
+    chunks = [ChunkLoad(tokens=64, nbytes=1 << 20, tier="s3")] * 3
+    controller.observe_tier_bandwidths({"s3": (1 << 20) / 3600})
+    plan = controller.choose_loads(
+        chunks=chunks, question_tokens=16, num_layers=30, recompute_ratio=0.15
+    )
+    assert plan.recomputed == 3 and plan.total_s_estimate < 3600
