@@ -31,6 +31,7 @@ The named codecs (``KV_CODEC``) and the measurements that chose the default are 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -240,7 +241,13 @@ def quantize_k_per_channel(
 def hadamard(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The orthonormal Hadamard matrix of a power-of-two ``size`` (symmetric: its own
     inverse). V rows turned by it spread a channel's outlier over all channels, so one
-    per-token range fits them better (QuaRot, arXiv 2404.00456)."""
+    per-token range fits them better (QuaRot, arXiv 2404.00456). Built once per size and
+    device (a third of a layer's decoding when it was built per call)."""
+    return _hadamard(size, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(size: int, device: str) -> torch.Tensor:
     matrix = torch.ones(1, 1, device=device)
     while matrix.shape[0] < size:
         matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
