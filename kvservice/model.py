@@ -97,8 +97,7 @@ class ModelConfig:
             hf = hf.to_dict()
         model_type = hf.get("model_type")
         if model_type == "gemma3":  # the multimodal checkpoint: its language model
-            hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
-            hf.setdefault("tie_word_embeddings", True)
+            hf = _gemma3_text_config(hf)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
@@ -168,6 +167,16 @@ _FAMILY_FIELDS = frozenset(
     "attention_scale hidden_act final_logit_softcap rotary_fraction rope_short_factor "
     "rope_attention_factor max_positions".split()
 )
+
+
+def _gemma3_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3's language model config. Its ``text_config`` may hold only what
+    differs from ``Gemma3TextConfig``'s defaults (Gemma 3 4B's has six fields: no head
+    counts), so the defaults are filled in by that class."""
+    from transformers import Gemma3TextConfig
+
+    text = Gemma3TextConfig(**hf.get("text_config", {})).to_dict()
+    return {**text, "model_type": "gemma3_text"}
 
 
 def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:

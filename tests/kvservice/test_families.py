@@ -210,3 +210,45 @@ def test_check_model_command_passes_gemma3_and_refuses_gpt2_by_name(family_dirs,
         [*command, str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300
     )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_multimodal_gemma3_runs_its_language_model(tmp_path):
+    """A Gemma 3 4B-style checkpoint (``gemma3``: a vision tower beside the language model):
+    the vision weights are not loaded and the text logits are HF's. (HF's multimodal class
+    applies no final soft-capping; real Gemma 3 configs have none.)"""
+    import transformers
+
+    text, _ = _tiny_config("gemma3", 128)
+    text.final_logit_softcapping = None
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_index=120, boi_token_index=121, eoi_token_index=122,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    hf_model = perturbed(transformers.Gemma3ForConditionalGeneration(config))
+    hf_model.save_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path)
+    assert ours.config.model_type == "gemma3_text" and ours.config.window(2) is None
+    ids = torch.randint(0, 120, (1, 100), generator=torch.Generator().manual_seed(0))
+    logits, _ = ours(ids, torch.arange(100)[None], all_logits=True)
+    with torch.no_grad():
+        expected = hf_model(input_ids=ids).logits.float()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sparse_multimodal_gemma3_config_gets_gemma3s_defaults():
+    """Gemma 3 4B's ``text_config`` names six fields; the rest are Gemma3TextConfig's."""
+    from kvservice.model import ModelConfig
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024}  # fmt: skip
+    config = ModelConfig.from_hf_config({"model_type": "gemma3", "text_config": text})
+    assert (config.n_heads, config.n_kv_heads, config.head_dim) == (8, 4, 256)
+    assert (config.rope_type, config.rope_factor, config.local_rope_theta) == ("linear", 8.0, 1e4)
+    assert [config.window(i) for i in range(6)] == [1024] * 5 + [None]
+    assert config.tie_embeddings and config.attention_scale == 256**-0.5
