@@ -11,6 +11,8 @@ This package sits above the product (``kvservice``, ``webapp``) and the dev stac
 * ``turns``: ``python -m bench.turns``, follow-up questions over their own context KV;
 * ``staging``: where the prefill bench's chunk KV starts (``--tier``) and what loading cost,
   S3 throttled (``--s3-mbps N|auto``) through ``throttle``'s proxy, and the per-chunk choice;
+* ``kdn``: the ``--tier kdn`` of the prefill bench, KV through the knowledge delivery API,
+  and the stack it starts (``python -m bench.kdn``: prints ``KDN_URL`` and ``KDN_KEY``);
 * ``codec``: ``python -m bench.codec``, bytes per token against fidelity of the KV codecs;
 * ``store_io``: ``python -m bench.store_io``, how fast each store tier returns chunk KV;
 * ``answers``: ``python -m bench.answers``, what the user reads (loops, citations, not found);

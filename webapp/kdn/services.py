@@ -23,6 +23,7 @@ from kvservice.chunk import token_ids_sha256
 from kvservice.prompt import chunk_token_ids
 from webapp.documents import quotas
 from webapp.documents.chunking import llm_tokenizer
+from webapp.documents.embeddings import embedder
 from webapp.documents.kv import kv_scope_for, prompt_head_ids
 from webapp.kdn.models import StoredText
 
@@ -57,11 +58,19 @@ class Tokenized:
         return token_ids_sha256(self.head_ids)
 
 
+def _tokenizer() -> Any:
+    """The LLM's tokenizer, once the embedder is loaded: the web server loads that in a
+    thread at start (webapp/asgi.py), and transformers imported from two threads at once
+    fails ("cannot import name 'AutoTokenizer'", seen on a PUT just after a start)."""
+    embedder()
+    return llm_tokenizer()
+
+
 def _tokenize(text: str, what: str) -> list[int]:
     if len(text) > settings.KDN_MAX_TEXT_CHARS:
         raise KdnRefused("text_too_long", f"{what} has {len(text):,} characters; the limit is "
                          f"{settings.KDN_MAX_TEXT_CHARS:,}.")  # fmt: skip
-    ids = chunk_token_ids(llm_tokenizer(), text)
+    ids = chunk_token_ids(_tokenizer(), text)
     if len(ids) > settings.KDN_MAX_TEXT_TOKENS:
         raise KdnRefused("text_too_long", f"{what} has {len(ids):,} tokens; the limit is "
                          f"{settings.KDN_MAX_TEXT_TOKENS:,}.")  # fmt: skip
@@ -73,7 +82,7 @@ def _tokenize(text: str, what: str) -> list[int]:
 def _head_ids(head: str | None) -> list[int]:
     """The deployment's prompt head, or the one named (its text, tokenized as a whole)."""
     if head is None:
-        return prompt_head_ids(llm_tokenizer())
+        return prompt_head_ids(_tokenizer())
     return _tokenize(head, "head")
 
 
