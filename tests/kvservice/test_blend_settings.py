@@ -74,3 +74,21 @@ def test_rounds_chunk_starts_and_bias_recompute_the_budget_and_change_the_result
     assert not torch.allclose(biased.logits, plain.logits, atol=1e-4)
     untouched = blend_prefill(model, head, chunks, question, settings=BlendSettings(), **kwargs)
     torch.testing.assert_close(untouched.logits, plain.logits)
+
+
+def test_the_stale_corrections_leave_reuse_as_stored(tiny_blend):
+    """Reuse reads the cached KV as stored, whatever the blend corrections say."""
+    model, head, chunks, chunk_ids, question = tiny_blend
+    plain = blend_prefill(model, head, chunks, question, mode="reuse", chunk_ids=chunk_ids)
+    corrected = blend_prefill(
+        model, head, chunks, question, mode="reuse", chunk_ids=chunk_ids,
+        settings=BlendSettings(stale_key_scale=0.5, stale_bias=-3.0),
+    )  # fmt: skip
+    torch.testing.assert_close(corrected.logits, plain.logits)
+    scaled = blend_prefill(
+        model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
+        settings=BlendSettings(stale_key_scale=0.5),
+    )  # fmt: skip
+    unscaled = blend_prefill(model, head, chunks, question, chunk_ids=chunk_ids,
+                             recompute_ratio=0.25)  # fmt: skip
+    assert not torch.allclose(scaled.logits, unscaled.logits, atol=1e-4)
