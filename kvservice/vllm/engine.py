@@ -48,10 +48,13 @@ class VllmSettings:
     | variable | default | meaning |
     |---|---|---|
     | ``VLLM_GPU_MEMORY_UTILIZATION`` | ``0.3`` | share of GPU memory (on CPU: of RAM) vLLM takes |
-    | ``VLLM_MAX_MODEL_LEN`` | ``4096`` | longest prompt + answer |
+    | ``VLLM_MAX_MODEL_LEN`` | ``4096`` | longest prompt + answer (LongRoPE: see below) |
     | ``VLLM_MAX_NUM_SEQS`` | ``8`` | requests batched together |
     | ``VLLM_DTYPE`` | ``float32`` on CPU, ``auto`` on GPU | weights' dtype |
     | ``VLLM_ENFORCE_EAGER`` | ``true`` on CPU | skip graph compilation (about 45 s start on CPU) |
+
+    A LongRoPE checkpoint's (Phi-3/Phi-4) max_model_len is capped at its original context
+    (``_served_model_len``).
     """
 
     gpu_memory_utilization: float = 0.3
@@ -121,6 +124,7 @@ class VllmEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.format = prompt_format or PromptFormat.for_tokenizer(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model_path)
+        self.max_model_len = _served_model_len(self.model_path, self.settings.max_model_len)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
@@ -159,7 +163,7 @@ class VllmEngine:
             dtype=settings.dtype or ("float32" if on_cpu else "auto"),
             enforce_eager=on_cpu if settings.enforce_eager is None else settings.enforce_eager,
             gpu_memory_utilization=settings.gpu_memory_utilization,
-            max_model_len=settings.max_model_len,
+            max_model_len=self.max_model_len,
             max_num_seqs=settings.max_num_seqs,
             enable_prefix_caching=True,  # the `prefix` mode; the other modes salt it away
             seed=settings.seed,
@@ -309,6 +313,26 @@ class VllmEngine:
             ttft_s=(events[0].ttft_s or 0.0) if events else 0.0,
             finish_reason=(events[-1].finish_reason or "length") if events else "length",
         )
+
+
+def _served_model_len(model_path: str, requested: int) -> int:
+    """``requested``, capped at the context the blender turns as vLLM does: LongRoPE's
+    original context (Phi-3/Phi-4). Past it vLLM turns *every* position by the long factors
+    (``Phi3LongRoPEScaledRotaryEmbedding``), while the blender and the native engine keep the
+    short ones (``kvservice.model._longrope_fields``): the KV the connector wrote would not
+    be the KV vLLM's own layers expect."""
+    from kvservice.model import UnsupportedModelError
+    from kvservice.vllm.blender import checkpoint_config
+
+    try:
+        limit = checkpoint_config(model_path).max_positions
+    except UnsupportedModelError:
+        return requested  # no blender for it (an engine without the connector): vLLM's limits
+    if limit is not None and requested > limit:
+        log.warning("max_model_len %d capped at %d: the checkpoint's LongRoPE original context",
+                    requested, limit)  # fmt: skip
+        return limit
+    return requested
 
 
 def _fingerprint(model_path: str) -> str:

@@ -67,32 +67,43 @@ def _tiny_config(kind: str, vocab_size: int):
     raise ValueError(kind)
 
 
-def tiny_family_model(kind: str, vocab_size: int = 128):
-    """A tiny random HF model of ``kind``, its norms and biases moved off their init."""
+def tiny_family_model(kind: str, vocab_size: int = 128, **overrides):
+    """A tiny random HF model of ``kind``, its norms and biases moved off their init;
+    ``overrides``: config fields set on top of the family's (e.g. vLLM's CPU attention needs
+    heads of 32 or more)."""
     config, model_class = _tiny_config(kind, vocab_size)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(FAMILIES.index(kind))
     return perturbed(model_class(config))
 
 
+def smollm2_vocab_size(smollm2_dir: Path) -> int:
+    return json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+
+
+def save_family_checkpoint(model, directory: Path, smollm2_dir: Path) -> Path:
+    """``model`` (a ``tiny_family_model`` of ``smollm2_vocab_size``, so that the product's
+    prompt tokenizes into it) saved as a checkpoint directory with SmolLM2's tokenizer and a
+    generation config listing two end-of-sequence ids."""
+    model.save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, directory / name)
+    generation = json.loads((directory / "generation_config.json").read_text())
+    generation["eos_token_id"] = STOP_IDS
+    (directory / "generation_config.json").write_text(json.dumps(generation))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
-    """Each family saved as a checkpoint directory with SmolLM2's tokenizer (its vocabulary
-    size, so that the product's prompt tokenizes into it) and a generation config listing two
-    end-of-sequence ids."""
-    vocab_size = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
-    root = tmp_path_factory.mktemp("families")
-    dirs = {}
-    for kind in FAMILIES:
-        directory = root / kind
-        tiny_family_model(kind, vocab_size).save_pretrained(directory)
-        for name in TOKENIZER_FILES:
-            if (smollm2_dir / name).exists():
-                shutil.copy(smollm2_dir / name, directory / name)
-        generation = json.loads((directory / "generation_config.json").read_text())
-        generation["eos_token_id"] = STOP_IDS
-        (directory / "generation_config.json").write_text(json.dumps(generation))
-        dirs[kind] = directory
-    return dirs
+    """Each family as a checkpoint directory (``save_family_checkpoint``)."""
+    root, vocab_size = tmp_path_factory.mktemp("families"), smollm2_vocab_size(smollm2_dir)
+    return {
+        kind: save_family_checkpoint(tiny_family_model(kind, vocab_size), root / kind, smollm2_dir)
+        for kind in FAMILIES
+    }
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
