@@ -33,29 +33,25 @@ def dashboard_settings() -> DashboardSettings:
     return row
 
 
-def fixed_recompute_ratio() -> float | None:
-    """The admin's fixed recompute ratio, or None while the worker's controller decides."""
+def _while_mode(mode: str, field: str) -> float | None:
+    """A setting that holds only while the controller is in ``mode`` (None otherwise)."""
     row = (
         DashboardSettings.objects.filter(pk=DashboardSettings.SINGLETON_PK)
-        .values_list("controller_mode", "fixed_recompute_ratio")
+        .values_list("controller_mode", field)
         .first()
     )
-    if row is None or row[0] != DashboardSettings.ControllerMode.FIXED:
-        return None
-    return row[1]
+    return None if row is None or row[0] != mode else row[1]
+
+
+def fixed_recompute_ratio() -> float | None:
+    """The admin's fixed recompute ratio, or None while the worker's controller decides."""
+    return _while_mode(DashboardSettings.ControllerMode.FIXED, "fixed_recompute_ratio")
 
 
 def fidelity_target() -> float | None:
     """The operator's fidelity target (mean KL to full prefill at most this), or None while
     the mode is not "target"."""
-    row = (
-        DashboardSettings.objects.filter(pk=DashboardSettings.SINGLETON_PK)
-        .values_list("controller_mode", "fidelity_target")
-        .first()
-    )
-    if row is None or row[0] != DashboardSettings.ControllerMode.TARGET:
-        return None
-    return row[1]
+    return _while_mode(DashboardSettings.ControllerMode.TARGET, "fidelity_target")
 
 
 def target_ratio(target: float | None = None) -> float | None:
