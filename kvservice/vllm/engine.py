@@ -19,6 +19,7 @@ vLLM spawns processes: a script that starts a ``VllmEngine`` needs the
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import queue
@@ -316,7 +317,8 @@ class VllmEngine:
 
 
 def _served_model_len(model_path: str, requested: int) -> int:
-    """``requested``, capped at the context the blender turns as vLLM does: LongRoPE's
+    """``requested``, lowered to the checkpoint's ``max_position_embeddings`` (vLLM refuses
+    to start past it) and capped at the context the blender turns as vLLM does: LongRoPE's
     original context (Phi-3/Phi-4). Past it vLLM turns *every* position by the long factors
     (``Phi3LongRoPEScaledRotaryEmbedding``), while the blender and the native engine keep the
     short ones (``kvservice.model._longrope_fields``): the KV the connector wrote would not
@@ -324,6 +326,13 @@ def _served_model_len(model_path: str, requested: int) -> int:
     from kvservice.model import UnsupportedModelError
     from kvservice.vllm.blender import checkpoint_config
 
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    declared = config.get("max_position_embeddings") or config.get("text_config", {}).get(
+        "max_position_embeddings"
+    )
+    if declared and requested > int(declared):  # vLLM refuses to start past it
+        log.info("max_model_len %d lowered to the checkpoint's %d", requested, int(declared))
+        requested = int(declared)
     try:
         limit = checkpoint_config(model_path).max_positions
     except UnsupportedModelError:

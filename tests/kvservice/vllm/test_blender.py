@@ -51,3 +51,15 @@ def test_a_vllm_model_without_its_familys_modules_is_refused_by_name(tmp_path):
     layer.self_attn.q_norm = layer.self_attn.k_norm = nn.Identity()
     wrapped = VllmBackedTransformer(vllm_model, config)  # now it has what Qwen3 needs
     assert wrapped.inv_freq.dtype == torch.float32
+
+
+def test_max_model_len_is_lowered_to_what_the_checkpoint_declares(tmp_path):
+    import json
+
+    from kvservice.vllm.engine import _served_model_len
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "max_position_embeddings": 1024})
+    )
+    assert _served_model_len(str(tmp_path), 4096) == 1024  # vLLM would refuse 4096
+    assert _served_model_len(str(tmp_path), 512) == 512
