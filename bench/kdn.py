@@ -196,13 +196,78 @@ def kdn_bench(url: str | None, key: str | None, precision: str | None = None) ->
     return _BENCHES[(url, key)]
 
 
-def main() -> None:
+def fetch_seconds(
+    loader, client: KdnClient, texts: list[str], keys: list[str], *, api_first: bool
+) -> tuple[float, float]:
+    """(S3 read directly by the store's loader, the same objects through the API): seconds
+    from the request to every layer of every chunk decoded, once each, in either order."""
+
+    def from_s3() -> None:
+        batch = loader.open([ChunkKey.from_string(k) for k in keys])
+        for source in batch:
+            for index in range(source.num_layers):
+                source.layer(index)
+
+    def from_api() -> None:
+        client.fetch(texts).chunks()
+
+    order = [("api", from_api), ("s3", from_s3)]
+    seconds = {}
+    for name, read in order if api_first else reversed(order):
+        started = time.perf_counter()
+        read()
+        seconds[name] = time.perf_counter() - started
+    return seconds["s3"], seconds["api"]
+
+
+def s3_loader(stack: KdnStack):
+    """The store's loader over the stack's S3 tier alone (as a worker with S3 credentials
+    reads it), not promoting what it reads into faster tiers."""
+    from kvservice.store import KVLoader, StoreConfig, TieredStore
+    from kvservice.store.s3 import S3Tier
+
+    config = StoreConfig.from_env(stack.env)
+    return KVLoader(TieredStore([S3Tier(config)], config=config), promote=False)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Without ``--data``: start a stack, print KDN_URL and KDN_KEY, wait for Ctrl-C. With
+    it: the fetch alone, S3 read directly against the API, on the passages of each example
+    stored once (PUT), ``--repeats`` times each, interleaved; medians printed."""
+    import argparse
+    import json
+
+    from bench.data import passage_texts
+
+    parser = argparse.ArgumentParser(prog="python -m bench.kdn", description=main.__doc__)
+    parser.add_argument("--data", type=Path, default=None, help="Musique JSON")
+    parser.add_argument("--first", type=int, default=20)
+    parser.add_argument("--examples", type=int, default=5)
+    parser.add_argument("--passages", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
     stack = KdnStack()
-    print(f"KDN_URL={stack.url}\nKDN_KEY={stack.key}\nCtrl-C stops the stack.", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        while True:
-            time.sleep(3600)
+        if args.data is None:
+            print(f"KDN_URL={stack.url}\nKDN_KEY={stack.key}\nCtrl-C stops it.", flush=True)
+            while True:
+                time.sleep(3600)
+        client, loader = KdnClient(stack.url, stack.key), s3_loader(stack)
+        examples = json.loads(args.data.read_text())[args.first : args.first + args.examples]
+        ratios = []
+        for number, example in enumerate(examples, start=args.first):
+            texts = passage_texts(example, args.passages)
+            keys = [client.put(text)["key"] for text in texts]
+            times = [fetch_seconds(loader, client, texts, keys, api_first=r % 2 == 1)
+                     for r in range(args.repeats)]  # fmt: skip
+            s3_s = statistics.median(t[0] for t in times)
+            kdn_s = statistics.median(t[1] for t in times)
+            ratios.append(kdn_s / s3_s)
+            print(f"example {number}: S3 {s3_s * 1e3:.0f} ms, API {kdn_s * 1e3:.0f} ms "
+                  f"({kdn_s / s3_s:.2f}x)", flush=True)  # fmt: skip
+        print(f"API over S3, median of examples: {statistics.median(ratios):.2f}x")
+        loader.close()
     except KeyboardInterrupt:
         pass
     finally:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Protocol
 
@@ -50,6 +51,7 @@ MAGIC = b"RBKD"
 VERSION = 1
 PREAMBLE = struct.Struct("<4sHHII")  # magic, version, reserved, chunks, layers
 _HEADER_START = 128  # a header is at least this long (its fixed part, 64-byte aligned)
+OPEN_THREADS = 8  # objects opened at once: each open is a round trip to S3
 
 
 class Readable(Protocol):
@@ -99,15 +101,22 @@ class ObjectStreams:
         self._exits = ExitStack()
 
     def open(self) -> ObjectStreams:
-        """Open every object's read and read its header; raises :class:`StreamMissing` (and
-        closes what it opened) at the first object not stored."""
+        """Open every object's read and read its header, the objects at once (each open is a
+        round trip to S3); raises :class:`StreamMissing` for the first object not stored,
+        having closed what it opened."""
+        workers = max(1, min(OPEN_THREADS, len(self.keys)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="kdn-open") as pool:
+            opened = list(pool.map(self._open_one, self.keys))
+        for result in opened:
+            if not isinstance(result, BaseException):
+                self._exits.push(result[0].__exit__)
         try:
-            for index, key in enumerate(self.keys):
-                stream = self._exits.enter_context(self.tier.open_stream(key, 0))
+            for index, result in enumerate(opened):
+                if isinstance(result, BaseException):
+                    raise result
+                _, stream, raw, header = result
                 if stream is None:
-                    raise StreamMissing(index, key)
-                raw, header = read_header(stream, str(key))
-                header.check_key(key)
+                    raise StreamMissing(index, self.keys[index])
                 self._streams.append(stream)
                 self._raw_headers.append(raw)
                 self.headers.append(header)
@@ -118,6 +127,24 @@ class ObjectStreams:
             self.close()
             raise
         return self
+
+    def _open_one(self, key: ChunkKey) -> tuple | BaseException:
+        """(the read's context manager, the reader or None where missing, header bytes,
+        header), or the error; a read whose header failed is closed."""
+        manager = self.tier.open_stream(key, 0)
+        try:
+            stream = manager.__enter__()
+        except BaseException as err:
+            return err
+        if stream is None:
+            return manager, None, b"", None
+        try:
+            raw, header = read_header(stream, str(key))
+            header.check_key(key)
+        except BaseException as err:
+            manager.__exit__(None, None, None)
+            return err
+        return manager, stream, raw, header
 
     @property
     def num_layers(self) -> int:

@@ -5,10 +5,9 @@ at /kdn/v1/openapi.json."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import AsyncIterator
 
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest, StreamingHttpResponse
 from ninja import Field, NinjaAPI, Schema
 from ninja.errors import ValidationError
@@ -130,54 +129,22 @@ def _s3_tier():
         raise unavailable(str(err)) from err
 
 
-READ_AHEAD_STEPS = 2  # layers read from S3 ahead of the one being sent
-
-
 class _Body:
-    """The response body: the streams' parts, read by a thread of their own up to
-    ``READ_AHEAD_STEPS`` layers ahead of what is being sent (so S3's next layer arrives
-    while this one goes out), sent as they come: an async iterator, as under ASGI Django
-    would collect a sync one whole. Django calls ``close`` when the response ends, sent or
-    not (a client gone): the reads end with it."""
+    """The response body: the streams' parts, each step read in a worker thread, sent as it
+    comes (an async iterator: under ASGI Django would buffer a sync one whole). Django calls
+    ``close`` when the response ends, sent or not."""
 
     def __init__(self, streams: ObjectStreams) -> None:
         self.streams = streams
-        self._free = threading.Semaphore(READ_AHEAD_STEPS)
-        self._ended = threading.Event()
-
-    def _read(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-        item: object = None
-        try:
-            for step in self.streams.parts():
-                self._free.acquire()
-                if self._ended.is_set():
-                    return
-                loop.call_soon_threadsafe(queue.put_nowait, step)
-        except BaseException as err:  # the sender raises it: the response is cut
-            item = err
-        if not self._ended.is_set():
-            loop.call_soon_threadsafe(queue.put_nowait, item)
 
     async def __aiter__(self) -> AsyncIterator[memoryview]:
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        threading.Thread(
-            target=self._read, args=(loop, queue), name="kdn-read", daemon=True
-        ).start()
-        try:
-            while (step := await queue.get()) is not None:
-                if isinstance(step, BaseException):
-                    raise step
-                self._free.release()
-                for part in step:
-                    yield memoryview(part)  # Django's make_bytes turns a bytearray into its repr
-        finally:
-            self._ended.set()
-            self._free.release()  # a reader waiting for room ends
+        steps = self.streams.parts()
+        read_step = sync_to_async(next, thread_sensitive=False)
+        while (parts := await read_step(steps, None)) is not None:
+            for part in parts:
+                yield memoryview(part)  # Django's make_bytes turns a bytearray into its repr
 
     def close(self) -> None:
-        self._ended.set()
-        self._free.release()
         self.streams.close()
 
 
