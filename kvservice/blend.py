@@ -72,6 +72,13 @@ ATTENTION_FROM_DEPTH = 1 / 3
 # Smoothing the importance over neighbours (CacheClip) did not help once selection reads the
 # question's attention: tuning KL 0.035 unsmoothed, 0.038 over 5 tokens, 0.044 over 11.
 SMOOTH_WINDOW = 1
+# The cached chunk keys blend does not recompute are read at an attention temperature of
+# 1/0.9 (their keys scaled by 0.9 as they are placed; APE's temperature, issue #32): stale
+# KV, computed without the other chunks, draws too sharp an attention. Tuning 0-9 at ratio
+# 0.10 (auto precision): KL 0.036 against 0.043, better on 7 of 10; a logit bias of -0.5 on
+# the same keys gave 0.042, the opposite corrections (x1.1, +0.5) +65 %. Validation in
+# docs/blend.md. Reuse reads the KV as stored (through the temperature it was worse).
+STALE_KEY_SCALE = 0.9
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ class BlendSettings:
     first_round_share: float = 0.5  # of the budget, with rounds > 1
     chunk_starts: int = 0  # the first tokens of every cached chunk always recomputed (EPIC)
     stale_bias: float = 0.0  # added to the attention logits of stale cached keys (APE)
-    stale_key_scale: float = 1.0  # stale cached keys scaled: an attention temperature (APE)
+    stale_key_scale: float = STALE_KEY_SCALE  # stale cached keys scaled: a temperature (APE)
 
 
 # --------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_rounds_chunk_starts_and_bias_recompute_the_budget_and_change_the_result
     plain = blend_prefill(model, head, chunks, question, **kwargs)
     for settings in (BlendSettings(rounds=2), BlendSettings(rounds=3, first_round_share=0.2),
                      BlendSettings(chunk_starts=2), BlendSettings(stale_bias=-0.5),
-                     BlendSettings(stale_key_scale=0.9)):  # fmt: skip
+                     BlendSettings(stale_key_scale=1.0)):  # fmt: skip
         result = blend_prefill(model, head, chunks, question, settings=settings, **kwargs)
         assert result.recompute_ratio_effective == pytest.approx(plain.recompute_ratio_effective)
         assert result.recomputed_per_layer[0] >= plain.recomputed_per_layer[0]
@@ -89,6 +89,12 @@ def test_the_stale_corrections_leave_reuse_as_stored(tiny_blend):
         model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
         settings=BlendSettings(stale_key_scale=0.5),
     )  # fmt: skip
-    unscaled = blend_prefill(model, head, chunks, question, chunk_ids=chunk_ids,
-                             recompute_ratio=0.25)  # fmt: skip
-    assert not torch.allclose(scaled.logits, unscaled.logits, atol=1e-4)
+    as_stored = blend_prefill(
+        model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
+        settings=BlendSettings(stale_key_scale=1.0),
+    )  # fmt: skip
+    assert not torch.allclose(scaled.logits, as_stored.logits, atol=1e-4)
+    default = blend_prefill(model, head, chunks, question, chunk_ids=chunk_ids,
+                            recompute_ratio=0.25)  # fmt: skip
+    assert BlendSettings().stale_key_scale == 0.9
+    assert not torch.allclose(default.logits, as_stored.logits, atol=1e-4)
