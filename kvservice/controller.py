@@ -273,6 +273,9 @@ def choose_loads(
         if chunk.tokens > 0 and (seconds := seconds_to_load(chunk)) is not None
     }
     order = sorted(cost, key=lambda i: -cost[i])
+    all_load_s, all_compute_s, _ = estimate([True] * len(chunks))
+    if all_load_s <= all_compute_s:  # loading is not what the request waits on: read them all
+        order = []
     best: tuple[float, list[bool]] | None = None
     for recomputed in range(len(order) + 1):
         load = [True] * len(chunks)

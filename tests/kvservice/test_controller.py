@@ -173,17 +173,29 @@ def test_controller_chooses_loads_from_its_measurements():
 
 
 def test_blends_own_cost_per_read_token_can_make_recomputing_pay():
-    # 1 MB a chunk at 100 MB/s arrives in 0.01 s, under its 0.0167 s of recompute: priced at
-    # full's throughput, blend reads most chunks. Measured at 2 us a read token-layer,
-    # reading a chunk adds 0.03 s to the second pass, more than recomputing it: full prefill.
-    free = choose_loads(chunks=_chunks(MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15, **LOAD)
-    assert free.recomputed < 3
+    # 5 MB a chunk at 100 MB/s: 0.05 s to arrive, 0.0167 s to recompute. Priced at full's
+    # throughput, reading one chunk while the other five are recomputed is the least (0.0925 s
+    # against full's 0.1033); at 2 us a read token-layer that chunk adds 0.03 s: full prefill.
+    free = choose_loads(
+        chunks=_chunks(5 * MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15, **LOAD
+    )
+    assert free.recomputed == 5
     priced = choose_loads(
-        chunks=_chunks(MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
+        chunks=_chunks(5 * MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
         read_token_layer_s=2e-6, **LOAD,
     )  # fmt: skip
     assert priced.recomputed == 6
     assert priced.total_s_estimate == pytest.approx(priced.full_s_estimate)
+
+
+def test_chunks_are_all_read_when_loading_hides_behind_blends_compute():
+    # 1 MB a chunk at 100 MB/s: the six arrive in 0.06 s, while blend computes for 0.2 s (its
+    # cost per read token measured high): loading is not what the request waits on
+    plan = choose_loads(
+        chunks=_chunks(MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
+        read_token_layer_s=2e-6, **LOAD,
+    )  # fmt: skip
+    assert plan.recomputed == 0 and plan.load_s_estimate < plan.compute_s_estimate
 
 
 def test_controller_learns_blends_cost_per_read_token():
