@@ -39,6 +39,7 @@ from dataclasses import asdict
 
 import torch
 
+from bench.codec import decode_speed
 from bench.prefill import chunk_sources
 from bench.staging import store_bench
 from bench.timing import cpu_name, synchronize, timed
@@ -46,6 +47,7 @@ from kvservice.blend import BlendSettings, Mode, blend_prefill
 from kvservice.chunk import ChunkKV
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.store.codec import codec_by_name
+from kvservice.store.config import StoreConfig
 from kvservice.store.format import encode_chunk
 from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 
@@ -177,18 +179,13 @@ def codec_report(chunks: list[ChunkKV], model: Transformer, name: str) -> dict:
     """Per stored form (``fp16`` and the store's codec, ``KV_CODEC``): the objects' bytes a
     token, those at the full model's depth (``--layers`` keeps fewer), and decoding's speed,
     layer by layer as the loader does it, in GB/s of float16 KV on this device's threads."""
-    from bench.codec import decode_speed
-    from kvservice.store.config import StoreConfig
-
     config = StoreConfig.from_env()
     full_layers = SYNTHETIC_CONFIGS[name]["num_hidden_layers"]
     tokens = sum(chunk.num_tokens for chunk in chunks)
     report = {}
     for codec_name in dict.fromkeys(["fp16", config.codec]):
         codec = codec_by_name(codec_name)
-        objects = [
-            encode_chunk(chunk, codec=codec, narrow_to=config.narrow_to) for chunk in chunks
-        ]
+        objects = [encode_chunk(chunk, codec=codec, narrow_to=config.narrow_to) for chunk in chunks]
         per_token = sum(map(len, objects)) / tokens
         report[codec_name] = {
             "bytes_per_token": per_token,

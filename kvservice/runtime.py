@@ -16,7 +16,7 @@ from typing import Any
 
 from kvservice.answer import FittedContext, answer_sampling, choose_ratio, chunk_keys
 from kvservice.blend import BlendResult
-from kvservice.controller import ChunkLoad
+from kvservice.controller import ChunkLoad, LoadingController
 from kvservice.engine import Engine, Request, TokenEvent
 from kvservice.prefix import PrefixKV, boundaries
 from kvservice.prompt import Prompt
@@ -47,7 +47,6 @@ class NativeRuntime:
         from transformers import AutoTokenizer
 
         from kvservice.bundled import resolve_llm_path
-        from kvservice.controller import LoadingController
         from kvservice.engine import Engine
         from kvservice.model import Transformer
         from kvservice.prefix import PrefixCache
@@ -122,7 +121,9 @@ class NativeRuntime:
             self.loader.close()
 
 
-def calibrate(engine: Engine, controller: Any, *, chunks: int = 2, chunk_tokens: int = 512) -> None:
+def calibrate(
+    engine: Engine, controller: LoadingController, *, chunks: int = 2, chunk_tokens: int = 512
+) -> None:
     """Measure, at load, what the loading controller weighs loads against: full prefill's
     throughput and blend's cost per read token, on a made-up prompt of ``chunks`` chunks
     (its token ids do not matter for the time). Real requests refine both; the first
@@ -184,8 +185,7 @@ class NativePlan:
                 recompute_fn=runtime.recompute_chunk,
                 choose=lambda located: self._choose_loads(request, prompt, located),
             )
-            loaded = [s if read else None for s, read in zip(self.batch, self.batch.read)]
-            sources = [None] * reused + loaded
+            sources = [None] * reused + [None if s.skipped else s for s in self.batch]
         self.ratio, self.decision = choose_ratio(
             runtime, request,
             num_tokens=sum(map(len, fitted.chunks_tokens[reused:])),
@@ -240,14 +240,14 @@ class NativePlan:
             "chunk_tiers": {str(cid): "prefix" for cid in chunk_ids[: self.reused]},
             "prefix_tokens": 0 if self.prefix is None else self.prefix.num_tokens,
         }
+        load = self.batch.stats() if self.batch is not None else None
         if result is not None:
             metrics["recompute_ratio_effective"] = round(result.recompute_ratio_effective, 4)
-            self._observe(result)
+            self._observe(result, wait_s=load.wait_s if load is not None else 0.0)
             self._keep_prefix(result)
         if self.load_plan is not None:
             metrics["recomputed_chunks"] = self.load_plan.recomputed
-        if self.batch is not None:
-            load = self.batch.stats()
+        if load is not None:
             metrics["chunk_tiers"].update(
                 (str(cid), tier)
                 for cid, tier in zip(chunk_ids[self.reused :], load.tiers, strict=True)
@@ -257,10 +257,10 @@ class NativePlan:
             runtime.controller.observe_store_stats(runtime.store.stats().tiers)
         return metrics
 
-    def _observe(self, result: BlendResult) -> None:
+    def _observe(self, result: BlendResult, wait_s: float) -> None:
         """What the prefill took, for the loading controller: a prefill that read no cached
         KV measures the recompute throughput; one that did, blend's cost per read token
-        (its time waiting for loads left out)."""
+        (``wait_s``, its time waiting for loads, left out)."""
         if not self._prefill_s:
             return
         controller, computed = self.runtime.controller, sum(result.recomputed_per_layer)
@@ -272,7 +272,6 @@ class NativePlan:
             controller.observe_recompute(tokens=computed, layers=1, seconds=self._prefill_s)
             return
         read_tokens = sum(read) + (self.prefix.num_tokens if self.prefix is not None else 0)
-        wait_s = self.batch.stats().wait_s if self.batch is not None else 0.0
         controller.observe_blend(
             read_token_layers=read_tokens * self.runtime.model.config.n_layers,
             computed_token_layers=computed,
