@@ -15,19 +15,28 @@ with the store's own loader (``kvservice.store.loader``).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import urllib3
 
 from kvservice.chunk import ChunkKV
-from kvservice.kdn_stream import StreamReader
-from kvservice.store.format import ChunkHeader
+from kvservice.kdn_stream import MAGIC, PREAMBLE, VERSION, StreamReader
+from kvservice.store.base import Tier, TierStats, read_fully
+from kvservice.store.config import StoreConfig
+from kvservice.store.errors import ChunkCorrupt, ChunkTruncated, StoreUnavailable
+from kvservice.store.format import Buffer, ChunkHeader
+from kvservice.store.keys import ChunkKey
+from kvservice.store.tiered import TieredStore
+
+log = logging.getLogger(__name__)
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 _RATE_LIMIT_TRIES = 10
@@ -57,8 +66,42 @@ class KdnConfig:
         key), each named in the error when missing; ``KDN_TIMEOUT_S`` optional."""
         missing = [name for name in ("KDN_URL", "KDN_KEY") if not env.get(name)]
         if missing:
-            raise ValueError(f"KV_SOURCE=kdn needs {' and '.join(missing)}")
+            raise ValueError(f"the knowledge delivery client needs {' and '.join(missing)}")
         return cls(env["KDN_URL"], env["KDN_KEY"], float(env.get("KDN_TIMEOUT_S") or 600))
+
+
+KV_SOURCES = ("s3", "kdn")
+
+
+@dataclass(frozen=True)
+class KvSource:
+    """Where the inference worker's remote tier reads chunk KV (``KV_SOURCE``): ``s3`` (the
+    store's S3 tier, with S3 credentials) or ``kdn`` (the web server's knowledge delivery
+    API at ``KDN_URL``, with the token each request carries: no key, no S3 credentials).
+    Read once at the worker's start; a bad value is an error that names the variable."""
+
+    kind: str = "s3"
+    kdn_url: str = ""
+    timeout_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> KvSource:
+        kind = (env.get("KV_SOURCE") or "s3").strip().lower()
+        if kind not in KV_SOURCES:
+            raise ValueError(f"KV_SOURCE must be one of {', '.join(KV_SOURCES)}, not {kind!r}")
+        if kind == "s3":
+            return cls()
+        url = (env.get("KDN_URL") or "").strip()
+        if not url:
+            raise ValueError(
+                "KV_SOURCE=kdn needs KDN_URL: the web server whose knowledge delivery API the "
+                "worker reads chunk KV through (e.g. http://127.0.0.1:8000)"
+            )
+        try:
+            timeout_s = float(env.get("KDN_TIMEOUT_S") or 60)
+        except ValueError as err:
+            raise ValueError(f"KDN_TIMEOUT_S: {err}") from err
+        return cls("kdn", url, timeout_s)
 
 
 class KdnLayeredKV:
@@ -148,9 +191,11 @@ class KdnClient:
     """The two calls over one pooled HTTP connection manager; 429s are waited out as the
     server's ``Retry-After`` says, a PUT still computing (202) is asked again."""
 
-    def __init__(self, url: str, key: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, key: str = "", *, timeout_s: float = 600.0) -> None:
+        """``key``: an API key; "" for a client whose calls each carry a request's token
+        (``open_fetch(..., token=...)``, the inference worker's)."""
         self.url = url.rstrip("/")
-        self._auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        self._key = key
         self._http = urllib3.PoolManager(
             maxsize=8, timeout=urllib3.Timeout(connect=10.0, read=timeout_s), retries=False
         )
@@ -160,12 +205,15 @@ class KdnClient:
         config = KdnConfig.from_env(env)
         return cls(config.url, config.key, timeout_s=config.timeout_s)
 
-    def _request(self, method: str, path: str, payload: Any, *, stream: bool = False) -> Any:
+    def _request(
+        self, method: str, path: str, payload: Any, *, stream: bool = False, token: str = ""
+    ) -> Any:
         body = json.dumps(payload).encode()
+        headers = {"Authorization": f"Bearer {token or self._key}",
+                   "Content-Type": "application/json"}  # fmt: skip
         for _ in range(_RATE_LIMIT_TRIES):
             response = self._http.request(
-                method, self.url + path, body=body, headers=self._auth,
-                preload_content=not stream,
+                method, self.url + path, body=body, headers=headers, preload_content=not stream,
             )  # fmt: skip
             if response.status == 429:
                 response.drain_conn()
@@ -195,10 +243,21 @@ class KdnClient:
     ) -> KdnFetch:
         """Start fetching ``texts``' KV; returns once every header is in (a missing text
         raises :class:`KdnNotFound` here), the layers arriving behind it."""
-        payload = {"texts": list(texts)} | ({"head": head} if head is not None else {})
         started = time.perf_counter()
-        response = self._request("POST", "/kdn/v1/fetch", payload, stream=True)
+        response = self.open_fetch(texts, head=head)
         return KdnFetch(response, started, torch.device(device))
+
+    def open_fetch(self, texts: Sequence[str], *, head: str | None = None, token: str = "") -> Any:
+        """The fetch's HTTP response, its body not read yet (``read``/``readinto`` it, then
+        ``release_conn``): the stream of ``kvservice.kdn_stream``. ``token``: a request's
+        token instead of the client's key."""
+        payload = {"texts": list(texts)} | ({"head": head} if head is not None else {})
+        return self._request("POST", "/kdn/v1/fetch", payload, stream=True, token=token)
+
+    def delete(self, text: str, *, head: str | None = None) -> dict:
+        """Remove a text you stored (its record, and its KV unless something else uses it)."""
+        payload = {"text": text} | ({"head": head} if head is not None else {})
+        return json.loads(self._request("DELETE", "/kdn/v1/kv", payload).data)
 
     def fetch_chunks(self, texts: Sequence[str], *, head: str | None = None) -> list[ChunkKV]:
         return self.fetch(texts, head=head).chunks()
@@ -216,3 +275,241 @@ def _error(response: Any) -> KdnError:
         code, message = "error", data[:200].decode(errors="replace")
     kind = KdnNotFound if response.status == 404 else KdnError
     return kind(response.status, code, message)
+
+
+# -- the inference worker's remote tier (KV_SOURCE=kdn) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class KdnRead:
+    """What the worker may ask the API for one chunk key: the chunk's text and the token of
+    the request that needs it (``ChunkRef.text``, ``ChunkRef.kdn_token``), until
+    ``expires_at`` (``time.monotonic()``)."""
+
+    text: str
+    token: str
+    expires_at: float
+
+
+class _OpenFetch:
+    """One text's fetch, begun: a one-chunk stream is the preamble followed by the stored
+    object byte for byte, so after the preamble the body *is* the object. The bytes read so
+    far (a header, while the store locates the chunk) are kept, so that the layers are read
+    from the same response rather than from a second request."""
+
+    def __init__(self, response: Any) -> None:
+        self.response = response
+        self.opened = time.monotonic()
+        self.buffer = bytearray()
+        preamble = self._read(PREAMBLE.size)
+        if len(preamble) < PREAMBLE.size:
+            raise ChunkTruncated("the knowledge delivery stream ended in its preamble")
+        magic, version, _, count, _ = PREAMBLE.unpack(preamble)
+        if magic != MAGIC or version != VERSION or count != 1:
+            raise ChunkCorrupt(f"not a one-chunk knowledge delivery stream ({magic!r}, "
+                               f"version {version}, {count} chunks)")  # fmt: skip
+
+    def _read(self, nbytes: int) -> bytes:
+        out = bytearray(nbytes)
+        got = read_fully(self.response, memoryview(out))
+        return bytes(out[:got])
+
+    def fill(self, end: int) -> None:
+        """Read the object up to byte ``end`` (or its end) into the buffer."""
+        if end > len(self.buffer):
+            self.buffer += self._read(end - len(self.buffer))
+
+    def close(self) -> None:
+        self.response.close()  # a read cut short leaves its connection unusable
+        self.response.release_conn()
+
+
+class _ObjectReader:
+    """The object from ``start``: the bytes an ``_OpenFetch`` buffered, then its body."""
+
+    def __init__(self, fetch: _OpenFetch, start: int) -> None:
+        self.fetch, self.pos = fetch, start
+        self.nbytes = 0
+        if start > len(fetch.buffer):  # skip to it (a fetch begun for a shorter read)
+            fetch.fill(start)
+
+    def readinto(self, out: memoryview) -> int:
+        buffer = self.fetch.buffer
+        if self.pos < len(buffer):
+            n = min(len(out), len(buffer) - self.pos)
+            out[:n] = buffer[self.pos : self.pos + n]
+        else:
+            n = self.fetch.response.readinto(out) or 0
+        self.pos += n
+        self.nbytes += n
+        return n
+
+
+class KdnTier(Tier):
+    """The knowledge delivery API as the inference worker's remote tier (``KV_SOURCE=kdn``),
+    in the S3 tier's place behind the worker's own memory and disk tiers, which keep what it
+    read (the store promotes it as from S3). The API finds KV by text, so the tier reads
+    only the keys a request told it about (:meth:`expect`: each chunk's text and the
+    request's token); any other key is a miss, and the worker recomputes the chunk. Each
+    chunk is one ``POST /kdn/v1/fetch`` of its text, begun when the store locates it (its
+    header) and read on, layer by layer, by the loader's stream (``streams``).
+
+    Read-only: the worker writes nothing through the API (a chunk it recomputed stays in its
+    own tiers) and deletes nothing there (``put`` and ``delete`` touch only what it holds)."""
+
+    name = "kdn"
+    streams = True
+    OPEN_FOR_S = 30.0  # a fetch begun for a header that no stream took is dropped after this
+
+    def __init__(self, client: KdnClient) -> None:
+        super().__init__()
+        self.client = client
+        self._lock = threading.Lock()
+        self._reads: dict[ChunkKey, KdnRead] = {}
+        self._open: dict[ChunkKey, _OpenFetch] = {}
+
+    @classmethod
+    def from_source(cls, source: KvSource) -> KdnTier:
+        return cls(KdnClient(source.kdn_url, timeout_s=source.timeout_s))
+
+    def expect(self, reads: Mapping[ChunkKey, KdnRead]) -> None:
+        """Let the tier fetch these keys (a request's chunks); expired ones are forgotten."""
+        now = time.monotonic()
+        with self._lock:
+            self._reads.update(reads)
+            for key in [k for k, read in self._reads.items() if read.expires_at <= now]:
+                del self._reads[key]
+            stale = [k for k, f in self._open.items() if now - f.opened > self.OPEN_FOR_S]
+            dropped = [self._open.pop(key) for key in stale]
+        for fetch in dropped:
+            fetch.close()
+
+    def _read_for(self, key: ChunkKey) -> KdnRead | None:
+        with self._lock:
+            read = self._reads.get(key)
+        return read if read is not None and read.expires_at > time.monotonic() else None
+
+    def _begin(self, key: ChunkKey) -> _OpenFetch | None:
+        """A fetch of ``key``'s text, its preamble read; None when the tier may not ask for
+        it or the API does not find it (404), or the token is refused (401, logged)."""
+        read = self._read_for(key)
+        if read is None:
+            return None
+        try:
+            response = self.client.open_fetch([read.text], token=read.token)
+            try:
+                return _OpenFetch(response)
+            except BaseException:
+                response.close()
+                response.release_conn()
+                raise
+        except KdnError as err:
+            if err.status not in (401, 403, 404):
+                self._count_error()
+                raise StoreUnavailable(f"knowledge delivery API: {err}") from err
+            if err.status != 404:
+                log.warning("knowledge delivery API refused chunk %s: %s", key, err)
+            return None
+        except (urllib3.exceptions.HTTPError, OSError) as err:
+            self._count_error()
+            raise StoreUnavailable(f"knowledge delivery API at {self.client.url}: {err}") from err
+
+    def _take(self, key: ChunkKey) -> _OpenFetch | None:
+        with self._lock:
+            return self._open.pop(key, None)
+
+    # -- Tier -------------------------------------------------------------------------------
+
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether the tier may ask for ``key`` (a request named its text): no request made."""
+        return self._read_for(key) is not None
+
+    def read_range(self, key: ChunkKey, start: int, length: int) -> Buffer | None:
+        """Bytes of the object; the fetch begun for them is kept for the stream that reads
+        on (the store reads a header with this, then the layers with ``open_stream``)."""
+        self._meter.start()
+        fetch, got = self._take(key), 0
+        try:
+            if fetch is None or start < 0:
+                fetch = self._begin(key)
+                if fetch is None:
+                    self._count(hit=False)
+                    return None
+            before = len(fetch.buffer)
+            fetch.fill(start + length)
+            got = len(fetch.buffer) - before
+            with self._lock:
+                previous = self._open.pop(key, None)
+                self._open[key] = fetch
+            if previous is not None:
+                previous.close()
+            self._count(hit=True)
+            return memoryview(bytes(fetch.buffer[start : start + length]))
+        except (urllib3.exceptions.HTTPError, OSError) as err:
+            self._count_error()
+            raise StoreUnavailable(f"knowledge delivery API: {err}") from err
+        finally:
+            self._meter.stop(got)
+
+    def get(self, key: ChunkKey) -> Buffer | None:
+        with self.open_stream(key, 0) as reader:
+            if reader is None:
+                return None
+            data, piece = bytearray(), bytearray(1 << 20)
+            while n := reader.readinto(memoryview(piece)):
+                data += piece[:n]
+            return memoryview(data)
+
+    @contextmanager
+    def open_stream(self, key: ChunkKey, start: int) -> Iterator[_ObjectReader | None]:
+        """The object from ``start`` to its end, from the fetch that read its header (or a
+        new one)."""
+        self._meter.start()
+        reader: _ObjectReader | None = None
+        try:
+            fetch = self._take(key) or self._begin(key)
+        except BaseException:
+            self._meter.stop(0)
+            raise
+        if fetch is None:
+            self._meter.stop(0)
+            self._count(hit=False)
+            yield None
+            return
+        try:
+            reader = _ObjectReader(fetch, start)
+            yield reader
+        except (urllib3.exceptions.HTTPError, OSError) as err:
+            self._count_error()
+            raise StoreUnavailable(f"knowledge delivery API, reading {key}: {err}") from err
+        finally:
+            fetch.close()
+            self._meter.stop(reader.nbytes if reader is not None else 0)
+
+    def put(self, key: ChunkKey, data: Buffer) -> None:
+        """Nothing: the worker writes nothing through the API."""
+
+    def delete(self, key: ChunkKey) -> bool:
+        """Drops a fetch begun for ``key``; the API's object stays (not the worker's)."""
+        fetch = self._take(key)
+        if fetch is not None:
+            fetch.close()
+        return False
+
+    def stats(self) -> TierStats:
+        return self._snapshot(entries=None, nbytes=None, capacity=None)
+
+    def close(self) -> None:
+        with self._lock:
+            fetches, self._open = list(self._open.values()), {}
+        for fetch in fetches:
+            fetch.close()
+        self.client.close()
+
+
+def kdn_store(config: StoreConfig, source: KvSource) -> TieredStore:
+    """The worker's tiers as ``config`` makes them, with the knowledge delivery API in S3's
+    place (``KV_SOURCE=kdn``): S3's settings, credentials included, are not used."""
+    local = TieredStore.from_config(replace(config, s3_endpoint=None))
+    return TieredStore([*local.tiers, KdnTier.from_source(source)], quantize=config.quantize,
+                       config=config)  # fmt: skip

@@ -50,6 +50,12 @@ class ChunkRef:
     chunk_id: int
     token_ids: list[int]
     kv_scope: str = ""  # whose KV objects to read and write (kvservice.store.keys.ChunkKey)
+    # What a worker reading KV through the knowledge delivery API (KV_SOURCE=kdn) asks for:
+    # the chunk's text (the API finds KV by text), and a token the web app signed for this
+    # request's user, valid until the request's timeout (the worker holds no key of its own).
+    # "" in both (a job queued before they existed): the chunk is recomputed, never fetched.
+    text: str = ""
+    kdn_token: str = ""
 
 
 @dataclass(frozen=True)

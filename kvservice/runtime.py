@@ -31,6 +31,7 @@ class NativeRuntime:
         self.model_name: str | None = None
         self.model = None
         self.tokenizer = None
+        self.kdn = None  # the KdnTier when KV_SOURCE=kdn
 
     def load(self, cfg: Any) -> None:
         """Load the model and warm up in a thread that ends, so that the engine's batcher
@@ -48,12 +49,14 @@ class NativeRuntime:
 
         from kvservice.bundled import resolve_llm_path
         from kvservice.engine import Engine
+        from kvservice.kdn_client import KdnTier, KvSource, kdn_store
         from kvservice.model import Transformer
         from kvservice.prefix import PrefixCache
         from kvservice.prefix import capacity_from_env as prefix_capacity_from_env
         from kvservice.prompt import PromptFormat
         from kvservice.store import KVLoader, StoreConfig, TieredStore
 
+        kv_source = KvSource.from_env(os.environ)  # a bad KV_SOURCE fails before the model loads
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -63,7 +66,12 @@ class NativeRuntime:
         self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
         self.engine = Engine(self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency)
         self.engine.head_kv  # computed now, not on the first question  # noqa: B018
-        self.store = TieredStore.from_config(StoreConfig.from_env())
+        store_config = StoreConfig.from_env()
+        if kv_source.kind == "kdn":  # the API in S3's place, behind the worker's own tiers
+            self.store = kdn_store(store_config, kv_source)
+            self.kdn = next(t for t in self.store.tiers if isinstance(t, KdnTier))
+        else:
+            self.store = TieredStore.from_config(store_config)
         self.loader = KVLoader(self.store)
         self.prefix_cache = PrefixCache(prefix_capacity_from_env())
         self.controller = LoadingController()
@@ -113,12 +121,30 @@ class NativeRuntime:
         return self.engine.precompute([list(token_ids)])[0]
 
     def plan(self, request: GenerateRequest, fitted: FittedContext) -> NativePlan:
+        if self.kdn is not None:
+            self.kdn.expect(self.kdn_reads(request))
         return NativePlan(self, request, fitted)
+
+    def kdn_reads(self, request: GenerateRequest) -> dict:
+        """What the KDN tier may fetch for ``request``: each chunk's key, with its text and
+        the request's token, until the request's timeout (a chunk without them is recomputed)."""
+        from kvservice.kdn_client import KdnRead
+
+        until = time.monotonic() + request.timeout_s
+        return {
+            self.chunk_key(list(ref.token_ids), ref.kv_scope): KdnRead(
+                ref.text, ref.kdn_token, until
+            )
+            for ref in request.chunks
+            if ref.text and ref.kdn_token
+        }
 
     def close(self) -> None:
         if self.model is not None:
             self.engine.close()
             self.loader.close()
+        if self.kdn is not None:
+            self.kdn.close()
 
 
 def calibrate(

@@ -47,8 +47,9 @@ class UsageOut(Schema):
 
     documents: int
     max_documents: int
-    tokens: int
+    tokens: int  # documents' chunks and texts stored through /kdn/v1 together
     max_tokens: int
+    kdn_tokens: int  # of ``tokens``: the texts stored through /kdn/v1 (PUT /kdn/v1/kv)
     kv_bytes: int  # stored, as its codec wrote it
     max_kv_bytes: int
     kv_bytes_per_token: float | None  # None until some KV is stored

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from dataclasses import replace
 
 from django.conf import settings
 
@@ -13,6 +14,7 @@ from kvservice.protocol import GenerateRequest, Turn
 from webapp.chat.follow_ups import topic_questions
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.documents.kv import chunk_ref
+from webapp.kdn.tokens import request_token
 
 HISTORY_TURNS = 3  # at most this many earlier questions (and helpful answers) in a follow-up
 
@@ -63,14 +65,24 @@ def generate_request(
 ) -> GenerateRequest:
     """The request for ``answer`` (its stream and record; sampled when it is an answer asked
     again), or for an audit of another answer (``audit_of``, a stream of its own). Each
-    passage in its owner's KV scope."""
+    passage in its owner's KV scope, with its text and a token that lets a worker reading KV
+    through the knowledge delivery API (``KV_SOURCE=kdn``) fetch it as the asker, until the
+    request's timeout (``webapp.kdn.tokens``)."""
     sampled = answer is not None and answer.temperature > 0
+    citations = list(citations)
+    request_id = str(answer.request_id) if answer is not None else str(uuid.uuid4())
+    timeout_s = GenerateRequest.timeout_s  # the protocol's default, the token's lifetime too
+    asker = _asker_id(answer, citations)
+    token = "" if asker is None else request_token(
+        user_id=asker, request_id=request_id, timeout_s=timeout_s
+    )  # fmt: skip
     return GenerateRequest(
-        request_id=str(answer.request_id) if answer is not None else str(uuid.uuid4()),
+        request_id=request_id,
         message_id=answer.id if answer is not None else None,
         question=question,
         history=history,
-        chunks=[chunk_ref(c.chunk) for c in citations],
+        chunks=[replace(chunk_ref(c.chunk), text=c.chunk.text, kdn_token=token) for c in citations],
+        timeout_s=timeout_s,
         mode=mode,
         recompute_ratio=recompute_ratio,  # None: the worker's controller decides
         target_ratio=target_ratio,  # the fidelity target's least ratio, if one is set
@@ -80,3 +92,10 @@ def generate_request(
         seed=answer.seed if sampled else None,
         audit_of=audit_of,
     )
+
+
+def _asker_id(answer: Message | None, citations: list[Citation]) -> int | None:
+    """Whose question it is: the answer's conversation's owner (an audit's: the audited
+    answer's, through its citations)."""
+    message = answer if answer is not None else (citations[0].message if citations else None)
+    return None if message is None else message.conversation.owner_id

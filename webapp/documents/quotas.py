@@ -27,6 +27,7 @@ class Usage:
     max_tokens: int
     kv_bytes: int = 0  # stored, each object once
     kv_tokens: int = 0  # the tokens those objects hold
+    kdn_tokens: int = 0  # of ``tokens``: texts stored through the knowledge delivery API
 
     @property
     def kv_bytes_per_token(self) -> float | None:
@@ -47,6 +48,7 @@ class Usage:
         per_token, ratio = self.kv_bytes_per_token, self.compression_ratio
         return {"documents": self.documents, "max_documents": self.max_documents,
                 "tokens": self.tokens, "max_tokens": self.max_tokens,
+                "kdn_tokens": self.kdn_tokens,
                 "kv_bytes": self.kv_bytes, "max_kv_bytes": self.max_kv_bytes,
                 "kv_bytes_per_token": None if per_token is None else round(per_token, 1),
                 "compression_ratio": None if ratio is None else round(ratio, 2)}  # fmt: skip
@@ -73,10 +75,24 @@ def usage_of(owner, *, excluding_document: int | None = None) -> Usage:
         chunks = chunks.exclude(document_id=excluding_document)
     tokens = chunks.aggregate(total=Sum("token_count"))["total"] or 0
     kv_bytes, kv_tokens = stored_kv(chunks)
+    kdn_tokens, kdn_bytes = _kdn_stored(owner, chunks)
     return Usage(
-        documents.count(), tokens, settings.QUOTA_DOCUMENTS, settings.QUOTA_TOKENS,
-        kv_bytes=kv_bytes, kv_tokens=kv_tokens,
+        documents.count(), tokens + kdn_tokens, settings.QUOTA_DOCUMENTS, settings.QUOTA_TOKENS,
+        kv_bytes=kv_bytes + kdn_bytes, kv_tokens=kv_tokens + kdn_tokens, kdn_tokens=kdn_tokens,
     )  # fmt: skip
+
+
+def _kdn_stored(owner, chunks) -> tuple[int, int]:
+    """(tokens, KV bytes) of the texts ``owner`` stored through the knowledge delivery API
+    (``kdn.StoredText``): they hold text and KV as documents do. An object a chunk of theirs
+    uses too is counted once, with the chunks."""
+    from webapp.kdn.models import StoredText
+
+    rows = StoredText.objects.filter(owner=owner).exclude(
+        kv_key__in=chunks.exclude(kv_key="").values("kv_key")
+    )
+    totals = rows.aggregate(tokens=Sum("token_count"), nbytes=Sum("kv_bytes"))
+    return totals["tokens"] or 0, totals["nbytes"] or 0
 
 
 def upload_refusal(owner) -> str:

@@ -1,18 +1,22 @@
-"""The knowledge delivery API, /kdn/v1: any engine stores KV with its text and fetches KV by
-text (docs/kdn.md). API keys only (``Authorization: Bearer``), under the same per-user rate
-limit as /api/v1; errors are ``{"code", "message"}``, a malformed body a 400. The schema is
-at /kdn/v1/openapi.json."""
+"""The knowledge delivery API, /kdn/v1: any engine stores KV with its text, fetches KV by
+text and deletes what it stored (docs/kdn.md). API keys (``Authorization: Bearer``), under
+the same per-user rate limit as /api/v1; a fetch also takes a request token, the inference
+worker's (``webapp.kdn.tokens``). Errors are ``{"code", "message"}``, a malformed body a
+400. The schema is at /kdn/v1/openapi.json."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, StreamingHttpResponse
 from ninja import Field, NinjaAPI, Schema
 from ninja.errors import ValidationError
+from ninja.security import HttpBearer
 
 from kvservice.kdn_stream import ObjectStreams, StreamMissing
+from kvservice.store.errors import StoreUnavailable
 from kvservice.store.keys import ChunkKey
 from webapp.api.auth import ApiKeyAuth
 from webapp.api.errors import (
@@ -22,7 +26,23 @@ from webapp.api.errors import (
     install_error_handlers,
     unavailable,
 )
+from webapp.documents.kv import KVUnavailable
 from webapp.kdn import services
+from webapp.kdn.tokens import token_user
+
+
+class RequestTokenAuth(HttpBearer):
+    """A request token the web app signed for an inference worker (``webapp.kdn.tokens``):
+    the request's user, until its timeout. Not under the per-user rate limit: the question
+    it serves passed the limit when it was asked, and its worker fetches each passage, so a
+    limit per call would slow or fail answers of a user who is within theirs."""
+
+    def authenticate(self, request: HttpRequest, token: str) -> Any:
+        user = token_user(token)
+        if user is not None:
+            request.user = user
+        return user
+
 
 kdn_api = NinjaAPI(
     title="Ragblend knowledge delivery API",
@@ -54,6 +74,17 @@ class PutOut(Schema):
     tokens: int
     stored_bytes: int
     computed: bool
+
+
+class DeleteIn(Schema):
+    text: str = Field(..., min_length=1, description="A text you stored with PUT.")
+    head: str | None = Field(None, min_length=1, description=HEAD_DOC)
+
+
+class DeleteOut(Schema):
+    key: str
+    tokens: int
+    kv_deleted: bool  # False: a document chunk or another record still uses the object
 
 
 class FetchIn(Schema):
@@ -99,12 +130,29 @@ def put_kv(request: HttpRequest, payload: PutIn):
         return response
 
 
+@kdn_api.delete("/kv", response={200: DeleteOut, **error_responses(404)}, tags=["kdn"])
+def delete_kv(request: HttpRequest, payload: DeleteIn):
+    """Delete a text you stored: its record (its tokens leave your quota) and its KV object,
+    unless a document chunk or another record in the same scope uses it too. 404 when you
+    stored no such text."""
+    try:
+        return services.kdn_delete(owner=request.user, text=payload.text, head=payload.head)
+    except services.KdnRefused as err:
+        raise _refused(err) from err
+    except services.NotStored as err:
+        raise ApiError(404, "not_stored", str(err)) from err
+    except (StoreUnavailable, KVUnavailable) as err:  # nothing deleted: DELETE again
+        raise unavailable(f"The KV store is unavailable: {err}") from err
+
+
 @kdn_api.post(
     "/fetch", response={200: None, **error_responses(404)}, openapi_extra=_STREAM_DOC,
-    tags=["kdn"],
+    auth=[ApiKeyAuth(), RequestTokenAuth()], tags=["kdn"],
 )  # fmt: skip
 def fetch_kv(request: HttpRequest, payload: FetchIn):
-    """Stream the stored KV of each text (yours only), layer by layer."""
+    """Stream the stored KV of each text, layer by layer: texts you stored, and passages of
+    documents you may read (your own, and those of collections shared with you) as ingest
+    stored them. Takes an API key, or a request token (the inference worker's)."""
     try:
         keys = services.stored_keys(owner=request.user, texts=payload.texts, head=payload.head)
     except services.KdnRefused as err:

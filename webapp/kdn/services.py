@@ -17,14 +17,18 @@ from typing import Any
 
 from celery.exceptions import TimeoutError as CeleryTimeout
 from django.conf import settings
-from django.db.models import Sum
+from django.db import transaction
+from django.db.models import Case, When
 
 from kvservice.chunk import token_ids_sha256
 from kvservice.prompt import chunk_token_ids
+from kvservice.store.keys import ChunkKey
 from webapp.documents import quotas
 from webapp.documents.chunking import llm_tokenizer
 from webapp.documents.embeddings import embedder
 from webapp.documents.kv import kv_scope_for, prompt_head_ids
+from webapp.documents.models import Chunk
+from webapp.documents.selectors import documents_readable
 from webapp.kdn.models import StoredText
 
 
@@ -41,9 +45,10 @@ class StillComputing(RuntimeError):
 
 
 class NotStored(LookupError):
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, what: str = "") -> None:
         super().__init__(
-            f"texts[{index}] is not stored in your KV scope: store it with PUT /kdn/v1/kv first"
+            f"{what or f'texts[{index}]'} is not stored in your KV scope: store it with "
+            "PUT /kdn/v1/kv first"
         )
         self.index = index
 
@@ -96,9 +101,9 @@ def tokenize(texts: Sequence[str], head: str | None) -> list[Tokenized]:
 
 
 def tokens_used(owner) -> int:
-    """Tokens of text the user holds: documents' chunks and texts stored here."""
-    stored = StoredText.objects.filter(owner=owner).aggregate(total=Sum("token_count"))
-    return quotas.usage_of(owner).tokens + (stored["total"] or 0)
+    """Tokens of text the user holds: documents' chunks and texts stored here
+    (``quotas.usage_of`` counts both)."""
+    return quotas.usage_of(owner).tokens
 
 
 def _check_quota(owner, tokenized: Tokenized) -> None:
@@ -139,7 +144,6 @@ def kdn_compute(*, token_ids: list[int], head_ids: list[int], scope: str) -> dic
     """In a KV worker: the object of these tokens after this head, in ``scope``, computed
     and stored unless S3 holds it already. Idempotent."""
     from kvservice.model import head_hash, precompute_chunks
-    from kvservice.store.keys import ChunkKey
     from webapp.documents.kv import kv_precomputer, kv_store
 
     precomputer, store = kv_precomputer(), kv_store()
@@ -155,8 +159,11 @@ def kdn_compute(*, token_ids: list[int], head_ids: list[int], scope: str) -> dic
 
 
 def stored_keys(*, owner, texts: Sequence[str], head: str | None = None) -> list[str]:
-    """The chunk key of each text ``owner`` stored, in order; :class:`NotStored` names the
-    first text they did not (another user's text is not theirs: the same 404)."""
+    """The chunk key of each text in ``owner``'s reach, in order: a text they stored, or a
+    chunk of a document they may read (their own, or of a collection shared with them: a
+    question of theirs reads those passages, stored in their owner's scope) whose KV is
+    stored after this head. :class:`NotStored` names the first text out of reach (another
+    user's text is not theirs: the same 404 as a text nobody stored)."""
     tokenized = tokenize(texts, head)
     shas = [token_ids_sha256(t.token_ids) for t in tokenized]
     head_hash = tokenized[0].head_hash if tokenized else ""
@@ -164,7 +171,55 @@ def stored_keys(*, owner, texts: Sequence[str], head: str | None = None) -> list
         StoredText.objects.filter(owner=owner, head_hash=head_hash, tokens_sha256__in=shas)
         .values_list("tokens_sha256", "kv_key")
     )  # fmt: skip
+    missing = set(shas) - set(keys)
+    if missing:
+        keys.update(_document_chunk_keys(owner, missing, head_hash))
     for index, sha in enumerate(shas):
         if sha not in keys:
             raise NotStored(index)
     return [keys[sha] for sha in shas]
+
+
+def _document_chunk_keys(owner, shas: set[str], head_hash: str) -> dict[str, str]:
+    """Token sha256 -> KV key of the readable documents' chunks with these tokens whose KV
+    ingest stored (``Chunk.kv_key``: the model's fingerprint, the deployment's head, the
+    document owner's scope), after ``head_hash``; the asker's own chunk first."""
+    rows = (
+        Chunk.objects.filter(document__in=documents_readable(user=owner), token_ids_sha256__in=shas)
+        .exclude(kv_key="")
+        .annotate(own=Case(When(document__owner=owner, then=0), default=1))
+        .order_by("own", "pk")
+        .values_list("token_ids_sha256", "kv_key")
+    )  # fmt: skip
+    found: dict[str, str] = {}
+    for sha, key in rows:
+        if ChunkKey.from_string(key).head_hash == head_hash:
+            found.setdefault(sha, key)
+    return found
+
+
+def kdn_delete(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
+    """Remove the text ``owner`` stored (their record) and its KV object, unless a document
+    chunk or another record still uses that object (identical text in the same scope shares
+    it). :class:`NotStored` when they stored no such text (another user's is not theirs).
+    Under the key's advisory lock, as every decision on a KV object's fate
+    (``webapp.documents.services``): a precompute storing the same key waits."""
+    from webapp.documents.kv import kv_store
+    from webapp.documents.services import _lock_kv_key
+
+    (tokenized,) = tokenize([text], head)
+    sha = token_ids_sha256(tokenized.token_ids)
+    with transaction.atomic():
+        row = StoredText.objects.filter(owner=owner, tokens_sha256=sha,
+                                        head_hash=tokenized.head_hash).first()  # fmt: skip
+        if row is None:
+            raise NotStored(0, "text")
+        _lock_kv_key(row.kv_key)
+        row.delete()
+        in_use = (
+            StoredText.objects.filter(kv_key=row.kv_key).exists()
+            or Chunk.objects.filter(kv_key=row.kv_key).exists()
+        )
+        if not in_use:  # S3 down: the error rolls the record's delete back, to be retried
+            kv_store().delete(row.kv_key)
+    return {"key": row.kv_key, "tokens": row.token_count, "kv_deleted": not in_use}
