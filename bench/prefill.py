@@ -61,6 +61,7 @@ from kvservice.engine import stop_token_ids
 from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat
+from kvservice.store.config import StoreConfig
 from kvservice.synthetic import SYNTHETIC_CONFIGS
 from webapp.dashboard.fidelity import token_f1
 
@@ -682,6 +683,7 @@ def _env(args, model, model_dir, rows, load_before) -> dict:
         "gap_tokens": GAP_TOKENS,
         "blend_settings": args.blend,
         "tier": args.tier,
+        "kv_codec": StoreConfig.from_env().codec,  # what the chunk KV was stored in (KV_CODEC)
         "also_tiers": sorted(set(args.run_tiers.values())),
         "pipeline": not args.no_pipeline,
         "mean_prompt_tokens": statistics.fmean(r["num_tokens"] for r in rows),

@@ -7,10 +7,15 @@ with its TTFT relative to full and its teacher-forced KL to full. ``--plot`` dra
 (:func:`load_curve`; :func:`bench_command` says how to measure it). Plain Python and the
 standard library: no Django, no plotting library.
 
+Ratio and codec are one quality/speed choice, so a curve is measured per codec of the stored
+chunk KV (``KV_CODEC``; the bench records it as ``env.kv_codec``): the file the dashboard is
+pointed at (``RATIO_CURVE_PATH``) and its siblings ``<stem>_<codec>.json`` are one
+:class:`CurveSeries` each (:func:`load_series`), drawn together by :func:`ratio_curves_svg`.
+
 The curve also answers "which ratio for this fidelity": :func:`ratio_for_target` gives the
 lowest recompute ratio whose interpolated mean KL to full is at most a target (the dashboard's
-fidelity target), and :func:`predict` what the curve expects of a ratio (the fidelity audit's
-prediction beside what it measured).
+fidelity target, read from the series of the codec the store writes), and :func:`predict`
+what the curve expects of a ratio (the fidelity audit's prediction beside what it measured).
 """
 
 from __future__ import annotations
@@ -18,29 +23,60 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 
-WIDTH, HEIGHT = 560, 320
-MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 60, 24, 34, 64
-COLORS = {"full": "#d92d20", "reuse": "#039855", "blend": "#3056d3"}  # the dashboard's modes
+WIDTH, HEIGHT = 560, 340
+MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 60, 24, 34, 84
+FULL_COLOR = "#d92d20"  # full prefill reads no stored KV: one point, whatever the codec
+# one colour per series, the store's codec (drawn first) in the dashboard's blend blue
+SERIES_COLORS = ("#3056d3", "#dc6803", "#7a5af8", "#0e9384", "#c11574")
 OTHER_COLOR = "#475467"
+# docs/ratio_curve.json was measured (966f619) before the bench recorded its codec, under
+# the default of then; a curve that records none is taken to be that codec's.
+UNRECORDED_CODEC = "kivi4k3v"
 
 
-def bench_command(json_path: str) -> str:
+@dataclass(frozen=True)
+class CurveSeries:
+    """One measured curve: the codec its chunk KV was stored in, its points (the bench
+    JSON's ``curve``), the file it was read from and the file's ``note`` on how it was
+    measured (e.g. that its TTFT was taken on a busy machine)."""
+
+    codec: str
+    points: list[dict]
+    path: str = ""
+    note: str | None = None
+
+
+def bench_command(json_path: str, codec: str | None = None) -> str:
     """The bench run that measures the curve, on the reporting examples (20-39; 0-19 are for
-    tuning), writing its JSON to ``json_path``."""
+    tuning), with chunk KV stored in ``codec`` (else ``KV_CODEC``'s), writing its JSON to
+    ``json_path``."""
     return (
-        "python -m kvservice.bench --data ../shared/data/musique_dev.json --first 20 "
+        (f"KV_CODEC={codec} " if codec else "")
+        + "python -m kvservice.bench --data ../shared/data/musique_dev.json --first 20 "
         "--examples 20 --passages 6 --modes full,reuse,blend --no-hf "
         f"--ratios 0.05,0.10,0.15,0.25,0.40 --json {json_path}"
     )
 
 
-def load_curve(path: str | Path) -> list[dict] | None:
-    """The ``curve`` of a JSON written by ``kvservice.bench --ratios``; None if there is no
-    file. A file that is not such a JSON raises ValueError, saying what is wrong."""
+def series_path(path: str | Path, codec: str, primary_codec: str) -> Path:
+    """Where the curve of ``codec`` is kept: ``path`` itself for ``primary_codec`` (the
+    default's), else its sibling ``<stem>_<codec>.json``."""
+    path = Path(path)
+    return path if codec == primary_codec else path.with_name(f"{path.stem}_{codec}.json")
+
+
+def series_paths(path: str | Path) -> list[Path]:
+    """``path`` and its siblings ``<stem>_*.json`` (a curve per further codec), in name order."""
+    path = Path(path)
+    return [path, *sorted(p for p in path.parent.glob(f"{path.stem}_*.json") if p != path)]
+
+
+def _read(path: str | Path) -> dict | None:
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -51,7 +87,26 @@ def load_curve(path: str | Path) -> list[dict] | None:
     curve = data["curve"]
     if not isinstance(curve, list) or not all(isinstance(point, dict) for point in curve):
         raise ValueError(f"{path}: 'curve' is not a list of points")
-    return curve
+    return data
+
+
+def load_curve(path: str | Path) -> list[dict] | None:
+    """The ``curve`` of a JSON written by ``kvservice.bench --ratios``; None if there is no
+    file. A file that is not such a JSON raises ValueError, saying what is wrong."""
+    data = _read(path)
+    return None if data is None else data["curve"]
+
+
+def load_series(path: str | Path) -> CurveSeries | None:
+    """:func:`load_curve` with the codec the curve was measured with (``env.kv_codec``, else
+    :data:`UNRECORDED_CODEC`) and the file's ``note``."""
+    data = _read(path)
+    if data is None:
+        return None
+    env = data.get("env") if isinstance(data.get("env"), dict) else {}
+    codec = env.get("kv_codec") or UNRECORDED_CODEC
+    note = data.get("note") if isinstance(data.get("note"), str) else None
+    return CurveSeries(str(codec), data["curve"], str(path), note)
 
 
 def _by_ratio(points: list[dict], field: str) -> list[tuple[float, float]]:
@@ -142,8 +197,8 @@ def _marker(kind: str, color: str) -> str:
     return f'<circle r="4" fill="{color}"/>'
 
 
-def _tooltip(point: dict) -> str:
-    parts = [str(point.get("label", ""))]
+def _tooltip(point: dict, codec: str) -> str:
+    parts = [f"{codec} {point.get('label', '')}".strip()]
     for name, text in (
         ("ratio", "recompute ratio"),
         ("ttft_ratio_to_full", "TTFT × full"),
@@ -177,31 +232,58 @@ class _Frame:
 
 
 def ratio_curve_svg(points: list[dict], title: str) -> str:
-    """An inline ``<svg>``: x = TTFT relative to full, y = mean teacher-forced KL to full; one
-    marker per point, labelled, the blend points joined in ratio order, full and reuse drawn
-    apart, the bootstrap 95 % interval of the mean as a bar where the point has one. Lower
-    left is fast and faithful. Every label is escaped."""
-    drawn = [
+    """One curve (a bench run's ``curve``) drawn by :func:`ratio_curves_svg`."""
+    return ratio_curves_svg([CurveSeries("", points)], title)
+
+
+def _drawable(points: list[dict]) -> list[dict]:
+    return [
         p
         for p in points
         if p.get("ttft_ratio_to_full") is not None and p.get("tf_kl_mean") is not None
     ]
+
+
+def ratio_curves_svg(
+    series: Sequence[CurveSeries], title: str, *, current: str | None = None
+) -> str:
+    """An inline ``<svg>``: x = TTFT relative to full, y = mean teacher-forced KL to full; one
+    colour per series (codec), in the order given, one marker per point (full once: it reads
+    no stored KV), each labelled (blend with its ratio), each series' blend points joined in
+    ratio order, the bootstrap 95 % interval of the mean as a bar where the point has one.
+    The legend names each series' codec, ``current`` (the codec the store writes) marked.
+    Lower left is fast and faithful. Every label is escaped."""
+    drawn = []  # (codec, colour, points)
+    full_drawn = False
+    for index, one in enumerate(series):
+        points = []
+        for point in _drawable(one.points):
+            if _kind(point) == "full":
+                if full_drawn:
+                    continue
+                full_drawn = True
+            points.append(point)
+        drawn.append((one.codec, SERIES_COLORS[index % len(SERIES_COLORS)], points))
+    every = [p for _, _, points in drawn for p in points]
     heading = (
         f'<text x="{MARGIN_LEFT}" y="18" font-size="13" font-weight="600" fill="#1d2330" '
         f'class="chart-title">{escape(title)}</text>'
     )
-    if not drawn:
+    if not every:
         empty = (
             f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" '
             f'class="empty">No curve points</text>'
         )
         return _svg(title, [heading, empty])
-    highs = [p["tf_kl_ci95"][1] for p in drawn if p.get("tf_kl_ci95")]
+    highs = [p["tf_kl_ci95"][1] for p in every if p.get("tf_kl_ci95")]
     frame = _Frame(
-        x_top=_nice_max(max(1.0, *(p["ttft_ratio_to_full"] for p in drawn))),
-        y_top=_nice_max(max([p["tf_kl_mean"] for p in drawn] + highs)),
+        x_top=_nice_max(max(1.0, *(p["ttft_ratio_to_full"] for p in every))),
+        y_top=_nice_max(max([p["tf_kl_mean"] for p in every] + highs)),
     )
-    return _svg(title, [heading, *_axes(frame), *_points(frame, drawn), *_legend()])
+    parts = [heading, *_axes(frame)]
+    for codec, color, points in drawn:
+        parts += _points(frame, points, codec, color)
+    return _svg(title, [*parts, *_legend(drawn, current)])
 
 
 def _axes(frame: _Frame) -> list[str]:
@@ -231,7 +313,7 @@ def _axes(frame: _Frame) -> list[str]:
     return parts
 
 
-def _points(frame: _Frame, drawn: list[dict]) -> list[str]:
+def _points(frame: _Frame, drawn: list[dict], codec: str, color: str) -> list[str]:
     parts = []
     blend = sorted((p for p in drawn if _kind(p) == "blend"), key=lambda p: p.get("ratio") or 0)
     if len(blend) > 1:
@@ -239,49 +321,65 @@ def _points(frame: _Frame, drawn: list[dict]) -> list[str]:
             f"{frame.x(p['ttft_ratio_to_full']):.1f},{frame.y(p['tf_kl_mean']):.1f}" for p in blend
         )
         parts.append(
-            f'<polyline points="{path}" fill="none" stroke="{COLORS["blend"]}" '
+            f'<polyline points="{path}" fill="none" stroke="{color}" '
             f'stroke-opacity=".6" stroke-width="1.5" class="blend-line"/>'
         )
+    codec_attr = f' data-codec="{escape(codec)}"' if codec else ""
     for point in drawn:
         kind = _kind(point)
-        color = COLORS.get(kind, OTHER_COLOR)
+        point_color = FULL_COLOR if kind == "full" else color
         x, y = frame.x(point["ttft_ratio_to_full"]), frame.y(point["tf_kl_mean"])
         if point.get("tf_kl_ci95"):
             low, high = point["tf_kl_ci95"]
             parts.append(
                 f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{frame.y(low):.1f}" '
-                f'y2="{frame.y(high):.1f}" stroke="{color}" stroke-opacity=".5" '
+                f'y2="{frame.y(high):.1f}" stroke="{point_color}" stroke-opacity=".5" '
                 f'class="interval"/>'
             )
         parts.append(
-            f'<g class="marker marker-{escape(kind)}" transform="translate({x:.1f} {y:.1f})">'
-            f"<title>{_tooltip(point)}</title>{_marker(kind, color)}</g>"
+            f'<g class="marker marker-{escape(kind)}"{codec_attr} '
+            f'transform="translate({x:.1f} {y:.1f})">'
+            f"<title>{_tooltip(point, codec)}</title>{_marker(kind, point_color)}</g>"
         )
         # Blend points sit close together: each is labelled with its ratio alone (the legend
-        # says so), above and to the right, clear of a curve that falls to the right.
+        # says so), in its series' colour, above and to the right, clear of a curve that
+        # falls to the right.
         label = str(point.get("label", ""))
         text = label.partition("@")[2] if kind == "blend" else label
         anchor = "end" if x > frame.left + frame.width * 0.85 else "start"
         parts.append(
             f'<text x="{x + (-8 if anchor == "end" else 6):.1f}" y="{y - 7:.1f}" '
-            f'text-anchor="{anchor}" class="point-label">{escape(text)}</text>'
+            f'text-anchor="{anchor}" fill="{point_color}" class="point-label">'
+            f"{escape(text)}</text>"
         )
     return parts
 
 
-def _legend() -> list[str]:
+def _legend(drawn: list[tuple[str, str, list[dict]]], current: str | None) -> list[str]:
+    """The modes' shapes on one row; below it, one swatch per named series (codec)."""
     parts = []
-    x, y = MARGIN_LEFT, HEIGHT - 10
+    x, y = MARGIN_LEFT, HEIGHT - 28
     for kind, text in (
         ("full", "full prefill"),
         ("reuse", "reuse (ratio 0)"),
         ("blend", "blend, labelled with its recompute ratio"),
     ):
+        color = FULL_COLOR if kind == "full" else OTHER_COLOR
         parts.append(
-            f'<g transform="translate({x + 5} {y - 4})">{_marker(kind, COLORS[kind])}</g>'
+            f'<g transform="translate({x + 5} {y - 4})">{_marker(kind, color)}</g>'
             f'<text x="{x + 14}" y="{y}">{text}</text>'
         )
         x += 24 + 6 * len(text)
+    x, y = MARGIN_LEFT, HEIGHT - 8
+    for codec, color, _ in drawn:
+        if not codec:
+            continue
+        text = f"{codec} (the store's codec)" if codec == current else codec
+        parts.append(
+            f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{color}"/>'
+            f'<text x="{x + 14}" y="{y}" class="series-label">KV stored as {escape(text)}</text>'
+        )
+        x += 30 + 6 * len(f"KV stored as {text}")
     return parts
 
 

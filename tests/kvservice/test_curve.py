@@ -8,7 +8,21 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from kvservice.curve import load_curve, predict, ratio_curve_svg, ratio_for_target
+from kvservice.curve import (
+    FULL_COLOR,
+    SERIES_COLORS,
+    UNRECORDED_CODEC,
+    CurveSeries,
+    bench_command,
+    load_curve,
+    load_series,
+    predict,
+    ratio_curve_svg,
+    ratio_curves_svg,
+    ratio_for_target,
+    series_path,
+    series_paths,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -110,3 +124,59 @@ def test_predict_interpolates_kl_and_f1_and_says_none_without_the_field():
     assert expected["fidelity_f1"] == pytest.approx(0.93)
     assert predict(points, 2.0)["tf_kl_mean"] == 0.0  # past the last point: its value
     assert predict(POINTS, 0.10)["fidelity_f1"] is None
+
+
+def _series(codec: str, shift: float) -> CurveSeries:
+    """A codec's curve: the same ratios, its KL ``shift`` above ``POINTS``' (full stays 0)."""
+    return CurveSeries(codec, [dict(p, tf_kl_mean=p["tf_kl_mean"] + shift * (p["label"] != "full"))
+                               for p in POINTS])  # fmt: skip
+
+
+def test_one_series_per_codec_each_in_its_colour_with_full_drawn_once():
+    svg = ratio_curves_svg([_series("kivi4k3v", 0.0), _series("fp16", -0.01)], "t",
+                           current="kivi4k3v")  # fmt: skip
+    root = ET.fromstring(svg)
+    markers = [g for g in root.iter(f"{SVG}g") if "marker" in g.get("class", "").split()]
+    by_codec = {codec: [g.get("class") for g in markers if g.get("data-codec") == codec]
+                for codec in ("kivi4k3v", "fp16")}  # fmt: skip
+    assert by_codec["kivi4k3v"] == [c for c, _, _ in _markers(ratio_curve_svg(POINTS, "t"))]
+    assert by_codec["fp16"] == ["marker marker-reuse", *["marker marker-blend"] * 3]  # no full
+    lines = root.findall(f"{SVG}polyline")
+    assert [line.get("stroke") for line in lines] == list(SERIES_COLORS[:2])  # a line per codec
+    # every point labelled in its series' colour, blend points with their ratio
+    labels = [(t.get("fill"), t.text) for t in root.iter(f"{SVG}text")
+              if t.get("class") == "point-label"]  # fmt: skip
+    assert labels.count((SERIES_COLORS[1], "0.05")) == 1
+    assert labels.count((SERIES_COLORS[0], "0.05")) == 1 and labels.count((FULL_COLOR, "full")) == 1
+    legend = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "series-label"]
+    assert legend == ["KV stored as kivi4k3v (the store's codec)", "KV stored as fp16"]
+    # fp16's points (less KL) lie lower on the page than the same ratios' of the other codec
+    ys = {codec: [float(g.get("transform").split()[1].rstrip(")"))
+                  for g in markers if g.get("data-codec") == codec][:4]
+          for codec in ("kivi4k3v", "fp16")}  # fmt: skip
+    assert all(f > k for f, k in zip(ys["fp16"], ys["kivi4k3v"], strict=True))
+
+
+def test_a_series_reads_its_codec_and_note_and_an_old_file_is_the_old_defaults(tmp_path):
+    primary = tmp_path / "ratio_curve.json"
+    assert load_series(primary) is None
+    primary.write_text(json.dumps({"curve": POINTS, "env": {"first_example": 20}}))
+    old = load_series(primary)
+    assert old.codec == UNRECORDED_CODEC == "kivi4k3v" and old.points == POINTS
+    assert old.note is None and old.path == str(primary)
+    fp16 = series_path(primary, "fp16", "kivi4k3v")
+    assert fp16 == tmp_path / "ratio_curve_fp16.json"
+    assert series_path(primary, "kivi4k3v", "kivi4k3v") == primary
+    fp16.write_text(json.dumps({"curve": POINTS[:2], "env": {"kv_codec": "fp16"},
+                                "note": "busy machine"}))  # fmt: skip
+    (tmp_path / "other.json").write_text("{}")  # not a sibling of the primary
+    assert series_paths(primary) == [primary, fp16]
+    read = load_series(fp16)
+    assert (read.codec, read.points, read.note) == ("fp16", POINTS[:2], "busy machine")
+
+
+def test_the_bench_command_names_the_codec_it_measures():
+    command = bench_command("docs/ratio_curve_fp16.json", "fp16")
+    assert command.startswith("KV_CODEC=fp16 python -m kvservice.bench ")
+    assert command.endswith("--json docs/ratio_curve_fp16.json") and "--first 20" in command
+    assert bench_command("x.json").startswith("python -m kvservice.bench ")

@@ -14,7 +14,14 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from kvservice.curve import bench_command, load_curve, ratio_for_target
+from kvservice.curve import (
+    CurveSeries,
+    bench_command,
+    load_series,
+    ratio_for_target,
+    series_path,
+    series_paths,
+)
 from kvservice.heartbeat import read_heartbeat
 from webapp.chat.models import Message
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
@@ -55,9 +62,10 @@ def fidelity_target() -> float | None:
 
 
 def target_ratio(target: float | None = None) -> float | None:
-    """The least recompute ratio the measured curve (``ratio_curve``) says reaches the
-    fidelity target (the operator's unless ``target`` is given); None without a target or
-    without a readable curve, when the worker's controller decides as in auto."""
+    """The least recompute ratio the measured curve of the codec the store writes
+    (``ratio_curve()["points"]``) says reaches the fidelity target (the operator's unless
+    ``target`` is given); None without a target or without that codec's curve, when the
+    worker's controller decides as in auto."""
     target = fidelity_target() if target is None else target
     if target is None:
         return None
@@ -74,18 +82,54 @@ def audit_sample_rate() -> float:
     return rate or 0.0
 
 
+def store_codec() -> str:
+    """The codec the store writes new chunk KV in (``KV_CODEC``, read into ``StoreConfig``)."""
+    from kvservice.store.config import StoreConfig
+
+    return StoreConfig.from_env().codec
+
+
 def ratio_curve() -> dict[str, Any]:
-    """The quality/speed curve the bench measured (the JSON at ``RATIO_CURVE_PATH``): its
-    ``points`` (None while none has been measured), or the ``error`` reading it; the
-    ``command`` that measures it."""
+    """The quality/speed curves the bench measured, one ``series`` per codec of the stored
+    KV (the JSON at ``RATIO_CURVE_PATH`` and its siblings ``<stem>_<codec>.json``; the
+    store's codec first, the first file of a codec kept); ``codec``: the one the store
+    writes, and ``points``: its series' (None while it has not been measured), which the
+    fidelity target and the audit's predictions read; the ``error`` reading them; the
+    ``command`` that measures the store's codec's curve."""
+    from kvservice.store.codec import DEFAULT_CODEC
+
     path = Path(settings.RATIO_CURVE_PATH)
-    shown = path.relative_to(settings.BASE_DIR) if path.is_relative_to(settings.BASE_DIR) else path
-    curve: dict[str, Any] = {"path": str(shown), "command": bench_command(str(shown))}
+    errors: list[str] = []
     try:
-        curve.update(points=load_curve(path), error=None)
-    except (OSError, ValueError) as err:  # the dashboard says so, never a 500
-        curve.update(points=None, error=str(err))
-    return curve
+        codec: str | None = store_codec()
+    except ValueError as err:  # a bad KV_CODEC: the dashboard says so, never a 500
+        codec = None
+        errors.append(str(err))
+    series: list[CurveSeries] = []
+    for one_path in series_paths(path):
+        try:
+            one = load_series(one_path)
+        except (OSError, ValueError) as err:
+            errors.append(str(err))
+            continue
+        if one is not None and all(s.codec != one.codec for s in series):
+            series.append(one)
+    series.sort(key=lambda one: one.codec != codec)  # stable: the rest in file order
+    current = next((one for one in series if one.codec == codec), None)
+    return {
+        "path": str(_shown(path)),
+        "series": series,
+        "codec": codec,
+        "points": current.points if current else None,
+        "error": "; ".join(errors) or None,
+        "command": bench_command(
+            str(_shown(series_path(path, codec or DEFAULT_CODEC, DEFAULT_CODEC))), codec
+        ),
+    }
+
+
+def _shown(path: Path) -> Path:
+    return path.relative_to(settings.BASE_DIR) if path.is_relative_to(settings.BASE_DIR) else path
 
 
 # --------------------------------------------------------------------------------------------

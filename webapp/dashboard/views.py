@@ -88,7 +88,7 @@ def _metrics() -> dict[str, object]:
 
 def _ratio_curve() -> dict[str, object]:
     curve = selectors.ratio_curve()
-    chart = None if curve["points"] is None else charts.ratio_curve(curve["points"])
+    chart = charts.ratio_curve(curve["series"], current=curve["codec"]) if curve["series"] else None
     target = selectors.target_ratio()  # the ratio the operator's fidelity target asks for
     return {"ratio_curve": curve, "ratio_curve_chart": chart, "target_ratio": target}
 
@@ -143,7 +143,8 @@ def controller(request: HttpRequest) -> HttpResponse:
         if row.controller_mode == row.ControllerMode.TARGET:
             ratio = selectors.target_ratio(row.fidelity_target)
             reach = (
-                "no measured curve yet: the loading controller decides"
+                f"no measured curve yet for the store's codec ({selectors.store_codec()}): "
+                "the loading controller decides"
                 if ratio is None
                 else f"the measured curve gives a ratio of at least {ratio:.3f}"
             )

@@ -14,6 +14,7 @@ from django.test import TestCase
 from django.urls import reverse
 
 from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE
+from kvservice.store.codec import DEFAULT_CODEC
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from tests.webapp.dashboard.factories import make_answers
 from tests.webapp.dashboard.factories import make_document as make_dashboard_document
@@ -41,7 +42,7 @@ CURVE = [
 @pytest.fixture
 def curve(settings, tmp_path):
     path = tmp_path / "ratio_curve.json"
-    path.write_text(json.dumps({"modes": {}, "curve": CURVE}))
+    path.write_text(json.dumps({"modes": {}, "curve": CURVE, "env": {"kv_codec": DEFAULT_CODEC}}))
     settings.RATIO_CURVE_PATH = path
     return path
 
@@ -61,6 +62,26 @@ def test_a_fidelity_target_is_stored_and_the_curve_gives_its_ratio(staff_client,
 
     staff_client.post(reverse("dashboard:controller"), {"mode": "auto"})
     assert selectors.fidelity_target() is None and selectors.target_ratio() is None
+
+
+def test_the_target_reads_the_curve_of_the_codec_the_store_writes(
+    staff_client, curve, monkeypatch
+) -> None:
+    fp16 = [_point("reuse", 0.0, 0.06, 0.75), _point("blend@0.05", 0.05, 0.02, 0.90),
+            _point("full", 1.0, 0.0, 1.0)]  # fmt: skip
+    sibling = curve.with_name("ratio_curve_fp16.json")
+    sibling.write_text(json.dumps({"modes": {}, "curve": fp16, "env": {"kv_codec": "fp16"}}))
+    target = {"mode": "target", "fidelity_target": "0.04"}
+    staff_client.post(reverse("dashboard:controller"), target)
+    monkeypatch.setenv("KV_CODEC", DEFAULT_CODEC)
+    assert selectors.target_ratio() == pytest.approx(0.10)  # CURVE: halfway from 0.05 to 0.03
+    monkeypatch.setenv("KV_CODEC", "fp16")
+    assert selectors.ratio_curve()["codec"] == "fp16"
+    assert selectors.target_ratio() == pytest.approx(0.025)  # fp16's: halfway from 0.06 to 0.02
+    monkeypatch.setenv("KV_CODEC", "int8")  # no curve measured with it
+    assert selectors.target_ratio() is None
+    response = staff_client.post(reverse("dashboard:controller"), target, follow=True)
+    assert "no measured curve yet for the store&#x27;s codec (int8)" in response.content.decode()
 
 
 @pytest.mark.parametrize("bad", ["-0.01", "abc", "", "inf"])

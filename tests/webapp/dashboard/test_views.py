@@ -18,6 +18,7 @@ from kvservice.protocol import (
     mark_alive,
     worker_alive_key,
 )
+from kvservice.store.codec import DEFAULT_CODEC
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.dashboard import selectors
 from webapp.dashboard.models import DashboardSettings
@@ -132,7 +133,8 @@ def test_dashboard_draws_the_measured_ratio_curve(staff_client, settings, tmp_pa
     ]
     path = tmp_path / "measured" / "curve.json"
     path.parent.mkdir()
-    path.write_text(json.dumps({"modes": {}, "curve": points, "env": {"first_example": 20}}))
+    env = {"first_example": 20, "kv_codec": DEFAULT_CODEC}
+    path.write_text(json.dumps({"modes": {}, "curve": points, "env": env}))
     settings.RATIO_CURVE_PATH = path
     page = staff_client.get(reverse("dashboard:index")).content.decode()
     panel = page.split('id="ratio-curve"')[1].split("</section>")[0]
@@ -145,6 +147,43 @@ def test_dashboard_draws_the_measured_ratio_curve(staff_client, settings, tmp_pa
         assert f'<th scope="row">{label}</th>' in rows and kl in rows
     assert "No curve has been measured" not in panel
     assert page.count("<svg") == 7  # the answers' six charts and the curve
+
+
+def test_dashboard_draws_a_curve_per_codec_and_names_the_one_the_store_writes(
+    staff_client, settings, tmp_path, monkeypatch
+) -> None:
+    kivi = [_curve_point("reuse", 0.0, 0.1, 0.3125), _curve_point("blend@0.05", 0.05, 0.2, 0.0875),
+            _curve_point("full", 1.0, 1.0, 0.0)]  # fmt: skip
+    fp16 = [_curve_point("reuse", 0.0, 0.3, 0.2941), _curve_point("blend@0.05", 0.05, 0.4, 0.0811),
+            _curve_point("full", 1.0, 1.0, 0.0)]  # fmt: skip
+    primary = settings.RATIO_CURVE_PATH  # tmp_path / "ratio_curve.json" (conftest)
+    primary.write_text(json.dumps({"curve": kivi, "env": {"kv_codec": "kivi4k3v"}}))
+    note = "TTFT taken on a busy machine"
+    primary.with_name("ratio_curve_fp16.json").write_text(
+        json.dumps({"curve": fp16, "env": {"kv_codec": "fp16"}, "note": note})
+    )
+    monkeypatch.setenv("KV_CODEC", "kivi4k3v")
+
+    def panel() -> str:
+        page = staff_client.get(reverse("dashboard:index")).content.decode()
+        return page.split('id="ratio-curve"')[1].split("</section>")[0]
+
+    shown = panel()
+    svg = shown.split("<svg")[1].split("</svg>")[0]
+    assert svg.count('data-codec="kivi4k3v"') == 3 and svg.count('data-codec="fp16"') == 2
+    assert svg.count("blend-line") == 0  # one blend point a series: nothing to join
+    assert "KV stored as kivi4k3v (the store&#x27;s codec)" in svg and "KV stored as fp16<" in svg
+    rows = shown.split("<tbody>")[1].split("</tbody>")[0]
+    assert rows.count('<tr class="curve-fp16">') == 3 and rows.count('class="curve-kivi4k3v"') == 3
+    assert rows.index("0.3125") < rows.index("0.2941")  # the store's codec first
+    assert "TTFT taken on a busy machine" in shown and "No curve has been measured" not in shown
+
+    monkeypatch.setenv("KV_CODEC", "int8")  # a codec nobody measured a curve for
+    shown = panel()
+    assert shown.count('data-codec="fp16"') == 2 and "the store&#x27;s codec)" not in shown
+    assert "No curve has been measured with the store's codec (int8) yet" in shown
+    assert "KV_CODEC=int8 python -m kvservice.bench" in shown
+    assert f"--json {tmp_path / 'ratio_curve_int8.json'}" in shown
 
 
 def test_dashboard_says_when_no_ratio_curve_was_measured(staff_client, settings, tmp_path) -> None:
