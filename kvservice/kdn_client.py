@@ -10,6 +10,10 @@
 thread, layer by layer, decoding each chunk's layer as it arrives; a source's ``layer(i)``
 waits only for layer ``i``, so the engine computes layer ``i`` while later layers arrive, as
 with the store's own loader (``kvservice.store.loader``).
+
+The inference worker with ``KV_SOURCE=kdn`` (:class:`KvSource`) reads through
+:class:`KdnTier`, the API in its store's S3 place (:func:`kdn_store`), with the token each
+request carries instead of a key.
 """
 
 from __future__ import annotations
@@ -391,7 +395,8 @@ class KdnTier(Tier):
 
     def _begin(self, key: ChunkKey) -> _OpenFetch | None:
         """A fetch of ``key``'s text, its preamble read; None when the tier may not ask for
-        it or the API does not find it (404), or the token is refused (401, logged)."""
+        it, the API does not find it (404), or refuses the request (another 4xx: an expired
+        token's 401, logged). A 5xx or no answer is the store being down."""
         read = self._read_for(key)
         if read is None:
             return None
@@ -404,7 +409,7 @@ class KdnTier(Tier):
                 response.release_conn()
                 raise
         except KdnError as err:
-            if err.status not in (401, 403, 404):
+            if err.status >= 500:
                 self._count_error()
                 raise StoreUnavailable(f"knowledge delivery API: {err}") from err
             if err.status != 404:
