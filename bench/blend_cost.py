@@ -39,6 +39,7 @@ from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT, example_p
 from bench.timing import cpu_name, timed
 from kvservice.blend import blend_prefill
 from kvservice.bundled import default_cache_dir, resolve_llm_path
+from kvservice.kernels import DEFAULT_PRECISION, PRECISIONS
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat
 
@@ -121,7 +122,18 @@ def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) 
     row["speedup"] = full["seconds"] / blend["seconds"]
     row["speedup_at_full_rate"] = full["seconds"] / (rest + blend["visible_pairs"] * full_rate)
     row["speedup_free_attention"] = full["seconds"] / rest
+    if args.profile:
+        print_profile(functools.partial(prefill, "blend"))
     return row
+
+
+def print_profile(run) -> None:
+    """One run under torch's profiler: the ops that took the most time, self time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -135,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", default=DEFAULT_PRECISION, choices=PRECISIONS)
+    parser.add_argument("--profile", action="store_true", help="print blend's top ops")
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)  # fmt: skip
@@ -142,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
-    model = Transformer.from_pretrained(model_dir, device="cpu", dtype=torch.float32)
+    model = Transformer.from_pretrained(model_dir, device="cpu", precision=args.precision)
     fmt = PromptFormat(
         AutoTokenizer.from_pretrained(model_dir), SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX
     )

@@ -44,6 +44,7 @@ from bench.prefill import (
 )
 from kvservice.blend import (
     BlendResult,
+    BlendSettings,
     attention_importance,
     blend_prefill,
     select_recompute,
@@ -115,7 +116,11 @@ def diagnose_example(model, fmt, example, args, stop_ids) -> dict:
 
     blend = prefill(chunks, "blend")
     rows = {"reuse": score(prefill(chunks)), "blend": score(blend)}
-    importance = attention_importance(blend.question_attention, candidate)  # blend's reuse pass
+    settings = BlendSettings()  # what blend selected by, in its reuse pass
+    importance = attention_importance(
+        blend.question_attention, candidate, settings.attention_from_depth,
+        settings.attention_to_depth, model.config.n_layers,
+    )  # fmt: skip
     deviation = torch.zeros(num_tokens)
     for chunk, start in zip(chunks, starts, strict=True):
         span = slice(start, start + chunk.num_tokens)

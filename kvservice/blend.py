@@ -81,6 +81,7 @@ SMOOTH_WINDOW = 1
 # 0.15 0.035 against 0.037; 0.05 0.060 against 0.059 (docs/blend.md). Reuse reads the KV as
 # stored (through the temperature it was worse).
 STALE_KEY_SCALE = 0.9
+ATTENTION_TO_DEPTH = 1.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class BlendSettings:
     bench's ``--blend NAME=VALUE`` sets them to compare selections on the same prompts."""
 
     attention_from_depth: float = ATTENTION_FROM_DEPTH  # ``attention_importance``
+    # ... and the layer it stops at: the reuse pass ends there, and the recompute pass places
+    # the deeper layers' cached KV as it reaches them (``_prefill``).
+    attention_to_depth: float = ATTENTION_TO_DEPTH
     smooth_window: int = SMOOTH_WINDOW  # ``smooth_scores``
     rounds: int = 1  # selection rounds: each later one selects by the attention after the last
     first_round_share: float = 0.5  # of the budget, with rounds > 1
@@ -112,24 +116,34 @@ def rerotate(k: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor, inv_
 
 
 def rotate_into(
-    dest: torch.Tensor, k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    dest: torch.Tensor,
+    k_pre: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: float = 1.0,
 ) -> None:
     """Write pre-RoPE keys ``k_pre [H_kv, n, D]`` into ``dest [H_kv, n, D]`` (a cache slice)
-    rotated by ``cos``/``sin`` ``[n, D]``: ``apply_rope`` computed in place, in ``dest``'s
-    dtype. One copy (which also widens a float16 store to the cache's float32) and four
-    in-place products instead of ``apply_rope``'s seven temporaries and a copy: placing the
-    cached chunks was ~45 % of the reuse pass (3,700 tokens, 30 layers)."""
-    if dest.dtype == torch.bfloat16:  # rotated in fp32, rounded once (8 bits of mantissa)
-        dest.copy_(apply_rope(k_pre.float(), cos, sin))
-        return
+    rotated by ``cos``/``sin`` ``[n, R]``: ``apply_rope`` computed in place, in float32.
+    One copy (which also widens a float16 store) and four in-place products instead of
+    ``apply_rope``'s seven temporaries and a copy: placing the cached chunks was ~45 % of the
+    reuse pass (3,700 tokens, 30 layers). A bfloat16 cache gets the float32 result rounded
+    once (8 bits of mantissa). The keys are multiplied by ``scale`` on the way
+    (``_Stale.key_scale``): a rotation is linear, so scaled tables give it in the same passes."""
     rotary = cos.shape[-1]  # < D with partial rotary: the other dims stay as copied
     half = rotary // 2
-    dest.copy_(k_pre)
-    x1, x2 = dest[..., :half], dest[..., half:rotary]
-    cos_h, sin_h = cos[..., :half].to(dest.dtype), sin[..., :half].to(dest.dtype)
+    work = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device)
+    work.copy_(k_pre)
+    x1, x2 = work[..., :half], work[..., half:rotary]
+    cos_h, sin_h = cos[..., :half].float(), sin[..., :half].float()
+    if scale != 1.0:
+        cos_h, sin_h = cos_h * scale, sin_h * scale
+        if rotary < work.shape[-1]:
+            work[..., rotary:] *= scale
     x1_sin = x1 * sin_h
     x1.mul_(cos_h).addcmul_(x2, sin_h, value=-1)  # x1 cos - x2 sin
     x2.mul_(cos_h).add_(x1_sin)  # x2 cos + x1 sin
+    if work is not dest:
+        dest.copy_(work)
 
 
 def attend_and_weigh(
@@ -142,7 +156,8 @@ def attend_and_weigh(
     key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the question's queries ``q [H, S, D]`` (rotated) over a layer's keys
-    ``k, v [H_kv, T, D]`` (rotated), causal by position, and the weights it paid each key.
+    ``k, v [H_kv, T, D]`` (rotated, at sorted positions ``key_pos``), causal by position, and
+    the weights it paid each key.
 
     Returns the output ``[H, S, D]`` (what SDPA gives) and the weights averaged over heads
     and queries, ``[T]``, summing to 1. One explicit computation gives both: for the few
@@ -154,31 +169,56 @@ def attend_and_weigh(
     group = heads // kv_heads
     stacked = (q * (1.0 / math.sqrt(dim))).to(k.dtype).reshape(kv_heads, group * length, dim)
     scores = (stacked @ k.transpose(1, 2)).view(kv_heads, group, length, num_keys)
-    visible = position_mask(query_pos, key_pos, sliding_window=sliding_window)  # [S, T]
     if key_bias is not None:
         scores += key_bias.to(scores.dtype)
-    scores.masked_fill_(~visible, float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [H_kv, G, S, T]
-    out = (weights.view(kv_heads, group * length, num_keys) @ v).view(heads, length, dim)
-    return out, weights.float().mean(dim=(0, 1, 2))
+    # Keys at or before the first query's position are seen by every query (key_pos sorted):
+    # only the ones after it are masked (the question's own, when it ends the prompt).
+    seen = (
+        0
+        if sliding_window is not None
+        else int(torch.searchsorted(key_pos, query_pos.min(), right=True))
+    )
+    visible = position_mask(query_pos, key_pos[seen:], sliding_window=sliding_window)  # [S, T']
+    scores[..., seen:].masked_fill_(~visible, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [H_kv, G, S, T]
+    out = (weights.to(v.dtype).view(kv_heads, group * length, num_keys) @ v).view(
+        heads, length, dim
+    )
+    return out, weights.mean(dim=(0, 1, 2))
 
 
 def attention_importance(
-    attention: torch.Tensor, candidate: torch.Tensor, from_depth: float = ATTENTION_FROM_DEPTH
+    attention: torch.Tensor,
+    candidate: torch.Tensor,
+    from_depth: float = ATTENTION_FROM_DEPTH,
+    to_depth: float = 1.0,
+    num_layers: int | None = None,
 ) -> torch.Tensor:
     """How much each token's KV matters to the question, ``[T]`` (0 for non-candidates).
 
-    ``attention [L, T]`` is what ``attend_and_weigh`` gave per layer in the reuse pass;
-    ``candidate [T]`` marks the tokens that may be recomputed. Each layer's attention is
-    normalized over the candidates (so layers whose question reads mostly the head or
-    itself count as much as the others), then averaged over the layers from ``from_depth``
-    of the depth on: the early layers' attention is broad and positional, the deeper layers'
-    is what decides the answer.
+    ``attention [L', T]`` is what ``attend_and_weigh`` gave per layer in the reuse pass, for
+    its first ``L'`` layers of ``num_layers`` (all by default); ``candidate [T]`` marks the
+    tokens that may be recomputed. Each layer's attention is normalized over the candidates
+    (so layers whose question reads mostly the head or itself count as much as the others),
+    then averaged over the layers from ``from_depth`` of the depth to ``to_depth``
+    (``selection_layers``): the early layers' attention is broad and positional, the deeper
+    layers' is what decides the answer.
     """
-    first = min(int(from_depth * attention.shape[0]), attention.shape[0] - 1)
-    over_candidates = attention[first:] * candidate  # [L', T]
+    first, stop = selection_layers(num_layers or attention.shape[0], from_depth, to_depth)
+    if stop > attention.shape[0]:
+        raise ValueError(f"attention of {attention.shape[0]} layers, selection reads {stop}")
+    over_candidates = attention[first:stop] * candidate  # [L', T]
     share = over_candidates / over_candidates.sum(dim=1, keepdim=True).clamp_min(1e-12)
     return share.mean(dim=0)  # [T]
+
+
+def selection_layers(num_layers: int, from_depth: float, to_depth: float) -> tuple[int, int]:
+    """The layers ``[first, stop)`` selection reads the question's attention in: from
+    ``from_depth`` of the depth to ``to_depth`` of it, at least one."""
+    if not 0.0 <= from_depth < to_depth <= 1.0:
+        raise ValueError(f"need 0 <= from_depth < to_depth <= 1, got {from_depth}, {to_depth}")
+    first = min(int(from_depth * num_layers), num_layers - 1)
+    return first, max(first + 1, math.ceil(to_depth * num_layers - 1e-9))
 
 
 def smooth_scores(scores: torch.Tensor, window: int) -> torch.Tensor:
@@ -376,8 +416,8 @@ class _Pass:
     """One pass over the layers: ``active`` slots are computed from layer 0 on, attending to
     the whole cache; the rest of the cache is read as it stands."""
 
-    logits: torch.Tensor  # [V] after the last active token
-    attention: torch.Tensor | None  # [L, T] the question's attention per layer, if recorded
+    logits: torch.Tensor | None  # [V] after the last active token (None: stopped early)
+    attention: torch.Tensor | None  # [L', T] the question's attention per layer run, if recorded
 
 
 @dataclass(frozen=True)
@@ -445,17 +485,16 @@ def _attend_layer(model, plan: _Attention, q, k_layer, v_layer, last: bool):
 def _place_sources(cache, i: int, sources, cos_all, sin_all, stale: _Stale) -> None:
     """Layer ``i`` of every cached segment written into the cache, rotated to its place
     (a cached prefix is already rotated); stale chunk keys scaled by ``stale.key_scale``."""
+    stale_spans = {(span.start, span.stop) for span in stale.spans}
     for seg in sources:
         k, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE unless a rotated prefix
         span = slice(seg.start, seg.stop)
         if seg.kind == "prefix":
             cache.k[i, 0, :, span] = k
         else:
-            rotate_into(cache.k[i, 0, :, span], k, cos_all[span], sin_all[span])
+            scale = stale.key_scale if (seg.start, seg.stop) in stale_spans else 1.0
+            rotate_into(cache.k[i, 0, :, span], k, cos_all[span], sin_all[span], scale)
         cache.v[i, 0, :, span] = v
-    if stale.key_scale != 1.0:
-        for span in stale.spans:
-            cache.k[i, 0, :, span] *= stale.key_scale
 
 
 @torch.no_grad()
@@ -468,18 +507,22 @@ def _run_pass(
     sources: Sequence[Segment] = (),
     question_length: int = 0,
     stale: _Stale = _Stale(),
+    until: int | None = None,
+    place_from: int = 0,
 ) -> _Pass:
     """Compute the ``active`` slots (sorted; the last one is the prompt's last token) through
-    every layer. ``sources``' cached KV is written into the cache (rotated to its place) as each
-    layer begins, so ``.layer(i)`` is read once per layer in order and a loader may prefetch
-    the next one meanwhile. With ``question_length``, the attention of the last that many
-    active tokens (the question) is recorded per layer."""
+    every layer, or the first ``until`` (no logits then). ``sources``' cached KV is written
+    into the cache (rotated to its place) as each layer from ``place_from`` on begins, so
+    ``.layer(i)`` is read once per layer in order and a loader may prefetch the next one
+    meanwhile. With ``question_length``, the attention of the last that many active tokens
+    (the question) is recorded per layer."""
     num_tokens, config = token_ids.numel(), model.config
+    until = config.n_layers if until is None else until
     ropes = model.ropes(torch.arange(num_tokens, device=model.device))  # per layer: [T, R] x2
     x = model.embed(token_ids[active])[None]  # x: [1, S, dim]
     plans: dict[int | None, _Attention] = {}  # per sliding window (Gemma 3 has two)
     attention = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers[:until]):
         cos_all, sin_all = ropes[i]
         cos_a, sin_a = cos_all[active][None], sin_all[active][None]  # [1, S, R]
         window = config.window(i)
@@ -488,7 +531,8 @@ def _run_pass(
                 model, cache, active, num_tokens, question_length, stale.bias, i
             )
         plan = plans[window]
-        _place_sources(cache, i, sources, cos_all, sin_all, stale)
+        if sources and i >= place_from:
+            _place_sources(cache, i, sources, cos_all, sin_all, stale)
         q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
         k_rot = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
         cache.k[i, 0, :, active] = k_rot.to(cache.k.dtype)  # index_put does not convert
@@ -501,7 +545,8 @@ def _run_pass(
         if last:  # after the last layer only the last token's output counts
             x, out = x[:, -1:], out[:, :, -1:]
         x = layer.finish(x, out)
-    return _Pass(model.logits(x[0, -1]), torch.stack(attention) if attention else None)
+    logits = model.logits(x[0, -1]) if until == config.n_layers else None
+    return _Pass(logits, torch.stack(attention) if attention else None)
 
 
 def _checked(mode, recompute_ratio, chunks, chunk_ids, question_ids, cached_prefix):
@@ -611,23 +656,42 @@ def _plan(segments, head_ids, mode, ratio, recompute_slots, settings, device) ->
 
 def _prefill(model, cache, token_ids, plan: _Plan) -> BlendResult:
     """Pass 1 (what is not cached: the question, misses; everything in full) over the cached
-    KV, then the recompute rounds (``_recompute``) when there is a budget."""
+    KV, then the recompute rounds (``_recompute``) when there is a budget. When blend selects
+    and pass 1 computes only the question, pass 1 ends at the last layer selection reads
+    (``attention_to_depth``): the first recompute pass, which computes the question again
+    anyway, places the deeper layers' cached KV. (Misses or an uncached head would have to
+    be computed again from layer 0: then pass 1 runs every layer.)"""
     num_tokens, layers = token_ids.numel(), model.config.n_layers
     question = plan.segments[-1].length
     sources = [seg for seg in plan.segments if seg.source is not None]
+    selects = bool(plan.budget) and plan.slots is None
+    settings, per_layer = plan.settings, int(plan.computed.sum())
+    until = (
+        selection_layers(layers, settings.attention_from_depth, settings.attention_to_depth)[1]
+        if selects and per_layer == question else layers
+    )  # fmt: skip
     first = _run_pass(
         model, cache, token_ids, plan.computed.nonzero().squeeze(1), sources=sources,
-        question_length=question if plan.budget and plan.slots is None else 0, stale=plan.stale,
+        question_length=question if selects else 0, stale=plan.stale, until=until,
     )  # fmt: skip
-    per_layer = int(plan.computed.sum())
     if not plan.budget:
         recomputed = int((plan.computed & plan.candidate).sum()) if plan.blend else 0
         share = recomputed / max(1, plan.chunk_tokens)
         return BlendResult(first.logits, cache, num_tokens, [per_layer] * layers, share)
-    logits, selected, passes = _recompute(model, cache, token_ids, plan, first.attention)
+    deeper = _Deeper(sources, until) if until < layers else None
+    logits, selected, passes = _recompute(model, cache, token_ids, plan, first.attention, deeper)
     share = selected.numel() / max(1, plan.chunk_tokens)
-    return BlendResult(logits, cache, num_tokens, [per_layer + passes] * layers, share,
-                       first.attention)  # fmt: skip
+    computed = [passes + (per_layer if i < until else 0) for i in range(layers)]
+    return BlendResult(logits, cache, num_tokens, computed, share, first.attention)
+
+
+@dataclass(frozen=True)
+class _Deeper:
+    """What pass 1 left to the first recompute pass: placing ``sources`` from layer ``start``
+    on (pass 1, which computed only the question, stopped there)."""
+
+    sources: list[Segment]
+    start: int
 
 
 def _budget(mode: Mode, ratio: float, chunk_tokens: int, candidates: int, slots: int | None) -> int:
@@ -691,12 +755,14 @@ def round_budgets(budget: int, rounds: int, first_share: float) -> list[int]:
     return [first, *(n for n in later if n > 0)]
 
 
-def _recompute(model, cache, token_ids, rounds: _Plan, attention):
+def _recompute(model, cache, token_ids, rounds: _Plan, attention, deeper: _Deeper | None):
     """The recompute passes: each round selects by the question's attention in the pass
-    before it (``attention [L, T]``) among the candidates not yet recomputed, then computes
-    those tokens and the question from layer 0 on. Returns the last logits, every selected
-    slot, and the tokens computed per layer in all."""
+    before it (``attention [L', T]``) among the candidates not yet recomputed, then computes
+    those tokens and the question from layer 0 on (the first round also places the cached KV
+    of the layers pass 1 did not reach, ``deeper``). Returns the last logits,
+    every selected slot, and the tokens computed per layer in all."""
     num_tokens, settings = token_ids.numel(), rounds.settings
+    layers = model.config.n_layers
     chosen = torch.zeros_like(rounds.candidate)
     counts, forced, computed = rounds.counts(), rounds.forced(), 0
     for index, count in enumerate(counts):
@@ -704,7 +770,8 @@ def _recompute(model, cache, token_ids, rounds: _Plan, attention):
             new = rounds.slots
         else:
             left = rounds.candidate & ~chosen
-            scores = attention_importance(attention, left, settings.attention_from_depth)
+            scores = attention_importance(attention, left, settings.attention_from_depth,
+                                          settings.attention_to_depth, layers)  # fmt: skip
             scores = smooth_scores(scores, settings.smooth_window)
             if index == 0:
                 scores = scores.masked_fill(forced, float("inf"))
@@ -717,7 +784,11 @@ def _recompute(model, cache, token_ids, rounds: _Plan, attention):
         recorded = question if index < len(counts) - 1 else 0
         bias = rounds.stale.bias
         stale = _Stale(bias=None if bias is None else bias * ~chosen)
+        place: dict = {}
+        if deeper is not None and index == 0:
+            stale = _Stale(rounds.stale.spans, rounds.stale.key_scale, stale.bias)
+            place = {"sources": deeper.sources, "place_from": deeper.start}
         step = _run_pass(model, cache, token_ids, again.nonzero().squeeze(1),
-                         question_length=recorded, stale=stale)  # fmt: skip
+                         question_length=recorded, stale=stale, **place)  # fmt: skip
         attention, computed = step.attention, computed + int(again.sum())
     return step.logits, chosen.nonzero().squeeze(1), computed

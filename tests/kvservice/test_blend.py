@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
 from kvservice.blend import (
+    BlendSettings,
     attend_and_weigh,
     attend_grouped,
     attention_importance,
@@ -14,6 +16,7 @@ from kvservice.blend import (
     rerotate,
     rotate_into,
     select_recompute,
+    selection_layers,
     smooth_scores,
 )
 from kvservice.chunk import ChunkKV
@@ -76,6 +79,22 @@ def test_rotate_into_writes_apply_rope_of_the_widened_keys_into_the_slice(tiny_l
     assert not torch.allclose(cache[:, 5:12], k_pre.float(), atol=1e-3)  # it did rotate
 
 
+@pytest.mark.parametrize("rotary", [16, 8])
+def test_rotate_into_scales_the_keys_it_rotates(tiny_llama, rotary):
+    """The stale keys' temperature is folded into the rotation: the same as rotating, then
+    scaling every dim (the ones partial rotary leaves unturned too), in a bfloat16 slice."""
+    k_pre = torch.randn(2, 7, 16)
+    cos, sin = rope_cos_sin(tiny_llama.inv_freq[: rotary // 2], torch.arange(100, 107))
+    cache = torch.zeros(2, 9, 16, dtype=torch.bfloat16)
+    rotate_into(cache[:, 1:8], k_pre, cos, sin, scale=0.9)
+    expected = (apply_rope(k_pre, cos, sin) * 0.9).to(torch.bfloat16)
+    torch.testing.assert_close(cache[:, 1:8], expected, atol=0.02, rtol=0.01)
+    assert cache[:, 0].eq(0).all() and cache[:, 8].eq(0).all()
+    unscaled = torch.zeros(2, 7, 16, dtype=torch.bfloat16)
+    rotate_into(unscaled, k_pre, cos, sin)
+    assert not torch.allclose(unscaled.float(), cache[:, 1:8].float(), atol=1e-2)
+
+
 def test_cached_chunk_k_moved_to_new_place_equals_k_computed_there(tiny_llama, prompt):
     """Layer-0 K does not depend on context, so the cached chunk's K rotated to its place in
     a new prompt must equal what full prefill computes there."""
@@ -126,6 +145,21 @@ def test_attention_importance_reads_deep_layers_each_normalized_over_candidates(
     torch.testing.assert_close(importance, torch.tensor([0.0, 0.125, 0.25, 0.625, 0.0]))
     every_layer = attention_importance(attention, candidate, from_depth=0.0)
     assert every_layer[1].item() == pytest.approx((0.9 + 0.0 + 0.25 + 0.0) / 4)
+
+
+def test_attention_importance_stops_at_to_depth_of_the_layers_given():
+    candidate = torch.tensor([True, True, True])
+    attention = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    # Of 6 layers, [2, 3): the third row only, read from the first three rows recorded.
+    importance = attention_importance(attention, candidate, 1 / 3, 0.5, num_layers=6)
+    torch.testing.assert_close(importance, torch.tensor([0.0, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="reads 4"):
+        attention_importance(attention, candidate, 0.5, 0.6, num_layers=6)
+    assert selection_layers(30, 1 / 3, 1.0) == (10, 30)
+    assert selection_layers(30, 1 / 3, 2 / 3) == (10, 20)
+    assert selection_layers(4, 0.9, 0.95) == (3, 4)  # at least one layer
+    with pytest.raises(ValueError, match="from_depth < to_depth"):
+        selection_layers(30, 0.5, 0.5)
 
 
 def test_select_recompute_takes_the_most_important_candidates_only():
@@ -310,6 +344,44 @@ def test_a_partial_hit_selected_by_attention_equals_the_same_slots_given(tiny_ll
     torch.testing.assert_close(selected.logits, given.logits, atol=1e-5, rtol=1e-5)
 
 
+def test_a_reuse_pass_stopped_at_the_selection_depth_equals_a_whole_one(tiny_llama, prompt):
+    """Pass 1 ending at the last layer selection reads (the recompute pass placing the deeper
+    layers' cached KV) computes what the whole pass 1 then the same slots compute, and reads
+    every layer of every chunk once, in order."""
+    head, chunks, question, kvs = prompt
+    head_kv = precompute_head(tiny_llama, head)
+    layers = tiny_llama.config.n_layers
+    settings = BlendSettings(attention_from_depth=0.25, attention_to_depth=0.5)
+    short = blend_prefill(
+        tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3, head_kv=head_kv,
+        chunk_ids=chunks, settings=settings,
+    )  # fmt: skip
+    first, until = selection_layers(layers, 0.25, 0.5)
+    assert short.question_attention.shape[0] == until < layers
+    candidate = torch.zeros(short.num_tokens, dtype=torch.bool)
+    candidate[len(head) + len(chunks[0]) : short.num_tokens - len(question)] = True
+    budget = math.ceil(0.3 * sum(len(c) for c in chunks))
+    importance = attention_importance(short.question_attention, candidate, 0.25, 0.5, layers)
+    slots = select_recompute(importance, candidate, budget)
+    given = blend_prefill(
+        tiny_llama, head, kvs, question, mode="blend", head_kv=head_kv, chunk_ids=chunks,
+        recompute_slots=slots.tolist(), settings=settings,
+    )  # fmt: skip
+    torch.testing.assert_close(short.logits, given.logits, atol=1e-5, rtol=1e-5)
+    k_short, v_short = _cache_kv(short)
+    k_given, v_given = _cache_kv(given)
+    torch.testing.assert_close(k_short, k_given, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_short, v_given, atol=1e-5, rtol=1e-5)
+    per_pass = budget + len(question)
+    expected = [per_pass + len(question)] * until + [per_pass] * (layers - until)
+    assert short.recomputed_per_layer == expected
+    whole = blend_prefill(
+        tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3, head_kv=head_kv,
+        chunk_ids=chunks, settings=BlendSettings(attention_from_depth=0.25),
+    )  # fmt: skip
+    assert whole.question_attention.shape[0] == layers
+
+
 def test_same_prompt_twice_is_identical_and_leaves_chunks_untouched(tiny_llama, prompt):
     head, chunks, question, kvs = prompt
     before = [kv.k.clone() for kv in kvs]
@@ -348,12 +420,19 @@ class _RecordingKV:
         return self.chunk.layer(index)
 
 
-def test_cached_kv_is_read_layer_by_layer_in_order(tiny_llama, prompt):
+@pytest.mark.parametrize("to_depth", [1.0, 0.5])  # 0.5: pass 1 stops halfway (head cached)
+def test_cached_kv_is_read_layer_by_layer_in_order(tiny_llama, prompt, to_depth):
     head, chunks, question, kvs = prompt
+    head_kv = precompute_head(tiny_llama, head) if to_depth < 1.0 else None
     logs: list[list[int]] = [[] for _ in kvs]
     sources = [_RecordingKV(kv, log) for kv, log in zip(kvs, logs, strict=True)]
-    plain = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3)
-    recorded = blend_prefill(tiny_llama, head, sources, question, mode="blend", recompute_ratio=0.3)
+    blend = functools.partial(
+        blend_prefill, tiny_llama, head, question_ids=question, mode="blend",
+        recompute_ratio=0.3, head_kv=head_kv, settings=BlendSettings(attention_to_depth=to_depth),
+    )  # fmt: skip
+    plain, recorded = blend(chunks=kvs), blend(chunks=sources)
     torch.testing.assert_close(recorded.logits, plain.logits, atol=0, rtol=0)
+    if to_depth < 1.0:
+        assert plain.question_attention.shape[0] < tiny_llama.config.n_layers
     n_layers = tiny_llama.config.n_layers
     assert all(log == list(range(n_layers)) for log in logs)
