@@ -180,11 +180,13 @@ def attend_and_weigh(
     )
     visible = position_mask(query_pos, key_pos[seen:], sliding_window=sliding_window)  # [S, T']
     scores[..., seen:].masked_fill_(~visible, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [H_kv, G, S, T]
-    out = (weights.to(v.dtype).view(kv_heads, group * length, num_keys) @ v).view(
+    # In the scores' dtype (softmax accumulates in float32): a bfloat16 cache's weights are
+    # rounded as SDPA rounds them before its second product, and no float32 copy is made.
+    weights = torch.softmax(scores, dim=-1)  # [H_kv, G, S, T]
+    out = (weights.view(kv_heads, group * length, num_keys) @ v.to(weights.dtype)).view(
         heads, length, dim
     )
-    return out, weights.mean(dim=(0, 1, 2))
+    return out, weights.sum(dim=(0, 1, 2), dtype=torch.float32) / (kv_heads * group * length)
 
 
 def attention_importance(

@@ -360,9 +360,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         rotary = cos.shape[-1]
         return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)  # halves are equal
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = x.expand(torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.shape[-1],))).clone()
+    x1, x2 = out[..., :half], out[..., half:]
+    x1_sin = x1 * sin  # then in place: a copy and five half-size passes, no cat
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
+    return out
 
 
 # --------------------------------------------------------------------------------------------
