@@ -88,7 +88,11 @@ class DeleteOut(Schema):
 
 
 class FetchIn(Schema):
-    texts: list[str] = Field(..., min_length=1, description="Texts stored with PUT, in order.")
+    texts: list[str] = Field(
+        ...,
+        min_length=1,
+        description="Texts stored with PUT, or passages of documents you may read, in order.",
+    )
     head: str | None = Field(None, min_length=1, description=HEAD_DOC)
 
 
@@ -139,7 +143,7 @@ def delete_kv(request: HttpRequest, payload: DeleteIn):
         return services.kdn_delete(owner=request.user, text=payload.text, head=payload.head)
     except services.KdnRefused as err:
         raise _refused(err) from err
-    except services.NotStored as err:
+    except services.NotYours as err:
         raise ApiError(404, "not_stored", str(err)) from err
     except (StoreUnavailable, KVUnavailable) as err:  # nothing deleted: DELETE again
         raise unavailable(f"The KV store is unavailable: {err}") from err

@@ -45,12 +45,15 @@ class StillComputing(RuntimeError):
 
 
 class NotStored(LookupError):
-    def __init__(self, index: int, what: str = "") -> None:
+    def __init__(self, index: int) -> None:
         super().__init__(
-            f"{what or f'texts[{index}]'} is not stored in your KV scope: store it with "
-            "PUT /kdn/v1/kv first"
+            f"texts[{index}] is not stored in your KV scope: store it with PUT /kdn/v1/kv first"
         )
         self.index = index
+
+
+class NotYours(LookupError):
+    """A DELETE of a text the caller did not store (another user's is not theirs)."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,7 @@ def _document_chunk_keys(owner, shas: set[str], head_hash: str) -> dict[str, str
 def kdn_delete(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
     """Remove the text ``owner`` stored (their record) and its KV object, unless a document
     chunk or another record still uses that object (identical text in the same scope shares
-    it). :class:`NotStored` when they stored no such text (another user's is not theirs).
+    it). :class:`NotYours` when they stored no such text (another user's is not theirs).
     Under the key's advisory lock, as every decision on a KV object's fate
     (``webapp.documents.services``): a precompute storing the same key waits."""
     from webapp.documents.kv import kv_store
@@ -213,7 +216,7 @@ def kdn_delete(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
         row = StoredText.objects.filter(owner=owner, tokens_sha256=sha,
                                         head_hash=tokenized.head_hash).first()  # fmt: skip
         if row is None:
-            raise NotStored(0, "text")
+            raise NotYours("You stored no such text (after this head): nothing to delete.")
         _lock_kv_key(row.kv_key)
         row.delete()
         in_use = (
