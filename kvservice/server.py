@@ -69,6 +69,11 @@ class ServerConfig:
         engine = os.environ.get("ENGINE", "native").strip().lower() or "native"
         if engine not in ("native", "vllm"):
             raise SystemExit(f"ENGINE must be 'native' or 'vllm', not {engine!r}")
+        if engine == "vllm" and (os.environ.get("KV_SOURCE") or "s3").strip().lower() != "s3":
+            raise SystemExit(
+                "KV_SOURCE=kdn works with ENGINE=native only: ENGINE=vllm's KV connector reads "
+                "the store itself (unset KV_SOURCE and give the worker S3 credentials)"
+            )
         precision = os.environ.get("ENGINE_PRECISION", "").strip() or DEFAULT_PRECISION
         if precision not in PRECISIONS:
             raise SystemExit(f"ENGINE_PRECISION must be one of {PRECISIONS}, not {precision!r}")
