@@ -129,6 +129,7 @@ CODECS: dict[str, Codec] = {
         kivi("kivi4k2v", 4, 2, v_rotate=True),
         kivi("kivi3k2v", 3, 2),
         kivi("kivi4k3v", 4, 3, k_group=128, v_rotate=True),
+        kivi("kivi4k3v-v4early", 4, ((0.125, 4), (1.0, 3)), k_group=128, v_rotate=True),
     )
 }
 DEFAULT_CODEC = "kivi4k3v"

@@ -123,6 +123,8 @@ def test_rotated_v_is_recorded_and_turned_back_at_decode():
 BOUNDS = {
     "fp16": (1e-3, 23_100), "int8": (0.02, 12_300), "fp8": (0.04, 12_000),
     "kivi4": (0.1, 6_700), "kivi3": (0.22, 5_200), "kivi2": (0.5, 3_800),
+    # 150 tokens: the second 128-token K group mostly empty (600-token chunks: 5,598 / 5,694)
+    "kivi4k3v": (0.2, 5_750), "kivi4k3v-v4early": (0.2, 5_850),
 }  # fmt: skip
 
 
@@ -159,6 +161,35 @@ def test_layer_dependent_bits_are_recorded_and_decoded_per_layer():
              (last - chunk.k[29]).norm() / chunk.k[29].norm()]  # fmt: skip
     assert error[0] < error[1] / 2
     verify_object(data, ChunkKey.of(chunk))
+
+
+def test_v4early_gives_the_first_eighth_of_the_layers_4_bit_v():
+    codec = CODECS["kivi4k3v-v4early"]
+    assert codec.layer_bits(30) == ((4, 4),) * 4 + ((4, 3),) * 26  # SmolLM2: layers 0-3
+    assert codec.layer_bits(32)[:5] == ((4, 4),) * 4 + ((4, 3),)  # Llama-3-8B's 32 as well
+    chunk = smol_like_chunk(tokens=256)
+    data = encode_chunk(chunk, codec=codec, narrow_to=torch.float16)
+    header = decode_header(data)
+    assert header.codec_name == "kivi k4v3,k4v4" and header.v_rotated
+    back = decode_chunk(data, ChunkKey.of(chunk))
+
+    def v_error(layers: slice) -> float:
+        return float((back.v[layers].float() - chunk.v[layers]).norm() / chunk.v[layers].norm())
+
+    assert v_error(slice(0, 4)) < 0.6 * v_error(slice(4, 30))  # a bit more: about half the error
+    plain = len(encode_chunk(chunk, codec=CODECS["kivi4k3v"], narrow_to=torch.float16))
+    assert len(data) - plain == 4 * 3 * 256 * 64 // 8  # one more bit a value, in 4 layers
+
+
+def test_objects_of_the_earlier_default_decode_as_they_were_written():
+    chunk = smol_like_chunk(tokens=200)
+    old = encode_chunk(chunk, codec=CODECS["kivi4k3v"], narrow_to=torch.float16)
+    assert decode_header(old).codec_name == "kivi k4v3"  # what re-encoding compares
+    back = decode_chunk(old, ChunkKey.of(chunk))
+    new = decode_chunk(encode_chunk(chunk, codec=CODECS["kivi4k3v-v4early"],
+                                    narrow_to=torch.float16))  # fmt: skip
+    assert torch.equal(back.k, new.k)  # K is stored alike
+    assert torch.equal(back.v[4:], new.v[4:]) and not torch.equal(back.v[:4], new.v[:4])
 
 
 def test_an_object_decodes_by_what_it_records_not_by_todays_codec_table(monkeypatch):
