@@ -60,7 +60,7 @@ from kvservice.curve import ratio_curve_svg
 from kvservice.engine import stop_token_ids
 from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import Prompt, PromptFormat
+from kvservice.prompt import Prompt, PromptFormat, preamble_from_env, preamble_passages
 from kvservice.store.config import StoreConfig
 from kvservice.synthetic import SYNTHETIC_CONFIGS
 from webapp.dashboard.fidelity import token_f1
@@ -171,7 +171,7 @@ def example_prompt(fmt: PromptFormat, example: dict, passages: int) -> Prompt:
 def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dict:
     prompt = example_prompt(fmt, example, args.passages)
     head_kv = precompute_head(model, prompt.head_ids)
-    chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
+    chunks = precompute_chunks(model, fmt.storage_ids, prompt.chunk_ids)  # --kv-preamble
     texts = [text + fmt.chunk_separator for text in passage_texts(example, args.passages)]
     for tier in {args.tier, *args.run_tiers.values()}:  # before any timing
         bench_of(args, tier).stage(chunks, texts=texts, head=fmt.head_text)
@@ -311,6 +311,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--warmup", type=int, default=1, help="untimed prefills per mode before the timed ones"
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument(
+        "--kv-preamble", choices=("on", "off"), default=None,
+        help="chunk KV computed after the head and the shipped retrieval preamble, as the product "
+        "does with KV_PREAMBLE=on (default: KV_PREAMBLE's value, on unless set; off with kdn)",
+    )  # fmt: skip
     parser.add_argument("--tier", choices=TIERS, default="cpu", help="where chunk KV starts")
     parser.add_argument(
         "--also-tiers", default="", metavar="T1,...",
@@ -378,6 +383,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--also-tiers {args.also_tiers!r}: tiers are {', '.join(TIERS)}")
     if also and args.engine != "native":
         parser.error("--also-tiers applies to the native engine only")
+    kdn = "kdn" in (args.tier, *also)  # a PUT computes after a head text: no preamble there
+    if args.kv_preamble is None:
+        args.kv_preamble = "on" if preamble_from_env(os.environ) and not kdn else "off"
+    if args.kv_preamble == "on" and kdn:
+        parser.error("--kv-preamble on: the kdn tier computes chunk KV after the head alone")
     args.run_tiers = {}  # run key -> the tier its chunks start in, where not --tier
     for tier in also:
         for mode in ("reuse", "blend"):
@@ -623,7 +633,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not args.no_hf:
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=args.dtype)
         hf_model = hf_model.to(args.device).eval()
-    fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
+    preamble = preamble_passages() if args.kv_preamble == "on" else ()
+    fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX, preamble=preamble)
     stop_ids = stop_token_ids(tokenizer)
     examples = json.loads(args.data.read_text())[args.first : args.first + args.examples]
     for out in (args.json, args.plot):  # e.g. docs/ratio_curve.json in a fresh checkout
@@ -682,6 +693,7 @@ def _env(args, model, model_dir, rows, load_before) -> dict:
         "tf_tokens": TF_TOKENS,
         "gap_tokens": GAP_TOKENS,
         "blend_settings": args.blend,
+        "kv_preamble": args.kv_preamble,
         "tier": args.tier,
         "kv_codec": StoreConfig.from_env().codec,  # what the chunk KV was stored in (KV_CODEC)
         "also_tiers": sorted(set(args.run_tiers.values())),

@@ -43,7 +43,7 @@ from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.compute_threads import run_in_passing_thread, single_threaded
 from kvservice.engine import Engine, Request
 from kvservice.model import Transformer, precompute_chunks
-from kvservice.prompt import Prompt, PromptFormat
+from kvservice.prompt import Prompt, PromptFormat, preamble_passages
 from kvservice.sampling import SamplingParams
 from kvservice.store import ChunkKey, StoreConfig, TieredStore
 
@@ -63,7 +63,8 @@ def main(args: argparse.Namespace) -> dict:
 
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
+    preamble = preamble_passages() if args.kv_preamble == "on" else ()
+    fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX, preamble=preamble)
     prompts = _prompts(args, fmt)
     store_config = StoreConfig(disk_dir=tempfile.mkdtemp(prefix="ragblend-vllm-bench-"))
     store = TieredStore.from_config(store_config)
@@ -74,7 +75,7 @@ def main(args: argparse.Namespace) -> dict:
             kernel=args.kernel,
         )  # fmt: skip
         for prompt in prompts:
-            for chunk in precompute_chunks(model, fmt.head_ids, prompt.chunk_ids):
+            for chunk in precompute_chunks(model, fmt.storage_ids, prompt.chunk_ids):
                 store.put(chunk, tiers=["disk"])
         return model
 

@@ -71,7 +71,7 @@ def _precompute_into_s3(sets: list[list[dict]], scopes: list[str], model_dir: Pa
     written = 0
     for questions, scope in zip(sets, scopes, strict=True):
         for item in questions:
-            for chunk in precompute_chunks(model, list(prompt.head_ids), item["chunks"]):
+            for chunk in precompute_chunks(model, list(prompt.storage_ids), item["chunks"]):
                 store.put(chunk, tiers=[], scope=scope)
                 written += 1
     return written

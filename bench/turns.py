@@ -47,7 +47,7 @@ RUNS = ("full", "blend", "reuse", "turn_kv")
 def conversation(model, fmt, head_kv, examples, args, stop_ids) -> list[dict]:
     """One conversation over ``examples[0]``'s passages: a row per turn."""
     chunk_ids = [fmt.chunk_ids(text) for text in passage_texts(examples[0], args.passages)]
-    chunks = precompute_chunks(model, fmt.head_ids, chunk_ids)
+    chunks = precompute_chunks(model, fmt.storage_ids, chunk_ids)
     segments = fmt.numbered(chunk_ids)
     sources = [part for chunk in chunks for part in (None, chunk)]  # markers computed fresh
     context = len(fmt.head_ids) + sum(map(len, segments))

@@ -77,6 +77,7 @@ class Engine:
         self.stop_ids = stop_token_ids(tokenizer)
         self.batcher = ContinuousBatcher(model, tokenizer, max_batch=max_batch, threads=threads)
         self._head_kv: ChunkKV | None = None
+        self._storage_kv: ChunkKV | None = None
         self._start_lock = threading.Lock()
         self._started = False
 
@@ -87,8 +88,19 @@ class Engine:
             self._head_kv = precompute_head(self.model, self.format.head_ids)
         return self._head_kv
 
+    @property
+    def storage_kv(self) -> ChunkKV:
+        """The KV of what chunks are computed after (``PromptFormat.storage_ids``: the head,
+        or the head and the retrieval preamble), computed once."""
+        if self.format.storage_ids == self.format.head_ids:
+            return self.head_kv
+        if self._storage_kv is None:
+            self._storage_kv = precompute_head(self.model, self.format.storage_ids)
+        return self._storage_kv
+
     def precompute(self, chunk_ids) -> list[ChunkKV]:
-        return precompute_chunks(self.model, self.format.head_ids, chunk_ids)
+        storage = self.format.storage_ids
+        return precompute_chunks(self.model, storage, chunk_ids, head_kv=self.storage_kv)
 
     def prefill(self, request: Request, extra_capacity: int = 0) -> BlendResult:
         prompt = request.prompt

@@ -868,14 +868,18 @@ def precompute_chunks(
     *,
     max_batch_tokens: int = 4096,
     out_device: torch.device | str = "cpu",
+    head_kv: ChunkKV | None = None,
 ) -> list[ChunkKV]:
     """Each chunk's per-layer KV, computed after the prompt head (positions h..h+n-1).
 
-    The head runs once; chunks of similar length share one forward, padded on the right
-    (padded slots are invalid keys, so no real token sees them)."""
+    The head runs once (not at all when its KV is given, ``head_kv``: a long storage context,
+    ``PromptFormat.storage_ids``); chunks of similar length share one forward, padded on the
+    right (padded slots are invalid keys, so no real token sees them)."""
     device, config = model.device, model.config
     h = len(head_ids)
-    head = precompute_head(model, head_ids) if h else None
+    if head_kv is not None and head_kv.token_ids != list(head_ids):
+        raise ValueError("head_kv is not the KV of head_ids")
+    head = head_kv if head_kv is not None else precompute_head(model, head_ids) if h else None
     results: list[ChunkKV | None] = [None] * len(chunks_ids)
     order = sorted(range(len(chunks_ids)), key=lambda i: len(chunks_ids[i]))
     batches: list[list[int]] = []

@@ -114,7 +114,7 @@ class NativeRuntime:
     def chunk_key(self, token_ids: list[int], scope: str = ""):
         from kvservice.store import ChunkKey
 
-        fingerprint, head = self.model.fingerprint, self.prompt.head_hash
+        fingerprint, head = self.model.fingerprint, self.prompt.storage_hash
         return ChunkKey.for_tokens(fingerprint, head, token_ids, scope)
 
     def recompute_chunk(self, token_ids):

@@ -210,7 +210,7 @@ class VllmEngine:
     def chunk_key(self, token_ids: Sequence[int], head_hash: str | None = None) -> str:
         from kvservice.store import ChunkKey
 
-        head = self.format.head_hash if head_hash is None else head_hash
+        head = self.format.storage_hash if head_hash is None else head_hash
         return ChunkKey.for_tokens(self.fingerprint, head, list(token_ids)).to_string()
 
     def _vllm_inputs(self, request: VllmRequest):

@@ -73,7 +73,7 @@ class VllmRuntime:
     def chunk_key(self, token_ids: list[int], scope: str = ""):
         from kvservice.store import ChunkKey
 
-        return ChunkKey.for_tokens(self.fingerprint, self.prompt.head_hash, token_ids, scope)
+        return ChunkKey.for_tokens(self.fingerprint, self.prompt.storage_hash, token_ids, scope)
 
     def kv_bytes_per_token(self, element_size: int = 4) -> int:
         config = self.config

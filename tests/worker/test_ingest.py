@@ -64,7 +64,7 @@ def _assert_ready(document: Document) -> None:
     assert document.status == "ready", (document.title, document.stage, document.error_message)
     assert (document.stage, document.progress) == ("done", 100)
     store = kv_store()
-    head_hash = PromptFormat.for_tokenizer(tokenizer).head_hash
+    head_hash = PromptFormat.for_tokenizer(tokenizer).storage_hash  # KV_PREAMBLE's context
     for chunk in chunks:
         assert chunk.kv_status == "ready"
         key = ChunkKey.from_string(chunk.kv_key)

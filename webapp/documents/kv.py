@@ -136,12 +136,13 @@ def kv_store() -> KVStoreClient:
 
 
 def prompt_head_ids(tokenizer: Any) -> list[int]:
-    """The deployment's fixed prompt head as the inference worker builds it
-    (``kvservice.prompt.PromptFormat``): every chunk is computed after it, and its hash is
-    part of the chunk key, so the worker's lookups hit what we store."""
+    """What the deployment computes every chunk after, as the inference worker builds it
+    (``kvservice.prompt.PromptFormat.storage_ids``: the fixed prompt head, and the retrieval
+    preamble with ``KV_PREAMBLE=on``); its hash is part of the chunk key, so the worker's
+    lookups hit what we store."""
     from kvservice.prompt import PromptFormat
 
-    return list(PromptFormat.for_tokenizer(tokenizer).head_ids)
+    return list(PromptFormat.for_tokenizer(tokenizer).storage_ids)
 
 
 class KVPrecomputer:
@@ -163,6 +164,7 @@ class KVPrecomputer:
         self.tokenizer = llm_tokenizer()
         self.head_ids = prompt_head_ids(self.tokenizer)
         self.head_hash = head_hash(self.head_ids)
+        self._head_kv = None  # computed at the first chunks, then kept (it may be long)
         self.fingerprint: str = self.model.fingerprint
         log.info("KV precompute: model %s (%s), head of %d tokens", path, self.fingerprint,
                  len(self.head_ids))  # fmt: skip
@@ -174,11 +176,14 @@ class KVPrecomputer:
 
     def compute(self, chunks_ids: Sequence[Sequence[int]]) -> list[Any]:
         """Each chunk's KV (``ChunkKV``) computed after the prompt head, in order."""
-        from kvservice.model import precompute_chunks
+        from kvservice.model import precompute_chunks, precompute_head
 
+        if self._head_kv is None:
+            self._head_kv = precompute_head(self.model, self.head_ids)
         out: list[Any] = [None] * len(chunks_ids)
         for group in length_groups([len(ids) for ids in chunks_ids]):
-            kvs = precompute_chunks(self.model, self.head_ids, [chunks_ids[i] for i in group])
+            group_ids = [chunks_ids[i] for i in group]
+            kvs = precompute_chunks(self.model, self.head_ids, group_ids, head_kv=self._head_kv)
             for index, kv in zip(group, kvs, strict=True):
                 out[index] = kv
         return out

@@ -88,7 +88,8 @@ def _tokenize(text: str, what: str) -> list[int]:
 
 
 def _head_ids(head: str | None) -> list[int]:
-    """The deployment's prompt head, or the one named (its text, tokenized as a whole)."""
+    """What the deployment computes chunks after (its prompt head, and the retrieval preamble
+    with ``KV_PREAMBLE=on``), or the head named (its text, tokenized as a whole)."""
     if head is None:
         return prompt_head_ids(_tokenizer())
     return _tokenize(head, "head")
@@ -154,7 +155,10 @@ def kdn_compute(*, token_ids: list[int], head_ids: list[int], scope: str) -> dic
     stored_bytes = store.object_bytes(key.to_string())
     computed = stored_bytes is None
     if computed:
-        (chunk,) = precompute_chunks(precomputer.model, head_ids, [token_ids])
+        if head_ids == precomputer.head_ids:  # the deployment's: its context's KV is kept
+            (chunk,) = precomputer.compute([token_ids])
+        else:
+            (chunk,) = precompute_chunks(precomputer.model, head_ids, [token_ids])
         store.put(chunk, scope=scope)
         stored_bytes = store.object_bytes(key.to_string()) or 0
     return {"key": key.to_string(), "tokens": len(token_ids), "stored_bytes": stored_bytes,

@@ -57,7 +57,7 @@ def vllm_setup(smollm2, smollm2_dir, smollm2_tokenizer, tmp_path_factory):
     store = TieredStore.from_config(config)
     chunk_ids = [fmt.chunk_ids(text) for text in PASSAGES]
     keys = {}
-    chunks = precompute_chunks(smollm2, fmt.head_ids, chunk_ids)
+    chunks = precompute_chunks(smollm2, fmt.storage_ids, chunk_ids)  # as ingest does
     for ids, chunk in zip(chunk_ids, chunks, strict=True):
         keys[tuple(ids)] = store.put(chunk).to_string()
     return {

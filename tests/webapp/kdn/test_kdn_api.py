@@ -5,6 +5,7 @@ computes a PUT's KV with the bundled model into the S3 gateway, and the client
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -24,10 +25,17 @@ OTHER = "Mount Kilimanjaro is a dormant volcano in Tanzania, the highest mountai
 
 
 def _put(client: Client, auth: dict, text: str, **extra) -> dict:
-    response = client.put(
-        "/kdn/v1/kv", json.dumps({"text": text, **extra}), content_type="application/json",
-        **auth,
-    )  # fmt: skip
+    """PUT as the API asks: a 202 (the KV worker still computing, e.g. loading its model on a
+    busy machine) is PUT again after its Retry-After, for up to five minutes."""
+    deadline = time.monotonic() + 300
+    while True:
+        response = client.put(
+            "/kdn/v1/kv", json.dumps({"text": text, **extra}), content_type="application/json",
+            **auth,
+        )  # fmt: skip
+        if response.status_code != 202 or time.monotonic() > deadline:
+            break
+        time.sleep(float(response.headers.get("Retry-After", 1)))
     assert response.status_code == 200, response.content
     return response.json()
 
