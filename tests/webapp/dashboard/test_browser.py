@@ -12,6 +12,7 @@ import time
 import pytest
 from django.test import Client
 
+from kvservice.store.codec import DEFAULT_CODEC
 from tests.browser import (
     ARTIFACTS,
     CHROMIUM,  # noqa: F401 - other browser tests import it from here
@@ -164,7 +165,8 @@ def test_an_operator_sets_a_fidelity_target_and_sees_the_ratio_it_gives(
     from webapp.dashboard import selectors
 
     path = tmp_path / "curve.json"
-    path.write_text(json.dumps({"modes": {}, "curve": CURVE}))
+    # measured with the codec the store writes (the bench records it)
+    path.write_text(json.dumps({"modes": {}, "curve": CURVE, "env": {"kv_codec": DEFAULT_CODEC}}))
     settings.RATIO_CURVE_PATH = path
     _log_in(browser, live_server, staff)
     browser.get(f"{live_server.url}/dashboard/")
