@@ -21,6 +21,10 @@ A codec is a name in ``kvservice.store.codec.CODECS`` or a kivi spec such as
 V 2 bits; groups of 64 tokens for K, 32 channels for V; ``clip=0|1`` each group's range
 searched for the least error or not, ``rot=1`` V turned by a Hadamard matrix).
 
+Chunk KV is computed as the product computes it: after the shipped retrieval preamble when
+``KV_PREAMBLE`` is on (its default; ``--kv-preamble on|off`` overrides), else after the
+prompt head alone (every figure in ``docs/codec.md`` before the preamble became the default).
+
 ``--speed`` also times decoding (one layer at a time, as the loader does) and prints GB/s
 of decoded float16 KV per thread.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -55,7 +60,7 @@ from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV
 from kvservice.engine import stop_token_ids
 from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat
+from kvservice.prompt import PromptFormat, preamble_from_env, preamble_passages
 from kvservice.store import codec as codecs
 from kvservice.store.codec import KIVI, Codec, codec_by_name, kivi
 from kvservice.store.format import decode_chunk, decode_header, decode_layer, encode_chunk
@@ -130,7 +135,7 @@ def decode_speed(objects: Sequence[bytearray], device: str, repeats: int = 3) ->
 def run_example(model, tokenizer, fmt, example, args, stop_ids, codec_list) -> dict:
     prompt = example_prompt(fmt, example, args.passages)
     head_kv = precompute_head(model, prompt.head_ids)
-    chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
+    chunks = precompute_chunks(model, fmt.storage_ids, prompt.chunk_ids)  # --kv-preamble
     extra = max(args.max_new_tokens, GAP_TOKENS)
 
     def prefill(sources: Sequence[ChunkKV], mode: str):
@@ -231,7 +236,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speed", action="store_true", help="also time decoding")
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", type=Path, default=None)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--kv-preamble", choices=("on", "off"), default=None,
+        help="chunk KV computed after the shipped retrieval preamble (default: KV_PREAMBLE's)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.kv_preamble is None:
+        args.kv_preamble = "on" if preamble_from_env(os.environ) else "off"
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -243,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
     model = Transformer.from_pretrained(model_dir, device=args.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX)
+    preamble = preamble_passages() if args.kv_preamble == "on" else ()
+    fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX, preamble=preamble)
     stop_ids = stop_token_ids(tokenizer)
     examples = json.loads(args.data.read_text())[args.first : args.first + args.examples]
     names = [codec.name for codec in codec_list]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ def ratio_curve() -> dict[str, Any]:
             errors.append(str(err))
             continue
         if one is not None and all(s.codec != one.codec for s in series):
-            series.append(one)
+            series.append(replace(one, path=str(_shown(one_path))))
     series.sort(key=lambda one: one.codec != codec)  # stable: the rest in file order
     current = next((one for one in series if one.codec == codec), None)
     return {
