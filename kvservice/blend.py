@@ -79,7 +79,11 @@ SMOOTH_WINDOW = 1
 # the same keys gave 0.042, the opposite corrections (x1.1, +0.5) +65 %. Validation 20-39:
 # 0.10 KL 0.042 against 0.045, top-1 agreement 0.964 against 0.929 (better KL on 9 of 20);
 # 0.15 0.035 against 0.037; 0.05 0.060 against 0.059 (docs/blend.md). Reuse reads the KV as
-# stored (through the temperature it was worse).
+# stored (through the temperature it was worse). With chunks stored after the retrieval
+# preamble (KV_PREAMBLE=on) the stale KV is less sharp and 0.95 fits it on Musique: tuning
+# 1-19 at 0.10 0.0420 against 0.9's 0.0459 (better on 14 of 19); validation 20-39 0.05 / 0.10
+# / 0.15: 0.042 / 0.034 / 0.029 against 0.050 / 0.039 / 0.034. Not the default: the product's
+# handbook test answered 3 of its questions ungrounded with both (docs/blend.md).
 STALE_KEY_SCALE = 0.9
 # Selection reads the layers up to this depth, and the reuse pass stops there. Tuning 0-19 at
 # 0.15 (auto precision): to 30 of 30 layers 0.0361, 25 0.0367, 20 0.0377, 15 0.0426; the

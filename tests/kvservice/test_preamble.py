@@ -33,7 +33,7 @@ def test_the_preamble_is_laid_out_as_numbered_passages_before_the_chunks_place(
 
 
 def test_kv_preamble_is_read_from_the_environment():
-    assert preamble_from_env({}) is True  # on by default
+    assert preamble_from_env({}) is False  # off by default
     assert preamble_from_env({"KV_PREAMBLE": " On "}) is True
     assert preamble_from_env({"KV_PREAMBLE": "off"}) is False
     with pytest.raises(ValueError, match="KV_PREAMBLE must be 'on' or 'off', not 'yes'"):
@@ -89,9 +89,9 @@ def test_the_engine_computes_and_keys_chunks_after_the_preamble(smollm2, smollm2
 
 
 def test_the_products_format_follows_kv_preamble(smollm2_tokenizer, monkeypatch):
-    monkeypatch.delenv("KV_PREAMBLE", raising=False)
+    monkeypatch.setenv("KV_PREAMBLE", "on")
     on = PromptFormat.for_tokenizer(smollm2_tokenizer)
     assert on.storage_hash != on.head_hash
-    monkeypatch.setenv("KV_PREAMBLE", "off")
+    monkeypatch.delenv("KV_PREAMBLE", raising=False)
     off = PromptFormat.for_tokenizer(smollm2_tokenizer)
     assert off.storage_hash == off.head_hash == on.head_hash
