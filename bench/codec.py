@@ -22,8 +22,8 @@ V 2 bits; groups of 64 tokens for K, 32 channels for V; ``clip=0|1`` each group'
 searched for the least error or not, ``rot=1`` V turned by a Hadamard matrix).
 
 Chunk KV is computed as the product computes it: after the shipped retrieval preamble when
-``KV_PREAMBLE`` is on (its default; ``--kv-preamble on|off`` overrides), else after the
-prompt head alone (every figure in ``docs/codec.md`` before the preamble became the default).
+``KV_PREAMBLE`` is on (``--kv-preamble on|off`` overrides), else after the prompt head alone
+(every figure in ``docs/codec.md`` but the two runs marked ``--kv-preamble on``).
 
 ``--speed`` also times decoding (one layer at a time, as the loader does) and prints GB/s
 of decoded float16 KV per thread.
