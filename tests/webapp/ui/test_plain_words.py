@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.urls import reverse
 
@@ -25,6 +27,10 @@ def test_users_read_plain_timing_and_staff_the_engine_terms(client, alice, staff
             assert "TTFT" not in page and "r=0.15" not in page and "cpu×" not in page
 
 
+# "KV" as a word: the page's random CSRF token may hold the letters (it did, once in CI).
+KV_WORD = re.compile(r"\bKV\b")
+
+
 def test_a_document_shows_whole_passages_and_no_kv_jargon(client, alice) -> None:
     document = make_document(alice, "Long handbook", chunks=1)
     passage = "The harbour was dug in 1764. " * 60  # 1740 characters
@@ -32,10 +38,10 @@ def test_a_document_shows_whole_passages_and_no_kv_jargon(client, alice) -> None
     client.force_login(alice)
     page = client.get(reverse("documents:detail", args=[document.id])).content.decode()
     assert passage.strip() in page
-    assert "prepared for fast answers" in page and "KV" not in page
+    assert "prepared for fast answers" in page and not KV_WORD.search(page)
 
     Document.objects.filter(pk=document.pk).update(
         status=Document.Status.PROCESSING, stage=Document.Stage.KV, progress=70
     )
     listing = client.get(reverse("documents:list")).content.decode()
-    assert "Preparing it for fast answers" in listing and "KV" not in listing
+    assert "Preparing it for fast answers" in listing and not KV_WORD.search(listing)
