@@ -353,6 +353,12 @@ def rope_cos_sin(
     return emb.cos(), emb.sin()
 
 
+# apply_rope computes in place from this many elements on: 2 threads, 9 heads x 64 dims, in
+# microseconds: 1 token 23 (expression) against 55 (in place), 200 tokens 104 / 105, 3,645
+# tokens 2,611 / 2,197.
+IN_PLACE_ROPE_MIN = 9 * 64 * 200
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [..., T, D]`` by the angles in cos/sin ``[T, R]`` (broadcast over heads);
     with ``R < D`` (partial rotary) the first ``R`` dims turn and the rest pass."""
@@ -361,6 +367,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     cos, sin = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)  # halves are equal
+    if x.numel() < IN_PLACE_ROPE_MIN:  # decoding: fewer ops beat fewer passes
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     out = x.expand(torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.shape[-1],))).clone()
     x1, x2 = out[..., :half], out[..., half:]
     x1_sin = x1 * sin  # then in place: a copy and five half-size passes, no cat
