@@ -41,7 +41,7 @@ import torch
 
 from bench.codec import decode_speed
 from bench.prefill import chunk_sources
-from bench.staging import store_bench
+from bench.staging import bench_of
 from bench.timing import cpu_name, synchronize, timed
 from kvservice.blend import BlendSettings, Mode, blend_prefill
 from kvservice.chunk import ChunkKV
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
     head_kv = precompute_head(model, head)
     chunks = precompute_chunks(model, head, chunk_ids)
     for tier in {args.tier, *args.run_tiers.values()}:  # before any timing
-        store_bench(tier, not args.no_pipeline).stage(chunks)
+        bench_of(args, tier).stage(chunks)
     plan: dict[str, tuple[Mode, float]] = args.plan
 
     def prefill(key: str, mode: Mode, ratio: float) -> tuple[torch.Tensor, float]:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
         for key, (mode, ratio) in plan.items():
             prefill(key, mode, ratio)
     for tier in {args.tier, *args.run_tiers.values()}:  # report the timed runs' loads only
-        store_bench(tier, not args.no_pipeline).stage(chunks)
+        bench_of(args, tier).stage(chunks)
     synchronize(device)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     ttft: dict[str, list[float]] = {key: [] for key in plan}
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
     modes = {}
     for key in plan:
         median = statistics.median(ttft[key])
-        bench = store_bench(args.run_tiers.get(key, args.tier), not args.no_pipeline)
+        bench = bench_of(args, args.run_tiers.get(key, args.tier))
         modes[key] = {
             "ttft_median_s": median,
             "ttft_s": ttft[key],

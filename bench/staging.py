@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.s3 import gateway_unless_configured
 from bench.throttle import ThrottlingProxy
 from kvservice.chunk import ChunkKV, LayeredKV
@@ -64,11 +66,11 @@ def parse_link_rate(text: str) -> tuple[float | None, float | None]:
 class StoreBench:
     def __init__(
         self, tier: str = "cpu", *, pipeline: bool = True, environ: dict[str, str] | None = None,
-        s3_mbps: float | None = None, load_all: bool = False,
+        s3_mbps: float | None = None, load_all: bool = False, device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         """``s3_mbps``: read S3 through a throttling proxy at that rate (see
         :meth:`set_link`); ``load_all``: read every chunk even where recomputing it would be
-        faster."""
+        faster; ``device``: where the loader decodes the chunks' layers (the model's)."""
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         self.tier = tier
@@ -90,7 +92,7 @@ class StoreBench:
         if tier == "s3":
             tiers.append(S3Tier(self.config))
         self.store = TieredStore(tiers, quantize=self.config.quantize, config=self.config)
-        self.loader = KVLoader(self.store, pipeline=pipeline, promote=False)
+        self.loader = KVLoader(self.store, pipeline=pipeline, promote=False, device=device)
         self._keys: dict[int, ChunkKey] = {}
         self._sizes: dict[int, int] = {}  # stored object bytes per chunk
         self._chunk_tokens = 0
@@ -249,14 +251,26 @@ _BENCHES: dict[tuple[str, bool, float | None, bool], StoreBench] = {}
 
 
 def store_bench(
-    tier: str, pipeline: bool, *, s3_mbps: float | None = None, load_all: bool = False
-) -> StoreBench:
-    """One StoreBench per (tier, pipeline, link) in the process, closed at exit."""
-    key = (tier, pipeline, s3_mbps, load_all)
+    tier: str, pipeline: bool, *, s3_mbps: float | None = None, load_all: bool = False,
+    device: torch.device | str = "cpu",
+) -> StoreBench:  # fmt: skip
+    """One StoreBench per (tier, pipeline, link, device) in the process, closed at exit.
+    ``cuda`` and ``cuda:0`` are one device here: staging and reading must find the same bench."""
+    key = (tier, pipeline, s3_mbps, load_all, canonical_device(device))
     if key not in _BENCHES:
-        _BENCHES[key] = StoreBench(tier, pipeline=pipeline, s3_mbps=s3_mbps, load_all=load_all)
+        _BENCHES[key] = StoreBench(
+            tier, pipeline=pipeline, s3_mbps=s3_mbps, load_all=load_all, device=device
+        )
         atexit.register(_BENCHES[key].close)
     return _BENCHES[key]
+
+
+def canonical_device(device: torch.device | str) -> str:
+    """``device`` with its index: ``cuda`` is the current CUDA device's (``cuda:0``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 UNTHROTTLED_MBPS = 1e6  # the link's rate under ``auto`` until the example's full is measured
@@ -271,11 +285,12 @@ def bench_of(args: Any, tier: str) -> StoreBench:
 
         return kdn_bench(args.kdn_url, args.kdn_key, getattr(args, "precision", None))
     mbps, scale = getattr(args, "s3_link", (None, None))
+    device = getattr(args, "device", "cpu")
     if tier != "s3" or (mbps is None and scale is None):
-        return store_bench(tier, not args.no_pipeline)
+        return store_bench(tier, not args.no_pipeline, device=device)
     return store_bench(
         tier, not args.no_pipeline, s3_mbps=mbps or UNTHROTTLED_MBPS,
-        load_all=getattr(args, "load_all", False),
+        load_all=getattr(args, "load_all", False), device=device,
     )  # fmt: skip
 
 

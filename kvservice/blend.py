@@ -323,7 +323,7 @@ def attend_grouped(
         n = span.stop - span.start
         rows = q[0, :, span].to(k.dtype).reshape(1, kv_heads, heads // kv_heads * n, dim)
         out = F.scaled_dot_product_attention(rows, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
-        outputs.append(out.view(1, heads, n, dim))
+        outputs.append(out.reshape(1, heads, n, dim))  # CUDA's SDPA may return other strides
     return torch.cat(outputs, dim=2)
 
 

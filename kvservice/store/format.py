@@ -368,6 +368,20 @@ def decode_layer(
     """K and V ``[H_kv, T, D]`` of layer ``index`` from its block (``layer_size(index)``
     long, or longer: extra bytes are ignored), decoded on the block's device. Raw layers are
     views of ``block``, no copy."""
+    raw = layer_bytes(header, index, block, verify=verify)
+    shape = (header.num_kv_heads, header.num_tokens, header.head_dim)
+    sections = [raw[at : at + n] for at, n in header.layout(index).sections]
+    return codecs.decode_sections(
+        header.codec_kind, header.layer_bits[index], sections, shape, header.dtype,
+        k_group=header.k_group, v_group=header.v_group, v_rotated=header.v_rotated,
+    )  # fmt: skip
+
+
+def layer_bytes(
+    header: ChunkHeader, index: int, block: Buffer, *, verify: bool = True
+) -> torch.Tensor:
+    """Layer ``index``'s stored bytes (uint8, ``layer_size(index)`` long) from its block,
+    checked against the header's checksum when ``verify``; ``ChunkTruncated`` when short."""
     raw = as_uint8(block)
     size = header.layer_size(index)
     if raw.numel() < size:
@@ -375,12 +389,7 @@ def decode_layer(
     raw = raw[:size]
     if verify and _crc(raw) != header.layer_crc32[index]:
         raise ChunkCorrupt(f"layer {index} checksum mismatch in {header.key}")
-    shape = (header.num_kv_heads, header.num_tokens, header.head_dim)
-    sections = [raw[at : at + n] for at, n in header.layout(index).sections]
-    return codecs.decode_sections(
-        header.codec_kind, header.layer_bits[index], sections, shape, header.dtype,
-        k_group=header.k_group, v_group=header.v_group, v_rotated=header.v_rotated,
-    )  # fmt: skip
+    return raw
 
 
 def decode_token_ids(header: ChunkHeader, section: Buffer, *, verify: bool = True) -> list[int]:

@@ -60,14 +60,16 @@ def test_every_mode_on_cuda_equals_cpu_in_float32(tiny_checkpoints, prompt):
         )
 
 
-def test_chunks_loaded_from_the_store_reach_the_cuda_cache(tiny_checkpoints, prompt):
+@pytest.mark.parametrize("loader_device", ["cpu", "cuda"])
+def test_chunks_loaded_from_the_store_reach_the_cuda_cache(tiny_checkpoints, prompt, loader_device):
     head, chunks, question = prompt
     model = Transformer.from_pretrained(
         tiny_checkpoints["llama"], device="cuda", dtype=torch.bfloat16
     )
     kvs = precompute_chunks(model, head, chunks)
     in_memory = blend_prefill(model, head, kvs, question, mode="reuse")
-    bench = StoreBench("cpu", environ={"KV_STORE_DTYPE": "bfloat16", "KV_CODEC": "fp16"})
+    environ = {"KV_STORE_DTYPE": "bfloat16", "KV_CODEC": "fp16"}
+    bench = StoreBench("cpu", environ=environ, device=loader_device)
     try:
         bench.stage(kvs)
         loaded = blend_prefill(model, head, bench.sources(kvs, "reuse"), question, mode="reuse")
@@ -75,6 +77,29 @@ def test_chunks_loaded_from_the_store_reach_the_cuda_cache(tiny_checkpoints, pro
         bench.close()
     assert loaded.cache.k.device.type == "cuda"
     torch.testing.assert_close(loaded.logits, in_memory.logits, atol=0, rtol=0)
+
+
+def test_a_cuda_loader_decodes_the_codec_on_the_device_as_the_host_does(tiny_checkpoints, prompt):
+    """The stored bytes cross to the device and are decoded there (kvservice.store.loader):
+    the layers equal the host's decoding of the same objects, up to float rounding."""
+    head, chunks, _ = prompt
+    model = Transformer.from_pretrained(tiny_checkpoints["llama"], device="cuda")
+    kvs = precompute_chunks(model, head, chunks)
+    environ = {"KV_CODEC": "kivi4k3v-v4early"}
+    layers = {}
+    for device in ("cpu", "cuda"):
+        bench = StoreBench("disk", environ=environ, device=device)
+        try:
+            bench.stage(kvs)
+            sources = bench.sources(kvs, "reuse")
+            assert all(source is not None for source in sources)  # every chunk read
+            layers[device] = [s.layer(i) for s in sources for i in range(model.config.n_layers)]
+        finally:
+            bench.close()
+    for (k_cpu, v_cpu), (k_cuda, v_cuda) in zip(layers["cpu"], layers["cuda"], strict=True):
+        assert k_cpu.device.type == "cpu" and k_cuda.device.type == "cuda"
+        torch.testing.assert_close(k_cuda.cpu(), k_cpu, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(v_cuda.cpu(), v_cpu, rtol=1e-3, atol=1e-3)
 
 
 def test_the_synthetic_bench_on_cuda_reports_peak_memory_per_mode(monkeypatch):
