@@ -214,6 +214,8 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
                 lambda key=key, mode=mode, ratio=ratio: prefill(key, mode, ratio), model.device
             )
             ttft[key].append(seconds)
+            if (tier := args.run_tiers.get(key, args.tier)) != "kdn":  # the controller learns
+                bench_of(args, tier).observe_run(key, seconds)  # from each timed run
             if key == "full" and len(ttft[key]) == 1:  # --s3-mbps: the link follows full
                 for tier in {args.tier, *args.run_tiers.values()}:
                     after_full(args, tier, prompt_tokens=len(prompt.token_ids),

@@ -108,7 +108,11 @@ class StoreBench:
         """Put the example's chunks into the chosen tier, and nowhere else (not timed); the
         passages' texts (``bench.kdn``'s stage) are not needed here."""
         self._pending, self._stats, self._plans = {}, {}, {}
+        # a new example's measurements, but what reading costs beyond the link is the
+        # machine's: it carries over (as it does in the inference worker's one controller)
+        overhead = self.controller.overhead_s_per_byte
         self.controller = LoadingController(smoothing=1.0)
+        self.controller.overhead_s_per_byte = overhead
         for key in self._keys.values():
             self.store.drop_local(key)
         self._keys, self._sizes = {}, {}
@@ -152,6 +156,14 @@ class StoreBench:
             read_token_layers=self._chunk_tokens * self._num_layers,
             computed_token_layers=computed_token_layers, compute_s=seconds,
         )  # fmt: skip
+
+    def observe_run(self, key: str, seconds: float) -> None:
+        """The run ``key`` just took ``seconds`` to its first token: the loading controller
+        learns what its plan's estimate missed (``LoadingController.observe_plan``), as the
+        inference worker does after every request."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            self.controller.observe_plan(plan, seconds)
 
     def plan(self, chunks: Sequence[ChunkKV], ratio: float) -> LoadPlan | None:
         """The loading controller's per-chunk choice over the throttled link, or None where

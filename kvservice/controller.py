@@ -22,8 +22,14 @@ about ``max(load_s, first_pass_s) + second_pass_s``. On a link so slow that a ch
 longer to arrive than to recompute, recomputing some chunks instead shortens the request;
 recomputing all of them is full prefill (no second pass). The plan with the least estimate is
 chosen among "the ``n`` chunks slowest to load, relative to their recompute, are
-recomputed" for every ``n``, all of them included, so a blend is never estimated slower
-than full prefill, whatever the link.
+recomputed" for every ``n``. Then the whole request is weighed: unless that plan is
+estimated at least ``FULL_MARGIN`` (5 %) faster than full prefill, full prefill runs, so a
+blend is never estimated slower than full, whatever the link or blend's own cost.
+
+Estimates learn from what requests took (:meth:`LoadingController.observe_plan`): on a CPU
+worker the reads, checksums and decoding take cores from compute while they overlap it, so
+each read byte costs more than its link time. What the estimate missed, per read byte, is
+priced into the next plans.
 
 :func:`choose_ratio` and :func:`choose_loads` are the pure decisions;
 :class:`LoadingController` keeps the running measurements (EWMA) and calls them.
@@ -206,6 +212,8 @@ class LoadPlan:
     total_s_estimate: float | None  # the loads overlapping the first pass, then the second
     full_s_estimate: float | None  # full prefill of the same prompt
     why: dict[str, Any] = field(default_factory=dict)
+    read_bytes: int = 0  # the read chunks' stored bytes
+    overhead_s: float = 0.0  # of the total: what reading those bytes takes from compute
 
     @property
     def recomputed(self) -> int:
@@ -213,6 +221,55 @@ class LoadPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"recomputed": self.recomputed}
+
+
+FULL_MARGIN = 0.05  # blend runs only where estimated at least this much faster than full
+OVERHEAD_SMOOTHING = 0.3  # observe_plan's EWMA weight of the newest request, at most
+
+
+@dataclass(frozen=True)
+class _Pricing:
+    """What :func:`choose_loads` prices a plan by (its arguments, measured)."""
+
+    chunks: Sequence[ChunkLoad]
+    question_tokens: int
+    num_layers: int
+    tier_bandwidth: Mapping[str, float | None]
+    throughput: float  # recompute token-layers per second
+    recompute_ratio: float
+    read_token_layer_s: float
+    overhead_s_per_byte: float
+
+    def load_s(self, chunk: ChunkLoad) -> float | None:
+        bandwidth = self.tier_bandwidth.get(chunk.tier)
+        return chunk.nbytes / bandwidth if bandwidth else None
+
+    def compute_s(self, tokens: float) -> float:
+        return tokens * self.num_layers / self.throughput
+
+    def plan(self, load: Sequence[bool], why: dict[str, Any]) -> LoadPlan:
+        """The estimate of reading the chunks marked in ``load`` and recomputing the rest:
+        the loads overlap the first pass, then the second; each read byte also costs
+        ``overhead_s_per_byte`` (the cores the reads take from compute on a CPU worker)."""
+        link_s: dict[str, float] = {}
+        first, second, read, nbytes = float(self.question_tokens), 0.0, 0, 0
+        for chunk, loaded in zip(self.chunks, load, strict=True):
+            if loaded:
+                link_s[chunk.tier] = link_s.get(chunk.tier, 0.0) + (self.load_s(chunk) or 0.0)
+                second += self.recompute_ratio * chunk.tokens
+                read, nbytes = read + chunk.tokens, nbytes + chunk.nbytes
+            else:
+                first += chunk.tokens
+        if any(load):  # the second pass recomputes the question again
+            second += self.question_tokens
+        load_s, first_s = max(link_s.values(), default=0.0), self.compute_s(first)
+        second_s = self.compute_s(second) + read * self.num_layers * self.read_token_layer_s
+        overhead_s = nbytes * self.overhead_s_per_byte
+        total_s = max(load_s, first_s) + second_s + overhead_s
+        full_s = self.compute_s(self.question_tokens + sum(c.tokens for c in self.chunks))
+        return LoadPlan(
+            tuple(load), load_s, first_s + second_s, total_s, full_s, why, nbytes, overhead_s
+        )
 
 
 def choose_loads(
@@ -224,6 +281,8 @@ def choose_loads(
     recompute_token_layers_per_s: float | None,
     recompute_ratio: float,
     read_token_layer_s: float = 0.0,
+    overhead_s_per_byte: float = 0.0,
+    full_margin: float = FULL_MARGIN,
 ) -> LoadPlan:
     """Which chunks to read and which to recompute whole, for the least estimated time.
 
@@ -232,72 +291,51 @@ def choose_loads(
     tokens that blend recomputes; ``read_token_layer_s``: what blend spends per read token
     and layer beyond the tokens it computes (placing and rotating the cached KV, selecting,
     attention over it; measured, :meth:`LoadingController.observe_blend`), counted in the
-    second pass. Time is estimated as ``max(load_s, first_pass_s) + second_pass_s`` (the
-    module's docstring); each tier's reads share its link, tiers read in parallel."""
+    second pass; ``overhead_s_per_byte``: what each read byte adds to the request beyond its
+    link time (:meth:`LoadingController.observe_plan`). Time is estimated as
+    ``max(load_s, first_pass_s) + second_pass_s`` (the module's docstring); each tier's reads
+    share its link, tiers read in parallel. Last, the whole request: unless the best plan is
+    estimated at least ``full_margin`` faster than full prefill, every chunk is recomputed."""
     throughput = recompute_token_layers_per_s or None
     if throughput is None:
         return LoadPlan(
             tuple(True for _ in chunks), None, None, None, None,
             {"rule": "no measurement of recompute throughput yet: every chunk is read"},
         )  # fmt: skip
-
-    def seconds_to_load(chunk: ChunkLoad) -> float | None:
-        bandwidth = tier_bandwidth.get(chunk.tier)
-        return chunk.nbytes / bandwidth if bandwidth else None
-
-    def seconds_to_compute(tokens: float) -> float:
-        return tokens * num_layers / throughput
-
-    def estimate(load: Sequence[bool]) -> tuple[float, float, float]:
-        """(load_s, compute_s, total_s) of reading the chunks marked in ``load``."""
-        link_s: dict[str, float] = {}
-        first, second, read = float(question_tokens), 0.0, 0  # tokens of each pass
-        for chunk, loaded in zip(chunks, load, strict=True):
-            if loaded:
-                link_s[chunk.tier] = link_s.get(chunk.tier, 0.0) + (seconds_to_load(chunk) or 0.0)
-                second += recompute_ratio * chunk.tokens
-                read += chunk.tokens
-            else:
-                first += chunk.tokens
-        if any(load):  # the second pass recomputes the question again
-            second += question_tokens
-        load_s = max(link_s.values(), default=0.0)
-        first_s = seconds_to_compute(first)
-        second_s = seconds_to_compute(second) + read * num_layers * read_token_layer_s
-        return load_s, first_s + second_s, max(load_s, first_s) + second_s
-
+    price = _Pricing(
+        chunks, question_tokens, num_layers, tier_bandwidth, throughput, recompute_ratio,
+        read_token_layer_s, overhead_s_per_byte,
+    )  # fmt: skip
     # the chunks a slow link makes dearest first: load time over recompute time
     cost = {
-        i: seconds / seconds_to_compute(chunk.tokens)
+        i: seconds / price.compute_s(chunk.tokens)
         for i, chunk in enumerate(chunks)
-        if chunk.tokens > 0 and (seconds := seconds_to_load(chunk)) is not None
+        if chunk.tokens > 0 and (seconds := price.load_s(chunk)) is not None
     }
     order = sorted(cost, key=lambda i: -cost[i])
-    all_load_s, all_compute_s, _ = estimate([True] * len(chunks))
-    if all_load_s <= all_compute_s:  # loading is not what the request waits on: read them all
+    why = {"load_over_recompute": {str(i): cost[i] for i in order}}
+    every = price.plan([True] * len(chunks), why)
+    if every.load_s_estimate <= every.compute_s_estimate:  # loading is not what it waits on
         order = []
-    best: tuple[float, list[bool]] | None = None
-    for recomputed in range(len(order) + 1):
-        load = [True] * len(chunks)
-        for i in order[:recomputed]:
-            load[i] = False
-        total_s = estimate(load)[2]
-        if best is None or total_s < best[0] - 1e-12:
-            best = (total_s, load)
-    assert best is not None
-    load_s, compute_s, total_s = estimate(best[1])
-    full_s = seconds_to_compute(question_tokens + sum(chunk.tokens for chunk in chunks))
-    recomputed = best[1].count(False)
-    why = {
-        "load_over_recompute": {str(i): cost[i] for i in order},
-        "rule": (
-            "every chunk is read: loading hides behind compute"
-            if recomputed == 0
-            else f"{recomputed} of {len(chunks)} chunks recomputed: they take longer to arrive "
-            "than to recompute, and the rest arrive while they are computed"
-        ),
-    }
-    return LoadPlan(tuple(best[1]), load_s, compute_s, total_s, full_s, why)
+    best = every
+    for recomputed in range(1, len(order) + 1):
+        plan = price.plan([i not in order[:recomputed] for i in range(len(chunks))], why)
+        if plan.total_s_estimate < best.total_s_estimate - 1e-12:
+            best = plan
+    full_s = best.full_s_estimate
+    if any(best.load) and best.total_s_estimate > (1.0 - full_margin) * full_s:
+        why["rule"] = (
+            f"full prefill: blend's best plan is estimated at {best.total_s_estimate:.3f} s, "
+            f"not {full_margin:.0%} below full prefill's {full_s:.3f} s"
+        )
+        return price.plan([False] * len(chunks), why)
+    n = best.recomputed
+    why["rule"] = (
+        "every chunk is read: loading hides behind compute" if n == 0
+        else f"{n} of {len(chunks)} chunks recomputed: they take longer to arrive than to "
+        "recompute, and the rest arrive while they are computed"
+    )  # fmt: skip
+    return best
 
 
 class LoadingController:
@@ -317,6 +355,7 @@ class LoadingController:
         self.smoothing = smoothing
         self.recompute_token_layers_per_s: float | None = None
         self.read_token_layer_s = 0.0  # blend's cost per read token and layer (observe_blend)
+        self.overhead_s_per_byte = 0.0  # what a read byte adds beyond its link (observe_plan)
         self.tier_bandwidth: dict[str, float] = {}
         self._lock = threading.Lock()
         self.last_decision: RatioDecision | None = None
@@ -361,6 +400,20 @@ class LoadingController:
             old = self.read_token_layer_s or None
             self.read_token_layer_s = self._ewma(old, per)
 
+    def observe_plan(self, plan: LoadPlan, seconds: float) -> None:
+        """A request run by ``plan`` took ``seconds`` to its first token. What its estimate
+        did not foresee, per byte it read, is what reading costs beyond the link: on a CPU
+        worker the reads, checksums and decoding take cores from compute while they overlap
+        it (seen on 2 cores: a blend over a slow link 1.5x its estimate). Never below 0: an
+        estimate that came out high is left as it is (on the side of full prefill)."""
+        if not plan.read_bytes or plan.total_s_estimate is None or seconds <= 0:
+            return
+        without = plan.total_s_estimate - plan.overhead_s
+        per = max(0.0, seconds - without) / plan.read_bytes
+        with self._lock:  # noisy request by request: averaged even where nothing else is
+            old, weight = self.overhead_s_per_byte, min(self.smoothing, OVERHEAD_SMOOTHING)
+            self.overhead_s_per_byte = per if not old else (1 - weight) * old + weight * per
+
     def observe_tier(self, tier: str, *, nbytes: int, seconds: float) -> None:
         if seconds > 0 and nbytes > 0:
             with self._lock:
@@ -403,11 +456,12 @@ class LoadingController:
         with self._lock:
             bandwidth = dict(self.tier_bandwidth)
             throughput = self.recompute_token_layers_per_s
-            read_cost = self.read_token_layer_s
+            read_cost, overhead = self.read_token_layer_s, self.overhead_s_per_byte
         return choose_loads(
             chunks=chunks, question_tokens=question_tokens, num_layers=num_layers,
             tier_bandwidth=bandwidth, recompute_token_layers_per_s=throughput,
             recompute_ratio=recompute_ratio, read_token_layer_s=read_cost,
+            overhead_s_per_byte=overhead,
         )  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
@@ -419,6 +473,7 @@ class LoadingController:
                 "mode": "admin" if self.fixed_ratio is not None else "auto",
                 "recompute_token_layers_per_s": self.recompute_token_layers_per_s,
                 "read_token_layer_s": self.read_token_layer_s,
+                "overhead_s_per_byte": self.overhead_s_per_byte,
                 "tier_bandwidth_bytes_per_s": dict(self.tier_bandwidth),
                 "last_decision": None
                 if self.last_decision is None

@@ -273,6 +273,8 @@ class NativePlan:
             self._keep_prefix(result)
         if self.load_plan is not None:
             metrics["recomputed_chunks"] = self.load_plan.recomputed
+            if self._prefill_s:  # what the plan's estimate missed, for the next one
+                runtime.controller.observe_plan(self.load_plan, self._prefill_s)
         if load is not None:
             metrics["chunk_tiers"].update(
                 (str(cid), tier)

@@ -308,6 +308,14 @@ def test_zero_percent_hit_equals_full(tiny_llama, prompt):
     )
     torch.testing.assert_close(miss.logits, full.logits, atol=ATOL, rtol=ATOL)
     assert miss.recompute_ratio_effective == 0.0  # nothing was cached, nothing "re"computed
+    # With the head's KV given too, nothing after it cached: the head is computed as well
+    # (full prefill's one causal pass, the same numbers, not the masked path after a cache)
+    head_kv = precompute_head(tiny_llama, head)
+    for mode in ("blend", "reuse"):
+        missed = blend_prefill(tiny_llama, head, [None] * len(chunks), question, mode=mode,
+                               chunk_ids=chunks, head_kv=head_kv)  # fmt: skip
+        torch.testing.assert_close(missed.logits, full.logits, atol=0, rtol=0)
+        assert missed.recomputed_per_layer[0] == full.recomputed_per_layer[0]
 
 
 def test_hundred_percent_hit_and_partial_hit(tiny_llama, prompt):

@@ -189,13 +189,64 @@ def test_blends_own_cost_per_read_token_can_make_recomputing_pay():
 
 
 def test_chunks_are_all_read_when_loading_hides_behind_blends_compute():
-    # 1 MB a chunk at 100 MB/s: the six arrive in 0.06 s, while blend computes for 0.2 s (its
-    # cost per read token measured high): loading is not what the request waits on
+    # 0.5 MB a chunk at 100 MB/s: the six arrive in 0.03 s, while blend computes for 0.04 s
+    # (0.2 us a read token-layer): loading is not what the request waits on, and the whole
+    # blend (0.066 s) is well below full prefill (0.103 s)
+    plan = choose_loads(
+        chunks=_chunks(MB // 2), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
+        read_token_layer_s=2e-7, **LOAD,
+    )  # fmt: skip
+    assert plan.recomputed == 0 and plan.load_s_estimate < plan.compute_s_estimate
+    assert plan.total_s_estimate == pytest.approx(0.03 + 550 * 30 / 900_000 + 3000 * 30 * 2e-7)
+
+
+def test_full_prefill_when_blend_is_not_estimated_faster_whole():
+    # Loading hides behind blend's compute, but blend's compute alone (2 us a read
+    # token-layer: 0.2 s) is slower than full prefill's 0.103 s: every chunk is recomputed.
     plan = choose_loads(
         chunks=_chunks(MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
         read_token_layer_s=2e-6, **LOAD,
     )  # fmt: skip
-    assert plan.recomputed == 0 and plan.load_s_estimate < plan.compute_s_estimate
+    assert plan.load == (False,) * 6 and plan.read_bytes == 0
+    assert plan.total_s_estimate == pytest.approx(plan.full_s_estimate)
+    assert plan.why["rule"].startswith("full prefill")
+
+
+def test_within_the_margin_of_full_prefill_full_prefill_runs():
+    # Every chunk in memory (no link time), blend's second pass priced so that the whole
+    # blend is 0.97x full prefill: inside the 5 % margin, so full runs; at 0.90x blend does.
+    full_s = 3100 * 30 / 900_000
+    for share, read in ((0.97, False), (0.90, True)):
+        per = (share * full_s - 650 * 30 / 900_000) / (3000 * 30)  # 100 + 450 + 100 tokens
+        plan = choose_loads(
+            chunks=_chunks(MB, "cpu"), tier_bandwidth={"cpu": 1e15}, recompute_ratio=0.15,
+            read_token_layer_s=per, **LOAD,
+        )  # fmt: skip
+        assert all(plan.load) is read and (not any(plan.load)) is not read
+
+
+def test_what_reading_costs_beyond_the_link_is_learned_and_priced():
+    controller = LoadingController(smoothing=1.0)
+    controller.observe_recompute(tokens=3100, layers=30, seconds=3100 * 30 / 900_000)
+    controller.observe_tier("cpu", nbytes=10_000 * MB, seconds=1.0)
+    kwargs = dict(
+        chunks=_chunks(MB, "cpu"), question_tokens=100, num_layers=30, recompute_ratio=0.15
+    )
+    plan = controller.choose_loads(**kwargs)
+    assert plan.recomputed == 0 and plan.read_bytes == 6 * MB and plan.overhead_s == 0.0
+    # the request took 0.03 s longer than estimated: 5 ns a read byte
+    controller.observe_plan(plan, plan.total_s_estimate + 0.03)
+    assert controller.overhead_s_per_byte == pytest.approx(0.03 / (6 * MB))
+    again = controller.choose_loads(**kwargs)
+    assert again.overhead_s == pytest.approx(0.03)
+    assert again.total_s_estimate == pytest.approx(plan.total_s_estimate + 0.03)
+    # a request that beat its estimate counts as 0, averaged in (one request is noisy)
+    controller.observe_plan(again, 0.001)
+    assert controller.overhead_s_per_byte == pytest.approx(0.7 * 0.03 / (6 * MB))
+    # and when reading costs more than full prefill would, full prefill runs
+    for _ in range(10):
+        controller.observe_plan(plan, plan.full_s_estimate * 1.2)
+    assert controller.choose_loads(**kwargs).load == (False,) * 6
 
 
 def test_controller_learns_blends_cost_per_read_token():

@@ -29,7 +29,8 @@ from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.requests import generate_request
 from webapp.documents import quotas
 from webapp.documents.kv import kv_store
-from webapp.documents.models import Chunk, Collection, Document
+from webapp.documents.models import Chunk, Collection, Document, OrphanObject
+from webapp.documents.services import document_delete
 from webapp.kdn.models import StoredText
 from webapp.kdn.tokens import SALT, request_token, token_claims
 
@@ -126,6 +127,14 @@ def test_the_workers_store_reads_a_passage_through_the_api_with_the_request_toke
     deleted = api.delete(chunk.text)
     assert deleted == {"key": chunk.kv_key, "tokens": len(chunk.token_ids), "kv_deleted": False}
     assert kv_store().contains(chunk.kv_key)
+    # The other way round: deleting the document keeps the object a stored text names, and
+    # deleting that text last deletes it.
+    assert api.put(chunk.text)["computed"] is False
+    document_delete(document=document)
+    assert kv_store().contains(chunk.kv_key) and not OrphanObject.objects.exists()
+    deleted = api.delete(chunk.text)
+    assert deleted == {"key": chunk.kv_key, "tokens": len(chunk.token_ids), "kv_deleted": True}
+    assert not kv_store().contains(chunk.kv_key)
     api.close()
 
 
