@@ -30,8 +30,13 @@ from webapp.documents.models import Chunk, Document
 from webapp.redis import redis_client
 
 QUEUES = ("ingest", "kv", "inference")
-TIER_ORDER = ("device", "cpu", "disk", "s3")  # fastest first, as the store lists them
-TIER_LABELS = {"device": "Device", "cpu": "CPU memory", "disk": "Disk", "s3": "MinIO / S3"}
+# fastest first, as the store lists them; a worker with KV_SOURCE=kdn has the knowledge
+# delivery API in S3's place
+TIER_ORDER = ("device", "cpu", "disk", "s3", "kdn")
+TIER_LABELS = {
+    "device": "Device", "cpu": "CPU memory", "disk": "Disk", "s3": "MinIO / S3",
+    "kdn": "Knowledge delivery API",
+}  # fmt: skip
 WARMABLE_TIERS = ("device", "cpu", "disk")
 
 

@@ -326,3 +326,15 @@ def test_django_admin_lists_the_models_and_keeps_measurements_read_only(
     page = client.get(reverse("admin:chat_message_change", args=[answer.pk])).content.decode()
     assert 'name="ttft_s"' not in page and 'name="recompute_ratio"' not in page
     assert 'name="content"' in page  # moderation of the text stays possible
+
+
+def test_a_kdn_workers_tiers_are_listed_fastest_first_with_the_api_last() -> None:
+    """A worker with KV_SOURCE=kdn reads through the knowledge delivery API in S3's place."""
+    beat = {"store": {"tiers": [
+        {"name": "kdn", "hits": 3, "misses": 1, "capacity_bytes": None, "bytes": None},
+        {"name": "cpu", "hits": 1, "misses": 3, "capacity_bytes": 100, "bytes": 25},
+    ]}}  # fmt: skip
+    rows = selectors.tier_rows(beat)
+    assert [row["name"] for row in rows] == ["cpu", "kdn"]
+    assert rows[1]["label"] == "Knowledge delivery API" and rows[1]["hit_rate"] == 0.75
+    assert rows[0]["used_fraction"] == 0.25
