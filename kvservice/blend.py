@@ -85,6 +85,13 @@ SMOOTH_WINDOW = 1
 # / 0.15: 0.042 / 0.034 / 0.029 against 0.050 / 0.039 / 0.034. Not the default: the product's
 # handbook test answered 3 of its questions ungrounded with both (docs/blend.md).
 STALE_KEY_SCALE = 0.9
+# The temperature applies in full to a cached chunk after this many cached chunk tokens, in
+# part before (``_stale_reading``); 0: in full to every stale chunk. On the handbook's short
+# prompts (1-3 passages) the full temperature made blend worse than reuse on 8 of 14
+# questions (bench.doc_fidelity). Tuning 0-19 at 0.10: 0 0.0444, 600 0.0450, 1200 0.0437,
+# 2400 0.0424; validation 20-39 at 0.05 / 0.10 / 0.15: 0.0506 / 0.0385 / 0.0323 against
+# 0.0525 / 0.0412 / 0.0346 (better on 15 / 14 / 15 of 20) (docs/blend.md).
+STALE_RAMP_TOKENS = 2400
 # Selection reads the layers up to this depth, and the reuse pass stops there. Tuning 0-19 at
 # 0.15 (auto precision): to 30 of 30 layers 0.0361, 25 0.0367, 20 0.0377, 15 0.0426; the
 # question's deep layers are worth their cost in memory (docs/blend.md).
@@ -106,6 +113,7 @@ class BlendSettings:
     chunk_starts: int = 0  # the first tokens of every cached chunk always recomputed (EPIC)
     stale_bias: float = 0.0  # added to the attention logits of stale cached keys (APE)
     stale_key_scale: float = STALE_KEY_SCALE  # stale cached keys scaled: a temperature (APE)
+    stale_ramp_tokens: int = STALE_RAMP_TOKENS  # ... in full only after that many cached tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,8 +448,14 @@ class _Stale:
     ``stale_bias`` and ``stale_key_scale``): ``spans`` are the cached chunks' slots."""
 
     spans: tuple[slice, ...] = ()
-    key_scale: float = 1.0
+    key_scales: tuple[float, ...] = ()  # per span
     bias: torch.Tensor | None = None  # [T] added to every active query's logits
+
+    def key_scale(self, start: int, stop: int) -> float:
+        for span, scale in zip(self.spans, self.key_scales, strict=True):
+            if (span.start, span.stop) == (start, stop):
+                return scale
+        return 1.0
 
 
 @dataclass(frozen=True)
@@ -499,14 +513,13 @@ def _attend_layer(model, plan: _Attention, q, k_layer, v_layer, last: bool):
 def _place_sources(cache, i: int, sources, cos_all, sin_all, stale: _Stale) -> None:
     """Layer ``i`` of every cached segment written into the cache, rotated to its place
     (a cached prefix is already rotated); stale chunk keys scaled by ``stale.key_scale``."""
-    stale_spans = {(span.start, span.stop) for span in stale.spans}
     for seg in sources:
         k, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE unless a rotated prefix
         span = slice(seg.start, seg.stop)
         if seg.kind == "prefix":
             cache.k[i, 0, :, span] = k
         else:
-            scale = stale.key_scale if (seg.start, seg.stop) in stale_spans else 1.0
+            scale = stale.key_scale(seg.start, seg.stop)
             rotate_into(cache.k[i, 0, :, span], k, cos_all[span], sin_all[span], scale)
         cache.v[i, 0, :, span] = v
 
@@ -716,14 +729,23 @@ def _budget(mode: Mode, ratio: float, chunk_tokens: int, candidates: int, slots:
 
 
 def _stale_reading(segments: list[Segment], stale: torch.Tensor, settings: BlendSettings) -> _Stale:
-    """How the stale cached chunk KV (``stale [T]``) is read in the first pass."""
-    spans = tuple(
-        slice(seg.start, seg.stop)
-        for seg in segments
-        if seg.kind == "chunk" and bool(stale[seg.start : seg.stop].any())
-    )
+    """How the stale cached chunk KV (``stale [T]``) is read in the first pass. A chunk's
+    keys are scaled by ``stale_key_scale``, or, with ``stale_ramp_tokens``, by as much of it
+    as the cached chunk tokens before it (the context its stored KV never saw) make up of
+    that many: a passage right after the head is read as stored."""
+    spans, scales, unseen = [], [], 0
+    for seg in segments:
+        if seg.kind != "chunk" or seg.source is None:
+            continue
+        if bool(stale[seg.start : seg.stop].any()):
+            share = (
+                min(1.0, unseen / settings.stale_ramp_tokens) if settings.stale_ramp_tokens else 1.0
+            )
+            spans.append(slice(seg.start, seg.stop))
+            scales.append(1.0 - (1.0 - settings.stale_key_scale) * share)
+        unseen += seg.length
     bias = stale.float() * settings.stale_bias if settings.stale_bias else None
-    return _Stale(spans, settings.stale_key_scale, bias)
+    return _Stale(tuple(spans), tuple(scales), bias)
 
 
 @dataclass
@@ -800,7 +822,7 @@ def _recompute(model, cache, token_ids, rounds: _Plan, attention, deeper: _Deepe
         stale = _Stale(bias=None if bias is None else bias * ~chosen)
         place: dict = {}
         if deeper is not None and index == 0:
-            stale = _Stale(rounds.stale.spans, rounds.stale.key_scale, stale.bias)
+            stale = _Stale(rounds.stale.spans, rounds.stale.key_scales, stale.bias)
             place = {"sources": deeper.sources, "place_from": deeper.start}
         step = _run_pass(model, cache, token_ids, again.nonzero().squeeze(1),
                          question_length=recorded, stale=stale, **place)  # fmt: skip

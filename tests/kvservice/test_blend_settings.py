@@ -87,14 +87,42 @@ def test_the_stale_corrections_leave_reuse_as_stored(tiny_blend):
     torch.testing.assert_close(corrected.logits, plain.logits)
     scaled = blend_prefill(
         model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
-        settings=BlendSettings(stale_key_scale=0.5),
+        settings=BlendSettings(stale_key_scale=0.5, stale_ramp_tokens=0),
     )  # fmt: skip
     as_stored = blend_prefill(
         model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
         settings=BlendSettings(stale_key_scale=1.0),
     )  # fmt: skip
     assert not torch.allclose(scaled.logits, as_stored.logits, atol=1e-4)
-    default = blend_prefill(model, head, chunks, question, chunk_ids=chunk_ids,
-                            recompute_ratio=0.25)  # fmt: skip
-    assert BlendSettings().stale_key_scale == 0.9
-    assert not torch.allclose(default.logits, as_stored.logits, atol=1e-4)
+    # the default's temperature, in full (its ramp off): these chunks are ~50 tokens, and by
+    # default a chunk gets the temperature in full only after 2,400 cached tokens
+    assert BlendSettings().stale_key_scale == 0.9 and BlendSettings().stale_ramp_tokens == 2400
+    unramped = blend_prefill(model, head, chunks, question, chunk_ids=chunk_ids,
+                             recompute_ratio=0.25,
+                             settings=BlendSettings(stale_ramp_tokens=0))  # fmt: skip
+    assert not torch.allclose(unramped.logits, as_stored.logits, atol=1e-4)
+
+
+def test_the_stale_temperature_ramps_with_the_cached_tokens_a_chunk_never_saw():
+    from kvservice.blend import Segment, _stale_reading
+
+    cached = object()  # any source: only whether a segment is read from cache matters here
+    segments = [
+        Segment(0, 10, None, "head"),
+        Segment(10, 2, None, "chunk"),  # a computed passage marker
+        Segment(12, 100, cached, "chunk"),  # the first passage: nothing cached before it
+        Segment(112, 300, cached, "chunk"),  # after 100 cached tokens
+        Segment(412, 50, None, "chunk"),  # a miss: computed, not context it lacked
+        Segment(462, 40, cached, "chunk"),  # after 400 cached tokens
+        Segment(502, 8, None, "question"),
+    ]
+    stale = torch.zeros(510, dtype=torch.bool)
+    stale[12:412] = stale[462:502] = True
+    ramped = _stale_reading(
+        segments, stale, BlendSettings(stale_key_scale=0.9, stale_ramp_tokens=200)
+    )
+    assert [(s.start, s.stop) for s in ramped.spans] == [(12, 112), (112, 412), (462, 502)]
+    assert ramped.key_scales == pytest.approx((1.0, 0.95, 0.9))
+    assert ramped.key_scale(112, 412) == pytest.approx(0.95) and ramped.key_scale(0, 10) == 1.0
+    flat = _stale_reading(segments, stale, BlendSettings(stale_key_scale=0.9, stale_ramp_tokens=0))
+    assert flat.key_scales == pytest.approx((0.9, 0.9, 0.9))
