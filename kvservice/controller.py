@@ -22,9 +22,10 @@ about ``max(load_s, first_pass_s) + second_pass_s``. On a link so slow that a ch
 longer to arrive than to recompute, recomputing some chunks instead shortens the request;
 recomputing all of them is full prefill (no second pass). The plan with the least estimate is
 chosen among "the ``n`` chunks slowest to load, relative to their recompute, are
-recomputed" for every ``n``. Then the whole request is weighed: unless that plan is
-estimated at least ``FULL_MARGIN`` (5 %) faster than full prefill, full prefill runs, so a
-blend is never estimated slower than full, whatever the link or blend's own cost.
+recomputed" for every ``n``. Then, where loading is what the request waits on, the whole
+request is weighed: unless that plan is estimated at least ``FULL_MARGIN`` (5 %) faster than
+full prefill, full prefill runs, so a blend is never estimated slower than full, whatever the
+link.
 
 Estimates learn from what requests took (:meth:`LoadingController.observe_plan`): on a CPU
 worker the reads, checksums and decoding take cores from compute while they overlap it, so
@@ -294,8 +295,11 @@ def choose_loads(
     second pass; ``overhead_s_per_byte``: what each read byte adds to the request beyond its
     link time (:meth:`LoadingController.observe_plan`). Time is estimated as
     ``max(load_s, first_pass_s) + second_pass_s`` (the module's docstring); each tier's reads
-    share its link, tiers read in parallel. Last, the whole request: unless the best plan is
-    estimated at least ``full_margin`` faster than full prefill, every chunk is recomputed."""
+    share its link, tiers read in parallel. Last, the whole request: where loading is what it
+    waits on and the best plan is not estimated at least ``full_margin`` faster than full
+    prefill, every chunk is recomputed. (Where loading hides behind compute, every chunk is
+    read: a short prompt's blend may cost about what full prefill does, and the stored KV
+    is what the product is for.)"""
     throughput = recompute_token_layers_per_s or None
     if throughput is None:
         return LoadPlan(
@@ -315,7 +319,8 @@ def choose_loads(
     order = sorted(cost, key=lambda i: -cost[i])
     why = {"load_over_recompute": {str(i): cost[i] for i in order}}
     every = price.plan([True] * len(chunks), why)
-    if every.load_s_estimate <= every.compute_s_estimate:  # loading is not what it waits on
+    hidden = every.load_s_estimate <= every.compute_s_estimate
+    if hidden:  # loading is not what the request waits on: every chunk is read
         order = []
     best = every
     for recomputed in range(1, len(order) + 1):
@@ -323,7 +328,7 @@ def choose_loads(
         if plan.total_s_estimate < best.total_s_estimate - 1e-12:
             best = plan
     full_s = best.full_s_estimate
-    if any(best.load) and best.total_s_estimate > (1.0 - full_margin) * full_s:
+    if not hidden and any(best.load) and best.total_s_estimate > (1.0 - full_margin) * full_s:
         why["rule"] = (
             f"full prefill: blend's best plan is estimated at {best.total_s_estimate:.3f} s, "
             f"not {full_margin:.0%} below full prefill's {full_s:.3f} s"
