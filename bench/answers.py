@@ -72,8 +72,9 @@ class Outcome:
     not_found: bool
 
 
-def handbook_cases(directory: Path, min_score: float) -> list[Case]:
-    from webapp.documents.embeddings import embed_texts
+def handbook_texts(directory: Path) -> list[str]:
+    """The text of every document in ``directory`` (all but ``questions.json``), parsed as
+    on upload, in name order."""
     from webapp.documents.parsing import detect_type, parse
 
     texts = []
@@ -81,6 +82,13 @@ def handbook_cases(directory: Path, min_score: float) -> list[Case]:
         if path.name != "questions.json":
             data = path.read_bytes()
             texts.append(parse(data, detect_type(data, path.name)).text)
+    return texts
+
+
+def handbook_cases(directory: Path, min_score: float) -> list[Case]:
+    from webapp.documents.embeddings import embed_texts
+
+    texts = handbook_texts(directory)
     questions = json.loads((directory / "questions.json").read_text())["questions"]
     doc_vectors = embed_texts(texts)
     cases = []

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bench.answers import handbook_texts
 from bench.prefill import (
     GAP_TOKENS,
     TF_TOKENS,
@@ -61,16 +62,13 @@ def handbook_cases(
     """Each question with the passages the chat's vector retrieval would give it."""
     from webapp.documents.chunking import chunk_text, llm_tokenizer
     from webapp.documents.embeddings import embed_texts
-    from webapp.documents.parsing import detect_type, parse
 
-    passages: list[str] = []
     tokenizer = llm_tokenizer(str(model_path))
-    for path in sorted(directory.iterdir()):
-        if path.name != "questions.json":
-            data = path.read_bytes()
-            text = parse(data, detect_type(data, path.name)).text
-            chunks = chunk_text(text, tokenizer=tokenizer, max_tokens=chunk_tokens)
-            passages += [chunk.text for chunk in chunks]
+    passages = [
+        chunk.text
+        for text in handbook_texts(directory)
+        for chunk in chunk_text(text, tokenizer=tokenizer, max_tokens=chunk_tokens)
+    ]
     questions = json.loads((directory / "questions.json").read_text())["questions"]
     vectors = torch.tensor(embed_texts(passages))
     asked = torch.tensor(embed_texts([q["question"] for q in questions]))

@@ -502,7 +502,7 @@ def _forget_objects(*, originals: Iterable[str] = (), kv_keys: Iterable[str] = (
     return [row.key for row in rows]
 
 
-def _kv_key_in_use(key: str) -> bool:
+def kv_key_in_use(key: str) -> bool:
     """Whether a chunk or a text stored through the knowledge delivery API names ``key``."""
     from webapp.kdn.models import StoredText  # the KDN app builds on this one
 
@@ -534,7 +534,7 @@ def purge_orphan_objects(*, keys: Iterable[str] | None = None, limit: int = 500)
             with transaction.atomic():
                 if orphan.kind == OrphanObject.Kind.KV:
                     _lock_kv_key(orphan.key)
-                    in_use = _kv_key_in_use(orphan.key)
+                    in_use = kv_key_in_use(orphan.key)
                 else:
                     in_use = Document.objects.filter(object_key=orphan.key).exists()
                 if not in_use:
