@@ -12,6 +12,7 @@ use of ``SECRET_KEY`` (sessions, password resets): no other signed value passes 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -30,7 +31,9 @@ class RequestToken:
 
 def request_token(*, user_id: int, request_id: str, timeout_s: float) -> str:
     """A token for ``user_id``'s request ``request_id``, valid for ``timeout_s`` seconds."""
-    payload = {"u": user_id, "r": request_id, "e": round(time.time() + timeout_s, 3)}
+    # to the millisecond, rounded down: the token never outlives the request
+    expires = math.floor((time.time() + timeout_s) * 1000) / 1000
+    payload = {"u": user_id, "r": request_id, "e": expires}
     return signing.dumps(payload, salt=SALT, compress=False)
 
 
