@@ -222,43 +222,71 @@ def print_table(summary: dict, examples: int) -> None:
               f"{s['entropy_bytes_per_token']:8.0f}  " + "  ".join(cols) + speed)  # fmt: skip
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def example_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every codec bench shares: which examples, which model, where to write,
+    and how chunk KV is computed (``--kv-preamble``; resolved by :func:`parse_examples`)."""
     parser.add_argument("--data", type=Path, required=True, help="Musique JSON")
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--examples", type=int, default=20)
     parser.add_argument("--passages", type=int, default=6)
-    parser.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
-    parser.add_argument("--codecs", default="fp16,fp8,kivi4,kivi3,kivi2")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--speed", action="store_true", help="also time decoding")
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--kv-preamble", choices=("on", "off"), default=None,
         help="chunk KV computed after the shipped retrieval preamble (default: KV_PREAMBLE's)",
     )  # fmt: skip
+
+
+def parse_examples(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.kv_preamble is None:
         args.kv_preamble = "on" if preamble_from_env(os.environ) else "off"
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    example_arguments(parser)
+    parser.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    parser.add_argument("--codecs", default="fp16,fp8,kivi4,kivi3,kivi2")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--speed", action="store_true", help="also time decoding")
+    return parse_examples(parser, argv)
+
+
+def setup(args: argparse.Namespace, device: str = "cpu") -> tuple:
+    """The model, tokenizer, prompt format and examples a codec bench runs on (its
+    ``--data/--first/--examples/--model-path/--kv-preamble``)."""
     from transformers import AutoTokenizer
 
-    codec_list = [parse_codec(text) for text in args.codecs.split(",") if text]
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
-    model = Transformer.from_pretrained(model_dir, device=args.device)
+    model = Transformer.from_pretrained(model_dir, device=device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     preamble = preamble_passages() if args.kv_preamble == "on" else ()
     fmt = PromptFormat(tokenizer, SYSTEM_PROMPT, INSTRUCTION, QUESTION_PREFIX, preamble=preamble)
-    stop_ids = stop_token_ids(tokenizer)
     examples = json.loads(args.data.read_text())[args.first : args.first + args.examples]
+    return model, tokenizer, fmt, examples
+
+
+def write_json(args: argparse.Namespace, summary: dict, rows: list[dict]) -> None:
+    """``--json``: the summary so far, every example's row and the arguments."""
+    if args.json:
+        arguments = vars(args) | {"data": str(args.data), "json": str(args.json)}
+        args.json.write_text(
+            json.dumps({"summary": summary, "examples": rows, "args": arguments}, indent=2)
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    codec_list = [parse_codec(text) for text in args.codecs.split(",") if text]
+    model, tokenizer, fmt, examples = setup(args, args.device)
+    stop_ids = stop_token_ids(tokenizer)
     names = [codec.name for codec in codec_list]
     rows: list[dict] = []
     for index, example in enumerate(examples):
@@ -268,11 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for name, e in rows[-1]["codecs"].items()
         )
         print(f"[{index + 1}/{len(examples)}] blend/reuse tf_kl  {brief}", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps({"summary": summarize(rows, names), "examples": rows,
-                                             "args": vars(args) | {"data": str(args.data),
-                                                                   "json": str(args.json)}},
-                                            indent=2))  # fmt: skip
+        write_json(args, summarize(rows, names), rows)
     summary = summarize(rows, names)
     print_table(summary, len(rows))
     return summary

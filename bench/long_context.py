@@ -293,6 +293,7 @@ def main(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     model = build_model(args)
+    args.kv_dtype = model.cache_dtype  # what the store's loader decodes into (bench_of)
     with torch.no_grad():
         report = run(args, model)
     report["env"] = environment(args, model, load_before)

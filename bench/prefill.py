@@ -630,6 +630,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         kernel=args.kernel,
     )  # fmt: skip
     print(model.kernel_choice.describe(), flush=True)
+    args.kv_dtype = model.cache_dtype  # what the store's loader decodes into (bench_of)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_model = None
     if not args.no_hf:

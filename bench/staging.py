@@ -67,10 +67,12 @@ class StoreBench:
     def __init__(
         self, tier: str = "cpu", *, pipeline: bool = True, environ: dict[str, str] | None = None,
         s3_mbps: float | None = None, load_all: bool = False, device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
         """``s3_mbps``: read S3 through a throttling proxy at that rate (see
         :meth:`set_link`); ``load_all``: read every chunk even where recomputing it would be
-        faster; ``device``: where the loader decodes the chunks' layers (the model's)."""
+        faster; ``device`` and ``dtype``: where and as what the loader decodes the chunks'
+        layers (the model's device and KV cache dtype, as the inference worker does)."""
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
         self.tier = tier
@@ -92,7 +94,9 @@ class StoreBench:
         if tier == "s3":
             tiers.append(S3Tier(self.config))
         self.store = TieredStore(tiers, quantize=self.config.quantize, config=self.config)
-        self.loader = KVLoader(self.store, pipeline=pipeline, promote=False, device=device)
+        self.loader = KVLoader(
+            self.store, pipeline=pipeline, promote=False, device=device, dtype=dtype
+        )
         self._keys: dict[int, ChunkKey] = {}
         self._sizes: dict[int, int] = {}  # stored object bytes per chunk
         self._chunk_tokens = 0
@@ -264,15 +268,17 @@ _BENCHES: dict[tuple[str, bool, float | None, bool], StoreBench] = {}
 
 def store_bench(
     tier: str, pipeline: bool, *, s3_mbps: float | None = None, load_all: bool = False,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
 ) -> StoreBench:  # fmt: skip
-    """One StoreBench per (tier, pipeline, link, device) in the process, closed at exit.
-    ``cuda`` and ``cuda:0`` are one device here: staging and reading must find the same bench."""
-    key = (tier, pipeline, s3_mbps, load_all, canonical_device(device))
+    """One StoreBench per (tier, pipeline, link, device, dtype) in the process, closed at
+    exit. ``cuda`` and ``cuda:0`` are one device here: staging and reading must find the same
+    bench."""
+    key = (tier, pipeline, s3_mbps, load_all, canonical_device(device), dtype)
     if key not in _BENCHES:
         _BENCHES[key] = StoreBench(
-            tier, pipeline=pipeline, s3_mbps=s3_mbps, load_all=load_all, device=device
-        )
+            tier, pipeline=pipeline, s3_mbps=s3_mbps, load_all=load_all, device=device,
+            dtype=dtype,
+        )  # fmt: skip
         atexit.register(_BENCHES[key].close)
     return _BENCHES[key]
 
@@ -298,11 +304,12 @@ def bench_of(args: Any, tier: str) -> StoreBench:
         return kdn_bench(args.kdn_url, args.kdn_key, getattr(args, "precision", None))
     mbps, scale = getattr(args, "s3_link", (None, None))
     device = getattr(args, "device", "cpu")
+    dtype = getattr(args, "kv_dtype", None)  # the model's cache dtype, set once it is built
     if tier != "s3" or (mbps is None and scale is None):
-        return store_bench(tier, not args.no_pipeline, device=device)
+        return store_bench(tier, not args.no_pipeline, device=device, dtype=dtype)
     return store_bench(
         tier, not args.no_pipeline, s3_mbps=mbps or UNTHROTTLED_MBPS,
-        load_all=getattr(args, "load_all", False), device=device,
+        load_all=getattr(args, "load_all", False), device=device, dtype=dtype,
     )  # fmt: skip
 
 

@@ -72,7 +72,8 @@ class NativeRuntime:
             self.kdn = next(t for t in self.store.tiers if isinstance(t, KdnTier))
         else:
             self.store = TieredStore.from_config(store_config)
-        self.loader = KVLoader(self.store, device=self.model.device)  # decoded where it runs
+        # decoded where it runs, as what its cache holds
+        self.loader = KVLoader(self.store, device=self.model.device, dtype=self.model.cache_dtype)
         self.prefix_cache = PrefixCache(prefix_capacity_from_env())
         self.controller = LoadingController()
         calibrate(self.engine, self.controller)

@@ -340,52 +340,132 @@ def _fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def decode_sections(
     kind: int, bits: tuple[int, int], sections: list[torch.Tensor],
     shape: tuple[int, int, int], dtype: torch.dtype, *, k_group: int, v_group: int,
-    v_rotated: bool = False,
+    v_rotated: bool = False, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """K and V ``[H, T, D]`` in ``dtype`` from a layer's sections (uint8 views, any device).
-    ``raw`` sections come back as views, no copy."""
+    """K and V ``[H, T, D]`` from a layer's sections (uint8 views, any device), in
+    ``out_dtype`` (the KV cache's, so that placing them is a plain copy), else in the object's
+    16-bit ``dtype``. ``raw`` sections in their own dtype come back as views, no copy."""
     heads, tokens, dim = shape
+    out = out_dtype or dtype
     if kind == RAW:
         k_raw, v_raw = sections
-        return k_raw.view(dtype).view(shape), v_raw.view(dtype).view(shape)
+        return cast(k_raw.view(dtype).view(shape), out), cast(v_raw.view(dtype).view(shape), out)
     if kind == INT8:
         kq, ks, vq, vs = sections
         return (
             dequantize_per_token(kq.view(torch.int8).view(shape), ks.view(torch.float32)
-                                 .view(shape[:2]), dtype),
+                                 .view(shape[:2]), out),
             dequantize_per_token(vq.view(torch.int8).view(shape), vs.view(torch.float32)
-                                 .view(shape[:2]), dtype),
+                                 .view(shape[:2]), out),
         )  # fmt: skip
     if kind == FP8:
         kq, ks, vq, vs = sections
-        return _fp8_decode(kq, ks, shape, dtype), _fp8_decode(vq, vs, shape, dtype)
+        return _fp8_decode(kq, ks, shape, out), _fp8_decode(vq, vs, shape, out)
     k_bits, v_bits = bits
     k_packed, k_step, k_low, v_packed, v_step, v_low = sections
-    count = heads * tokens * dim
+    k = _kivi_k(k_packed, k_step, k_low, k_bits, shape, k_group, out)
+    return k, _kivi_v(v_packed, v_step, v_low, v_bits, shape, v_group, v_rotated).to(out)
+
+
+def _kivi_k(
+    packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int,
+    shape: tuple[int, int, int], k_group: int, out: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """K ``[H, T, D]`` in ``out``: per channel, a minimum and step per group of tokens."""
+    heads, tokens, dim = shape
     groups = _k_groups(tokens, k_group)
-    k_codes = unpack_bits(k_packed, k_bits, count).view(shape)
-    k_step = k_step.view(torch.float16).view(heads, groups, 1, dim).float()  # [H, G, 1, D]
-    k_low = k_low.view(torch.float16).view(heads, groups, 1, dim).float()
-    k = torch.empty(shape, dtype=dtype, device=k_packed.device)
+    k_codes = unpack_bits(packed, bits, heads * tokens * dim).view(shape)
+    step = step.view(torch.float16).view(heads, groups, 1, dim).float()  # [H, G, 1, D]
+    low = low.view(torch.float16).view(heads, groups, 1, dim).float()
+    k = torch.empty(shape, dtype=out, device=packed.device)
     # whole groups through a view that broadcasts each group's step (no per-token gather),
-    # the last partial group on its own; the copy into k is the cast to dtype
+    # the last partial group on its own; the copy into k is the cast to ``out``
     whole = tokens // k_group
     if whole:
         codes = k_codes[:, : whole * k_group].view(heads, whole, k_group, dim).float()
         k[:, : whole * k_group].copy_(
-            torch.addcmul(k_low[:, :whole], codes, k_step[:, :whole]).view(heads, -1, dim)
+            torch.addcmul(low[:, :whole], codes, step[:, :whole]).view(heads, -1, dim)
         )
     if whole < groups:
         codes = k_codes[:, whole * k_group :].float()
-        k[:, whole * k_group :].copy_(torch.addcmul(k_low[:, -1], codes, k_step[:, -1]))
-    v_groups = dim // _v_group(v_group, dim)
-    v_codes = unpack_bits(v_packed, v_bits, count).view(heads, tokens, v_groups, -1).float()
-    v_step = v_step.view(torch.float16).view(heads, tokens, v_groups, 1).float()
-    v_low = v_low.view(torch.float16).view(heads, tokens, v_groups, 1).float()
-    v = torch.addcmul(v_low, v_codes, v_step).view(shape)
-    if v_rotated:
-        v = v @ hadamard(dim, v.device)
-    return k, v.to(dtype)
+        k[:, whole * k_group :].copy_(torch.addcmul(low[:, -1], codes, step[:, -1]))
+    return k
+
+
+def _kivi_v(
+    packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int,
+    shape: tuple[int, int, int], v_group: int, rotated: bool,
+) -> torch.Tensor:  # fmt: skip
+    """V ``[H, T, D]`` in float32: per token, a minimum and step per group of channels."""
+    heads, tokens, dim = shape
+    groups = dim // _v_group(v_group, dim)
+    if rotated and groups == 1 and dim % 8 == 0:
+        return _rotated_v(packed, step, low, bits, heads * tokens, dim).view(shape)
+    codes = unpack_bits(packed, bits, heads * tokens * dim).view(heads, tokens, groups, -1)
+    step = step.view(torch.float16).view(heads, tokens, groups, 1).float()
+    low = low.view(torch.float16).view(heads, tokens, groups, 1).float()
+    v = torch.addcmul(low, codes.float(), step).view(shape)
+    return v @ hadamard(dim, v.device) if rotated else v
+
+
+def _rotated_v(
+    packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int, rows: int, dim: int
+) -> torch.Tensor:
+    """``(low + step * codes) @ H`` for V rows with one minimum and step each, as
+    ``step * (codes @ H)`` plus ``low`` times H's column sums (``sqrt(dim)`` in the first
+    column, 0 in the others): no float32 pass for the minimum. Codes whose bit width does
+    not divide a byte are unpacked slot-major (:func:`_slot_major_codes`). One 600-token
+    layer at 3 bits: 0.69 ms against 0.91 ms for unpacking in order (docs/codec.md)."""
+    device = str(packed.device)
+    if 8 % bits == 0:  # whole codes per byte: unpacking in order is byte ops already
+        codes = unpack_bits(packed, bits, rows * dim).view(rows, dim).float()
+        v = codes @ hadamard(dim, device)
+    else:
+        v = _slot_major_codes(packed, bits, rows, dim) @ _slot_major_hadamard(dim, device)
+    v.mul_(step.view(torch.float16).float().view(rows, 1))
+    v[:, 0].add_(low.view(torch.float16).float().view(rows), alpha=math.sqrt(dim))
+    return v
+
+
+def _slot_major_codes(packed: torch.Tensor, bits: int, rows: int, dim: int) -> torch.Tensor:
+    """Float codes ``[rows, dim]`` with code ``i`` of every run of 8 codes in a row taken at
+    once (one contiguous shift-and-mask per ``i``), into channel ``i * runs + r`` instead of
+    ``8 r + i``: no interleaving copy."""
+    runs = dim // 8
+    words = _run_words(packed, bits).view(rows, runs)
+    codes = torch.empty(rows, 8, runs, device=packed.device)
+    mask = (1 << bits) - 1
+    for i in range(8):
+        codes[:, i].copy_((words >> (bits * i)) & mask)
+    return codes.view(rows, dim)
+
+
+def _run_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each run of 8 codes (``bits`` bytes, little-endian) as one integer."""
+    raw = packed.view(-1, bits).to(torch.int32 if bits <= 4 else torch.int64)
+    word = raw[:, 0].clone()
+    for i in range(1, bits):
+        word |= raw[:, i] << (8 * i)
+    return word
+
+
+@functools.lru_cache(maxsize=16)
+def _slot_major_hadamard(dim: int, device: str) -> torch.Tensor:
+    """The Hadamard matrix with row ``i * runs + r`` holding row ``8 r + i``."""
+    runs = dim // 8
+    slot_major = torch.arange(dim)
+    in_order = (slot_major % runs) * 8 + slot_major // runs
+    return hadamard(dim, device)[in_order.to(device)].contiguous()
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``; float16 to bfloat16 on the CPU through float32, two vectorised
+    passes that took 28 us for a 600-token layer's V against the direct conversion's 97."""
+    if x.dtype == dtype:
+        return x
+    if x.device.type == "cpu" and {x.dtype, dtype} == {torch.float16, torch.bfloat16}:
+        return x.float().to(dtype)
+    return x.to(dtype)
 
 
 def _fp8_decode(

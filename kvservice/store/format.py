@@ -363,17 +363,19 @@ def decode_header(buf: Buffer) -> ChunkHeader:
 
 
 def decode_layer(
-    header: ChunkHeader, index: int, block: Buffer, *, verify: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+    header: ChunkHeader, index: int, block: Buffer, *, verify: bool = True,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """K and V ``[H_kv, T, D]`` of layer ``index`` from its block (``layer_size(index)``
-    long, or longer: extra bytes are ignored), decoded on the block's device. Raw layers are
-    views of ``block``, no copy."""
+    long, or longer: extra bytes are ignored), decoded on the block's device, in ``dtype``
+    (default the object's). Raw layers in their own dtype are views of ``block``, no copy."""
     raw = layer_bytes(header, index, block, verify=verify)
     shape = (header.num_kv_heads, header.num_tokens, header.head_dim)
     sections = [raw[at : at + n] for at, n in header.layout(index).sections]
     return codecs.decode_sections(
         header.codec_kind, header.layer_bits[index], sections, shape, header.dtype,
         k_group=header.k_group, v_group=header.v_group, v_rotated=header.v_rotated,
+        out_dtype=dtype,
     )  # fmt: skip
 
 

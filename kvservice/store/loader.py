@@ -316,13 +316,15 @@ class StoreLayeredKV:
             self._store.promote(self.key, buffer, found.tier_index)
 
     def _decode(self, header: ChunkHeader, index: int, block: Buffer, verify: bool) -> LayerKV:
-        """Layer ``index`` as K, V on the loader's device. The layer's bytes cross to the
-        device as they are stored (a quarter of float16's with the default codec) and are
-        decoded there; checksums are checked where the bytes arrived (the host)."""
+        """Layer ``index`` as K, V on the loader's device, in its dtype. The layer's bytes
+        cross to the device as they are stored (a quarter of float16's with the default codec)
+        and are decoded there, on this fetch thread, straight into the cache's dtype: the
+        compute thread then places them with a plain copy. Checksums are checked where the
+        bytes arrived (the host)."""
         raw = layer_bytes(header, index, block, verify=verify)
         if raw.device != self._loader.device:
             raw = raw.to(self._loader.device, non_blocking=True)
-        return decode_layer(header, index, raw, verify=False)
+        return decode_layer(header, index, raw, verify=False, dtype=self._loader.dtype)
 
     def _fetch(self, found: Located, index: int, generation: int) -> LayerKV:
         header, tier = found.header, found.tier
@@ -458,7 +460,10 @@ class KVLoader:
         pipeline: bool = True,
         promote: bool = True,
         device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
     ) -> None:
+        """``device`` and ``dtype``: where and as what the layers are decoded, the consumer's
+        KV cache's (default: the host, in each object's own 16-bit dtype)."""
         self.store = store
         self.prefetch_depth = (
             store.config.prefetch_depth if prefetch_depth is None else prefetch_depth
@@ -466,6 +471,7 @@ class KVLoader:
         self.pipeline = pipeline
         self.promote = promote
         self.device = torch.device(device)
+        self.dtype = dtype
         workers = store.config.load_workers if workers is None else workers
         nice = (store.config.load_nice,)
         self.executor = ThreadPoolExecutor(

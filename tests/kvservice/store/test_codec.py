@@ -315,3 +315,50 @@ def test_memory_tiers_hold_the_compressed_object_and_decode_it_at_use(store):
         assert source.tier == "cpu"
         k, v = source.layer(0)
         assert torch.equal(v, expected.v[0])
+
+
+@pytest.mark.parametrize("name", ["fp16", DEFAULT_CODEC, "int8"])
+def test_the_loader_decodes_into_the_dtype_its_cache_holds(name):
+    """A loader given the cache's dtype hands over layers in it (placing them is then a
+    plain copy), equal to the object's own decoding rounded once to that dtype."""
+    from kvservice.store.loader import KVLoader
+    from kvservice.store.memory import MemoryTier
+    from kvservice.store.tiered import TieredStore
+
+    chunk = smol_like_chunk(tokens=140)
+    store = TieredStore([MemoryTier(1 << 30)], config=StoreConfig(codec=name))
+    key = store.put(chunk)
+    expected = decode_chunk(bytes(store.tier("cpu").get(key)))
+    for dtype in (torch.bfloat16, torch.float32):
+        with KVLoader(store, promote=False, dtype=dtype) as loader:
+            source = loader.open([key])[0]
+            for i in (0, expected.num_layers - 1):
+                k, v = source.layer(i)
+                assert k.dtype == v.dtype == dtype
+                for got, want in ((k, expected.k[i]), (v, expected.v[i])):
+                    if name == "fp16":  # the stored values themselves, converted
+                        assert torch.equal(got, want.float().to(dtype))
+                    else:  # computed in float32, rounded once: within a rounding of float16's
+                        rtol = 2**-8 if dtype == torch.bfloat16 else 2**-10
+                        assert torch.allclose(got.float(), want.float(), rtol=rtol, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_turned_v_decodes_to_the_in_order_values(bits):
+    """The fast path for V turned by a Hadamard matrix (codes unpacked slot-major, the minimum
+    added through H's column sums) gives what unpacking in order and turning gives."""
+    from kvservice.store.codec import _kivi_v
+
+    heads, tokens, dim = 3, 45, 64
+    v = torch.randn(heads, tokens, dim) * 2
+    codes, step, low = quantize_v_per_token(v, bits, dim, rotate=True)
+    sections = [pack_bits(codes, bits), step.contiguous(), low.contiguous()]
+    packed, step_bytes, low_bytes = (s.reshape(-1).view(torch.uint8) for s in sections)
+    fast = _kivi_v(packed, step_bytes, low_bytes, bits, (heads, tokens, dim), dim, True)
+    in_order = unpack_bits(packed, bits, v.numel()).view(heads, tokens, dim).float()
+    expected = (low.float() + in_order * step.float()) @ hadamard(dim)  # step: [H, T, 1]
+    assert torch.allclose(fast, expected, rtol=1e-5, atol=1e-5)
+    relative = torch.linalg.norm(fast - v) / torch.linalg.norm(
+        v
+    )  # V again, within the codec's error
+    assert relative < 1.5 * 2.0 ** (1 - bits)
