@@ -111,7 +111,7 @@ class BlendSettings:
     rounds: int = 1  # selection rounds: each later one selects by the attention after the last
     first_round_share: float = 0.5  # of the budget, with rounds > 1
     chunk_starts: int = 0  # the first tokens of every cached chunk always recomputed (EPIC)
-    stale_bias: float = 0.0  # added to the attention logits of stale cached keys (APE)
+    stale_bias: float = 0.0  # added to the attention logits of stale keys (APE), ramped alike
     stale_key_scale: float = STALE_KEY_SCALE  # stale cached keys scaled: a temperature (APE)
     stale_ramp_tokens: int = STALE_RAMP_TOKENS  # ... in full only after that many cached tokens
 
@@ -732,8 +732,10 @@ def _stale_reading(segments: list[Segment], stale: torch.Tensor, settings: Blend
     """How the stale cached chunk KV (``stale [T]``) is read in the first pass. A chunk's
     keys are scaled by ``stale_key_scale``, or, with ``stale_ramp_tokens``, by as much of it
     as the cached chunk tokens before it (the context its stored KV never saw) make up of
-    that many: a passage right after the head is read as stored."""
+    that many: a passage right after the head is read as stored. ``stale_bias`` is added to
+    the logits of a chunk's stale keys in the same proportion."""
     spans, scales, unseen = [], [], 0
+    bias = torch.zeros(stale.shape, device=stale.device) if settings.stale_bias else None
     for seg in segments:
         if seg.kind != "chunk" or seg.source is None:
             continue
@@ -743,9 +745,10 @@ def _stale_reading(segments: list[Segment], stale: torch.Tensor, settings: Blend
             )
             spans.append(slice(seg.start, seg.stop))
             scales.append(1.0 - (1.0 - settings.stale_key_scale) * share)
+            if bias is not None:
+                bias[seg.start : seg.stop] = settings.stale_bias * share
         unseen += seg.length
-    bias = stale.float() * settings.stale_bias if settings.stale_bias else None
-    return _Stale(tuple(spans), tuple(scales), bias)
+    return _Stale(tuple(spans), tuple(scales), None if bias is None else bias * stale)
 
 
 @dataclass

@@ -126,3 +126,12 @@ def test_the_stale_temperature_ramps_with_the_cached_tokens_a_chunk_never_saw():
     assert ramped.key_scale(112, 412) == pytest.approx(0.95) and ramped.key_scale(0, 10) == 1.0
     flat = _stale_reading(segments, stale, BlendSettings(stale_key_scale=0.9, stale_ramp_tokens=0))
     assert flat.key_scales == pytest.approx((0.9, 0.9, 0.9))
+    assert ramped.bias is None and flat.bias is None  # no bias asked
+    # a logit bias ramps alike, on the stale slots only
+    biased = _stale_reading(segments, stale, BlendSettings(stale_bias=-0.5, stale_ramp_tokens=200))
+    expected = torch.zeros(510)
+    expected[112:412], expected[462:502] = -0.25, -0.5
+    torch.testing.assert_close(biased.bias, expected)
+    stale[200:210] = False  # recomputed in a first round: read as computed, no bias
+    again = _stale_reading(segments, stale, BlendSettings(stale_bias=-0.5, stale_ramp_tokens=200))
+    assert bool((again.bias[200:210] == 0).all()) and float(again.bias[220]) == -0.25
