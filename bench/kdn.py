@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from deploy import services
 from deploy.devstack import manage, start_services, stop_all
 from kvservice.chunk import ChunkKV, LayeredKV
@@ -112,10 +114,13 @@ class KdnBench:
     s3_mbps = None
 
     def __init__(
-        self, url: str | None = None, key: str | None = None, *, precision: str | None = None
-    ) -> None:
+        self, url: str | None = None, key: str | None = None, *, precision: str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         """Without ``url``, a stack of its own whose KV worker computes at ``precision``
-        (the bench's ``--precision``, so that both compute the same KV)."""
+        (the bench's ``--precision``, so that both compute the same KV); the fetched layers
+        are decoded into ``dtype`` (the model's cache dtype, as the store's loader does)."""
+        self.dtype = dtype
         env = {"ENGINE_PRECISION": precision} if precision else {}
         self.stack = KdnStack(env) if url is None else None
         if self.stack is not None:
@@ -157,7 +162,7 @@ class KdnBench:
             return list(chunks)
         read = [mode != "prefix" or i == 0 for i in range(len(chunks))]
         wanted = [self._texts[id(c)] for c, load in zip(chunks, read, strict=True) if load]
-        fetch = self.client.fetch(wanted, head=self._head)
+        fetch = self.client.fetch(wanted, head=self._head, dtype=self.dtype)
         self._fetches.setdefault(key or mode, []).append(fetch)
         loaded = iter(fetch.sources)
         return [next(loaded) if load else None for load in read]
@@ -188,10 +193,13 @@ class KdnBench:
 _BENCHES: dict[tuple[str | None, str | None], KdnBench] = {}
 
 
-def kdn_bench(url: str | None, key: str | None, precision: str | None = None) -> KdnBench:
+def kdn_bench(
+    url: str | None, key: str | None, precision: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> KdnBench:  # fmt: skip
     """One KdnBench per server in the process, closed (its stack stopped) at exit."""
     if (url, key) not in _BENCHES:
-        _BENCHES[(url, key)] = KdnBench(url, key, precision=precision)
+        _BENCHES[(url, key)] = KdnBench(url, key, precision=precision, dtype=dtype)
         atexit.register(_BENCHES[(url, key)].close)
     return _BENCHES[(url, key)]
 

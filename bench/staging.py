@@ -301,7 +301,8 @@ def bench_of(args: Any, tier: str) -> StoreBench:
     if tier == "kdn":
         from bench.kdn import kdn_bench
 
-        return kdn_bench(args.kdn_url, args.kdn_key, getattr(args, "precision", None))
+        return kdn_bench(args.kdn_url, args.kdn_key, getattr(args, "precision", None),
+                         getattr(args, "kv_dtype", None))  # fmt: skip
     mbps, scale = getattr(args, "s3_link", (None, None))
     device = getattr(args, "device", "cpu")
     dtype = getattr(args, "kv_dtype", None)  # the model's cache dtype, set once it is built

@@ -130,12 +130,15 @@ class KdnFetch:
     body read by a background thread; ``wait_s`` is the time consumers were blocked on it,
     ``load_s`` the time from the request to the last byte."""
 
-    def __init__(self, response: Any, started: float, device: torch.device) -> None:
+    def __init__(
+        self, response: Any, started: float, device: torch.device,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         self._response = response
         self._started = started
         self.device = device
         self.total_tokens = int(response.headers.get("X-KV-Tokens", 0))
-        self.reader = StreamReader(response)
+        self.reader = StreamReader(response, dtype)
         headers = self.reader.read_headers()
         self.sources = [KdnLayeredKV(h, self, j) for j, h in enumerate(headers)]
         self._layers: list[Future[list[LayerKV]]] = [
@@ -243,13 +246,15 @@ class KdnClient:
             time.sleep(float(response.headers.get("Retry-After") or 1))
 
     def fetch(
-        self, texts: Sequence[str], *, head: str | None = None, device: str | torch.device = "cpu"
-    ) -> KdnFetch:
+        self, texts: Sequence[str], *, head: str | None = None,
+        device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    ) -> KdnFetch:  # fmt: skip
         """Start fetching ``texts``' KV; returns once every header is in (a missing text
-        raises :class:`KdnNotFound` here), the layers arriving behind it."""
+        raises :class:`KdnNotFound` here), the layers arriving behind it, decoded into
+        ``dtype`` (default as stored, float16) on ``device``."""
         started = time.perf_counter()
         response = self.open_fetch(texts, head=head)
-        return KdnFetch(response, started, torch.device(device))
+        return KdnFetch(response, started, torch.device(device), dtype)
 
     def open_fetch(self, texts: Sequence[str], *, head: str | None = None, token: str = "") -> Any:
         """The fetch's HTTP response, its body not read yet (``read``/``readinto`` it, then

@@ -192,10 +192,12 @@ class StreamReader:
 
     ``read_headers`` first (preamble and headers), then ``read_layer(i)`` for i = 0.. in
     order, each giving every chunk's K and V of that layer decoded (and checked against its
-    crc32), then ``read_token_ids``."""
+    crc32) into ``dtype`` (default each object's own; an engine's cache dtype saves it a
+    conversion), then ``read_token_ids``."""
 
-    def __init__(self, body: Readable) -> None:
+    def __init__(self, body: Readable, dtype: torch.dtype | None = None) -> None:
         self.body = body
+        self.dtype = dtype
         self.headers: list[ChunkHeader] = []
         self.num_layers = 0
         self._next_layer = 0
@@ -220,7 +222,7 @@ class StreamReader:
         out = []
         for header in self.headers:
             block = _read_exact(self.body, header.layer_size(index), f"{header.key} layer {index}")
-            out.append(decode_layer(header, index, block, verify=True))
+            out.append(decode_layer(header, index, block, verify=True, dtype=self.dtype))
         self._next_layer += 1
         return out
 

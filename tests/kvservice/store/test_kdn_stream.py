@@ -58,6 +58,13 @@ def test_a_stream_reads_back_to_the_stored_tensors(store, codec) -> None:
         for i in range(L):
             assert torch.equal(layers[i][j][0], stored.k[i])
             assert torch.equal(layers[i][j][1], stored.v[i])
+    # an engine that asks for its cache's dtype gets it, the same values rounded once
+    as_cache = StreamReader(io.BytesIO(body), torch.bfloat16)
+    as_cache.read_headers()
+    first = as_cache.read_layer(0)
+    for j in range(len(keys)):
+        assert first[j][0].dtype == first[j][1].dtype == torch.bfloat16
+        assert torch.allclose(first[j][1].float(), layers[0][j][1].float(), rtol=2**-8, atol=1e-4)
 
 
 def test_layers_come_in_the_order_an_engine_uses_them(store) -> None:
