@@ -298,14 +298,13 @@ def bench_of(args: Any, tier: str) -> StoreBench:
     """The StoreBench of ``tier`` under the bench's flags: ``--no-pipeline``, ``--s3-mbps``
     (``args.s3_link``, from :func:`parse_link_rate`), ``--load-all``; ``kdn``: the
     knowledge delivery API's (``bench.kdn``, ``--kdn-url``/``--kdn-key``)."""
+    dtype = getattr(args, "kv_dtype", None)  # the model's cache dtype, set once it is built
     if tier == "kdn":
         from bench.kdn import kdn_bench
 
-        return kdn_bench(args.kdn_url, args.kdn_key, getattr(args, "precision", None),
-                         getattr(args, "kv_dtype", None))  # fmt: skip
+        return kdn_bench(args.kdn_url, args.kdn_key, getattr(args, "precision", None), dtype)
     mbps, scale = getattr(args, "s3_link", (None, None))
     device = getattr(args, "device", "cpu")
-    dtype = getattr(args, "kv_dtype", None)  # the model's cache dtype, set once it is built
     if tier != "s3" or (mbps is None and scale is None):
         return store_bench(tier, not args.no_pipeline, device=device, dtype=dtype)
     return store_bench(
