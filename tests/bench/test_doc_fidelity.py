@@ -10,7 +10,7 @@ from kvservice.blend import BlendSettings
 
 
 def test_runs_cover_both_stored_forms_each_ratio_and_each_temperature():
-    runs = plan_runs([0.1, 0.15], [1.0], {"stale_ramp_tokens": 0})
+    runs = plan_runs(["off", "on"], [0.1, 0.15], [1.0], {"stale_ramp_tokens": 0})
     assert list(runs)[:3] == ["reuse[off]", "blend@0.10[off]", "blend@0.15[off]"]
     assert runs["reuse[on]"][:3] == ("on", "reuse", 0.0)
     kv, mode, ratio, settings = runs["blend@0.15[on,x1]"]
