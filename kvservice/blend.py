@@ -96,6 +96,28 @@ STALE_RAMP_TOKENS = 2400
 # 0.15 (auto precision): to 30 of 30 layers 0.0361, 25 0.0367, 20 0.0377, 15 0.0426; the
 # question's deep layers are worth their cost in memory (docs/blend.md).
 ATTENTION_TO_DEPTH = 1.0
+# What a cached chunk lacks from the context before it moves all its tokens' KV alike in good
+# part: per chunk, layer and KV head, the mean over tokens of the true KV's difference from
+# the stored KV holds ~35 % of K's difference and ~14 % of V's (tuning examples 0-3). The
+# recompute pass measures that mean on the chunk's recomputed tokens (fresh minus stored,
+# K before RoPE), drawn towards the mean over every chunk's recomputed tokens by 16 tokens'
+# worth of it, and moves the chunk's other tokens by it, layer by layer, in proportion to the
+# cached chunk tokens before it up to 1,200; their keys are then read at no temperature
+# (``_shift_stale``). Tuning 0-19 against no shift: 0.10 KL 0.0424 -> 0.0189, 0.05 0.0532 ->
+# 0.0257. Each chunk on its own mean: 0.0199 / 0.0317, and on as few as 1 token 4 of 20
+# prompts at 0.05 got worse, one 3.6x; all chunks' mean alone 0.0203 / 0.0277; unramped
+# 0.0193 / 0.0271, but on the handbook's short prompts worse than before on 10 of 14 (0.0254
+# -> 0.0498 at 0.10); ramped over 1,200 tokens there 0.0239, over 2,400 0.0258 (docs/blend.md).
+# Off by default: on examples no shift setting was chosen on it fails now and then, and
+# badly. Musique-as-a-library validation 20-39 (bench.doc_fidelity --musique): 0.10 0.0609 ->
+# 0.0695 (better on 14, worse on 6; p90 0.101 -> 0.074), because one prompt went 0.200 ->
+# 0.557, worse than reuse (0.241); Musique validation 20-39 at 0.05: 0.0506 -> 0.0720, one
+# prompt 0.051 -> 0.743 (at 0.10 0.0385 -> 0.0294, better on 15, worse on 5). A guard against
+# that overshoot comes first (docs/blend.md). ``--blend stale_shift=1.0`` turns it on.
+STALE_SHIFT = 0.0
+STALE_SHIFT_MIN_TOKENS = 1
+STALE_SHIFT_POOL = 16
+STALE_SHIFT_RAMP_TOKENS = 1200
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,12 @@ class BlendSettings:
     stale_bias: float = 0.0  # added to the attention logits of stale keys (APE), ramped alike
     stale_key_scale: float = STALE_KEY_SCALE  # stale cached keys scaled: a temperature (APE)
     stale_ramp_tokens: int = STALE_RAMP_TOKENS  # ... in full only after that many cached tokens
+    # each stale chunk's KV moved by this share of the mean difference between fresh and
+    # stored KV over its recomputed tokens (``_shift_stale``); 0: off
+    stale_shift: float = STALE_SHIFT
+    stale_shift_min_tokens: int = STALE_SHIFT_MIN_TOKENS  # a chunk with fewer is not moved
+    stale_shift_pool: int = STALE_SHIFT_POOL  # each chunk's estimate drawn to all chunks' mean
+    stale_shift_ramp_tokens: int = STALE_SHIFT_RAMP_TOKENS  # ... in full after that many
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,6 +478,7 @@ class _Stale:
     spans: tuple[slice, ...] = ()
     key_scales: tuple[float, ...] = ()  # per span
     bias: torch.Tensor | None = None  # [T] added to every active query's logits
+    unseen: tuple[int, ...] = ()  # per span: the cached chunk tokens before it
 
     def key_scale(self, start: int, stop: int) -> float:
         for span, scale in zip(self.spans, self.key_scales, strict=True):
@@ -524,6 +553,78 @@ def _place_sources(cache, i: int, sources, cos_all, sin_all, stale: _Stale) -> N
         cache.v[i, 0, :, span] = v
 
 
+@dataclass(frozen=True)
+class _Shift:
+    """The stale chunks of a recompute pass (``_shift_stale``): their slots, the scale their
+    keys were placed at, per chunk the rows of ``active`` it recomputes, and which are moved."""
+
+    spans: tuple[slice, ...]
+    key_scales: tuple[float, ...]
+    rows: tuple[torch.Tensor, ...]
+    shares: tuple[float, ...]  # per chunk: how much of its estimate it is moved by (0: not)
+    pool: int  # recomputed tokens' worth of the mean over every chunk in each chunk's estimate
+
+
+def _stale_shift(stale: _Stale, active: torch.Tensor, settings: BlendSettings) -> _Shift | None:
+    """What ``_shift_stale`` measures and moves in a recompute pass over ``active``: every
+    stale chunk's recomputed tokens are measured; a chunk with at least
+    ``stale_shift_min_tokens`` of them is moved by ``stale_shift`` of its estimate, or, with
+    ``stale_shift_ramp_tokens``, by as much of that as the cached chunk tokens before it make
+    up of that many (the context its stored KV never saw)."""
+    if not settings.stale_shift or not stale.spans:
+        return None
+    rows = tuple(
+        ((active >= span.start) & (active < span.stop)).nonzero().squeeze(1) for span in stale.spans
+    )
+    ramp = settings.stale_shift_ramp_tokens
+    shares = tuple(
+        settings.stale_shift * (min(1.0, unseen / ramp) if ramp else 1.0)
+        if r.numel() >= settings.stale_shift_min_tokens else 0.0
+        for r, unseen in zip(rows, stale.unseen, strict=True)
+    )  # fmt: skip
+    if not any(shares) or not any(r.numel() for r in rows):
+        return None
+    return _Shift(stale.spans, stale.key_scales, rows, shares, settings.stale_shift_pool)
+
+
+def _shift_stale(cache, i: int, shift: _Shift, k_pre, v, active, cos_all, sin_all) -> None:
+    """Layer ``i`` of each moved chunk shifted by its share (``shift.shares``) of the mean
+    difference, over its recomputed tokens, between their fresh KV (``k_pre``, before RoPE,
+    and ``v``: ``[1, H_kv, S, D]`` for the ``active`` slots) and the stored KV the cache still
+    holds there; with ``shift.pool``, that many tokens' worth of the mean over every stale chunk's
+    recomputed tokens joins each chunk's own. The difference in K is taken before RoPE and
+    the stale temperature (the keys' placing scale) and put back through RoPE at every slot
+    of the chunk, whose keys are then read at no temperature: the shift corrects what the
+    temperature only dampened. Before the fresh KV is written."""
+    sums = []  # per chunk: summed differences of K and V [H_kv, 1, D], and their count
+    for scale, rows in zip(shift.key_scales, shift.rows, strict=True):
+        if not rows.numel():
+            sums.append((0.0, 0.0, 0))
+            continue
+        slots = active[rows]
+        placed = cache.k[i, 0, :, slots].float()  # [H_kv, m, D]: rotated and scaled
+        stored = apply_rope(placed, cos_all[slots], -sin_all[slots]) / scale
+        dk = (k_pre[0, :, rows].float() - stored).sum(1, keepdim=True)
+        dv = (v[0, :, rows].float() - cache.v[i, 0, :, slots].float()).sum(1, keepdim=True)
+        sums.append((dk, dv, rows.numel()))
+    count = sum(n for _, _, n in sums)
+    pooled_k = sum(dk for dk, _, _ in sums) / count
+    pooled_v = sum(dv for _, dv, _ in sums) / count
+    dtype = cache.k.dtype
+    for span, scale, share, (dk, dv, n) in zip(
+        shift.spans, shift.key_scales, shift.shares, sums, strict=True
+    ):
+        if not share or n + shift.pool == 0:
+            continue
+        weight = share / (n + shift.pool)
+        moved_k = apply_rope((dk + shift.pool * pooled_k) * weight, cos_all[span], sin_all[span])
+        keys = cache.k[i, 0, :, span]
+        if scale != 1.0:
+            keys.mul_(1.0 / scale)
+        keys.add_(moved_k.to(dtype))
+        cache.v[i, 0, :, span] += ((dv + shift.pool * pooled_v) * weight).to(dtype)
+
+
 @torch.no_grad()
 def _run_pass(
     model: Transformer,
@@ -536,6 +637,7 @@ def _run_pass(
     stale: _Stale = _Stale(),
     until: int | None = None,
     place_from: int = 0,
+    shift: _Shift | None = None,
 ) -> _Pass:
     """Compute the ``active`` slots (sorted; the last one is the prompt's last token) through
     every layer, or the first ``until`` (no logits then). ``sources``' cached KV is written
@@ -561,6 +663,8 @@ def _run_pass(
         if sources and i >= place_from:
             _place_sources(cache, i, sources, cos_all, sin_all, stale)
         q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
+        if shift is not None:
+            _shift_stale(cache, i, shift, k_pre, v, active, cos_all, sin_all)
         k_rot = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
         cache.k[i, 0, :, active] = k_rot.to(cache.k.dtype)  # index_put does not convert
         cache.v[i, 0, :, active] = v[0].to(cache.v.dtype)
@@ -734,7 +838,7 @@ def _stale_reading(segments: list[Segment], stale: torch.Tensor, settings: Blend
     as the cached chunk tokens before it (the context its stored KV never saw) make up of
     that many: a passage right after the head is read as stored. ``stale_bias`` is added to
     the logits of a chunk's stale keys in the same proportion."""
-    spans, scales, unseen = [], [], 0
+    spans, scales, before, unseen = [], [], [], 0
     bias = torch.zeros(stale.shape, device=stale.device) if settings.stale_bias else None
     for seg in segments:
         if seg.kind != "chunk" or seg.source is None:
@@ -745,10 +849,12 @@ def _stale_reading(segments: list[Segment], stale: torch.Tensor, settings: Blend
             )
             spans.append(slice(seg.start, seg.stop))
             scales.append(1.0 - (1.0 - settings.stale_key_scale) * share)
+            before.append(unseen)
             if bias is not None:
                 bias[seg.start : seg.stop] = settings.stale_bias * share
         unseen += seg.length
-    return _Stale(tuple(spans), tuple(scales), None if bias is None else bias * stale)
+    bias = None if bias is None else bias * stale
+    return _Stale(tuple(spans), tuple(scales), bias, tuple(before))
 
 
 @dataclass
@@ -825,9 +931,12 @@ def _recompute(model, cache, token_ids, rounds: _Plan, attention, deeper: _Deepe
         stale = _Stale(bias=None if bias is None else bias * ~chosen)
         place: dict = {}
         if deeper is not None and index == 0:
-            stale = _Stale(rounds.stale.spans, rounds.stale.key_scales, stale.bias)
+            stale = _Stale(rounds.stale.spans, rounds.stale.key_scales, stale.bias,
+                           rounds.stale.unseen)  # fmt: skip
             place = {"sources": deeper.sources, "place_from": deeper.start}
-        step = _run_pass(model, cache, token_ids, again.nonzero().squeeze(1),
-                         question_length=recorded, stale=stale, **place)  # fmt: skip
+        active = again.nonzero().squeeze(1)
+        shift = _stale_shift(rounds.stale, active, settings)
+        step = _run_pass(model, cache, token_ids, active, question_length=recorded,
+                         stale=stale, shift=shift, **place)  # fmt: skip
         attention, computed = step.attention, computed + int(again.sum())
     return step.logits, chosen.nonzero().squeeze(1), computed

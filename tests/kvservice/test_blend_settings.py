@@ -8,6 +8,8 @@ import torch
 
 from kvservice.blend import (
     BlendSettings,
+    _Stale,
+    _stale_shift,
     attend_and_weigh,
     attend_grouped,
     blend_prefill,
@@ -77,7 +79,9 @@ def test_rounds_chunk_starts_and_bias_recompute_the_budget_and_change_the_result
 
 
 def test_the_stale_corrections_leave_reuse_as_stored(tiny_blend):
-    """Reuse reads the cached KV as stored, whatever the blend corrections say."""
+    """Reuse reads the cached KV as stored, whatever the blend corrections say; blend reads
+    its stale keys through the temperature (here without the shift, which replaces it where
+    it moves a chunk)."""
     model, head, chunks, chunk_ids, question = tiny_blend
     plain = blend_prefill(model, head, chunks, question, mode="reuse", chunk_ids=chunk_ids)
     corrected = blend_prefill(
@@ -87,19 +91,19 @@ def test_the_stale_corrections_leave_reuse_as_stored(tiny_blend):
     torch.testing.assert_close(corrected.logits, plain.logits)
     scaled = blend_prefill(
         model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
-        settings=BlendSettings(stale_key_scale=0.5, stale_ramp_tokens=0),
+        settings=BlendSettings(stale_key_scale=0.5, stale_ramp_tokens=0, stale_shift=0.0),
     )  # fmt: skip
     as_stored = blend_prefill(
         model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
-        settings=BlendSettings(stale_key_scale=1.0),
+        settings=BlendSettings(stale_key_scale=1.0, stale_shift=0.0),
     )  # fmt: skip
     assert not torch.allclose(scaled.logits, as_stored.logits, atol=1e-4)
     # the default's temperature, in full (its ramp off): these chunks are ~50 tokens, and by
     # default a chunk gets the temperature in full only after 2,400 cached tokens
     assert BlendSettings().stale_key_scale == 0.9 and BlendSettings().stale_ramp_tokens == 2400
+    unramped_settings = BlendSettings(stale_ramp_tokens=0, stale_shift=0.0)
     unramped = blend_prefill(model, head, chunks, question, chunk_ids=chunk_ids,
-                             recompute_ratio=0.25,
-                             settings=BlendSettings(stale_ramp_tokens=0))  # fmt: skip
+                             recompute_ratio=0.25, settings=unramped_settings)  # fmt: skip
     assert not torch.allclose(unramped.logits, as_stored.logits, atol=1e-4)
 
 
@@ -135,3 +139,101 @@ def test_the_stale_temperature_ramps_with_the_cached_tokens_a_chunk_never_saw():
     stale[200:210] = False  # recomputed in a first round: read as computed, no bias
     again = _stale_reading(segments, stale, BlendSettings(stale_bias=-0.5, stale_ramp_tokens=200))
     assert bool((again.bias[200:210] == 0).all()) and float(again.bias[220]) == -0.25
+
+
+def _in_context(model, head, chunks, chunk_ids, question):
+    """Copies of ``chunks`` holding their true KV in this prompt (what full prefill computes
+    for them there), as if stored after exactly the context the prompt gives them."""
+    ids = torch.tensor([head + sum(chunk_ids, []) + question])
+    _, kv = model(ids, torch.arange(ids.shape[1])[None], collect_kv=True)
+    start, exact = len(head), []
+    for c in chunks:
+        span = slice(start, start + c.num_tokens)
+        start += c.num_tokens
+        k = torch.stack([layer_k[0, :, span] for layer_k, _ in kv])
+        v = torch.stack([layer_v[0, :, span] for _, layer_v in kv])
+        exact.append(type(c)(c.token_ids, k, v, c.model_fingerprint, c.head_hash))
+    return exact
+
+
+def _offset(chunks, gen, shared=False):
+    """Copies of ``chunks`` whose K (before RoPE) and V are moved by one random vector per
+    layer and KV head (per chunk, or one for all when ``shared``): stored KV that is wrong by
+    a constant shift."""
+    out, shape = [], (*chunks[0].k.shape[:2], 1, chunks[0].k.shape[-1])
+    dk, dv = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    for c in chunks:
+        if not shared:
+            dk, dv = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        out.append(type(c)(c.token_ids, c.k + dk, c.v + dv, c.model_fingerprint, c.head_hash))
+    return out
+
+
+def test_the_stale_shift_takes_a_constant_error_out_of_every_token_of_a_chunk(tiny_blend):
+    """Chunks stored off their true KV by a constant per layer and head: the recomputed
+    tokens measure it, so moving each chunk by their mean (its own, or with one offset for
+    all, drawn to every chunk's) gives full prefill's result; without the shift, or with a
+    chunk too sparsely recomputed to be moved, blend keeps the error."""
+    model, head, chunks, chunk_ids, question = tiny_blend
+    exact = _in_context(model, head, chunks, chunk_ids, question)
+    shifted = [exact[0], *_offset(exact[1:], torch.Generator().manual_seed(5))]
+    full = blend_prefill(model, head, chunks, question, mode="full", chunk_ids=chunk_ids)
+
+    def blend(sources=shifted, **settings):
+        # each chunk on its own tokens' mean (no pooling), and no temperature: exact
+        settings = BlendSettings(**{"stale_key_scale": 1.0, "stale_shift_pool": 0,
+                                    "stale_shift_ramp_tokens": 0, **settings})  # fmt: skip
+        return blend_prefill(model, head, sources, question, mode="blend", recompute_ratio=0.5,
+                             chunk_ids=chunk_ids, settings=settings)  # fmt: skip
+
+    common = [exact[0], *_offset(exact[1:], torch.Generator().manual_seed(6), shared=True)]
+    pooled = blend(common, stale_shift=1.0, stale_shift_pool=16)
+    torch.testing.assert_close(pooled.logits, full.logits, atol=2e-4, rtol=2e-4)
+
+    moved, plain = blend(stale_shift=1.0), blend(stale_shift=0.0)
+    torch.testing.assert_close(moved.logits, full.logits, atol=2e-4, rtol=2e-4)
+    # a shifted chunk is read at no temperature: the default one changes only the selection
+    tempered = blend(stale_shift=1.0, stale_key_scale=0.9, stale_ramp_tokens=0)
+    torch.testing.assert_close(tempered.logits, full.logits, atol=2e-4, rtol=2e-4)
+    assert (plain.logits - full.logits).abs().max() > 1e-2
+    # at 0.5 every chunk has a recomputed token; no chunk has 100
+    too_few = blend(stale_shift=1.0, stale_shift_min_tokens=100)
+    torch.testing.assert_close(too_few.logits, plain.logits)
+    half = blend(stale_shift=0.5)
+    error = {
+        name: (result.logits - full.logits).abs().max().item()
+        for name, result in (("half", half), ("plain", plain))
+    }
+    assert error["half"] < error["plain"]
+
+
+def test_the_stale_shift_leaves_reuse_and_exact_chunks_alone(tiny_blend):
+    model, head, chunks, chunk_ids, question = tiny_blend
+
+    def run(mode, sources, settings=None):
+        settings = settings or BlendSettings()
+        return blend_prefill(model, head, sources, question, mode=mode, chunk_ids=chunk_ids,
+                             recompute_ratio=0.25, settings=settings)  # fmt: skip
+
+    off = BlendSettings(stale_shift=0.0)
+    torch.testing.assert_close(run("reuse", chunks).logits, run("reuse", chunks, off).logits)
+    # stored exactly as in this prompt's context: the shift measures ~0 and moves nothing
+    exact = _in_context(model, head, chunks, chunk_ids, question)
+    moved = run("blend", exact, BlendSettings(stale_shift=1.0, stale_key_scale=1.0))
+    torch.testing.assert_close(moved.logits, run("full", chunks).logits, atol=2e-4, rtol=2e-4)
+
+
+def test_the_stale_shift_ramps_with_the_cached_tokens_a_chunk_never_saw():
+    """A chunk is moved by as much of its estimate as the cached chunk tokens before it make
+    up of ``stale_shift_ramp_tokens``; one without enough recomputed tokens not at all."""
+    spans = (slice(10, 20), slice(20, 30), slice(30, 40))
+    stale = _Stale(spans, (1.0, 0.95, 0.9), unseen=(300, 600, 2400))
+    active = torch.tensor([12, 13, 21, 22, 23, 31, 44])  # the last one: the question
+    on = {"stale_shift": 1.0, "stale_shift_pool": 16}
+    shift = _stale_shift(stale, active, BlendSettings(**on, stale_shift_ramp_tokens=1200))
+    assert shift.shares == pytest.approx((0.25, 0.5, 1.0))
+    assert [r.tolist() for r in shift.rows] == [[0, 1], [2, 3, 4], [5]]
+    fewer = _stale_shift(stale, active, BlendSettings(**on, stale_shift_min_tokens=2))
+    assert fewer.shares[2] == 0.0 and fewer.shares[1] > 0.0
+    assert _stale_shift(stale, active, BlendSettings()) is None  # off by default
+    assert _stale_shift(stale, torch.tensor([44]), BlendSettings(**on)) is None  # none recomputed
