@@ -132,12 +132,12 @@ def run_case(model, tokenizer, formats, case: Case, runs, stop_ids) -> dict[str,
     passages = [base.chunk_ids(text) for text in case.passages]
     segments = base.numbered(passages)
     head, question = list(base.head_ids), base.question_ids(case.question)
-    chunk_kv = {}
+    chunk_kv, wants_nb = {}, any(kv_name == "nb" for kv_name, *_ in runs.values())
     for name, fmt in formats.items():
         storage_kv = precompute_head(model, fmt.storage_ids)
         plain = precompute_chunks(model, fmt.storage_ids, passages, head_kv=storage_kv)
         chunk_kv[name] = plain
-        if name == "off":  # and each chunk after its predecessor where the prompt has it
+        if name == "off" and wants_nb:  # each chunk after its predecessor where it has one
             marker = fmt.passage_marker(2)
             chunk_kv["nb"] = [
                 precompute_after_previous(model, storage_kv, plain[i - 1], marker, ids)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -555,11 +555,11 @@ def _place_sources(cache, i: int, sources, cos_all, sin_all, stale: _Stale) -> N
 
 @dataclass(frozen=True)
 class _Shift:
-    """The stale chunks of a recompute pass (``_shift_stale``): their slots, the scale their
-    keys were placed at, per chunk the rows of ``active`` it recomputes, and which are moved."""
+    """The stale chunks of a recompute pass (``_shift_stale``): as they were placed
+    (``stale``: their slots and key scales), per chunk the rows of ``active`` it recomputes,
+    and how much each is moved."""
 
-    spans: tuple[slice, ...]
-    key_scales: tuple[float, ...]
+    stale: _Stale
     rows: tuple[torch.Tensor, ...]
     shares: tuple[float, ...]  # per chunk: how much of its estimate it is moved by (0: not)
     pool: int  # recomputed tokens' worth of the mean over every chunk in each chunk's estimate
@@ -584,7 +584,7 @@ def _stale_shift(stale: _Stale, active: torch.Tensor, settings: BlendSettings) -
     )  # fmt: skip
     if not any(shares) or not any(r.numel() for r in rows):
         return None
-    return _Shift(stale.spans, stale.key_scales, rows, shares, settings.stale_shift_pool)
+    return _Shift(stale, rows, shares, settings.stale_shift_pool)
 
 
 def _shift_stale(cache, i: int, shift: _Shift, k_pre, v, active, cos_all, sin_all) -> None:
@@ -597,7 +597,7 @@ def _shift_stale(cache, i: int, shift: _Shift, k_pre, v, active, cos_all, sin_al
     of the chunk, whose keys are then read at no temperature: the shift corrects what the
     temperature only dampened. Before the fresh KV is written."""
     sums = []  # per chunk: summed differences of K and V [H_kv, 1, D], and their count
-    for scale, rows in zip(shift.key_scales, shift.rows, strict=True):
+    for scale, rows in zip(shift.stale.key_scales, shift.rows, strict=True):
         if not rows.numel():
             sums.append((0.0, 0.0, 0))
             continue
@@ -612,7 +612,7 @@ def _shift_stale(cache, i: int, shift: _Shift, k_pre, v, active, cos_all, sin_al
     pooled_v = sum(dv for _, dv, _ in sums) / count
     dtype = cache.k.dtype
     for span, scale, share, (dk, dv, n) in zip(
-        shift.spans, shift.key_scales, shift.shares, sums, strict=True
+        shift.stale.spans, shift.stale.key_scales, shift.shares, sums, strict=True
     ):
         if not share or n + shift.pool == 0:
             continue
@@ -931,8 +931,7 @@ def _recompute(model, cache, token_ids, rounds: _Plan, attention, deeper: _Deepe
         stale = _Stale(bias=None if bias is None else bias * ~chosen)
         place: dict = {}
         if deeper is not None and index == 0:
-            stale = _Stale(rounds.stale.spans, rounds.stale.key_scales, stale.bias,
-                           rounds.stale.unseen)  # fmt: skip
+            stale = replace(rounds.stale, bias=stale.bias)
             place = {"sources": deeper.sources, "place_from": deeper.start}
         active = again.nonzero().squeeze(1)
         shift = _stale_shift(rounds.stale, active, settings)
