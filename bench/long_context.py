@@ -41,7 +41,7 @@ import torch
 
 from bench.codec import decode_speed
 from bench.prefill import chunk_sources
-from bench.staging import bench_of
+from bench.staging import bench_of, on_device
 from bench.timing import cpu_name, synchronize, timed
 from kvservice.blend import BlendSettings, Mode, blend_prefill
 from kvservice.chunk import ChunkKV
@@ -185,7 +185,10 @@ def codec_report(chunks: list[ChunkKV], model: Transformer, name: str) -> dict:
     report = {}
     for codec_name in dict.fromkeys(["fp16", config.codec]):
         codec = codec_by_name(codec_name)
-        objects = [encode_chunk(chunk, codec=codec, narrow_to=config.narrow_to) for chunk in chunks]
+        objects = [
+            encode_chunk(on_device(chunk, model.device), codec=codec, narrow_to=config.narrow_to)
+            for chunk in chunks
+        ]
         per_token = sum(map(len, objects)) / tokens
         report[codec_name] = {
             "bytes_per_token": per_token,
@@ -250,7 +253,7 @@ def _gib(n: int | None) -> str:
 
 def print_table(report: Mapping) -> None:
     header = (
-        f"{'run':11} {'TTFT s':>8} {'x full':>6} {'tok/s':>8} {'peak GiB':>8} {'load s':>7} "
+        f"{'run':13} {'TTFT s':>8} {'x full':>6} {'tok/s':>8} {'peak GiB':>8} {'load s':>7} "
         f"{'hidden':>6} {'KL':>8} {'agree':>5}"
     )
     print(header)
@@ -258,7 +261,7 @@ def print_table(report: Mapping) -> None:
     for key, m in report["modes"].items():
         ratio, hidden = m["ttft_ratio_to_full"], m["hidden_load_fraction"]
         print(
-            f"{key:11} {m['ttft_median_s']:8.3f} {ratio or float('nan'):6.3f} "
+            f"{key:13} {m['ttft_median_s']:8.3f} {ratio or float('nan'):6.3f} "
             f"{m['prefill_tokens_per_s']:8.0f} {_gib(m['peak_memory_bytes']):>8} "
             f"{m['load_s']:7.3f} {'-' if hidden is None else f'{hidden:.2f}':>6} "
             f"{m['kl_to_full']:8.2e} {'yes' if m['agrees_with_full'] else 'no':>5}"

@@ -35,6 +35,7 @@ from bench.throttle import ThrottlingProxy
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.controller import ChunkLoad, LoadingController, LoadPlan, choose_ratio
 from kvservice.store.config import StoreConfig
+from kvservice.store.device import DeviceTier
 from kvservice.store.disk import DiskTier
 from kvservice.store.keys import ChunkKey
 from kvservice.store.loader import KVLoader, LoadBatch, LoadStats
@@ -44,7 +45,17 @@ from kvservice.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
-TIERS = ("cpu", "disk", "s3", "kdn")  # kdn: through the knowledge delivery API (bench.kdn)
+# device: the GPU tier (compressed objects in the model's device memory, decoded at use);
+# kdn: through the knowledge delivery API (bench.kdn)
+TIERS = ("device", "cpu", "disk", "s3", "kdn")
+
+
+def on_device(chunk: ChunkKV, device: torch.device) -> ChunkKV:
+    """``chunk`` with its KV on ``device`` (itself where it is there already)."""
+    if chunk.k.device == device:
+        return chunk
+    return ChunkKV(chunk.token_ids, chunk.k.to(device), chunk.v.to(device),
+                   chunk.model_fingerprint, chunk.head_hash)  # fmt: skip
 
 
 def parse_link_rate(text: str) -> tuple[float | None, float | None]:
@@ -91,6 +102,8 @@ class StoreBench:
         env.setdefault("KV_S3_PREFIX", f"bench-{os.getpid()}/")
         self.config = StoreConfig.from_env(env)
         tiers: list[Any] = [MemoryTier(1 << 40), DiskTier(root / "disk", 1 << 40)]
+        if tier == "device":
+            tiers.insert(0, DeviceTier(1 << 40, device))
         if tier == "s3":
             tiers.append(S3Tier(self.config))
         self.store = TieredStore(tiers, quantize=self.config.quantize, config=self.config)
@@ -99,6 +112,8 @@ class StoreBench:
         )
         self._keys: dict[int, ChunkKey] = {}
         self._sizes: dict[int, int] = {}  # stored object bytes per chunk
+        self._encoded: dict[ChunkKey, bytearray] = {}  # a staged chunk is encoded once
+        self._device = torch.device(device)
         self._chunk_tokens = 0
         self.fp16_bytes = 0  # the staged chunks' KV at 2 bytes a value
         self._pending: dict[str, list[LoadBatch]] = {}
@@ -122,8 +137,13 @@ class StoreBench:
         self._keys, self._sizes = {}, {}
         self._chunk_tokens = sum(chunk.num_tokens for chunk in chunks)
         self.fp16_bytes = sum(2 * (chunk.k.numel() + chunk.v.numel()) for chunk in chunks)
+        encoded, self._encoded = self._encoded, {}  # re-staging the same chunks reuses them
         for chunk in chunks:
-            key, data = ChunkKey.of(chunk), self.store.encode(chunk)
+            key = ChunkKey.of(chunk)
+            data = encoded.get(key)
+            if data is None:  # encoded on the model's device, as the ingest worker does
+                data = self.store.encode(on_device(chunk, self._device))
+            self._encoded[key] = data
             self.store.put_encoded(
                 key, data, tiers=[] if self.tier == "s3" else [self.tier],
                 write_through=self.tier == "s3",
@@ -131,6 +151,10 @@ class StoreBench:
             self._keys[id(chunk)] = key
             self._sizes[id(chunk)] = len(data)
         log.info("staged %d chunks in the %s tier", len(chunks), self.tier)
+
+    def encoded(self, chunk: ChunkKV) -> bytearray | None:
+        """The object staged for ``chunk`` (the store's codec), if it was staged."""
+        return self._encoded.get(ChunkKey.of(chunk))
 
     @property
     def s3_mbps(self) -> float | None:

@@ -314,8 +314,8 @@ def section_sizes(
 def encode_layer(
     codec: Codec, bits: tuple[int, int], k: torch.Tensor, v: torch.Tensor
 ) -> list[torch.Tensor]:
-    """The sections of one layer (K and V ``[H, T, D]`` on CPU, already in the stored dtype
-    for ``raw``), in :func:`section_sizes`' order."""
+    """The sections of one layer (K and V ``[H, T, D]`` on any device, already in the stored
+    dtype for ``raw``), in :func:`section_sizes`' order, on that device."""
     if codec.kind == RAW:
         return [k, v]
     if codec.kind == INT8:

@@ -215,7 +215,8 @@ def encode_chunk(
     narrow_to: torch.dtype | None = None,
 ) -> bytearray:
     """Serialize a chunk into one contiguous object (see the module docstring) with ``codec``
-    (default: raw, or int8 per token with ``quantize``).
+    (default: raw, or int8 per token with ``quantize``). The values are quantized on the
+    chunk's device (the same codes on CPU and CUDA up to float rounding at a step's edge).
 
     ``narrow_to`` (float16 or bfloat16) is the type a float32 chunk is stored in (raw) or
     decoded to (kivi, fp8); a chunk already in 16 bits, or one whose values do not fit the
@@ -230,11 +231,11 @@ def encode_chunk(
         codec = codecs.CODECS["int8"] if quantize else FP16
     chunk, dtype, codec = _stored_codec(chunk, codec, narrow_to)
     num_layers, heads, tokens, dim = chunk.k.shape
-    k_cpu = chunk.k.detach().to("cpu").contiguous()
-    v_cpu = chunk.v.detach().to("cpu").contiguous()
+    # quantized where the chunk is (a GPU encodes at its speed); sections cross to the host
+    k, v = chunk.k.detach().contiguous(), chunk.v.detach().contiguous()
     layer_bits = codec.layer_bits(num_layers)
     try:
-        blocks = [codecs.encode_layer(codec, layer_bits[i], k_cpu[i], v_cpu[i])
+        blocks = [codecs.encode_layer(codec, layer_bits[i], k[i], v[i])
                   for i in range(num_layers)]  # fmt: skip
     except OverflowError:  # a value beyond float16: kept exactly instead
         return encode_chunk(chunk, codec=FP16, k_storage=k_storage,

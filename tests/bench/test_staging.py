@@ -7,7 +7,7 @@ from bench.staging import StoreBench
 from tests.kvservice.store.conftest import L, make_chunk
 
 
-@pytest.mark.parametrize("tier", ["cpu", "disk", "s3"])
+@pytest.mark.parametrize("tier", ["device", "cpu", "disk", "s3"])
 def test_bench_stages_in_one_tier_and_reports_loading(tier, s3_service):
     chunks = [make_chunk(60 + i) for i in range(3)]
     environ = {**s3_service.env, "KV_STORE_DTYPE": "float32", "KV_CODEC": "fp16"}  # exact
@@ -32,5 +32,23 @@ def test_bench_stages_in_one_tier_and_reports_loading(tier, s3_service):
             bench.report("full", prompt_tokens=60, num_layers=L, full_ttft_s=0.5)["load_s"] == 0.0
         )
         assert bench.store.where(key) == tier  # no promotion: every repeat starts there
+    finally:
+        bench.close()
+
+
+def test_staging_the_same_chunks_again_encodes_them_once(monkeypatch):
+    chunks = [make_chunk(60 + i) for i in range(2)]
+    bench = StoreBench("cpu", environ={"KV_CODEC": "kivi4"})
+    try:
+        encoded = []
+        encode = bench.store.encode
+        monkeypatch.setattr(bench.store, "encode", lambda c: encoded.append(c) or encode(c))
+        bench.stage(chunks)
+        first = bench.encoded(chunks[0])
+        bench.stage(chunks)  # the timed runs' stage: the same objects, not encoded again
+        assert len(encoded) == 2 and bench.encoded(chunks[0]) is first
+        bench.stage(chunks[1:])  # another example: only its chunks are kept
+        assert bench.encoded(chunks[0]) is None and len(encoded) == 2
+        assert bench.sources(chunks[1:], "reuse")[0].layer(0)[0].shape == chunks[1].k[0].shape
     finally:
         bench.close()

@@ -277,6 +277,24 @@ def test_decoding_on_cuda_gives_the_cpu_values(name):
             assert b.is_cuda and torch.allclose(a.float(), b.float().cpu(), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kivi4", "kivi3", "fp8", "int8", DEFAULT_CODEC])
+def test_encoding_on_cuda_gives_the_cpu_object_up_to_rounding(name):
+    chunk = smol_like_chunk(tokens=90)
+    codec = codec_by_name(name)
+    on_cpu = encode_chunk(chunk, codec=codec, narrow_to=torch.float16)
+    cuda_chunk = ChunkKV(chunk.token_ids, chunk.k.cuda(), chunk.v.cuda(),
+                         chunk.model_fingerprint, chunk.head_hash)  # fmt: skip
+    on_cuda = encode_chunk(cuda_chunk, codec=codec, narrow_to=torch.float16)
+    assert len(on_cuda) == len(on_cpu)
+    a, b = decode_chunk(on_cpu), decode_chunk(on_cuda)  # both decoded on the host
+    for x, y, true in ((a.k, b.k, chunk.k), (a.v, b.v, chunk.v)):
+        error_cpu = (x.float() - true.float()).abs().mean()
+        error_cuda = (y.float() - true.float()).abs().mean()
+        assert error_cuda <= error_cpu * 1.01 + 1e-6  # as close to the true values
+        assert (x != y).float().mean() < 0.01  # codes differ only at a step's edge
+
+
 def test_the_loader_serves_layer_dependent_objects_from_every_tier(store):
     from kvservice.store.loader import KVLoader
 
