@@ -63,7 +63,14 @@ from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat, preamble_from_env, preamble_passages
 from kvservice.store import codec as codecs
 from kvservice.store.codec import KIVI, Codec, codec_by_name, kivi
-from kvservice.store.format import decode_chunk, decode_header, decode_layer, encode_chunk
+from kvservice.store.format import (
+    decode_chunk,
+    decode_header,
+    decode_layer,
+    decode_layers,
+    encode_chunk,
+    layer_run,
+)
 
 WORSE = 1e-4  # a tf_kl difference to fp16's smaller than this counts as a tie
 MODES = ("reuse", "blend")
@@ -110,21 +117,32 @@ def entropy_bytes(data: bytearray) -> int:
     return len(data) - int(saved)
 
 
-def decode_speed(objects: Sequence[bytearray], device: str, repeats: int = 3) -> float:
-    """GB/s of decoded float16 KV (2 bytes a value), layer by layer, best of ``repeats``."""
-    blocks = []
+def decode_speed(
+    objects: Sequence[bytearray], device: str, repeats: int = 3, layers_per_call: int = 1
+) -> float:
+    """GB/s of decoded float16 KV (2 bytes a value), best of ``repeats``: layer by layer, or
+    in runs of up to ``layers_per_call`` layers (``decode_layers``, as the loader does on
+    CUDA)."""
+    runs = []
     for data in objects:
         header = decode_header(data)
         raw = torch.frombuffer(data, dtype=torch.uint8).to(device)
-        blocks += [(header, i, raw[header.layer_offset(i) :]) for i in range(header.num_layers)]
-    values = sum(2 * h.num_kv_heads * h.num_tokens * h.head_dim for h, _, _ in blocks)
+        first = 0
+        while first < header.num_layers:
+            count = layer_run(header, first, layers_per_call)
+            runs.append((header, first, count, raw[header.layer_offset(first) :]))
+            first += count
+    values = sum(2 * n * h.num_kv_heads * h.num_tokens * h.head_dim for h, _, n, _ in runs)
     best = math.inf
     for _ in range(repeats):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         started = time.perf_counter()
-        for header, index, block in blocks:
-            decode_layer(header, index, block, verify=False)
+        for header, first, count, block in runs:
+            if count == 1:
+                decode_layer(header, first, block, verify=False)
+            else:
+                decode_layers(header, first, count, block)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - started)

@@ -6,6 +6,7 @@
 # and the GPU tier. Results go to $OUT (or ./gpu-out):
 # checks.txt (environment and tests), grid.txt (the tables) and lc.tar (each run's JSON).
 #   bash bench/gpu_checks.sh [PYTHON]      # e.g. PYTHON=.venv/bin/python; LAYERS=2 to smoke-test
+# TESTS=0 skips the tests; GRID and CODECS (below) choose the runs.
 set -u
 PY=${1:-python3}
 OUT=${OUT:-gpu-out}
@@ -19,11 +20,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 "$PY" -c 'import torch, sys; print(sys.version, torch.__version__, torch.cuda.is_available())' \
   2>&1 | tee -a "$OUT/checks.txt"
 
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -p no:django --confcutdir=tests/kvservice \
+[ "${TESTS:-1}" = 0 ] || timeout 200 "$PY" -m pytest -q -p no:cacheprovider -p no:django --confcutdir=tests/kvservice \
   -o addopts=-ra -m "gpu or not slow" tests/kvservice/test_cuda.py \
   tests/kvservice/test_half_precision.py tests/kvservice/test_kernels.py \
   "tests/kvservice/store/test_codec.py::test_decoding_on_cuda_gives_the_cpu_values" \
   "tests/kvservice/store/test_codec.py::test_encoding_on_cuda_gives_the_cpu_object_up_to_rounding" \
+  "tests/kvservice/store/test_codec.py::test_the_loader_decodes_runs_of_layers_in_one_call" \
+  "tests/kvservice/store/test_tiers.py::test_a_pinned_tier_holds_page_locked_blocks_and_counts_their_size" \
   --deselect "tests/kvservice/test_kernels.py::test_the_worker_reads_and_checks_engine_precision_and_kernel" \
   2>&1 | tee -a "$OUT/checks.txt"
 

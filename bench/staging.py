@@ -101,7 +101,8 @@ class StoreBench:
             env["S3_ENDPOINT"] = self.proxy.endpoint
         env.setdefault("KV_S3_PREFIX", f"bench-{os.getpid()}/")
         self.config = StoreConfig.from_env(env)
-        tiers: list[Any] = [MemoryTier(1 << 40), DiskTier(root / "disk", 1 << 40)]
+        pinned = torch.device(device).type == "cuda"  # as the inference worker's store is
+        tiers: list[Any] = [MemoryTier(1 << 40, pinned=pinned), DiskTier(root / "disk", 1 << 40)]
         if tier == "device":
             tiers.insert(0, DeviceTier(1 << 40, device))
         if tier == "s3":

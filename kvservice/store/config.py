@@ -12,6 +12,7 @@
 | ``KV_S3_DOWN_BACKOFF_S`` | ``5`` | after S3 is found unreachable, fail fast for this long |
 | ``KV_DEVICE_CAPACITY_BYTES`` | ``0`` (off) | device-memory tier (needs CUDA) |
 | ``KV_CPU_CAPACITY_BYTES`` | ``2 GiB`` | CPU-memory tier |
+| ``KV_CPU_PINNED`` | ``auto`` | hold that tier in page-locked memory (``auto``: where CUDA is) |
 | ``KV_DISK_CAPACITY_BYTES`` | ``20 GiB`` | local-disk tier (``0`` turns it off) |
 | ``KV_DISK_DIR`` | ``/tmp/ragblend-kv`` | local-disk tier directory |
 | ``KV_CODEC`` | the default | how new objects store K/V: ``fp16``, ``int8``, ``fp8``, ``kivi4``.. |
@@ -59,6 +60,10 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def _parse_auto_bool(text: str) -> bool | None:
+    return None if text.strip().lower() == "auto" else _parse_bool(text)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     s3_endpoint: str | None = None
@@ -74,6 +79,7 @@ class StoreConfig:
     s3_down_backoff_s: float = 5.0
     device_capacity_bytes: int = 0
     cpu_capacity_bytes: int = 2 << 30
+    cpu_pinned: bool | None = None  # None: where CUDA is available
     disk_capacity_bytes: int = 20 << 30
     disk_dir: str = "/tmp/ragblend-kv"
     quantize: bool = False
@@ -102,6 +108,7 @@ class StoreConfig:
             ("KV_S3_DOWN_BACKOFF_S", "s3_down_backoff_s", float),
             ("KV_DEVICE_CAPACITY_BYTES", "device_capacity_bytes", parse_size),
             ("KV_CPU_CAPACITY_BYTES", "cpu_capacity_bytes", parse_size),
+            ("KV_CPU_PINNED", "cpu_pinned", _parse_auto_bool),
             ("KV_DISK_CAPACITY_BYTES", "disk_capacity_bytes", parse_size),
             ("KV_DISK_DIR", "disk_dir", str),
             ("KV_QUANTIZE", "quantize", _parse_bool),
@@ -123,6 +130,15 @@ class StoreConfig:
         config = cls(**fields)  # type: ignore[arg-type]
         config.validate()
         return config
+
+    @property
+    def pin_cpu_tier(self) -> bool:
+        """Whether the CPU-memory tier is page-locked: ``KV_CPU_PINNED``, else where CUDA is."""
+        if self.cpu_pinned is not None:
+            return self.cpu_pinned
+        import torch
+
+        return torch.cuda.is_available()
 
     @property
     def narrow_to(self):

@@ -380,6 +380,45 @@ def decode_layer(
     )  # fmt: skip
 
 
+def layer_run(header: ChunkHeader, first: int, most: int) -> int:
+    """How many layers from ``first`` (at most ``most``) :func:`decode_layers` can decode in
+    one call: those stored alike (same bit widths, so the same layout), whose packed codes
+    end on a byte run (a multiple of 8 values a layer), else 1."""
+    values = header.num_kv_heads * header.num_tokens * header.head_dim
+    if values % 8:
+        return 1
+    end = min(header.num_layers, first + max(1, most))
+    count = 1
+    while first + count < end and header.layer_bits[first + count] == header.layer_bits[first]:
+        count += 1
+    return count
+
+
+def decode_layers(
+    header: ChunkHeader, first: int, count: int, blocks: Buffer, *,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """K and V ``[count, H_kv, T, D]`` of layers ``first .. first+count`` (a
+    :func:`layer_run`) from their blocks, back to back in ``blocks``: decoded as one layer
+    with ``count`` times the heads, so that decoding costs one call's kernel launches for the
+    run instead of one per layer (on a GPU most of a layer's decoding time; not verified:
+    for trusted bytes)."""
+    size = header.layer_size(first)
+    raw = as_uint8(blocks)
+    if raw.numel() < count * size:
+        raise ChunkTruncated(f"layers {first}+{count}: got {raw.numel()} of {count * size} bytes")
+    rows = raw[: count * size].view(count, size)
+    # each section of every layer in the run, gathered into one contiguous tensor
+    sections = [rows[:, at : at + n].reshape(-1) for at, n in header.layout(first).sections]
+    heads, tokens, dim = header.num_kv_heads, header.num_tokens, header.head_dim
+    k, v = codecs.decode_sections(
+        header.codec_kind, header.layer_bits[first], sections, (count * heads, tokens, dim),
+        header.dtype, k_group=header.k_group, v_group=header.v_group,
+        v_rotated=header.v_rotated, out_dtype=dtype,
+    )  # fmt: skip
+    return k.view(count, heads, tokens, dim), v.view(count, heads, tokens, dim)
+
+
 def layer_bytes(
     header: ChunkHeader, index: int, block: Buffer, *, verify: bool = True
 ) -> torch.Tensor:

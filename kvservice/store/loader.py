@@ -38,14 +38,21 @@ from kvservice.store.format import (
     K_PRE_ROPE,
     Buffer,
     ChunkHeader,
+    as_uint8,
     decode_layer,
+    decode_layers,
     decode_token_ids,
     layer_bytes,
+    layer_run,
 )
 from kvservice.store.keys import ChunkKey
 from kvservice.store.tiered import Located, RecomputeFn, TieredStore
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+# Layers of a chunk decoded in one call on CUDA: a layer's decoding there was launch-bound
+# (12 chunks of 1,360 tokens of Llama-3-8B: 0.33 s of a 0.47 s reuse, H100, layer by layer)
+DECODE_LAYERS = 8
 
 
 @dataclass(frozen=True)
@@ -234,6 +241,9 @@ class StoreLayeredKV:
             for index in layers:
                 if index in self._futures:
                     continue
+                if found.tier.trusted and self._loader.decode_layers > 1:
+                    self._futures.update(self._fetch_run(found, index, generation))
+                    continue
                 if found.tier.trusted:  # memory / device: a view, no thread hop worth paying
                     future: Future[LayerKV] = Future()
                     try:
@@ -355,6 +365,38 @@ class StoreLayeredKV:
         self._layer_done(found, generation)
         return k, v
 
+    def _fetch_run(self, found: Located, first: int, generation: int) -> dict[int, Future]:
+        """A trusted tier's layers from ``first``, as many as decode in one call
+        (``layer_run``, at most the loader's ``decode_layers``, none already scheduled): one
+        read, one copy to the device, one decode; a future per layer."""
+        header, tier = found.header, found.tier
+        count = layer_run(header, first, self._loader.decode_layers)
+        count = next((n for n in range(1, count) if first + n in self._futures), count)
+        start = header.layer_offset(first)
+        size = header.layer_offset(first + count - 1) + header.layer_size(first + count - 1)
+        futures: dict[int, Future[LayerKV]] = {first + n: Future() for n in range(count)}
+        self._clock.fetch.start()
+        got = 0
+        try:
+            block = tier.read_range(self.key, start, size - start)
+            if block is None:
+                raise ChunkUnavailable(f"{self.key} vanished from the {tier.name} tier")
+            got = size - start
+            raw = as_uint8(block)
+            if raw.device != self._loader.device:  # from pinned memory: not waited for
+                raw = raw.to(self._loader.device, non_blocking=True)
+            k, v = decode_layers(header, first, count, raw, dtype=self._loader.dtype)
+            for n, future in enumerate(futures.values()):
+                future.set_result((k[n], v[n]))
+        except BaseException as err:
+            for future in futures.values():
+                future.set_exception(err)
+        finally:
+            self._clock.fetch.stop(got)
+        for _ in futures:
+            self._layer_done(found, generation)
+        return futures
+
     def _layer_done(self, found: Located, generation: int) -> None:
         with self._lock:
             if generation != self._generation:
@@ -461,9 +503,13 @@ class KVLoader:
         promote: bool = True,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
+        decode_layers: int | None = None,
     ) -> None:
         """``device`` and ``dtype``: where and as what the layers are decoded, the consumer's
-        KV cache's (default: the host, in each object's own 16-bit dtype)."""
+        KV cache's (default: the host, in each object's own 16-bit dtype).
+        ``decode_layers``: how many layers of a chunk in a trusted tier (memory, device) are
+        read and decoded in one call (default :data:`DECODE_LAYERS` on CUDA, where a layer's
+        decoding is mostly kernel launches, and 1 on the CPU, where it is arithmetic)."""
         self.store = store
         self.prefetch_depth = (
             store.config.prefetch_depth if prefetch_depth is None else prefetch_depth
@@ -472,6 +518,9 @@ class KVLoader:
         self.promote = promote
         self.device = torch.device(device)
         self.dtype = dtype
+        if decode_layers is None:
+            decode_layers = DECODE_LAYERS if self.device.type == "cuda" else 1
+        self.decode_layers = decode_layers
         workers = store.config.load_workers if workers is None else workers
         nice = (store.config.load_nice,)
         self.executor = ThreadPoolExecutor(

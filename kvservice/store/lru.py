@@ -77,8 +77,12 @@ class LRUTier(Tier):
         self._count(hit=True)
         return data
 
+    def footprint(self, nbytes: int) -> int:
+        """The memory an object of ``nbytes`` takes in this tier (what capacity counts)."""
+        return nbytes
+
     def put(self, key: ChunkKey, data: Buffer) -> None:
-        nbytes = buffer_nbytes(data)
+        nbytes = self.footprint(buffer_nbytes(data))
         if not self.fits(nbytes):
             log.debug(
                 "%s tier: %s (%d bytes) exceeds capacity %d",

@@ -107,7 +107,7 @@ class TieredStore:
         if config.device_capacity_bytes > 0 and DeviceTier.available():
             tiers.append(DeviceTier(config.device_capacity_bytes))
         if config.cpu_capacity_bytes > 0:
-            tiers.append(MemoryTier(config.cpu_capacity_bytes))
+            tiers.append(MemoryTier(config.cpu_capacity_bytes, pinned=config.pin_cpu_tier))
         if config.disk_capacity_bytes > 0:
             tiers.append(DiskTier(config.disk_dir, config.disk_capacity_bytes))
         if config.s3_endpoint:

@@ -24,7 +24,9 @@ from kvservice.store.format import (
     decode_chunk,
     decode_header,
     decode_layer,
+    decode_layers,
     encode_chunk,
+    layer_run,
     verify_object,
 )
 from kvservice.store.keys import ChunkKey
@@ -289,16 +291,81 @@ def test_encoding_on_cuda_gives_the_cpu_object_up_to_rounding(name):
     assert len(on_cuda) == len(on_cpu)
     a, b = decode_chunk(on_cpu), decode_chunk(on_cuda)  # both decoded on the host
     for x, y, true in ((a.k, b.k, chunk.k), (a.v, b.v, chunk.v)):
-        error_cpu = (x.float() - true.float()).abs().mean()
-        error_cuda = (y.float() - true.float()).abs().mean()
-        assert error_cuda <= error_cpu * 1.01 + 1e-6  # as close to the true values
-        assert (x != y).float().mean() < 0.01  # codes differ only at a step's edge
+        # as close to the true values (codes may differ at a step's edge: the division is
+        # rounded otherwise on CUDA; measured: 3.6 % of int8's codes, same error)
+        for norm in (1, 2):
+            error_cpu = torch.linalg.vector_norm(x.float() - true.float(), norm)
+            error_cuda = torch.linalg.vector_norm(y.float() - true.float(), norm)
+            assert error_cuda <= error_cpu * 1.01 + 1e-6
+
+
+MIXED = kivi("mixed", ((0.5, 4), (1.0, 2)), 3, k_group=16, v_group=4)  # K bits change halfway
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "kivi4", DEFAULT_CODEC, "mixed"])
+def test_layers_decoded_together_equal_layers_decoded_one_by_one(name):
+    codec = MIXED if name == "mixed" else codec_by_name(name)
+    data = encode_chunk(smol_like_chunk(tokens=90), codec=codec, narrow_to=torch.float16)
+    header = decode_header(data)
+    first, runs = 0, []
+    while first < header.num_layers:
+        count = layer_run(header, first, 8)
+        assert len({header.layer_bits[i] for i in range(first, first + count)}) == 1
+        k, v = decode_layers(header, first, count, data[header.layer_offset(first) :])
+        assert k.shape == (count, header.num_kv_heads, 90, header.head_dim) == v.shape
+        for n in range(count):
+            one_k, one_v = decode_layer(header, first + n, data[header.layer_offset(first + n) :])
+            torch.testing.assert_close(k[n], one_k, rtol=0, atol=0)
+            torch.testing.assert_close(v[n], one_v, rtol=1e-3, atol=1e-3)  # V's matrix product
+        runs.append(count)
+        first += count
+    # runs of at most 8 within each stretch of equal bits (mixed: 15 + 15 layers; v4early:
+    # the first eighth, 4, then 26)
+    stretches = {"mixed": [15, 15], DEFAULT_CODEC: [4, 26]}.get(name, [30])
+    assert sum(runs) == header.num_layers == 30
+    assert len(runs) == sum(-(-n // 8) for n in stretches)
+
+
+def test_layers_whose_codes_end_mid_byte_run_are_decoded_one_by_one():
+    chunk = ChunkKV(list(range(7)), torch.randn(3, 1, 7, 6), torch.randn(3, 1, 7, 6), "f", "h")
+    header = decode_header(encode_chunk(chunk, codec=codec_by_name("kivi4")))  # 42 values
+    assert [layer_run(header, i, 8) for i in range(3)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("where", ["cpu", "device"])
+def test_the_loader_decodes_runs_of_layers_in_one_call(where):
+    """On CUDA where there is one: from pinned memory or the GPU tier, decoded on the GPU."""
+    from kvservice.store.device import DeviceTier
+    from kvservice.store.loader import KVLoader
+    from kvservice.store.memory import MemoryTier
+    from kvservice.store.tiered import TieredStore
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tier = DeviceTier(1 << 30, device) if where == "device" else MemoryTier(
+        1 << 30, pinned=device == "cuda")  # fmt: skip
+    store = TieredStore([tier], config=StoreConfig(store_dtype="float32"))
+    chunk = make_chunk(50, tokens=70)
+    expected = decode_chunk(encode_chunk(chunk, codec=MIXED))
+    key = store.put(chunk, codec=MIXED)
+    bytes_read = {}
+    for layers in (3, 1):
+        with KVLoader(store, promote=False, decode_layers=layers, device=device) as loader:
+            batch = loader.open([key])
+            assert batch[0].tier == where
+            for i in range(expected.num_layers):
+                k, v = batch[0].layer(i)
+                assert k.device.type == device == v.device.type
+                exact = 0 if device == "cpu" else 1e-5  # CUDA may fuse K's multiply-add
+                torch.testing.assert_close(k.cpu(), expected.k[i], rtol=exact, atol=exact)
+                torch.testing.assert_close(v.cpu(), expected.v[i], rtol=1e-3, atol=1e-3)
+            bytes_read[layers] = batch.stats().bytes_read
+    assert bytes_read[3] == bytes_read[1]  # each layer read once
 
 
 def test_the_loader_serves_layer_dependent_objects_from_every_tier(store):
     from kvservice.store.loader import KVLoader
 
-    codec = kivi("mixed", ((0.5, 4), (1.0, 2)), 3, k_group=16, v_group=4)
+    codec = MIXED
     chunk = make_chunk(50, tokens=70)
     expected = decode_chunk(encode_chunk(chunk, codec=codec))
     for where in ("cpu", "disk", "s3"):  # a view, a ranged read, one streamed request

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kvservice.store.config import StoreConfig
 from kvservice.store.device import DeviceTier
 from kvservice.store.disk import DiskTier
 from kvservice.store.format import (
@@ -14,14 +16,18 @@ from kvservice.store.format import (
 from kvservice.store.keys import ChunkKey
 from kvservice.store.memory import MemoryTier
 from kvservice.store.s3 import S3Tier
+from kvservice.store.tiered import TieredStore
 
 from .conftest import L, make_chunk
+
+CUDA = torch.cuda.is_available()
 
 
 def _tiers(store_config, tmp_path):
     return [
         DeviceTier(1 << 20, device="cpu"),  # the device tier's code path, on the CPU here
         MemoryTier(1 << 20),
+        *([MemoryTier(1 << 20, pinned=True)] if CUDA else []),
         DiskTier(tmp_path / "disk", 1 << 20),
         S3Tier(store_config),
     ]
@@ -120,3 +126,31 @@ def test_warm_copies_a_chunk_into_a_named_tier(store):
     assert store.warm(key, "disk") and store.where(key) == "disk"
     assert store.warm(key, "cpu") and store.where(key) == "cpu"
     assert torch.equal(store.get(key).k, chunk.k)
+
+
+def test_the_cpu_tier_is_pinned_where_cuda_is_unless_told(tmp_path):
+    def memory_tier(**env):
+        config = StoreConfig.from_env({"KV_DISK_CAPACITY_BYTES": "0", **env})
+        return TieredStore.from_config(config).tier("cpu")
+
+    assert memory_tier().pinned == CUDA
+    assert memory_tier(KV_CPU_PINNED="auto").pinned == CUDA
+    assert not memory_tier(KV_CPU_PINNED="false").pinned
+    with pytest.raises(ValueError, match="KV_CPU_PINNED"):
+        StoreConfig.from_env({"KV_CPU_PINNED": "sometimes"})
+    if not CUDA:
+        with pytest.raises(ValueError, match="needs CUDA"):
+            memory_tier(KV_CPU_PINNED="true")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_pinned_tier_holds_page_locked_blocks_and_counts_their_size():
+    chunk = make_chunk(12)
+    key, data = ChunkKey.of(chunk), encode_chunk(chunk)
+    tier = MemoryTier(1 << 20, pinned=True)
+    tier.put(key, data)
+    block = tier.read_range(key, 0, len(data))
+    assert isinstance(block, torch.Tensor) and block.is_pinned()
+    assert bytes(block.numpy()) == bytes(data)
+    footprint = 1 << (len(data) - 1).bit_length()  # torch's host allocator: powers of two
+    assert tier.stats().bytes == footprint >= len(data)
