@@ -142,9 +142,6 @@ class BlendSettings:
     stale_shift_min_tokens: int = STALE_SHIFT_MIN_TOKENS  # a chunk with fewer is not moved
     stale_shift_pool: int = STALE_SHIFT_POOL  # each chunk's estimate drawn to all chunks' mean
     stale_shift_ramp_tokens: int = STALE_SHIFT_RAMP_TOKENS  # ... in full after that many
-    stale_shift_v: float | None = None  # V's share instead of ``stale_shift`` (K's)
-    # moved chunks keep the stale temperature in proportion to what they were not moved by
-    stale_shift_partial_temperature: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,8 +563,6 @@ class _Shift:
     rows: tuple[torch.Tensor, ...]
     shares: tuple[float, ...]  # per chunk: how much of its estimate it is moved by (0: not)
     pool: int  # recomputed tokens' worth of the mean over every chunk in each chunk's estimate
-    v_factor: float = 1.0  # V moved by this times K's share
-    partial_temperature: bool = False  # a chunk moved by share s keeps (1 - s) of its scale's
 
 
 def _stale_shift(stale: _Stale, active: torch.Tensor, settings: BlendSettings) -> _Shift | None:
@@ -589,9 +584,7 @@ def _stale_shift(stale: _Stale, active: torch.Tensor, settings: BlendSettings) -
     )  # fmt: skip
     if not any(shares) or not any(r.numel() for r in rows):
         return None
-    v_share = settings.stale_shift if settings.stale_shift_v is None else settings.stale_shift_v
-    return _Shift(stale, rows, shares, settings.stale_shift_pool, v_share / settings.stale_shift,
-                  settings.stale_shift_partial_temperature)  # fmt: skip
+    return _Shift(stale, rows, shares, settings.stale_shift_pool)
 
 
 def _shift_stale(cache, i: int, shift: _Shift, k_pre, v, active, cos_all, sin_all) -> None:
@@ -626,13 +619,10 @@ def _shift_stale(cache, i: int, shift: _Shift, k_pre, v, active, cos_all, sin_al
         weight = share / (n + shift.pool)
         moved_k = apply_rope((dk + shift.pool * pooled_k) * weight, cos_all[span], sin_all[span])
         keys = cache.k[i, 0, :, span]
-        target = min(1.0, scale + share * (1.0 - scale)) if shift.partial_temperature else 1.0
-        if scale != target:
-            keys.mul_(target / scale)
-        keys.add_((moved_k * target).to(dtype))
-        if shift.v_factor:
-            moved_v = (dv + shift.pool * pooled_v) * (weight * shift.v_factor)
-            cache.v[i, 0, :, span] += moved_v.to(dtype)
+        if scale != 1.0:
+            keys.mul_(1.0 / scale)
+        keys.add_(moved_k.to(dtype))
+        cache.v[i, 0, :, span] += ((dv + shift.pool * pooled_v) * weight).to(dtype)
 
 
 @torch.no_grad()
