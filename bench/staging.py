@@ -153,10 +153,6 @@ class StoreBench:
             self._sizes[id(chunk)] = len(data)
         log.info("staged %d chunks in the %s tier", len(chunks), self.tier)
 
-    def encoded(self, chunk: ChunkKV) -> bytearray | None:
-        """The object staged for ``chunk`` (the store's codec), if it was staged."""
-        return self._encoded.get(ChunkKey.of(chunk))
-
     @property
     def s3_mbps(self) -> float | None:
         return self.proxy.mbps if self.proxy is not None else None
