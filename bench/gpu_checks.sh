@@ -16,9 +16,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 layers=${LAYERS:+--layers $LAYERS}
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/checks.txt"
+checks="$OUT/checks.txt"
+[ "${TESTS:-1}" = 0 ] && checks="$OUT/checks-notests.txt"  # a second call keeps the first's log
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$checks"
 "$PY" -c 'import torch, sys; print(sys.version, torch.__version__, torch.cuda.is_available())' \
-  2>&1 | tee -a "$OUT/checks.txt"
+  2>&1 | tee -a "$checks"
 
 [ "${TESTS:-1}" = 0 ] || timeout 200 "$PY" -m pytest -q -p no:cacheprovider -p no:django --confcutdir=tests/kvservice \
   -o addopts=-ra -m "gpu or not slow" tests/kvservice/test_cuda.py \
@@ -28,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
   "tests/kvservice/store/test_codec.py::test_the_loader_decodes_runs_of_layers_in_one_call" \
   "tests/kvservice/store/test_tiers.py::test_a_pinned_tier_holds_page_locked_blocks_and_counts_their_size" \
   --deselect "tests/kvservice/test_kernels.py::test_the_worker_reads_and_checks_engine_precision_and_kernel" \
-  2>&1 | tee -a "$OUT/checks.txt"
+  2>&1 | tee -a "$checks"
 
 grid() {  # context chunks codec [extra bench args]
   local ctx=$1 chunks=$2 codec=$3; shift 3
