@@ -66,7 +66,6 @@ from kvservice.store.codec import KIVI, Codec, codec_by_name, kivi
 from kvservice.store.format import (
     decode_chunk,
     decode_header,
-    decode_layer,
     decode_layers,
     encode_chunk,
     layer_run,
@@ -139,10 +138,7 @@ def decode_speed(
             torch.cuda.synchronize()
         started = time.perf_counter()
         for header, first, count, block in runs:
-            if count == 1:
-                decode_layer(header, first, block, verify=False)
-            else:
-                decode_layers(header, first, count, block)
+            decode_layers(header, first, count, block)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - started)

@@ -101,7 +101,8 @@ class StoreBench:
             env["S3_ENDPOINT"] = self.proxy.endpoint
         env.setdefault("KV_S3_PREFIX", f"bench-{os.getpid()}/")
         self.config = StoreConfig.from_env(env)
-        pinned = torch.device(device).type == "cuda"  # as the inference worker's store is
+        self._device = torch.device(device)
+        pinned = self._device.type == "cuda"  # as the inference worker's store is
         tiers: list[Any] = [MemoryTier(1 << 40, pinned=pinned), DiskTier(root / "disk", 1 << 40)]
         if tier == "device":
             tiers.insert(0, DeviceTier(1 << 40, device))
@@ -114,7 +115,6 @@ class StoreBench:
         self._keys: dict[int, ChunkKey] = {}
         self._sizes: dict[int, int] = {}  # stored object bytes per chunk
         self._encoded: dict[ChunkKey, bytearray] = {}  # a staged chunk is encoded once
-        self._device = torch.device(device)
         self._chunk_tokens = 0
         self.fp16_bytes = 0  # the staged chunks' KV at 2 bytes a value
         self._pending: dict[str, list[LoadBatch]] = {}

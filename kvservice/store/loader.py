@@ -242,18 +242,12 @@ class StoreLayeredKV:
             for index in layers:
                 if index in self._futures:
                     continue
-                if found.tier.trusted and self._loader.decode_layers > 1:
-                    self._futures.update(self._fetch_run(found, index, generation))
-                    continue
                 if found.tier.trusted:  # memory / device: a view, no thread hop worth paying
-                    future: Future[LayerKV] = Future()
-                    try:
-                        future.set_result(self._fetch(found, index, generation))
-                    except BaseException as err:
-                        future.set_exception(err)
+                    self._futures.update(self._fetch_run(found, index, generation))
                 else:
-                    future = self._loader.executor.submit(self._fetch, found, index, generation)
-                self._futures[index] = future
+                    self._futures[index] = self._loader.executor.submit(
+                        self._fetch, found, index, generation
+                    )
 
     def _start_stream(self, found: Located) -> None:
         """Every layer's future now, resolved in order by one sequential read that a stream
@@ -307,7 +301,7 @@ class StoreLayeredKV:
                         tokens = view[header.tokens_offset : header.total_bytes]
                         got += read_fully(stream, tokens)
                         decode_token_ids(header, tokens)
-                    kv = self._decode(header, index, block, verify=True)
+                    kv = self._decode(header, index, block)
                     if index == last:  # the load is over before the consumer can see it is
                         self._clock.fetch.stop(got)
                         timing = False
@@ -326,18 +320,21 @@ class StoreLayeredKV:
         if buffer is not None and current:  # whole and verified: into the faster tiers
             self._store.promote(self.key, buffer, found.tier_index)
 
-    def _decode(self, header: ChunkHeader, index: int, block: Buffer, verify: bool) -> LayerKV:
-        """Layer ``index`` as K, V on the loader's device, in its dtype. The layer's bytes
+    def _decode(self, header: ChunkHeader, index: int, block: Buffer) -> LayerKV:
+        """Layer ``index`` of a tier that is not trusted (disk, S3: checksums checked) as K,
+        V on the loader's device, in its dtype. The layer's bytes
         cross to the device as they are stored (a quarter of float16's with the default codec)
         and are decoded there, on this fetch thread, straight into the cache's dtype: the
         compute thread then places them with a plain copy. Checksums are checked where the
         bytes arrived (the host)."""
-        raw = layer_bytes(header, index, block, verify=verify)
+        raw = layer_bytes(header, index, block, verify=True)
         if raw.device != self._loader.device:
             raw = raw.to(self._loader.device, non_blocking=True)
         return decode_layer(header, index, raw, verify=False, dtype=self._loader.dtype)
 
     def _fetch(self, found: Located, index: int, generation: int) -> LayerKV:
+        """An untrusted tier's layer ``index``, read on a fetch thread (trusted tiers:
+        ``_fetch_run``)."""
         header, tier = found.header, found.tier
         start, size = header.layer_offset(index), header.layer_size(index)
         last = index == header.num_layers - 1
@@ -346,19 +343,14 @@ class StoreLayeredKV:
         self._clock.fetch.start()
         got = 0
         try:
-            if tier.trusted:
-                block = tier.read_range(self.key, start, size)
-                got = size if block is not None else 0
-            else:
-                buffer = self._buffer if self._buffer is not None else bytearray(end - start)
-                offset = start if self._buffer is not None else 0
-                out = memoryview(buffer)[offset : offset + end - start]
-                n = tier.read_into(self.key, start, out)
-                got = n or 0
-                block = None if n is None else out[:size]
-            if block is None:
+            buffer = self._buffer if self._buffer is not None else bytearray(end - start)
+            offset = start if self._buffer is not None else 0
+            out = memoryview(buffer)[offset : offset + end - start]
+            n = tier.read_into(self.key, start, out)
+            got = n or 0
+            if n is None:
                 raise ChunkUnavailable(f"{self.key} vanished from the {tier.name} tier")
-            k, v = self._decode(header, index, block, verify=not tier.trusted)
+            k, v = self._decode(header, index, out[:size])
         finally:
             self._clock.fetch.stop(got)
         if self._buffer is not None and last:
@@ -367,9 +359,10 @@ class StoreLayeredKV:
         return k, v
 
     def _fetch_run(self, found: Located, first: int, generation: int) -> dict[int, Future]:
-        """A trusted tier's layers from ``first``, as many as decode in one call
-        (``layer_run``, at most the loader's ``decode_layers``, none already scheduled): one
-        read, one copy to the device, one decode; a future per layer."""
+        """A trusted tier's (memory, device) layers from ``first``, inline: as many as decode
+        in one call (``layer_run``, at most the loader's ``decode_layers``, 1 on the CPU, none
+        already scheduled): one read (a view), one copy to the device, one decode; a future
+        per layer."""
         header, tier = found.header, found.tier
         count = layer_run(header, first, self._loader.decode_layers)
         count = next((n for n in range(1, count) if first + n in self._futures), count)
