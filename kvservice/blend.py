@@ -162,25 +162,35 @@ def rerotate(k: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor, inv_
 
 def rotate_into(
     dest: torch.Tensor,
-    k_pre: torch.Tensor,
+    k_pre: torch.Tensor | Sequence[torch.Tensor],
     cos: torch.Tensor,
     sin: torch.Tensor,
-    scale: float = 1.0,
+    scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Write pre-RoPE keys ``k_pre [H_kv, n, D]`` into ``dest [H_kv, n, D]`` (a cache slice)
     rotated by ``cos``/``sin`` ``[n, R]``: ``apply_rope`` computed in place, in float32.
     One copy (which also widens a float16 store) and four in-place products instead of
     ``apply_rope``'s seven temporaries and a copy: placing the cached chunks was ~45 % of the
     reuse pass (3,700 tokens, 30 layers). A bfloat16 cache gets the float32 result rounded
-    once (8 bits of mantissa). The keys are multiplied by ``scale`` on the way
-    (``_Stale.key_scale``): a rotation is linear, so scaled tables give it in the same passes."""
+    once (8 bits of mantissa). The keys are multiplied by ``scale`` on the way (a number, or
+    one per token, ``[n, 1]``: ``_Stale.key_scale``): a rotation is linear, so scaled tables
+    give it in the same passes. ``k_pre`` may be consecutive segments' keys, ``[H_kv, n_j,
+    D]`` each (``_place_sources``): copied in side by side, then rotated as one."""
     rotary = cos.shape[-1]  # < D with partial rotary: the other dims stay as copied
     half = rotary // 2
     work = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device)
-    work.copy_(k_pre)
+    if isinstance(k_pre, torch.Tensor):
+        work.copy_(k_pre)
+    elif all(part.device == work.device for part in k_pre):
+        torch.cat(list(k_pre), dim=1, out=work)  # one call, widening as it copies
+    else:
+        start = 0
+        for part in k_pre:
+            work[:, start : start + part.shape[1]].copy_(part)
+            start += part.shape[1]
     x1, x2 = work[..., :half], work[..., half:rotary]
     cos_h, sin_h = cos[..., :half].float(), sin[..., :half].float()
-    if scale != 1.0:
+    if isinstance(scale, torch.Tensor) or scale != 1.0:
         cos_h, sin_h = cos_h * scale, sin_h * scale
         if rotary < work.shape[-1]:
             work[..., rotary:] *= scale
@@ -307,6 +317,12 @@ class QueryGroups:
 # PyTorch's CPU flash attention cuts a call's queries into 256-row blocks from 768 rows on,
 # and into 32- or 64-row blocks below, which run ~15 % slower per (query, key) pair here.
 MIN_ROWS_PER_CALL = 768
+# On a GPU one call per layer: the launches of the CPU's cut (~12 calls a layer at 16,384
+# tokens) cost more than the masked work they skip. Blend 0.15 of Llama-3-8B's shape on an
+# H200, 12 chunks from CPU memory / the GPU tier (docs/long_context_gpu/h200_s44_ab.txt):
+# 4,096 tokens 0.192 / 0.202 -> 0.171 / 0.186 s, 8,192 0.272 / 0.304 -> 0.237 / 0.254,
+# 16,384 0.373 / 0.348 -> 0.352 / 0.378 (a wash there).
+GPU_ROWS_PER_CALL: int | None = None
 
 
 def group_queries(
@@ -314,7 +330,7 @@ def group_queries(
     key_pos: torch.Tensor,
     heads_per_key: int,
     sliding_window: int | None = None,
-    min_rows: int = MIN_ROWS_PER_CALL,
+    min_rows: int | None = MIN_ROWS_PER_CALL,
     dtype: torch.dtype = torch.float32,
     key_bias: torch.Tensor | None = None,
 ) -> QueryGroups:
@@ -325,14 +341,15 @@ def group_queries(
 
     ``attend_grouped`` stacks the ``heads_per_key`` query heads that share a key head into
     one call's rows, so a group of ``n`` queries is ``heads_per_key * n`` rows; the groups
-    are as many, of equal size, as leave each call at least ``min_rows`` rows. One layer of
+    are as many, of equal size, as leave each call at least ``min_rows`` rows (None: one
+    group). One layer of
     a blend at 0.15 (tuning examples 0-3, layers 5, 15 and 25: 572-596 queries over
     3,631-3,758 keys; medians of 9): 2 stacked groups 20.1 ms, 1 group 21.2, 3 groups 21.9,
     4 groups 22.2, the previous 8 groups of equal key spans with SDPA's GQA 23.1.
     The masks are additive (SDPA converts a boolean mask on every call) and repeated per
     stacked head (``heads_per_key * S`` rows of keys in all, built once per pass)."""
     count = query_pos.numel()
-    n_groups = max(1, min(count, heads_per_key * count // min_rows))
+    n_groups = 1 if min_rows is None else max(1, min(count, heads_per_key * count // min_rows))
     bounds = [count * g // n_groups for g in range(n_groups + 1)]
     spans, n_keys, masks = [], [], []
     for start, stop in itertools.pairwise(bounds):
@@ -513,8 +530,10 @@ def _attention_plan(model, cache, active, num_tokens, question_length, bias, lay
     grouped = active.numel() - question_length
     everything = active.numel() == num_tokens
 
+    rows = MIN_ROWS_PER_CALL if model.device.type == "cpu" else GPU_ROWS_PER_CALL
+
     def groups_of(queries: torch.Tensor) -> QueryGroups:
-        return group_queries(queries, positions, heads_per_key, window, dtype=dtype, key_bias=bias)
+        return group_queries(queries, positions, heads_per_key, window, rows, dtype, bias)
 
     groups = groups_of(active[:grouped]) if grouped and not everything else None
     return _Attention(positions, active, grouped, question_length, everything, groups,
@@ -541,18 +560,59 @@ def _attend_layer(model, plan: _Attention, q, k_layer, v_layer, last: bool):
     return attend_grouped(q, k_layer, v_layer, plan.groups), None
 
 
-def _place_sources(cache, i: int, sources, cos_all, sin_all, stale: _Stale) -> None:
-    """Layer ``i`` of every cached segment written into the cache, rotated to its place
-    (a cached prefix is already rotated); stale chunk keys scaled by ``stale.key_scale``."""
+@dataclass(frozen=True)
+class _Placing:
+    """Cached segments that sit side by side, placed as one (``_place_sources``): their keys
+    rotated in one pass, each token's by its segment's scale (``scale``: one number when they
+    share it, else ``[n, 1]``); a cached prefix (already rotated) is copied alone."""
+
+    segments: tuple[Segment, ...]
+    span: slice
+    scale: float | torch.Tensor
+    rotated: bool = False
+
+
+def _placings(sources: Sequence[Segment], stale: _Stale, device) -> list[_Placing]:
+    """``sources`` (in prompt order) cut into runs of adjacent segments to rotate together."""
+    runs: list[list[Segment]] = []
     for seg in sources:
-        k, v = seg.source.layer(i)  # [H_kv, n, D], pre-RoPE unless a rotated prefix
-        span = slice(seg.start, seg.stop)
-        if seg.kind == "prefix":
-            cache.k[i, 0, :, span] = k
+        after = runs[-1][-1] if runs else None
+        if after is not None and after.stop == seg.start and "prefix" not in (after.kind, seg.kind):
+            runs[-1].append(seg)
         else:
-            scale = stale.key_scale(seg.start, seg.stop)
-            rotate_into(cache.k[i, 0, :, span], k, cos_all[span], sin_all[span], scale)
-        cache.v[i, 0, :, span] = v
+            runs.append([seg])
+    placings = []
+    for run in runs:
+        scales = [stale.key_scale(seg.start, seg.stop) for seg in run]
+        scale: float | torch.Tensor = scales[0]
+        if len(set(scales)) > 1:
+            per_token = [torch.full((seg.length, 1), s) for seg, s in zip(run, scales, strict=True)]
+            scale = torch.cat(per_token).to(device)
+        span = slice(run[0].start, run[-1].stop)
+        placings.append(_Placing(tuple(run), span, scale, run[0].kind == "prefix"))
+    return placings
+
+
+def _place_sources(cache, i: int, placings: Sequence[_Placing], cos_all, sin_all) -> None:
+    """Layer ``i`` of every cached segment written into the cache, rotated to its place (a
+    cached prefix is already rotated), stale chunk keys scaled by ``_Stale.key_scale``. The
+    segments side by side go as one run (``_placings``): on a GPU a rotation per chunk and
+    layer was ~8 small operations each, what the host spent most of a reuse on."""
+    for placing in placings:
+        layers = [seg.source.layer(i) for seg in placing.segments]  # [H_kv, n, D] pairs
+        span = placing.span
+        if placing.rotated:
+            cache.k[i, 0, :, span] = layers[0][0]
+        else:
+            keys = [k for k, _ in layers]
+            rotate_into(cache.k[i, 0, :, span], keys[0] if len(keys) == 1 else keys,
+                        cos_all[span], sin_all[span], placing.scale)  # fmt: skip
+        values = [v for _, v in layers]
+        if len(values) > 1 and all(v.device == cache.v.device for v in values):
+            torch.cat(values, dim=1, out=cache.v[i, 0, :, span])
+        else:
+            for seg, v in zip(placing.segments, values, strict=True):
+                cache.v[i, 0, :, seg.start : seg.stop] = v
 
 
 @dataclass(frozen=True)
@@ -652,6 +712,7 @@ def _run_pass(
     ropes = model.ropes(torch.arange(num_tokens, device=model.device))  # per layer: [T, R] x2
     x = model.embed(token_ids[active])[None]  # x: [1, S, dim]
     plans: dict[int | None, _Attention] = {}  # per sliding window (Gemma 3 has two)
+    placings = _placings(sources, stale, model.device)
     attention = []
     for i, layer in enumerate(model.layers[:until]):
         cos_all, sin_all = ropes[i]
@@ -662,8 +723,8 @@ def _run_pass(
                 model, cache, active, num_tokens, question_length, stale.bias, i
             )
         plan = plans[window]
-        if sources and i >= place_from:
-            _place_sources(cache, i, sources, cos_all, sin_all, stale)
+        if placings and i >= place_from:
+            _place_sources(cache, i, placings, cos_all, sin_all)
         q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
         if shift is not None:
             _shift_stale(cache, i, shift, k_pre, v, active, cos_all, sin_all)

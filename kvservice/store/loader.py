@@ -52,8 +52,12 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 # Layers of a chunk decoded in one call on CUDA, where a layer's decoding was launch-bound:
 # 12 chunks of 1,360 tokens of Llama-3-8B on an H100, the default codec decoded at 11 GB/s of
-# fp16 KV layer by layer (0.33 s of a 0.47 s reuse), 53 GB/s in runs of 8 (README)
-DECODE_LAYERS = 8
+# fp16 KV layer by layer (0.33 s of a 0.47 s reuse), 53 GB/s in runs of 8 (README). Runs of
+# up to 32 (a run still ends where the bits change: the default codec's two widths make two
+# runs of a 32-layer chunk) on an H200, 12 chunks: reuse at 4,096 tokens 0.135 -> 0.098-0.105 s,
+# blend 0.15 at 16,384 0.35-0.38 -> 0.30-0.31 s. A run's decoded layers are held until the
+# pass has read them all: at most the chunk's KV at the cache's width, as its fp16 object is.
+DECODE_LAYERS = 32
 
 
 @dataclass(frozen=True)

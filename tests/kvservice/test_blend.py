@@ -95,6 +95,30 @@ def test_rotate_into_scales_the_keys_it_rotates(tiny_llama, rotary):
     assert not torch.allclose(unscaled.float(), cache[:, 1:8].float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("rotary", [16, 8])
+def test_rotate_into_places_side_by_side_segments_as_each_alone(tiny_llama, rotary):
+    """A run of segments (their keys given apart, each token scaled by its own segment's
+    scale) is written exactly as rotating each segment into its own slice."""
+    parts = [torch.randn(2, n, 16) for n in (5, 3, 6)]
+    scales = (1.0, 0.9, 0.95)
+    cos, sin = rope_cos_sin(tiny_llama.inv_freq[: rotary // 2], torch.arange(40, 54))
+    alone = torch.zeros(2, 16, 16, dtype=torch.bfloat16)
+    start = 1
+    for part, scale in zip(parts, scales, strict=True):
+        stop = start + part.shape[1]
+        rotate_into(alone[:, start:stop], part, cos[start - 1 : stop - 1],
+                    sin[start - 1 : stop - 1], scale)  # fmt: skip
+        start = stop
+    per_token = torch.cat(
+        [torch.full((p.shape[1], 1), s) for p, s in zip(parts, scales, strict=True)]
+    )
+    together = torch.zeros(2, 16, 16, dtype=torch.bfloat16)
+    rotate_into(together[:, 1:15], parts, cos, sin, per_token)
+    assert torch.equal(together, alone)
+    assert not alone[:, 1:15].eq(0).all(dim=-1).any()  # every slot of the run was written
+    assert together[:, 0].eq(0).all() and together[:, 15].eq(0).all()
+
+
 def test_cached_chunk_k_moved_to_new_place_equals_k_computed_there(tiny_llama, prompt):
     """Layer-0 K does not depend on context, so the cached chunk's K rotated to its place in
     a new prompt must equal what full prefill computes there."""
