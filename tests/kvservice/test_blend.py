@@ -221,6 +221,17 @@ def test_grouped_attention_gives_every_call_at_least_its_minimum_of_stacked_rows
         assert [m.shape[0] for m in groups.masks] == [heads_per_key * n for n in sizes]
 
 
+def test_grouped_attention_in_one_call_when_no_minimum_is_set():
+    """A GPU's cut (``min_rows=None``): one group over the keys up to the last query."""
+    q, k, v = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    query_pos = torch.tensor([2, 5, 6, 11, 17, 23, 27, 28, 29])
+    key_pos = torch.arange(30)
+    expected = attend(q, k, v, position_mask(query_pos, key_pos))
+    groups = group_queries(query_pos, key_pos, heads_per_key=2, min_rows=None)
+    assert len(groups.spans) == 1 and groups.n_keys == [30]
+    torch.testing.assert_close(attend_grouped(q, k, v, groups), expected)
+
+
 def test_grouped_attention_with_queries_bunched_at_the_end():
     """The question alone (``reuse``): every query falls in the last span, one call."""
     q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
