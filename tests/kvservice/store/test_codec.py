@@ -332,17 +332,22 @@ def test_layers_whose_codes_end_mid_byte_run_are_decoded_one_by_one():
     assert [layer_run(header, i, 8) for i in range(3)] == [1, 1, 1]
 
 
-@pytest.mark.parametrize("where", ["cpu", "device"])
-def test_the_loader_decodes_runs_of_layers_in_one_call(where):
-    """On CUDA where there is one: from pinned memory or the GPU tier, decoded on the GPU."""
+@pytest.mark.parametrize("where", ["cpu", "device", "disk"])
+def test_the_loader_decodes_runs_of_layers_in_one_call(where, tmp_path):
+    """On CUDA where there is one: from pinned memory, the GPU tier or disk (checksums
+    checked on the host), decoded on the GPU."""
     from kvservice.store.device import DeviceTier
+    from kvservice.store.disk import DiskTier
     from kvservice.store.loader import KVLoader
     from kvservice.store.memory import MemoryTier
     from kvservice.store.tiered import TieredStore
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tier = DeviceTier(1 << 30, device) if where == "device" else MemoryTier(
-        1 << 30, pinned=device == "cuda")  # fmt: skip
+    tier = {
+        "device": lambda: DeviceTier(1 << 30, device),
+        "cpu": lambda: MemoryTier(1 << 30, pinned=device == "cuda"),
+        "disk": lambda: DiskTier(tmp_path / "disk", 1 << 30),
+    }[where]()
     store = TieredStore([tier], config=StoreConfig(store_dtype="float32"))
     chunk = make_chunk(50, tokens=70)
     expected = decode_chunk(encode_chunk(chunk, codec=MIXED))

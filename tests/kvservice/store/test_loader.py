@@ -208,6 +208,34 @@ def test_corrupt_disk_copy_fails_over_to_s3_mid_stream(store, recompute_from):
     assert not store.tier("disk").contains(key) or torch.equal(store.get(key).k, chunk.k)
 
 
+def test_disk_runs_of_layers_are_checked_served_and_promoted(store, recompute_from):
+    """Disk read in runs of layers (as on a GPU): every layer exact, the whole object
+    promoted into memory; a corrupt layer inside a run drops the disk copy and fails over to
+    S3 (whose good copy is what the store serves since)."""
+    chunk, bad_chunk = make_chunk(46), make_chunk(47)
+    key = store.put(chunk, tiers=["disk"])
+    bad_key = store.put(bad_chunk, tiers=[])
+    bad = encode_chunk(bad_chunk)
+    bad[decode_header(bad).layer_offset(L - 1) + 1] ^= 0x40
+    store.tier("disk").put(bad_key, bad)
+    with KVLoader(store, decode_layers=3) as loader:
+        batch = loader.open([key, bad_key], token_ids=[chunk.token_ids, bad_chunk.token_ids],
+                            recompute_fn=recompute_from(bad_chunk))  # fmt: skip
+        assert batch.tiers == ["disk", "disk"]
+        _assert_serves(batch[0], chunk)
+        _assert_serves(batch[1], bad_chunk)
+        assert batch.tiers == ["disk", "s3"]
+    size = decode_header(bad).layers_bytes
+    assert batch.stats().tier_bytes == {"disk": size, "s3": size}
+    assert store.stats().faults["corrupt"] == 1
+    deadline = time.monotonic() + 2
+    while not store.tier("cpu").contains(key) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.tier("cpu").contains(key) and torch.equal(store.get(key).k, chunk.k)
+    store.drop_local(bad_key)  # what disk held of it was dropped; S3's copy is the good one
+    assert torch.equal(store.get(bad_key).k, bad_chunk.k)
+
+
 def test_missing_chunk_without_recompute_raises_typed_error(store):
     key = ChunkKey.of(make_chunk(44))
     with KVLoader(store) as loader:
