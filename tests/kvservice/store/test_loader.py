@@ -236,6 +236,26 @@ def test_disk_runs_of_layers_are_checked_served_and_promoted(store, recompute_fr
     assert torch.equal(store.get(bad_key).k, bad_chunk.k)
 
 
+def test_disk_runs_stop_at_the_byte_cap(store, monkeypatch):
+    """A run from disk holds at most ``DISK_RUN_BYTES`` of stored layers (one layer at least),
+    so a chunk's first layer does not wait for the read of all of them."""
+    import kvservice.store.loader as loader_module
+
+    chunk = make_chunk(48)
+    key = store.put(chunk, tiers=["disk"])
+    layer = decode_header(encode_chunk(chunk)).layer_size(0)
+    disk, reads = store.tier("disk"), []
+    read_into = disk.read_into
+    monkeypatch.setattr(disk, "read_into", lambda k, start, out: reads.append(len(out))
+                        or read_into(k, start, out))  # fmt: skip
+    for cap, per_read in ((2 * layer + 1, 2), (layer // 2, 1)):
+        monkeypatch.setattr(loader_module, "DISK_RUN_BYTES", cap)
+        reads.clear()
+        with KVLoader(store, decode_layers=8, promote=False) as loader:
+            _assert_serves(loader.open([key])[0], chunk)
+        assert reads == [per_read * layer] * (L // per_read)  # layers of equal size here
+
+
 def test_missing_chunk_without_recompute_raises_typed_error(store):
     key = ChunkKey.of(make_chunk(44))
     with KVLoader(store) as loader:
