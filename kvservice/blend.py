@@ -406,6 +406,9 @@ class BlendResult:
     recomputed_per_layer: list[int] = field(default_factory=list)  # tokens computed per layer
     recompute_ratio_effective: float = 0.0  # share of chunk tokens recomputed
     question_attention: torch.Tensor | None = None  # [L, T] what blend selected by, if it did
+    # what ``refresh`` needs of a blend that selected: its plan and the prompt's token ids
+    plan: _Plan | None = field(default=None, repr=False)
+    token_ids: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def next_position(self) -> int:
@@ -823,6 +826,50 @@ def blend_prefill(
     return _prefill(model, cache, token_ids, plan)
 
 
+@torch.no_grad()
+def refresh(
+    model: Transformer, result: BlendResult, answer_ids: Sequence[int], ratio: float
+) -> BlendResult:
+    """Progressive blend: the cache of a blend that selected (``result``) upgraded to
+    ``ratio`` once the first answer tokens (``answer_ids``, not yet in the cache) are known.
+    The top ``ratio`` of the same first-pass attention (which holds what was recomputed),
+    the question and the answer tokens are computed again from layer 0 over the cache: the
+    cache then holds what a blend at ``ratio`` followed by those tokens would hold. Returns
+    the logits after the last answer token (the next one's), the cache ``result``'s, grown
+    by the answer. Of blend 0.10's teacher-forced KL the first answer token holds ~7 %:
+    first token at 0.10, the rest over 0.25 gave 0.0238 on validation against 0.0385
+    (docs/blend.md, "Progressive blend")."""
+    plan, attention, ids = result.plan, result.question_attention, result.token_ids
+    if plan is None or attention is None or ids is None or plan.slots is not None:
+        raise ValueError("only a blend that selected its tokens can be refreshed")
+    if plan.settings.rounds != 1:
+        raise ValueError("a blend of several selection rounds cannot be refreshed")
+    if not answer_ids:
+        raise ValueError("refresh needs the answer tokens since the prefill")
+    n, extra = result.num_tokens, len(answer_ids)
+    answer = torch.as_tensor(list(answer_ids), dtype=ids.dtype, device=ids.device)
+    cache = result.cache
+    cache.truncate(n)
+    cache.reserve(torch.arange(n, n + extra, device=ids.device)[None])
+    question = plan.segments[-1]
+    no = torch.zeros(extra, dtype=torch.bool, device=ids.device)
+    stale = plan.stale
+    if stale.bias is not None:
+        stale = replace(stale, bias=F.pad(stale.bias, (0, extra)))
+    longer = replace(
+        plan, segments=[*plan.segments[:-1], replace(question, length=question.length + extra)],
+        candidate=torch.cat([plan.candidate, no]), computed=torch.cat([plan.computed, no]),
+        budget=_budget("blend", ratio, plan.chunk_tokens, int(plan.candidate.sum()), None),
+        stale=stale,
+    )  # fmt: skip
+    logits, selected, passes = _recompute(
+        model, cache, torch.cat([ids, answer]), longer, F.pad(attention, (0, extra)), None
+    )
+    share = selected.numel() / max(1, plan.chunk_tokens)
+    computed = [passes] * model.config.n_layers
+    return BlendResult(logits, cache, n + extra, computed, share, attention)
+
+
 def _plan(segments, head_ids, mode, ratio, recompute_slots, settings, device) -> _Plan:
     """What blend computes: the slots not cached (pass 1), the candidates and the budget of
     the recompute rounds after it."""
@@ -876,7 +923,7 @@ def _prefill(model, cache, token_ids, plan: _Plan) -> BlendResult:
     logits, selected, passes = _recompute(model, cache, token_ids, plan, first.attention, deeper)
     share = selected.numel() / max(1, plan.chunk_tokens)
     computed = [passes + (per_layer if i < until else 0) for i in range(layers)]
-    return BlendResult(logits, cache, num_tokens, computed, share, first.attention)
+    return BlendResult(logits, cache, num_tokens, computed, share, first.attention, plan, token_ids)
 
 
 @dataclass(frozen=True)

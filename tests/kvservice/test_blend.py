@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from kvservice.blend import (
     attention_importance,
     blend_prefill,
     group_queries,
+    refresh,
     rerotate,
     rotate_into,
     select_recompute,
@@ -479,3 +481,45 @@ def test_cached_kv_is_read_layer_by_layer_in_order(tiny_llama, prompt, to_depth)
         assert plain.question_attention.shape[0] < tiny_llama.config.n_layers
     n_layers = tiny_llama.config.n_layers
     assert all(log == list(range(n_layers)) for log in logs)
+
+
+def test_refresh_upgrades_the_cache_to_a_blend_at_the_higher_ratio(tiny_llama, prompt):
+    """Progressive blend: a blend at 0.1, refreshed to 0.4 once two answer tokens are known,
+    gives what a blend at 0.4 followed by those tokens gives: the next logits and the cache."""
+    head, chunks, question, kvs = prompt
+
+    def blend(ratio):
+        return blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=ratio,
+                             chunk_ids=chunks, extra_capacity=4)  # fmt: skip
+
+    low, high = blend(0.1), blend(0.4)
+    answer = [int(low.logits.argmax()), 7]
+    n = low.num_tokens
+    positions = torch.arange(n, n + 2)[None]
+    upgraded = refresh(tiny_llama, low, answer, 0.4)
+    expected, _ = tiny_llama(torch.tensor([answer]), positions, high.cache)
+    assert upgraded.num_tokens == n + 2 and upgraded.cache is low.cache
+    torch.testing.assert_close(upgraded.logits, expected[0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(_cache_kv(upgraded), _cache_kv(replace(high, num_tokens=n + 2)),
+                               atol=ATOL, rtol=ATOL)  # fmt: skip
+    assert upgraded.recompute_ratio_effective == high.recompute_ratio_effective
+    # decoding the same tokens over the 0.1 cache gives something else: the refresh did work
+    stale, _ = tiny_llama(torch.tensor([answer]), positions, blend(0.1).cache)
+    assert not torch.allclose(stale[0], upgraded.logits, atol=1e-3)
+
+
+def test_only_a_blend_that_selected_can_be_refreshed(tiny_llama, prompt):
+    head, chunks, question, kvs = prompt
+    reuse = blend_prefill(tiny_llama, head, kvs, question, mode="reuse", chunk_ids=chunks,
+                          extra_capacity=2)  # fmt: skip
+    with pytest.raises(ValueError, match="refreshed"):
+        refresh(tiny_llama, reuse, [1], 0.4)
+    rounds = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.2,
+                           chunk_ids=chunks, extra_capacity=2,
+                           settings=BlendSettings(rounds=2))  # fmt: skip
+    with pytest.raises(ValueError, match="rounds"):
+        refresh(tiny_llama, rounds, [1], 0.4)
+    blend = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.2,
+                          chunk_ids=chunks, extra_capacity=2)  # fmt: skip
+    with pytest.raises(ValueError, match="answer"):
+        refresh(tiny_llama, blend, [], 0.4)
