@@ -41,10 +41,11 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import json
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ from bench.data import passage_texts
 from bench.staging import TIERS, after_full, bench_of, parse_link_rate
 from bench.stats import bootstrap_ci, quantile
 from bench.timing import cpu_name, timed
-from kvservice.blend import MODES, BlendResult, BlendSettings, Mode, blend_prefill
+from kvservice.blend import MODES, BlendResult, BlendSettings, Mode, blend_prefill, refresh
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.curve import ratio_curve_svg
@@ -159,6 +160,33 @@ def _greedy(model: Transformer, result: BlendResult, max_new: int, stop_ids: set
     return out
 
 
+def _progressive_logits(
+    model: Transformer, prefill: Callable[[], BlendResult], ratio: float, answer: list[int]
+) -> torch.Tensor:
+    """Teacher-forced logits of progressive blend (``--refresh``): the first position's from
+    the prefill, the later ones over its cache refreshed to ``ratio`` with the first answer
+    token (``kvservice.blend.refresh``)."""
+    result = prefill()
+    if len(answer) < 2:
+        return result.logits[None]
+    upgraded = refresh(model, result, answer[:1], ratio)
+    return torch.cat([result.logits[None], _teacher_forced_logits(model, upgraded, answer[1:])])
+
+
+def _progressive_greedy(
+    model: Transformer, prefill: Callable[[], BlendResult], ratio: float, max_new: int,
+    stop_ids: set[int],
+) -> list[int]:  # fmt: skip
+    """Progressive blend's greedy answer: the first token from the prefill, the rest over its
+    cache refreshed to ``ratio`` with that token."""
+    result = prefill()
+    first = int(result.logits.argmax())
+    if first in stop_ids or max_new <= 1:
+        return [first]
+    upgraded = refresh(model, result, [first], ratio)
+    return [first, *_greedy(model, upgraded, max_new - 1, stop_ids)]
+
+
 def _without_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
@@ -206,6 +234,7 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
 
     # Timed runs, the modes interleaved so that load from other processes hits all alike.
     ttft: dict[str, list[float]] = {key: [] for key in [*plan, "hf_full"]}
+    second: dict[str, list[float]] = {}  # progressive runs: time to the second token's logits
     results: dict[str, BlendResult] = {}
     ids = torch.tensor([prompt.token_ids], device=model.device)
     for _ in range(args.repeats):
@@ -214,6 +243,11 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
                 lambda key=key, mode=mode, ratio=ratio: prefill(key, mode, ratio), model.device
             )
             ttft[key].append(seconds)
+            if key in args.refresh_keys:  # progressive: the second token's logits come next
+                first = [int(results[key].logits.argmax())]
+                _, more = timed(lambda key=key, first=first: refresh(
+                    model, results[key], first, args.refresh_keys[key]), model.device)  # fmt: skip
+                second.setdefault(key, []).append(seconds + more)
             if (tier := args.run_tiers.get(key, args.tier)) != "kdn":  # the controller learns
                 bench_of(args, tier).observe_run(key, seconds)  # from each timed run
             if key == "full" and len(ttft[key]) == 1:  # --s3-mbps: the link follows full
@@ -239,17 +273,21 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     full_logits = _teacher_forced_logits(model, full, forced)
     full_text = tokenizer.decode(full_answer, skip_special_tokens=True)
     row: dict = {"num_tokens": full.num_tokens, "full_answer": full_text, "modes": {}}
-    for key in plan:
+    for key, (mode, ratio) in plan.items():
         result = results[key]
-        fidelity = teacher_forced_fidelity(
-            _teacher_forced_logits(model, result, forced), full_logits, forced, tf_positions
-        )
-        answer = tokenizer.decode(
-            _without_stop(_greedy(model, result, args.max_new_tokens, stop_ids), stop_ids),
-            skip_special_tokens=True,
-        )
+        if key in args.refresh_keys:  # its timed result was refreshed already: prefill again
+            upgrade = args.refresh_keys[key]
+            again = functools.partial(prefill, f"{key}/untimed", mode, ratio)
+            logits = _progressive_logits(model, again, upgrade, forced)
+            greedy = _progressive_greedy(model, again, upgrade, args.max_new_tokens, stop_ids)
+        else:
+            logits = _teacher_forced_logits(model, result, forced)
+            greedy = _greedy(model, result, args.max_new_tokens, stop_ids)
+        fidelity = teacher_forced_fidelity(logits, full_logits, forced, tf_positions)
+        answer = tokenizer.decode(_without_stop(greedy, stop_ids), skip_special_tokens=True)
         row["modes"][key] = {
             "ttft_s": statistics.median(ttft[key]),
+            **({"second_token_s": statistics.median(second[key])} if key in second else {}),
             **fidelity,
             "fidelity_f1": token_f1(answer, full_text),
             "gold_f1": max(token_f1(answer, gold) for gold in example["answers"]),
@@ -346,6 +384,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="vllm: the same modes through vLLM with the Ragblend KV connector (kvservice.vllm)",
     )  # fmt: skip
     parser.add_argument(
+        "--refresh", type=float, default=None, metavar="R",
+        help="also run progressive blend (run key blend>R): blend at --ratio for the first "
+        "token, its cache upgraded to R before the second (kvservice.blend.refresh)",
+    )  # fmt: skip
+    parser.add_argument(
         "--blend", action="append", default=[], metavar="NAME=VALUE",
         help="a blend_prefill setting for every mode, e.g. smooth_window=1 (repeatable)",
     )  # fmt: skip
@@ -374,6 +417,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.plot and not args.ratios:
         parser.error("--plot draws the --ratios curve: give --ratios too")
     args.plan = run_plan(args.modes, args.ratio, args.ratios)
+    args.refresh_keys = {}  # progressive runs: key -> the ratio their cache is upgraded to
+    if args.refresh is not None:
+        if "blend" not in args.modes or args.engine != "native":
+            parser.error("--refresh upgrades a native blend: give blend in --modes")
+        if not args.ratio < args.refresh <= 1:
+            parser.error(f"--refresh {args.refresh}: between --ratio ({args.ratio}) and 1")
+        key = f"blend>{args.refresh:g}"
+        args.plan[key] = ("blend", args.ratio)
+        args.refresh_keys[key] = args.refresh
     try:
         args.s3_link = parse_link_rate(args.s3_mbps) if args.s3_mbps else (None, None)
     except ValueError as err:
@@ -491,11 +543,18 @@ def summarize(
             "recompute_ratio": statistics.fmean(v["recompute_ratio"] for v in values),
             **_store_means(values),
         }
+        if all("second_token_s" in v for v in values):  # progressive blend (--refresh)
+            second = statistics.median(v["second_token_s"] for v in values)
+            summary["modes"][key]["second_token_median_s"] = second
+            summary["modes"][key]["second_token_ratio_to_full"] = (
+                second / full_ttft if full_ttft else None
+            )
     hf = [r["hf_full"]["ttft_s"] for r in rows if "hf_full" in r]
     summary["hf_full"] = {"ttft_median_s": statistics.median(hf) if hf else None}
     if curve:
         summary["curve"] = ratio_curve(
-            summary["modes"], {k: v for k, v in plan.items() if k not in run_tiers}
+            summary["modes"],
+            {k: v for k, v in plan.items() if k not in run_tiers and ">" not in k},  # not blend>R
         )
     if run_tiers:
         summary["tier_slowdown"] = tier_slowdown(rows, plan, run_tiers)
@@ -598,6 +657,11 @@ def print_table(summary: dict) -> None:
             f"{versus:>12} {m['gold_f1']:7.3f}"
         )
     print("vs reuse -/+: examples whose tf_kl is worse / better than reuse's on the same prompt")
+    for key, m in summary["modes"].items():
+        if "second_token_median_s" in m:
+            ratio = m["second_token_ratio_to_full"] or float("nan")
+            print(f"{key}: second token's logits at {m['second_token_median_s']:.3f} s "
+                  f"(x full {ratio:.3f}), the cache upgraded after the first")  # fmt: skip
     for key, slow in summary.get("tier_slowdown", {}).items():
         each = ", ".join(f"{r:.2f}" for r in slow["ttft_ratio_per_example"])
         print(

@@ -15,6 +15,8 @@ from bench.data import REPO_ROOT
 from bench.prefill import (
     GAP_TOKENS,
     TF_TOKENS,
+    _progressive_greedy,
+    _progressive_logits,
     _teacher_forced_logits,
     blend_settings,
     parse_args,
@@ -206,3 +208,53 @@ def test_python_m_kvservice_bench_is_still_the_command():
     )  # fmt: skip
     assert done.returncode == 2
     assert "python -m kvservice.bench: error: --data is required" in done.stderr
+
+
+def test_refresh_adds_a_progressive_blend_run_reported_with_its_second_token(capsys):
+    args = parse_args(["--data", "x.json", "--modes", "full,reuse,blend", "--ratio", "0.1",
+                       "--refresh", "0.25", "--ratios", "0.05"])  # fmt: skip
+    assert args.plan["blend>0.25"] == ("blend", 0.1) and args.refresh_keys == {"blend>0.25": 0.25}
+    refused = [(["--modes", "full,reuse", "--refresh", "0.25"], "give blend"),
+               (["--ratio", "0.3", "--refresh", "0.25"], "between --ratio")]  # fmt: skip
+    for argv, message in refused:
+        with pytest.raises(SystemExit):
+            parse_args(["--data", "x.json", *argv])
+        assert message in capsys.readouterr().err
+    ttft = {"full": 2.0, "reuse": 0.2, "blend": 0.6, "blend@0.05": 0.4, "blend>0.25": 0.6}
+    rows = [_row({key: 0.1 for key in ttft}, ttft) for _ in range(3)]
+    for row, second in zip(rows, (1.2, 1.4, 1.3), strict=True):
+        row["modes"]["blend>0.25"]["second_token_s"] = second
+    summary = summarize(rows, args.plan, curve=True)
+    progressive = summary["modes"]["blend>0.25"]
+    assert progressive["second_token_median_s"] == pytest.approx(1.3)
+    assert progressive["second_token_ratio_to_full"] == pytest.approx(0.65)
+    assert "second_token_median_s" not in summary["modes"]["blend"]
+    assert [p["label"] for p in summary["curve"]] == ["reuse", "blend@0.05", "blend@0.1", "full"]
+    print_table(summary)
+    assert "blend>0.25: second token's logits at 1.300 s (x full 0.650)" in capsys.readouterr().out
+
+
+def test_progressive_logits_and_answer_come_from_the_refreshed_cache(tiny_llama):
+    """The first position from the prefill at the low ratio, the later ones over the cache
+    a blend at the high ratio leaves with the first answer token."""
+    gen = torch.Generator().manual_seed(3)
+    head = torch.randint(0, 128, (4,), generator=gen).tolist()
+    chunks = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (10, 14, 12)]
+    question = torch.randint(0, 128, (5,), generator=gen).tolist()
+    kvs = precompute_chunks(tiny_llama, head, chunks)
+
+    def blend(ratio):
+        return blend_prefill(tiny_llama, head, kvs, question, recompute_ratio=ratio,
+                             chunk_ids=chunks, extra_capacity=8)  # fmt: skip
+
+    answer = [5, 9, 2, 7]
+    logits = _progressive_logits(tiny_llama, lambda: blend(0.1), 0.5, answer)
+    high = blend(0.5)
+    n = high.num_tokens
+    later, _ = tiny_llama(torch.tensor([answer[:-1]]), torch.arange(n, n + 3)[None], high.cache,
+                          all_logits=True)  # fmt: skip
+    assert logits.shape == (4, later.shape[-1])
+    torch.testing.assert_close(logits[0], blend(0.1).logits)
+    torch.testing.assert_close(logits[1:], later[0], atol=1e-4, rtol=1e-4)
+    greedy = _progressive_greedy(tiny_llama, lambda: blend(0.1), 0.5, 3, stop_ids=set())
+    assert len(greedy) == 3 and greedy[0] == int(blend(0.1).logits.argmax())
