@@ -284,10 +284,14 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
             logits = _teacher_forced_logits(model, result, forced)
             greedy = _greedy(model, result, args.max_new_tokens, stop_ids)
         fidelity = teacher_forced_fidelity(logits, full_logits, forced, tf_positions)
+        progressive = {}  # a progressive run's second token, and the ratio it refreshed to
+        if key in second:
+            progressive = {"second_token_s": statistics.median(second[key]),
+                           "refresh_ratio": args.refresh_keys[key]}  # fmt: skip
         answer = tokenizer.decode(_without_stop(greedy, stop_ids), skip_special_tokens=True)
         row["modes"][key] = {
             "ttft_s": statistics.median(ttft[key]),
-            **({"second_token_s": statistics.median(second[key])} if key in second else {}),
+            **progressive,
             **fidelity,
             "fidelity_f1": token_f1(answer, full_text),
             "gold_f1": max(token_f1(answer, gold) for gold in example["answers"]),
