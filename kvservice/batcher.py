@@ -47,6 +47,8 @@ class Job:
     deadline: float = float("inf")  # time.monotonic() after which the request is cut off
     prompt_ids: Sequence[int] = ()  # what the repetition penalty counts as seen
     on_prefill: Callable[[BlendResult, float], None] | None = None  # (result, seconds)
+    # progressive blend: (result, first token) -> the cache upgraded with that token, or None
+    refresh: Callable[[BlendResult, int], BlendResult | None] | None = None
     # Filled in by the batcher:
     started: float = 0.0
     ttft_s: float | None = None
@@ -137,6 +139,18 @@ class ContinuousBatcher:
         job.ttft_s = time.perf_counter() - job.started
         if self._emit(job, token):
             return  # finished on its first token
+        try:  # progressive blend: the cache upgraded before the second token
+            upgraded = job.refresh(result, token) if job.refresh is not None else None
+        except Exception as err:
+            log.exception("refresh failed")
+            self._finish(job, "error", err)
+            return
+        if upgraded is not None:  # it holds the first token: its logits give the second
+            result = upgraded
+            token = int(sample_next(result.logits[None], job.sampling, job.generator,
+                                    job.history)[0])  # fmt: skip
+            if self._emit(job, token):
+                return
         self._add_row(job, result, token)
 
     def _emit(self, job: Job, token: int) -> bool:

@@ -826,6 +826,16 @@ def blend_prefill(
     return _prefill(model, cache, token_ids, plan)
 
 
+def can_refresh(result: BlendResult) -> bool:
+    """Whether ``refresh`` can upgrade ``result``: a blend that selected its tokens in one
+    round (not reuse, full, fixed slots, or a blend with nothing left to select)."""
+    plan = result.plan
+    return (
+        plan is not None and result.question_attention is not None
+        and result.token_ids is not None and plan.slots is None and plan.settings.rounds == 1
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def refresh(
     model: Transformer, result: BlendResult, answer_ids: Sequence[int], ratio: float

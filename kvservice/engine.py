@@ -16,11 +16,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvservice.batcher import ContinuousBatcher, Job
-from kvservice.blend import BlendResult, Mode, blend_prefill
+from kvservice.blend import BlendResult, Mode, blend_prefill, can_refresh, refresh
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
@@ -35,6 +35,24 @@ class Request:
     recompute_ratio: float = 0.15
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cached_prefix: LayeredKV | None = None  # an earlier prompt's KV for the first slots
+
+
+REFRESH_ENV = "BLEND_REFRESH_RATIO"
+
+
+def refresh_ratio_from_env(environ: Mapping[str, str]) -> float | None:
+    """``BLEND_REFRESH_RATIO``: progressive blend, a blend's cache upgraded to that ratio
+    before the second token (``kvservice.blend.refresh``); unset or empty: off."""
+    text = (environ.get(REFRESH_ENV) or "").strip()
+    if not text:
+        return None
+    try:
+        ratio = float(text)
+    except ValueError:
+        raise ValueError(f"{REFRESH_ENV}={text!r}: expected a ratio like 0.25") from None
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"{REFRESH_ENV}={text!r}: a ratio is above 0 and at most 1")
+    return ratio
 
 
 @dataclass
@@ -69,8 +87,11 @@ class Engine:
         *,
         max_batch: int = 8,
         threads: int | None = None,
+        refresh_ratio: float | None = None,
     ) -> None:
+        """``refresh_ratio``: progressive blend (``refresh_ratio_from_env``), None: off."""
         self.model = model
+        self.refresh_ratio = refresh_ratio
         self.tokenizer = tokenizer
         self.format = prompt_format or PromptFormat(tokenizer)
         self.device = model.device
@@ -132,7 +153,7 @@ class Engine:
             stop_ids=self.stop_ids | set(request.sampling.stop_token_ids),
             prompt_ids=request.prompt.token_ids,
             on_token=on_token, on_finish=on_finish, should_stop=should_stop, deadline=deadline,
-            on_prefill=on_prefill,
+            on_prefill=on_prefill, refresh=self._refresher(request),
         )  # fmt: skip
         with self._start_lock:
             if not self._started:
@@ -140,6 +161,20 @@ class Engine:
                 self._started = True
         self.batcher.submit(job)
         return job
+
+    def _refresher(self, request: Request) -> Callable[[BlendResult, int], BlendResult | None]:
+        """Progressive blend for a blend request below ``refresh_ratio``: its cache upgraded
+        once the first token is known (docs/blend.md: validation KL 0.0414 -> 0.0261 at 0.10,
+        the second token ~0.8 s after the first on 2 CPU cores); otherwise nothing."""
+        ratio = self.refresh_ratio
+        wanted = request.mode == "blend" and ratio is not None and ratio > request.recompute_ratio
+
+        def upgrade(result: BlendResult, token: int) -> BlendResult | None:
+            if not wanted or not can_refresh(result):
+                return None
+            return refresh(self.model, result, [token], ratio)
+
+        return upgrade
 
     def stream(
         self,

@@ -48,7 +48,7 @@ class NativeRuntime:
         from transformers import AutoTokenizer
 
         from kvservice.bundled import resolve_llm_path
-        from kvservice.engine import Engine
+        from kvservice.engine import Engine, refresh_ratio_from_env
         from kvservice.kdn_client import KdnTier, KvSource, kdn_store
         from kvservice.model import Transformer
         from kvservice.prefix import PrefixCache
@@ -57,6 +57,7 @@ class NativeRuntime:
         from kvservice.store import KVLoader, StoreConfig, TieredStore
 
         kv_source = KvSource.from_env(os.environ)  # a bad KV_SOURCE fails before the model loads
+        refresh_ratio = refresh_ratio_from_env(os.environ)  # and a bad BLEND_REFRESH_RATIO
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -64,7 +65,10 @@ class NativeRuntime:
             path, device=device, precision=cfg.precision, kernel=cfg.kernel
         )
         self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
-        self.engine = Engine(self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency)
+        self.engine = Engine(
+            self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency,
+            refresh_ratio=refresh_ratio,
+        )  # fmt: skip
         self.engine.head_kv  # computed now, not on the first question  # noqa: B018
         store_config = StoreConfig.from_env()
         if kv_source.kind == "kdn":  # the API in S3's place, behind the worker's own tiers

@@ -5,7 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kvservice.engine import Engine, Request
+from kvservice.blend import refresh
+from kvservice.engine import Engine, Request, refresh_ratio_from_env
 from kvservice.prompt import PromptFormat
 from kvservice.sampling import SamplingParams, sample_next
 
@@ -148,3 +149,50 @@ def test_calibration_at_load_measures_what_the_loading_controller_weighs(engine)
         chunks=chunks, question_tokens=16, num_layers=30, recompute_ratio=0.15
     )
     assert plan.recomputed == 3 and plan.total_s_estimate < 3600
+
+
+def test_progressive_blend_takes_the_tokens_after_the_first_from_the_refreshed_cache(
+    engine, smollm2, smollm2_tokenizer, request_parts, monkeypatch
+):
+    """With a refresh ratio, a blend's first token comes from its prefill, the second from
+    the cache refreshed with the first, the next ones decoded over that cache."""
+    prompt, chunks = request_parts
+    fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
+    progressive = Engine(smollm2, smollm2_tokenizer, fmt, refresh_ratio=0.6)
+    calls = []
+
+    def spy(model, result, answer, ratio):
+        calls.append((list(answer), ratio))
+        return refresh(model, result, answer, ratio)
+
+    monkeypatch.setattr("kvservice.engine.refresh", spy)
+    try:
+        request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=4))
+        got = progressive.generate(request).token_ids
+        assert calls == [([got[0]], 0.6)]
+        low = progressive.prefill(request, extra_capacity=8)
+        first = int(low.logits.argmax())
+        upgraded = refresh(smollm2, low, [first], 0.6)
+        expected = [first, int(upgraded.logits.argmax())]
+        n = upgraded.num_tokens
+        with torch.no_grad():
+            logits, _ = smollm2(torch.tensor([expected[-1:]]), torch.tensor([[n]]),
+                                upgraded.cache)  # fmt: skip
+        expected.append(int(logits[0].argmax()))
+        assert got[:3] == expected
+        # reuse and full are not refreshed: the same tokens as an engine without it
+        for mode in ("reuse", "full"):
+            plain = Request(prompt, chunks, mode, sampling=SamplingParams(max_tokens=4))
+            assert progressive.generate(plain).token_ids == engine.generate(plain).token_ids
+        assert len(calls) == 1  # neither was refreshed
+    finally:
+        progressive.close()
+
+
+def test_the_refresh_ratio_setting_is_checked_when_read():
+    assert refresh_ratio_from_env({}) is None
+    assert refresh_ratio_from_env({"BLEND_REFRESH_RATIO": " "}) is None
+    assert refresh_ratio_from_env({"BLEND_REFRESH_RATIO": "0.25"}) == 0.25
+    for bad in ("abc", "0", "1.5"):
+        with pytest.raises(ValueError, match="BLEND_REFRESH_RATIO"):
+            refresh_ratio_from_env({"BLEND_REFRESH_RATIO": bad})
