@@ -3,6 +3,7 @@ numbers it reports: fidelity measures, their distribution, the curve."""
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import subprocess
@@ -258,3 +259,34 @@ def test_progressive_logits_and_answer_come_from_the_refreshed_cache(tiny_llama)
     torch.testing.assert_close(logits[1:], later[0], atol=1e-4, rtol=1e-4)
     greedy = _progressive_greedy(tiny_llama, lambda: blend(0.1), 0.5, 3, stop_ids=set())
     assert len(greedy) == 3 and greedy[0] == int(blend(0.1).logits.argmax())
+
+
+@pytest.mark.slow
+def test_the_musique_bench_runs_progressive_blend_end_to_end(tmp_path):
+    """``python -m kvservice.bench`` on a Musique-format example with the bundled model:
+    full, blend and the progressive run, whose second token comes after its first."""
+    example = {
+        "question": "Which city is the capital of France?",
+        "answers": ["Paris"],
+        "ctxs": [
+            {"title": "France", "text": "France is a country in Europe. Its capital is Paris."},
+            {"title": "Paris", "text": "Paris lies on the Seine and has about two million people."},
+            {"title": "Lyon", "text": "Lyon is the third-largest city of France, on the Rhone."},
+        ],
+    }
+    data, out = tmp_path / "musique.json", tmp_path / "out.json"
+    data.write_text(json.dumps([example]))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvservice.bench", "--data", str(data), "--examples", "1",
+         "--passages", "3", "--modes", "full,blend", "--ratio", "0.1", "--refresh", "0.5",
+         "--no-hf", "--threads", "1", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    row = report["examples"][0]["modes"]
+    progressive, blend = row["blend>0.5"], row["blend"]
+    assert progressive["refresh_ratio"] == 0.5 and "second_token_s" not in blend
+    assert progressive["second_token_s"] > progressive["ttft_s"] > 0
+    assert 0 <= progressive["tf_kl"] and 0 <= blend["tf_kl"] and progressive["answer"]
+    assert "blend>0.5: second token's logits at" in done.stdout
