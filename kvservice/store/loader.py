@@ -447,13 +447,14 @@ class StoreLayeredKV:
             k, v = decode_layers(header, first, len(futures), raw, dtype=self._loader.dtype)
             if final and promoting:
                 decode_token_ids(header, memoryview(buffer)[header.tokens_offset :])
-            for n, future in enumerate(futures.values()):
-                _settle(future, (k[n], v[n]))
         except BaseException as err:
             for future in futures.values():
                 _settle(future, error=err)
+            return  # not done: a copy that failed a check is never promoted
         finally:
             self._clock.fetch.stop(got)
+        for n, future in enumerate(futures.values()):
+            _settle(future, (k[n], v[n]))
         for _ in futures:
             self._layer_done(found, generation)
 

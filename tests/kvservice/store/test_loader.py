@@ -8,7 +8,7 @@ import torch
 from kvservice.store.config import StoreConfig
 from kvservice.store.disk import DiskTier
 from kvservice.store.errors import ChunkMissing
-from kvservice.store.format import decode_header, encode_chunk
+from kvservice.store.format import decode_chunk, decode_header, encode_chunk
 from kvservice.store.keys import ChunkKey
 from kvservice.store.loader import KVLoader, _read_in_turn
 from kvservice.store.memory import MemoryTier
@@ -234,6 +234,23 @@ def test_disk_runs_of_layers_are_checked_served_and_promoted(store, recompute_fr
     assert store.tier("cpu").contains(key) and torch.equal(store.get(key).k, chunk.k)
     store.drop_local(bad_key)  # what disk held of it was dropped; S3's copy is the good one
     assert torch.equal(store.get(bad_key).k, bad_chunk.k)
+
+
+def test_a_corrupt_disk_run_is_never_promoted_into_memory(store, recompute_from):
+    """The last run of a disk copy fails its checksum: the layers before it were fine, but
+    the copy is not put into the memory tier (whose reads skip checksums)."""
+    chunk = make_chunk(49)
+    key = store.put(chunk, tiers=[])
+    bad = encode_chunk(chunk)
+    bad[decode_header(bad).layer_offset(L - 1) + 1] ^= 0x40
+    store.tier("disk").put(key, bad)
+    with KVLoader(store, decode_layers=3) as loader:
+        source = loader.open([key], token_ids=[chunk.token_ids],
+                             recompute_fn=recompute_from(chunk))[0]  # fmt: skip
+        _assert_serves(source, chunk)
+    time.sleep(0.2)  # a promotion happens on a fetch thread
+    held = store.tier("cpu").get(key)
+    assert held is None or torch.equal(decode_chunk(held).k, chunk.k)
 
 
 def test_disk_runs_stop_at_the_byte_cap(store, monkeypatch):
