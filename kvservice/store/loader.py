@@ -252,15 +252,13 @@ class StoreLayeredKV:
                 if index in self._futures:
                     continue
                 if found.tier.trusted:  # memory / device: a view, no thread hop worth paying
-                    self._futures.update(self._fetch_run(found, index, generation))
-                elif self._loader.decode_layers > 1:  # disk on a GPU: runs, on a fetch thread
+                    run = self._run_futures(found.header, index)
+                    self._futures.update(run)
+                    self._fetch_run(found, run, generation)
+                else:  # disk: read and checked on a fetch thread
                     run = self._run_futures(found.header, index, DISK_RUN_BYTES)
                     self._futures.update(run)
-                    self._loader.executor.submit(self._fetch_checked_run, found, run, generation)
-                else:
-                    self._futures[index] = self._loader.executor.submit(
-                        self._fetch, found, index, generation
-                    )
+                    self._loader.executor.submit(self._fetch_run, found, run, generation)
 
     def _start_stream(self, found: Located) -> None:
         """Every layer's future now, resolved in order by one sequential read that a stream
@@ -345,69 +343,12 @@ class StoreLayeredKV:
             raw = raw.to(self._loader.device, non_blocking=True)
         return decode_layer(header, index, raw, verify=False, dtype=self._loader.dtype)
 
-    def _fetch(self, found: Located, index: int, generation: int) -> LayerKV:
-        """An untrusted tier's layer ``index``, read on a fetch thread (trusted tiers:
-        ``_fetch_run``)."""
-        header, tier = found.header, found.tier
-        start, size = header.layer_offset(index), header.layer_size(index)
-        last = index == header.num_layers - 1
-        # the last layer's read also takes the token ids that follow it (for promotion)
-        end = header.total_bytes if last and self._buffer is not None else start + size
-        self._clock.fetch.start()
-        got = 0
-        try:
-            buffer = self._buffer if self._buffer is not None else bytearray(end - start)
-            offset = start if self._buffer is not None else 0
-            out = memoryview(buffer)[offset : offset + end - start]
-            n = tier.read_into(self.key, start, out)
-            got = n or 0
-            if n is None:
-                raise ChunkUnavailable(f"{self.key} vanished from the {tier.name} tier")
-            k, v = self._decode(header, index, out[:size])
-        finally:
-            self._clock.fetch.stop(got)
-        if self._buffer is not None and last:
-            decode_token_ids(header, memoryview(self._buffer)[header.tokens_offset :])
-        self._layer_done(found, generation)
-        return k, v
-
-    def _fetch_run(self, found: Located, first: int, generation: int) -> dict[int, Future]:
-        """A trusted tier's (memory, device) layers from ``first``, inline: as many as decode
-        in one call (``layer_run``, at most the loader's ``decode_layers``, 1 on the CPU, none
-        already scheduled): one read (a view), one copy to the device, one decode; a future
-        per layer."""
-        header, tier = found.header, found.tier
-        futures = self._run_futures(header, first)
-        count, last = len(futures), max(futures)
-        start, end = header.layer_offset(first), header.layer_offset(last) + header.layer_size(last)
-        self._clock.fetch.start()
-        got = 0
-        try:
-            block = tier.read_range(self.key, start, end - start)
-            if block is None:
-                raise ChunkUnavailable(f"{self.key} vanished from the {tier.name} tier")
-            got = end - start
-            raw = as_uint8(block)
-            if raw.device != self._loader.device:  # from pinned memory: not waited for
-                raw = raw.to(self._loader.device, non_blocking=True)
-            k, v = decode_layers(header, first, count, raw, dtype=self._loader.dtype)
-            for n, future in enumerate(futures.values()):
-                future.set_result((k[n], v[n]))
-        except BaseException as err:
-            for future in futures.values():
-                future.set_exception(err)
-        finally:
-            self._clock.fetch.stop(got)
-        for _ in futures:
-            self._layer_done(found, generation)
-        return futures
-
     def _run_futures(
         self, header: ChunkHeader, first: int, max_bytes: int | None = None
     ) -> dict[int, Future[LayerKV]]:
         """A future for each layer of the run from ``first`` that decodes in one call
-        (``layer_run``, at most the loader's ``decode_layers`` and, with ``max_bytes``, as
-        many stored bytes), up to one already scheduled."""
+        (``layer_run``, at most the loader's ``decode_layers``, 1 on the CPU, and, with
+        ``max_bytes``, as many stored bytes), up to one already scheduled."""
         most = self._loader.decode_layers
         if max_bytes is not None:
             most = min(most, max(1, max_bytes // header.layer_size(first)))
@@ -415,38 +356,40 @@ class StoreLayeredKV:
         count = next((n for n in range(1, count) if first + n in self._futures), count)
         return {first + n: Future() for n in range(count)}
 
-    def _fetch_checked_run(
+    def _fetch_run(
         self, found: Located, futures: dict[int, Future[LayerKV]], generation: int
     ) -> None:
-        """An untrusted tier's run of layers (``_run_futures``), on a fetch thread: one read,
-        each layer's checksum checked on the host, one copy to the device, one decode. On a
-        GPU the disk tier's layers read and decoded one by one were 3.9x full prefill's time
-        (Llama-3-8B's shape, 4,096 tokens, 6 chunks, an H200): a layer's decode is kernel
-        launches, and the fetch threads' launches contend with the prefill's for the GIL."""
+        """A run of layers (``_run_futures``): one read, one copy to the device, one decode,
+        each future then resolved. A trusted tier (memory, device) gives a view of bytes
+        checked when they entered it, read inline; an untrusted one (disk) is read on a fetch
+        thread (``_read_into``), each layer's checksum checked where the bytes arrived (the
+        host). On a GPU disk's layers read and decoded one by one were 3.9x full prefill's
+        time (Llama-3-8B's shape, 4,096 tokens, 6 chunks, an H200): a layer's decode is kernel
+        launches, and the fetch threads' contend with the prefill's for the GIL."""
         header, tier = found.header, found.tier
         first, last = min(futures), max(futures)
         start = header.layer_offset(first)
         stop = header.layer_offset(last) + header.layer_size(last)
-        promoting, final = self._buffer is not None, last == header.num_layers - 1
-        end = header.total_bytes if final and promoting else stop  # + token ids, to promote
         self._clock.fetch.start()
         got = 0
         try:
-            buffer = self._buffer if promoting else bytearray(end - start)
-            offset = start if promoting else 0
-            out = memoryview(buffer)[offset : offset + end - start]
-            n = tier.read_into(self.key, start, out)
-            if n is None:
+            if tier.trusted:
+                block = tier.read_range(self.key, start, stop - start)
+                got = 0 if block is None else stop - start
+            else:
+                block, got = self._read_into(found, first, last)
+                if block is not None:  # checked where the bytes arrived
+                    for index in futures:
+                        layer_bytes(header, index, block[header.layer_offset(index) - start :])
+                    if last == header.num_layers - 1 and self._buffer is not None:
+                        tokens = memoryview(self._buffer)[header.tokens_offset :]
+                        decode_token_ids(header, tokens)
+            if block is None:
                 raise ChunkUnavailable(f"{self.key} vanished from the {tier.name} tier")
-            got = n
-            for index in futures:  # checked where the bytes arrived
-                layer_bytes(header, index, out[header.layer_offset(index) - start :])
-            raw = as_uint8(out[: stop - start])
-            if raw.device != self._loader.device:
+            raw = as_uint8(block)
+            if raw.device != self._loader.device:  # from pinned memory: not waited for
                 raw = raw.to(self._loader.device, non_blocking=True)
             k, v = decode_layers(header, first, len(futures), raw, dtype=self._loader.dtype)
-            if final and promoting:
-                decode_token_ids(header, memoryview(buffer)[header.tokens_offset :])
         except BaseException as err:
             for future in futures.values():
                 _settle(future, error=err)
@@ -457,6 +400,21 @@ class StoreLayeredKV:
             _settle(future, (k[n], v[n]))
         for _ in futures:
             self._layer_done(found, generation)
+
+    def _read_into(self, found: Located, first: int, last: int) -> tuple[Buffer | None, int]:
+        """An untrusted tier's layers ``first..last`` (None if the object vanished) and the
+        bytes read: into the promotion buffer when there is one, with the token ids that
+        follow the last layer."""
+        header = found.header
+        start = header.layer_offset(first)
+        stop = header.layer_offset(last) + header.layer_size(last)
+        promoting = self._buffer is not None
+        end = header.total_bytes if last == header.num_layers - 1 and promoting else stop
+        buffer = self._buffer if promoting else bytearray(end - start)
+        offset = start if promoting else 0
+        out = memoryview(buffer)[offset : offset + end - start]
+        n = found.tier.read_into(self.key, start, out)
+        return (None, 0) if n is None else (out[: stop - start], n)
 
     def _layer_done(self, found: Located, generation: int) -> None:
         with self._lock:
