@@ -555,11 +555,11 @@ def summarize(
             )
     hf = [r["hf_full"]["ttft_s"] for r in rows if "hf_full" in r]
     summary["hf_full"] = {"ttft_median_s": statistics.median(hf) if hf else None}
-    if curve:
-        summary["curve"] = ratio_curve(
-            summary["modes"],
-            {k: v for k, v in plan.items() if k not in run_tiers and ">" not in k},  # not blend>R
-        )
+    if curve:  # neither another tier's runs nor progressive ones (blend>R)
+        modes = summary["modes"]
+        points = {k: v for k, v in plan.items()
+                  if k not in run_tiers and "second_token_median_s" not in modes[k]}  # fmt: skip
+        summary["curve"] = ratio_curve(modes, points)
     if run_tiers:
         summary["tier_slowdown"] = tier_slowdown(rows, plan, run_tiers)
     return summary

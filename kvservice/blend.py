@@ -181,13 +181,8 @@ def rotate_into(
     work = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device)
     if isinstance(k_pre, torch.Tensor):
         work.copy_(k_pre)
-    elif all(part.device == work.device for part in k_pre):
-        torch.cat(list(k_pre), dim=1, out=work)  # one call, widening as it copies
-    else:
-        start = 0
-        for part in k_pre:
-            work[:, start : start + part.shape[1]].copy_(part)
-            start += part.shape[1]
+    else:  # one call, widening as it copies
+        torch.cat([part.to(work.device) for part in k_pre], dim=1, out=work)
     x1, x2 = work[..., :half], work[..., half:rotary]
     cos_h, sin_h = cos[..., :half].float(), sin[..., :half].float()
     if isinstance(scale, torch.Tensor) or scale != 1.0:
@@ -610,12 +605,8 @@ def _place_sources(cache, i: int, placings: Sequence[_Placing], cos_all, sin_all
             keys = [k for k, _ in layers]
             rotate_into(cache.k[i, 0, :, span], keys[0] if len(keys) == 1 else keys,
                         cos_all[span], sin_all[span], placing.scale)  # fmt: skip
-        values = [v for _, v in layers]
-        if len(values) > 1 and all(v.device == cache.v.device for v in values):
-            torch.cat(values, dim=1, out=cache.v[i, 0, :, span])
-        else:
-            for seg, v in zip(placing.segments, values, strict=True):
-                cache.v[i, 0, :, seg.start : seg.stop] = v
+        values = [v.to(cache.v.device) for _, v in layers]
+        torch.cat(values, dim=1, out=cache.v[i, 0, :, span])
 
 
 @dataclass(frozen=True)
@@ -849,11 +840,12 @@ def refresh(
     by the answer. Of blend 0.10's teacher-forced KL the first answer token holds ~7 %:
     first token at 0.10, the rest over 0.25 gave 0.0238 on validation against 0.0385
     (docs/blend.md, "Progressive blend")."""
+    if not can_refresh(result):
+        raise ValueError(
+            "only a blend that selected its tokens itself, not in several selection rounds, "
+            "can be refreshed"
+        )
     plan, attention, ids = result.plan, result.question_attention, result.token_ids
-    if plan is None or attention is None or ids is None or plan.slots is not None:
-        raise ValueError("only a blend that selected its tokens can be refreshed")
-    if plan.settings.rounds != 1:
-        raise ValueError("a blend of several selection rounds cannot be refreshed")
     if not answer_ids:
         raise ValueError("refresh needs the answer tokens since the prefill")
     n, extra = result.num_tokens, len(answer_ids)

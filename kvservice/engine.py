@@ -162,17 +162,18 @@ class Engine:
         self.batcher.submit(job)
         return job
 
-    def _refresher(self, request: Request) -> Callable[[BlendResult, int], BlendResult | None]:
+    def _refresher(
+        self, request: Request
+    ) -> Callable[[BlendResult, int], BlendResult | None] | None:
         """Progressive blend for a blend request below ``refresh_ratio``: its cache upgraded
         once the first token is known (docs/blend.md: validation KL 0.0414 -> 0.0261 at 0.10,
-        the second token ~0.8 s after the first on 2 CPU cores); otherwise nothing."""
+        the second token ~0.8 s after the first on 2 CPU cores); None for the others."""
         ratio = self.refresh_ratio
-        wanted = request.mode == "blend" and ratio is not None and ratio > request.recompute_ratio
+        if request.mode != "blend" or ratio is None or ratio <= request.recompute_ratio:
+            return None
 
         def upgrade(result: BlendResult, token: int) -> BlendResult | None:
-            if not wanted or not can_refresh(result):
-                return None
-            return refresh(self.model, result, [token], ratio)
+            return refresh(self.model, result, [token], ratio) if can_refresh(result) else None
 
         return upgrade
 
