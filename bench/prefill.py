@@ -389,8 +389,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--refresh", type=float, default=None, metavar="R",
-        help="also run progressive blend (run key blend>R): blend at --ratio for the first "
-        "token, its cache upgraded to R before the second (kvservice.blend.refresh)",
+        help="also run progressive blend: each blend run below R again (run key blend>R, "
+        "blend@0.05>R), its cache upgraded to R after the first token (kvservice.blend.refresh)",
     )  # fmt: skip
     parser.add_argument(
         "--blend", action="append", default=[], metavar="NAME=VALUE",
@@ -427,9 +427,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--refresh upgrades a native blend: give blend in --modes")
         if not args.ratio < args.refresh <= 1:
             parser.error(f"--refresh {args.refresh}: between --ratio ({args.ratio}) and 1")
-        key = f"blend>{args.refresh:g}"
-        args.plan[key] = ("blend", args.ratio)
-        args.refresh_keys[key] = args.refresh
+        progressive = progressive_plan(args.plan, args.refresh)
+        args.plan.update(progressive)
+        args.refresh_keys = dict.fromkeys(progressive, args.refresh)
     try:
         args.s3_link = parse_link_rate(args.s3_mbps) if args.s3_mbps else (None, None)
     except ValueError as err:
@@ -499,6 +499,19 @@ def run_plan(
     return plan
 
 
+def progressive_plan(
+    plan: Mapping[str, tuple[Mode, float]], refresh: float
+) -> dict[str, tuple[Mode, float]]:
+    """The progressive runs of ``--refresh R``: each blend run of ``plan`` below ``R`` again
+    under ``<key>>R`` (``blend>0.25``, ``blend@0.05>0.25``), its cache upgraded to ``R``
+    after the first token."""
+    return {
+        f"{key}>{refresh:g}": (mode, ratio)
+        for key, (mode, ratio) in plan.items()
+        if mode == "blend" and ratio < refresh
+    }
+
+
 # Settings of blend_prefill that the bench sets itself and --blend may not.
 def blend_settings(pairs: Sequence[str]) -> dict:
     """``["smooth_window=3", "attention_from_depth=0.5"]`` -> fields of ``BlendSettings``,
@@ -549,17 +562,16 @@ def summarize(
         }
         if all("second_token_s" in v for v in values):  # progressive blend (--refresh)
             second = statistics.median(v["second_token_s"] for v in values)
-            summary["modes"][key]["second_token_median_s"] = second
-            summary["modes"][key]["second_token_ratio_to_full"] = (
-                second / full_ttft if full_ttft else None
+            summary["modes"][key].update(
+                refresh_ratio=values[0]["refresh_ratio"],
+                second_token_median_s=second,
+                second_token_ratio_to_full=second / full_ttft if full_ttft else None,
             )
     hf = [r["hf_full"]["ttft_s"] for r in rows if "hf_full" in r]
     summary["hf_full"] = {"ttft_median_s": statistics.median(hf) if hf else None}
-    if curve:  # neither another tier's runs nor progressive ones (blend>R)
-        modes = summary["modes"]
-        points = {k: v for k, v in plan.items()
-                  if k not in run_tiers and "second_token_median_s" not in modes[k]}  # fmt: skip
-        summary["curve"] = ratio_curve(modes, points)
+    if curve:  # not another tier's runs
+        points = {k: v for k, v in plan.items() if k not in run_tiers}
+        summary["curve"] = ratio_curve(summary["modes"], points)
     if run_tiers:
         summary["tier_slowdown"] = tier_slowdown(rows, plan, run_tiers)
     return summary
@@ -608,16 +620,27 @@ def _against_reuse(rows: list[dict], key: str) -> dict:
 
 def ratio_curve(modes: Mapping[str, dict], plan: Mapping[str, tuple[Mode, float]]) -> list[dict]:
     """The points users choose a ratio from, by recompute ratio: reuse (0), blend at each
-    ratio, full (1); each with its speed (TTFT) and fidelity to full."""
+    ratio, full (1); each with its speed (TTFT) and fidelity to full. A progressive run
+    (``--refresh R``) is a point at its first token's ratio with ``refresh_ratio`` R and its
+    second token's time (``second_token_ratio_to_full``)."""
     points = []
     for key, (mode, ratio) in plan.items():
         if mode not in ("full", "reuse", "blend"):
             continue
         m = modes[key]
+        label = f"blend@{ratio:g}" if mode == "blend" else mode
+        progressive = {}
+        if "refresh_ratio" in m:
+            label += f">{m['refresh_ratio']:g}"
+            progressive = {
+                "refresh_ratio": m["refresh_ratio"],
+                "second_token_ratio_to_full": m["second_token_ratio_to_full"],
+            }
         points.append(
             {
-                "label": f"blend@{ratio:g}" if mode == "blend" else mode,
+                "label": label,
                 "ratio": {"full": 1.0, "reuse": 0.0}.get(mode, ratio),
+                **progressive,
                 "ttft_median_s": m["ttft_median_s"],
                 "ttft_ratio_to_full": m["ttft_ratio_to_full"],
                 "tf_kl_mean": m["tf_kl"],

@@ -161,6 +161,7 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> di
     request_id = request.request_id
     answer = AnswerText()
     first_token_at, completion_tokens, finish_reason, status = None, 0, "stop", "done"
+    second_token_at = None  # progressive blend's upgrade comes between the first two
     try:
         fitted = fit_context(runtime, request)
         plan = runtime.plan(request, fitted)
@@ -169,6 +170,8 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> di
         try:
             for event in events:
                 first_token_at = first_token_at or time.perf_counter()
+                if event.index == 1 and event.token_id >= 0:
+                    second_token_at = time.perf_counter()
                 completion_tokens += 0 <= event.token_id and event.token_id not in stop_ids
                 finish_reason = event.finish_reason or finish_reason
                 if shown := answer.push(event.text):
@@ -203,6 +206,7 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> di
         "mode": request.mode,
         "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
         "ttft_s": None if first_token_at is None else round(first_token_at - started, 4),
+        "second_token_s": None if second_token_at is None else round(second_token_at - started, 4),
         "total_s": round(time.perf_counter() - started, 4),
         "recompute_ratio": plan.ratio,
         "prompt_tokens": plan.prompt_tokens,

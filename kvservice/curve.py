@@ -16,6 +16,12 @@ The curve also answers "which ratio for this fidelity": :func:`ratio_for_target`
 lowest recompute ratio whose interpolated mean KL to full is at most a target (the dashboard's
 fidelity target, read from the series of the codec the store writes), and :func:`predict`
 what the curve expects of a ratio (the fidelity audit's prediction beside what it measured).
+
+Progressive blend (``--refresh R``: blend at a ratio for the first token, the cache upgraded
+to ``R`` before the second) adds points with a ``refresh_ratio``: a curve of its own at each
+``R``, drawn hollow and dashed. Every function that reads KL by ratio takes the
+``refresh_ratio`` whose points it reads (None: plain blend); :func:`plan_for_target` chooses
+between plain blend and progressive blend for a target.
 """
 
 from __future__ import annotations
@@ -51,15 +57,21 @@ class CurveSeries:
     note: str | None = None
 
 
+# The ratio progressive blend upgrades to on the measured curve: "0.10, then 0.25" was chosen
+# on the tuning examples (docs/blend.md, "Progressive blend").
+BENCH_REFRESH_RATIO = 0.25
+
+
 def bench_command(json_path: str, codec: str | None = None) -> str:
     """The bench run that measures the curve, on the reporting examples (20-39; 0-19 are for
-    tuning), with chunk KV stored in ``codec`` (else ``KV_CODEC``'s), writing its JSON to
-    ``json_path``."""
+    tuning), with chunk KV stored in ``codec`` (else ``KV_CODEC``'s), progressive blend's
+    points upgrading to :data:`BENCH_REFRESH_RATIO`, writing its JSON to ``json_path``."""
     return (
         (f"KV_CODEC={codec} " if codec else "")
         + "python -m kvservice.bench --data ../shared/data/musique_dev.json --first 20 "
         "--examples 20 --passages 6 --modes full,reuse,blend --no-hf "
-        f"--ratios 0.05,0.10,0.15,0.25,0.40 --json {json_path}"
+        f"--ratios 0.05,0.10,0.15,0.25,0.40 --refresh {BENCH_REFRESH_RATIO:g} "
+        f"--json {json_path}"
     )
 
 
@@ -109,10 +121,21 @@ def load_series(path: str | Path) -> CurveSeries | None:
     return CurveSeries(str(codec), data["curve"], str(path), note)
 
 
-def _by_ratio(points: list[dict], field: str) -> list[tuple[float, float]]:
-    """(ratio, value) of the points that have both, by ratio; one value per ratio."""
+def refresh_ratios(points: list[dict]) -> list[float]:
+    """The ratios progressive blend was measured upgrading to, in order."""
+    return sorted({float(p["refresh_ratio"]) for p in points if p.get("refresh_ratio")})
+
+
+def _by_ratio(
+    points: list[dict], field: str, refresh_ratio: float | None = None
+) -> list[tuple[float, float]]:
+    """(ratio, value) of the points that have both, by ratio, one value per ratio: plain
+    blend's (with reuse and full) or, given ``refresh_ratio``, progressive blend's upgrading
+    to it."""
     pairs = {}
     for point in points:
+        if point.get("refresh_ratio") != refresh_ratio:
+            continue
         ratio, value = point.get("ratio"), point.get(field)
         if isinstance(ratio, int | float) and isinstance(value, int | float):
             pairs.setdefault(float(ratio), float(value))
@@ -131,24 +154,30 @@ def _interpolate(pairs: list[tuple[float, float]], ratio: float) -> float | None
     return pairs[-1][1]
 
 
-def predict(points: list[dict], ratio: float) -> dict[str, float | None]:
-    """What the curve expects at ``ratio``: the mean teacher-forced KL to full
-    (``tf_kl_mean``) and the token F1 of the greedy answer against full's (``fidelity_f1``),
-    each interpolated between the measured ratios; None where the curve lacks the field."""
+def predict(
+    points: list[dict], ratio: float, refresh_ratio: float | None = None
+) -> dict[str, float | None]:
+    """What the curve expects at ``ratio`` (upgraded to ``refresh_ratio`` after the first
+    token, where given): the mean teacher-forced KL to full (``tf_kl_mean``) and the token F1
+    of the greedy answer against full's (``fidelity_f1``), each interpolated between the
+    measured ratios; None where the curve lacks the field or that progressive curve."""
     return {
-        field: _interpolate(_by_ratio(points, field), ratio)
+        field: _interpolate(_by_ratio(points, field, refresh_ratio), ratio)
         for field in ("tf_kl_mean", "fidelity_f1")
     }
 
 
-def ratio_for_target(points: list[dict], max_kl: float) -> float | None:
+def ratio_for_target(
+    points: list[dict], max_kl: float, refresh_ratio: float | None = None
+) -> float | None:
     """The lowest recompute ratio at which the curve's mean KL to full, interpolated between
     the measured ratios, is at most ``max_kl``; None when no point of the curve reaches it
     (a curve without full). Walking up from the lowest ratio, the first point at or under the
-    target ends the search, interpolated from the point before it."""
+    target ends the search, interpolated from the point before it. With ``refresh_ratio``:
+    the first token's ratio on the progressive curve upgrading to it."""
     if max_kl < 0:
         raise ValueError(f"a KL target is not negative, got {max_kl}")
-    pairs = _by_ratio(points, "tf_kl_mean")
+    pairs = _by_ratio(points, "tf_kl_mean", refresh_ratio)
     for index, (ratio, kl) in enumerate(pairs):
         if kl > max_kl:
             continue
@@ -157,6 +186,23 @@ def ratio_for_target(points: list[dict], max_kl: float) -> float | None:
         r0, kl0 = pairs[index - 1]
         return r0 + (ratio - r0) * (kl0 - max_kl) / (kl0 - kl)
     return None
+
+
+def plan_for_target(
+    points: list[dict], max_kl: float, refresh_ratio: float | None = None
+) -> tuple[float | None, float | None]:
+    """(ratio, refresh ratio) for a fidelity target: plain blend's :func:`ratio_for_target`,
+    or, where progressive blend upgrading to ``refresh_ratio`` reaches the target at a lower
+    first-token ratio, that ratio and ``refresh_ratio``; (None, None) when neither reaches
+    it. Progressive blend is never chosen at or above its upgrade's ratio (nothing to
+    upgrade) nor where plain blend is as cheap."""
+    plain = ratio_for_target(points, max_kl)
+    if refresh_ratio is None:
+        return plain, None
+    first = ratio_for_target(points, max_kl, refresh_ratio)
+    if first is None or first >= refresh_ratio or (plain is not None and plain <= first):
+        return plain, None
+    return first, refresh_ratio
 
 
 def _nice_max(value: float) -> float:
@@ -184,16 +230,22 @@ def _fmt(value: float) -> str:
 
 
 def _kind(point: dict) -> str:
-    """full, reuse or blend (``blend@0.05``): how the point is drawn."""
+    """full, reuse, blend (``blend@0.05``) or progressive (``blend@0.05>0.25``): how the
+    point is drawn."""
+    if point.get("refresh_ratio"):
+        return "progressive"
     return str(point.get("label", "")).partition("@")[0]
 
 
 def _marker(kind: str, color: str) -> str:
-    """A shape centred on (0, 0): full a square, reuse a diamond, blend a circle."""
+    """A shape centred on (0, 0): full a square, reuse a diamond, blend a circle,
+    progressive blend a ring."""
     if kind == "full":
         return f'<rect x="-4.5" y="-4.5" width="9" height="9" fill="{color}"/>'
     if kind == "reuse":
         return f'<polygon points="0,-6 6,0 0,6 -6,0" fill="{color}"/>'
+    if kind == "progressive":
+        return f'<circle r="3.5" fill="#fff" stroke="{color}" stroke-width="2"/>'
     return f'<circle r="4" fill="{color}"/>'
 
 
@@ -201,7 +253,9 @@ def _tooltip(point: dict, codec: str) -> str:
     parts = [f"{codec} {point.get('label', '')}".strip()]
     for name, text in (
         ("ratio", "recompute ratio"),
+        ("refresh_ratio", "upgraded after the first token to"),
         ("ttft_ratio_to_full", "TTFT × full"),
+        ("second_token_ratio_to_full", "second token × full's TTFT"),
         ("tf_kl_mean", "KL mean"),
         ("tf_kl_median", "KL median"),
         ("tf_agreement", "top-1 agreement"),
@@ -315,14 +369,22 @@ def _axes(frame: _Frame) -> list[str]:
 
 def _points(frame: _Frame, drawn: list[dict], codec: str, color: str) -> list[str]:
     parts = []
-    blend = sorted((p for p in drawn if _kind(p) == "blend"), key=lambda p: p.get("ratio") or 0)
-    if len(blend) > 1:
+    for refresh in [None, *refresh_ratios(drawn)]:  # blend's line, then each progressive one
+        line = sorted(
+            (p for p in drawn if _kind(p) in ("blend", "progressive")
+             and p.get("refresh_ratio") == refresh),
+            key=lambda p: p.get("ratio") or 0,
+        )  # fmt: skip
+        if len(line) < 2:
+            continue
         path = " ".join(
-            f"{frame.x(p['ttft_ratio_to_full']):.1f},{frame.y(p['tf_kl_mean']):.1f}" for p in blend
+            f"{frame.x(p['ttft_ratio_to_full']):.1f},{frame.y(p['tf_kl_mean']):.1f}" for p in line
         )
+        dashed = "" if refresh is None else ' stroke-dasharray="4 3"'
         parts.append(
-            f'<polyline points="{path}" fill="none" stroke="{color}" '
-            f'stroke-opacity=".6" stroke-width="1.5" class="blend-line"/>'
+            f'<polyline points="{path}" fill="none" stroke="{color}"{dashed} '
+            f'stroke-opacity=".6" stroke-width="1.5" '
+            f'class="{"blend-line" if refresh is None else "progressive-line"}"/>'
         )
     codec_attr = f' data-codec="{escape(codec)}"' if codec else ""
     for point in drawn:
@@ -345,7 +407,7 @@ def _points(frame: _Frame, drawn: list[dict], codec: str, color: str) -> list[st
         # says so), in its series' colour, above and to the right, clear of a curve that
         # falls to the right.
         label = str(point.get("label", ""))
-        text = label.partition("@")[2] if kind == "blend" else label
+        text = label.partition("@")[2] if kind in ("blend", "progressive") else label
         anchor = "end" if x > frame.left + frame.width * 0.85 else "start"
         parts.append(
             f'<text x="{x + (-8 if anchor == "end" else 6):.1f}" y="{y - 7:.1f}" '
@@ -359,11 +421,12 @@ def _legend(drawn: list[tuple[str, str, list[dict]]], current: str | None) -> li
     """The modes' shapes on one row; below it, one swatch per named series (codec)."""
     parts = []
     x, y = MARGIN_LEFT, HEIGHT - 28
-    for kind, text in (
-        ("full", "full prefill"),
-        ("reuse", "reuse (ratio 0)"),
-        ("blend", "blend, labelled with its recompute ratio"),
-    ):
+    kinds = [("full", "full prefill"), ("reuse", "reuse (ratio 0)")]
+    if any(_kind(p) == "progressive" for _, _, points in drawn for p in points):
+        kinds += [("blend", "blend (its ratio)"), ("progressive", "progressive (ratio>upgrade)")]
+    else:
+        kinds.append(("blend", "blend, labelled with its recompute ratio"))
+    for kind, text in kinds:
         color = FULL_COLOR if kind == "full" else OTHER_COLOR
         parts.append(
             f'<g transform="translate({x + 5} {y - 4})">{_marker(kind, color)}</g>'

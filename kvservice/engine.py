@@ -35,6 +35,9 @@ class Request:
     recompute_ratio: float = 0.15
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cached_prefix: LayeredKV | None = None  # an earlier prompt's KV for the first slots
+    # progressive blend: the ratio the cache is upgraded to after the first token; None: the
+    # engine's (BLEND_REFRESH_RATIO), 0: not upgraded
+    refresh_ratio: float | None = None
 
 
 REFRESH_ENV = "BLEND_REFRESH_RATIO"
@@ -61,7 +64,8 @@ class TokenEvent:
     text: str  # the text this token adds (may be "" while a multi-byte character is open)
     index: int
     ttft_s: float | None = None  # on the first event only
-    finish_reason: str | None = None  # "stop", "length" or "stopped" on the last event
+    # "stop", "length" or "stopped" on the last event (the native engine's carries no token)
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -142,18 +146,20 @@ class Engine:
         should_stop: Callable[[], bool] = lambda: False,
         deadline: float = float("inf"),
         on_prefill: Callable[[BlendResult, float], None] | None = None,
+        on_refresh: Callable[[float, float], None] | None = None,
     ) -> Job:
         """Queue the request in the batch: ``on_token(text, token_id)`` for each token and
         ``on_finish(reason, error)`` once, both from the batcher's thread, and
         ``on_prefill(result, seconds)`` after the prefill (the result keeps the prompt's
-        cache after the batch has copied it). The returned job holds the TTFT and tokens."""
+        cache after the batch has copied it), ``on_refresh(ratio, seconds)`` after a
+        progressive blend's upgrade. The returned job holds the TTFT and tokens."""
         job = Job(
             prefill=lambda extra: self.prefill(request, extra),
             sampling=request.sampling,
             stop_ids=self.stop_ids | set(request.sampling.stop_token_ids),
             prompt_ids=request.prompt.token_ids,
             on_token=on_token, on_finish=on_finish, should_stop=should_stop, deadline=deadline,
-            on_prefill=on_prefill, refresh=self._refresher(request),
+            on_prefill=on_prefill, refresh=self._refresher(request, on_refresh),
         )  # fmt: skip
         with self._start_lock:
             if not self._started:
@@ -162,18 +168,33 @@ class Engine:
         self.batcher.submit(job)
         return job
 
+    def refresh_ratio_for(self, request: Request) -> float | None:
+        """The ratio progressive blend upgrades ``request``'s cache to after the first token
+        (the request's, else the engine's): None where there is none, or the request is not
+        a blend below it."""
+        ratio = self.refresh_ratio if request.refresh_ratio is None else request.refresh_ratio
+        if request.mode != "blend" or not ratio or ratio <= request.recompute_ratio:
+            return None
+        return ratio
+
     def _refresher(
-        self, request: Request
+        self, request: Request, on_refresh: Callable[[float, float], None] | None = None
     ) -> Callable[[BlendResult, int], BlendResult | None] | None:
-        """Progressive blend for a blend request below ``refresh_ratio``: its cache upgraded
-        once the first token is known (docs/blend.md: validation KL 0.0414 -> 0.0261 at 0.10,
-        the second token ~0.8 s after the first on 2 CPU cores); None for the others."""
-        ratio = self.refresh_ratio
-        if request.mode != "blend" or ratio is None or ratio <= request.recompute_ratio:
+        """Progressive blend (``refresh_ratio_for``): the cache upgraded once the first token
+        is known (docs/blend.md: validation KL 0.0414 -> 0.0261 at 0.10, the second token
+        ~0.8 s after the first on 2 CPU cores); None for the others."""
+        ratio = self.refresh_ratio_for(request)
+        if ratio is None:
             return None
 
         def upgrade(result: BlendResult, token: int) -> BlendResult | None:
-            return refresh(self.model, result, [token], ratio) if can_refresh(result) else None
+            if not can_refresh(result):
+                return None
+            began = time.perf_counter()
+            upgraded = refresh(self.model, result, [token], ratio)
+            if on_refresh is not None:
+                on_refresh(ratio, time.perf_counter() - began)
+            return upgraded
 
         return upgrade
 
@@ -184,10 +205,13 @@ class Engine:
         should_stop: Callable[[], bool] = lambda: False,
         deadline: float = float("inf"),
         on_prefill: Callable[[BlendResult, float], None] | None = None,
+        on_refresh: Callable[[float, float], None] | None = None,
     ) -> Iterator[TokenEvent]:
-        """The request's tokens as the batch produces them, TTFT on the first event and the
-        finish reason on the last. Leaving the iteration early stops the request; past
-        ``deadline`` (``time.monotonic()``) it fails with ``TimeoutError``."""
+        """The request's tokens as the batch produces them, each as soon as it is sampled
+        (a progressive blend's first one before its upgrade), TTFT on the first, then a
+        last event with no token (``token_id`` -1) and the finish reason. Leaving the
+        iteration early stops the request; past ``deadline`` (``time.monotonic()``) it fails
+        with ``TimeoutError``."""
         events: queue.Queue = queue.Queue()
         left = threading.Event()
         job = self.submit(
@@ -197,8 +221,9 @@ class Engine:
             should_stop=lambda: left.is_set() or should_stop(),
             deadline=deadline,
             on_prefill=on_prefill,
+            on_refresh=on_refresh,
         )
-        held: TokenEvent | None = None
+        index = 0
         try:
             while True:
                 try:  # the batcher ends a late request itself; this is for a stuck batch
@@ -208,18 +233,13 @@ class Engine:
                     raise TimeoutError("the engine did not finish the request in time") from None
                 if reason is not None:
                     break
-                if held is not None:
-                    yield held
-                index = 0 if held is None else held.index + 1
-                held = TokenEvent(token, text, index, job.ttft_s if index == 0 else None)
+                yield TokenEvent(token, text, index, job.ttft_s if index == 0 else None)
+                index += 1
         finally:
             left.set()
         if error is not None and reason == "error":
             raise error
-        if held is None:  # finished before any token (its first was a stop token)
-            held = TokenEvent(-1, "", 0, job.ttft_s)
-        held.finish_reason = reason
-        yield held
+        yield TokenEvent(-1, "", index, job.ttft_s if index == 0 else None, finish_reason=reason)
 
     def generate(self, request: Request) -> Completion:
         events = list(self.stream(request))

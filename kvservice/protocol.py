@@ -76,6 +76,9 @@ class GenerateRequest:
     # The least ratio the measured curve says reaches the operator's fidelity target: the
     # controller's floor for this request in r_min's place (loading may raise it).
     target_ratio: float | None = None
+    # Progressive blend: the ratio a blend's cache is upgraded to after the first token
+    # (kvservice.blend.refresh); None: the worker's BLEND_REFRESH_RATIO, 0: not upgraded.
+    refresh_ratio: float | None = None
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0: greedy (a first answer); above: sampled (an answer again)
     top_p: float = 1.0

@@ -227,11 +227,12 @@ class NativePlan:
             prompt,
             [part for source in sources for part in (None, source)],  # markers: computed
             mode=request.mode, recompute_ratio=self.ratio, sampling=answer_sampling(request),
-            cached_prefix=self.prefix,
+            cached_prefix=self.prefix, refresh_ratio=request.refresh_ratio,
         )  # fmt: skip
         self.prompt_tokens = len(self.request.prompt.token_ids)
         self._result: BlendResult | None = None
         self._prefill_s: float | None = None
+        self._refreshed: tuple[float, float] | None = None  # progressive: (ratio, seconds)
 
     def _choose_loads(self, request: GenerateRequest, prompt: Prompt, located) -> list[bool]:
         """The loading controller's per-chunk choice over the located chunks: a chunk whose
@@ -257,11 +258,15 @@ class NativePlan:
 
     def events(self) -> Iterator[TokenEvent]:
         return self.runtime.engine.stream(
-            self.request, deadline=time.monotonic() + self._deadline_s, on_prefill=self._prefilled
-        )
+            self.request, deadline=time.monotonic() + self._deadline_s,
+            on_prefill=self._prefilled, on_refresh=self._upgraded,
+        )  # fmt: skip
 
     def _prefilled(self, result: BlendResult, seconds: float) -> None:
         self._result, self._prefill_s = result, seconds
+
+    def _upgraded(self, ratio: float, seconds: float) -> None:
+        self._refreshed = ratio, seconds
 
     def finish(self) -> dict[str, Any]:
         runtime, result = self.runtime, self._result
@@ -272,6 +277,9 @@ class NativePlan:
             "prefix_tokens": 0 if self.prefix is None else self.prefix.num_tokens,
         }
         load = self.batch.stats() if self.batch is not None else None
+        if self._refreshed is not None:  # progressive blend upgraded the cache
+            metrics["refresh_ratio"] = self._refreshed[0]
+            metrics["refresh_s"] = round(self._refreshed[1], 4)
         if result is not None:
             metrics["recompute_ratio_effective"] = round(result.recompute_ratio_effective, 4)
             self._observe(result, wait_s=load.wait_s if load is not None else 0.0)

@@ -211,26 +211,37 @@ def test_python_m_kvservice_bench_is_still_the_command():
     assert "python -m kvservice.bench: error: --data is required" in done.stderr
 
 
-def test_refresh_adds_a_progressive_blend_run_reported_with_its_second_token(capsys):
+def test_refresh_adds_a_progressive_run_of_each_blend_below_it_with_its_second_token(capsys):
     args = parse_args(["--data", "x.json", "--modes", "full,reuse,blend", "--ratio", "0.1",
-                       "--refresh", "0.25", "--ratios", "0.05"])  # fmt: skip
-    assert args.plan["blend>0.25"] == ("blend", 0.1) and args.refresh_keys == {"blend>0.25": 0.25}
+                       "--refresh", "0.25", "--ratios", "0.05,0.4"])  # fmt: skip
+    assert args.plan["blend>0.25"] == ("blend", 0.1)
+    assert args.plan["blend@0.05>0.25"] == ("blend", 0.05) and "blend@0.4>0.25" not in args.plan
+    assert args.refresh_keys == {"blend>0.25": 0.25, "blend@0.05>0.25": 0.25}
     refused = [(["--modes", "full,reuse", "--refresh", "0.25"], "give blend"),
                (["--ratio", "0.3", "--refresh", "0.25"], "between --ratio")]  # fmt: skip
     for argv, message in refused:
         with pytest.raises(SystemExit):
             parse_args(["--data", "x.json", *argv])
         assert message in capsys.readouterr().err
-    ttft = {"full": 2.0, "reuse": 0.2, "blend": 0.6, "blend@0.05": 0.4, "blend>0.25": 0.6}
+    ttft = {"full": 2.0, "reuse": 0.2, "blend": 0.6, "blend@0.05": 0.4, "blend@0.4": 1.0,
+            "blend>0.25": 0.6, "blend@0.05>0.25": 0.4}  # fmt: skip
     rows = [_row({key: 0.1 for key in ttft}, ttft) for _ in range(3)]
     for row, second in zip(rows, (1.2, 1.4, 1.3), strict=True):
-        row["modes"]["blend>0.25"]["second_token_s"] = second
+        for key in args.refresh_keys:
+            row["modes"][key].update(second_token_s=second, refresh_ratio=0.25)
     summary = summarize(rows, args.plan, curve=True)
     progressive = summary["modes"]["blend>0.25"]
     assert progressive["second_token_median_s"] == pytest.approx(1.3)
     assert progressive["second_token_ratio_to_full"] == pytest.approx(0.65)
+    assert progressive["refresh_ratio"] == 0.25
     assert "second_token_median_s" not in summary["modes"]["blend"]
-    assert [p["label"] for p in summary["curve"]] == ["reuse", "blend@0.05", "blend@0.1", "full"]
+    labels = [p["label"] for p in summary["curve"]]
+    assert labels == ["reuse", "blend@0.05", "blend@0.05>0.25", "blend@0.1", "blend@0.1>0.25",
+                      "blend@0.4", "full"]  # fmt: skip
+    points = {p["label"]: p for p in summary["curve"]}
+    assert points["blend@0.1>0.25"]["refresh_ratio"] == 0.25
+    assert points["blend@0.1>0.25"]["second_token_ratio_to_full"] == pytest.approx(0.65)
+    assert "refresh_ratio" not in points["blend@0.1"]
     print_table(summary)
     assert "blend>0.25: second token's logits at 1.300 s (x full 0.650)" in capsys.readouterr().out
 

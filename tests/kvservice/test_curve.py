@@ -16,10 +16,12 @@ from kvservice.curve import (
     bench_command,
     load_curve,
     load_series,
+    plan_for_target,
     predict,
     ratio_curve_svg,
     ratio_curves_svg,
     ratio_for_target,
+    refresh_ratios,
     series_path,
     series_paths,
 )
@@ -180,3 +182,53 @@ def test_the_bench_command_names_the_codec_it_measures():
     assert command.startswith("KV_CODEC=fp16 python -m kvservice.bench ")
     assert command.endswith("--json docs/ratio_curve_fp16.json") and "--first 20" in command
     assert bench_command("x.json").startswith("python -m kvservice.bench ")
+    assert "--refresh 0.25" in command  # progressive blend's points on the same curve
+
+
+def _progressive(ratio: float, ttft: float, kl: float, refresh: float = 0.25) -> dict:
+    return dict(_point(f"blend@{ratio:g}>{refresh:g}", ratio, ttft, kl), refresh_ratio=refresh,
+                second_token_ratio_to_full=ttft + 0.5)  # fmt: skip
+
+
+# progressive blend upgrading to 0.25: 0.05 -> 0.030, 0.15 -> 0.026 (plain: 0.09, 0.05)
+WITH_PROGRESSIVE = [*POINTS, _progressive(0.05, 0.20, 0.030), _progressive(0.15, 0.31, 0.026)]
+
+
+def test_progressive_points_are_a_curve_of_their_own():
+    assert refresh_ratios(WITH_PROGRESSIVE) == [0.25] and refresh_ratios(POINTS) == []
+    # plain blend reads its own points, as before the progressive ones were added
+    assert ratio_for_target(WITH_PROGRESSIVE, 0.07) == pytest.approx(0.10)
+    assert predict(WITH_PROGRESSIVE, 0.10)["tf_kl_mean"] == pytest.approx(0.07)
+    assert ratio_for_target(WITH_PROGRESSIVE, 0.028, 0.25) == pytest.approx(0.10)
+    assert predict(WITH_PROGRESSIVE, 0.10, 0.25)["tf_kl_mean"] == pytest.approx(0.028)
+    assert ratio_for_target(WITH_PROGRESSIVE, 0.02, 0.25) is None  # never reaches it
+    assert predict(WITH_PROGRESSIVE, 0.10, 0.4)["tf_kl_mean"] is None  # not measured
+
+
+def test_plan_for_target_takes_progressive_blend_only_where_it_starts_lower():
+    # 0.04: plain needs 0.15 + (0.4-0.15)/3 ~ 0.233; progressive from 0.05
+    assert plan_for_target(WITH_PROGRESSIVE, 0.04, 0.25) == (pytest.approx(0.05), 0.25)
+    assert plan_for_target(WITH_PROGRESSIVE, 0.04) == (pytest.approx(0.15 + 0.25 / 3), None)
+    # 0.09: plain reaches it at 0.05, as low as progressive's first point: plain
+    assert plan_for_target(WITH_PROGRESSIVE, 0.09, 0.25) == (pytest.approx(0.05), None)
+    # 0.02: progressive never reaches it; plain at 0.4
+    assert plan_for_target(WITH_PROGRESSIVE, 0.02, 0.25) == (pytest.approx(0.4), None)
+    # no progressive curve at that upgrade: plain
+    assert plan_for_target(WITH_PROGRESSIVE, 0.04, 0.4)[1] is None
+    # a progressive curve past its upgrade ratio is never chosen (nothing to upgrade)
+    late = [*POINTS, _progressive(0.3, 0.4, 0.001, refresh=0.25)]
+    assert plan_for_target(late, 0.01, 0.25) == (pytest.approx(0.7), None)  # 0.4 -> 0.02, full 0
+
+
+def test_progressive_points_are_drawn_as_rings_on_a_dashed_line_and_named_in_the_legend():
+    svg = ratio_curve_svg(WITH_PROGRESSIVE, "Quality against speed")
+    kinds = [cls.split()[1] for cls, _, _ in _markers(svg)]
+    assert kinds.count("marker-progressive") == 2 and kinds.count("marker-blend") == 3
+    root = ET.fromstring(svg)
+    lines = {line.get("class"): line for line in root.iter(f"{SVG}polyline")}
+    assert lines["progressive-line"].get("stroke-dasharray") and lines["blend-line"] is not None
+    assert len(lines["progressive-line"].get("points").split()) == 2
+    assert "progressive (ratio&gt;upgrade)" in svg or "progressive (ratio>upgrade)" in svg
+    assert "0.05&gt;0.25" in svg  # the point's label: first-token ratio > upgrade
+    assert "second token × full" in svg  # its tooltip
+    assert "progressive" not in ratio_curve_svg(POINTS, "plain")

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,9 +70,10 @@ def test_stream_gives_deltas_ttft_on_first_and_a_finish_reason(engine, request_p
     )
     assert events[0].ttft_s is not None and events[0].ttft_s > 0
     assert all(e.ttft_s is None for e in events[1:])
-    assert events[-1].finish_reason in ("stop", "length")
-    assert all(e.finish_reason is None for e in events[:-1])
-    assert len(events) <= 6 and "".join(e.text for e in events).strip()
+    assert events[-1].finish_reason in ("stop", "length") and events[-1].token_id == -1
+    assert all(e.finish_reason is None and e.token_id >= 0 for e in events[:-1])
+    assert [e.index for e in events] == list(range(len(events)))
+    assert len(events) <= 7 and "".join(e.text for e in events).strip()
 
 
 def test_max_tokens_and_stop_tokens(engine, request_parts):
@@ -185,6 +188,43 @@ def test_progressive_blend_takes_the_tokens_after_the_first_from_the_refreshed_c
             plain = Request(prompt, chunks, mode, sampling=SamplingParams(max_tokens=4))
             assert progressive.generate(plain).token_ids == engine.generate(plain).token_ids
         assert len(calls) == 1  # neither was refreshed
+    finally:
+        progressive.close()
+
+
+def test_a_token_reaches_the_reader_before_the_next_is_computed(
+    smollm2, smollm2_tokenizer, request_parts, monkeypatch
+):
+    """The stream hands each token over as it is sampled: a progressive blend's first token
+    is read before its upgrade runs (held back, it would wait for the upgrade), a request's
+    own ratio overrides the engine's, and the upgrade is reported with its ratio."""
+    prompt, chunks = request_parts
+    fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
+    progressive = Engine(smollm2, smollm2_tokenizer, fmt, refresh_ratio=0.9)
+    read_first = threading.Event()
+    seen = []
+
+    def waiting(model, result, answer, ratio):
+        seen.append((read_first.wait(timeout=60), ratio))
+        return refresh(model, result, answer, ratio)
+
+    monkeypatch.setattr("kvservice.engine.refresh", waiting)
+    refreshed = []
+    try:
+        request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3),
+                          refresh_ratio=0.5)  # fmt: skip
+        for event in progressive.stream(request, on_refresh=lambda *a: refreshed.append(a)):
+            if event.index == 0:
+                assert event.token_id >= 0 and not seen  # before the upgrade began
+                read_first.set()
+        assert [ratio for _, ratio in seen] == [0.5] and seen[0][0]
+        assert len(refreshed) == 1 and refreshed[0][0] == 0.5 and refreshed[0][1] > 0
+        off = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3),
+                      refresh_ratio=0.0)  # fmt: skip
+        assert progressive.refresh_ratio_for(off) is None
+        assert progressive.refresh_ratio_for(replace(off, refresh_ratio=None)) == 0.9
+        assert progressive.refresh_ratio_for(replace(off, recompute_ratio=0.9)) is None
+        assert progressive.refresh_ratio_for(replace(off, mode="reuse", refresh_ratio=0.5)) is None
     finally:
         progressive.close()
 

@@ -83,7 +83,11 @@ class Message(models.Model):
     request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     mode = models.CharField(max_length=16, choices=Mode.choices, blank=True)
     recompute_ratio = models.FloatField(null=True, blank=True)
+    # Progressive blend: the ratio the cache was upgraded to after the first token (None:
+    # not upgraded), and when the second token came (seconds, as ttft_s).
+    refresh_ratio = models.FloatField(null=True, blank=True)
     ttft_s = models.FloatField(null=True, blank=True)
+    second_token_s = models.FloatField(null=True, blank=True)
     total_s = models.FloatField(null=True, blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)

@@ -61,6 +61,7 @@ def generate_request(
     answer: Message | None = None,
     recompute_ratio: float | None = None,
     target_ratio: float | None = None,
+    refresh_ratio: float | None = None,
     audit_of: int | None = None,
 ) -> GenerateRequest:
     """The request for ``answer`` (its stream and record; sampled when it is an answer asked
@@ -86,6 +87,7 @@ def generate_request(
         mode=mode,
         recompute_ratio=recompute_ratio,  # None: the worker's controller decides
         target_ratio=target_ratio,  # the fidelity target's least ratio, if one is set
+        refresh_ratio=refresh_ratio,  # progressive blend (None: the worker's own setting)
         max_new_tokens=settings.CHAT_MAX_NEW_TOKENS,
         temperature=answer.temperature if sampled else 0.0,
         top_p=REGENERATE_TOP_P if sampled else 1.0,

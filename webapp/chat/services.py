@@ -33,7 +33,7 @@ from webapp.chat.requests import (
     mode_allowed,
 )
 from webapp.chat.retrieval import has_ready_chunks, retrieve_chunks
-from webapp.dashboard.selectors import fixed_recompute_ratio, target_ratio
+from webapp.dashboard.selectors import request_ratios
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
 from webapp.documents.kv import kv_scope_for
@@ -183,7 +183,7 @@ def conversation_set_scope(
 def _send(answer: Message, question: str, history: list[Turn], citations: list[Citation]) -> None:
     request = generate_request(
         answer=answer, question=question, history=history, citations=citations,
-        mode=answer.mode, recompute_ratio=fixed_recompute_ratio(), target_ratio=target_ratio(),
+        mode=answer.mode, **request_ratios(),
     )  # fmt: skip
     try:
         # To the worker that holds most of the chunks hot, or to whichever is free first.
@@ -411,7 +411,9 @@ def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> Non
         answer.error_message = result.get("error", "")
         answer.mode = metrics.get("mode") or answer.mode
         answer.recompute_ratio = metrics.get("recompute_ratio")
+        answer.refresh_ratio = metrics.get("refresh_ratio")
         answer.ttft_s = metrics.get("ttft_s")
+        answer.second_token_s = metrics.get("second_token_s")
         answer.total_s = metrics.get("total_s")
         answer.prompt_tokens = metrics.get("prompt_tokens")
         answer.completion_tokens = metrics.get("completion_tokens")

@@ -31,6 +31,11 @@ class DashboardSettings(models.Model):
     # measured ratio curve turns it into the least ratio, sent as GenerateRequest.target_ratio
     # (the worker's controller may raise it where loading takes longer, never lower it).
     fidelity_target = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.0)])
+    # Progressive blend: a blend's cache upgraded to this ratio after the first token, sent as
+    # GenerateRequest.refresh_ratio (0: off; None: the worker's BLEND_REFRESH_RATIO). With a
+    # fidelity target, used where the curve measured at it reaches the target at a lower
+    # first-token ratio than plain blend.
+    refresh_ratio = models.FloatField(null=True, blank=True, validators=UNIT_INTERVAL)
     # Share of finished blend answers re-run in full prefill to measure their fidelity.
     audit_sample_rate = models.FloatField(default=0.0, validators=UNIT_INTERVAL)
     updated_at = models.DateTimeField(auto_now=True)
@@ -62,6 +67,11 @@ class DashboardSettings(models.Model):
                 condition=~models.Q(controller_mode="target") | models.Q(fidelity_target__gte=0.0),
                 name="dashboard_target_mode_has_target",
             ),
+            models.CheckConstraint(
+                condition=models.Q(refresh_ratio__isnull=True)
+                | models.Q(refresh_ratio__gte=0.0, refresh_ratio__lte=1.0),
+                name="dashboard_refresh_ratio_0_1",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -87,6 +97,7 @@ class FidelityAudit(models.Model):
     request = models.JSONField(default=dict)
     blend_text = models.TextField(blank=True)
     blend_recompute_ratio = models.FloatField(null=True, blank=True)
+    blend_refresh_ratio = models.FloatField(null=True, blank=True)  # progressive blend's upgrade
     full_text = models.TextField(blank=True)
     token_f1 = models.FloatField(null=True, blank=True)  # full answer vs the blend answer
     blend_ttft_s = models.FloatField(null=True, blank=True)

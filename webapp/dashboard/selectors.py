@@ -19,7 +19,7 @@ from kvservice.curve import (
     CurveSeries,
     bench_command,
     load_series,
-    ratio_for_target,
+    plan_for_target,
     series_path,
     series_paths,
 )
@@ -67,16 +67,45 @@ def fidelity_target() -> float | None:
     return _while_mode(DashboardSettings.ControllerMode.TARGET, "fidelity_target")
 
 
-def target_ratio(target: float | None = None) -> float | None:
-    """The least recompute ratio the measured curve of the codec the store writes
-    (``ratio_curve()["points"]``) says reaches the fidelity target (the operator's unless
-    ``target`` is given); None without a target or without that codec's curve, when the
-    worker's controller decides as in auto."""
+def target_plan(
+    target: float | None = None, refresh: float | None = None
+) -> tuple[float | None, float | None]:
+    """(ratio, refresh ratio) for the fidelity target (the operator's unless ``target`` is
+    given) on the measured curve of the codec the store writes (``ratio_curve()["points"]``):
+    the least first-token ratio that reaches it, by plain blend or by progressive blend
+    upgrading to ``refresh`` (the operator's progressive setting unless given; None where
+    plain blend is cheaper or nothing upgrades, ``kvservice.curve.plan_for_target``);
+    (None, None) without a target or that codec's curve, when the worker's controller
+    decides as in auto."""
     target = fidelity_target() if target is None else target
     if target is None:
-        return None
+        return None, None
     points = ratio_curve()["points"]
-    return None if not points else ratio_for_target(points, target)
+    if not points:
+        return None, None
+    refresh = dashboard_settings().refresh_ratio if refresh is None else refresh
+    return plan_for_target(points, target, refresh or None)
+
+
+def target_ratio(target: float | None = None) -> float | None:
+    """The first-token ratio of :func:`target_plan`."""
+    return target_plan(target)[0]
+
+
+def request_ratios() -> dict[str, float | None]:
+    """What each chat request carries from the operator's settings (``GenerateRequest``'s
+    fields): the fixed ``recompute_ratio``; the fidelity target's ``target_ratio`` and
+    ``refresh_ratio`` (0 where plain blend reaches it: the target decides); else the
+    progressive setting as it is (None: the worker's ``BLEND_REFRESH_RATIO``)."""
+    row = dashboard_settings()
+    out = {"recompute_ratio": None, "target_ratio": None, "refresh_ratio": row.refresh_ratio}
+    if row.controller_mode == DashboardSettings.ControllerMode.FIXED:
+        out["recompute_ratio"] = row.fixed_recompute_ratio
+    elif row.controller_mode == DashboardSettings.ControllerMode.TARGET:
+        ratio, refresh = target_plan(row.fidelity_target, row.refresh_ratio)
+        if ratio is not None:
+            out.update(target_ratio=ratio, refresh_ratio=refresh or 0.0)
+    return out
 
 
 def audit_sample_rate() -> float:
@@ -276,7 +305,17 @@ def answered_messages(*, since: datetime, limit: int = 2000) -> list[Message]:
             ttft_s__isnull=False,
             completed_at__gte=since,
         )
-        .only("id", "mode", "ttft_s", "total_s", "recompute_ratio", "tiers", "completed_at")
+        .only(
+            "id",
+            "mode",
+            "ttft_s",
+            "total_s",
+            "recompute_ratio",
+            "refresh_ratio",
+            "second_token_s",
+            "tiers",
+            "completed_at",
+        )
         .order_by("-completed_at")[:limit]
     )[::-1]
 
@@ -300,7 +339,8 @@ def questions_per_hour(
 
 
 def metrics_summary(messages: list[Message]) -> list[dict[str, Any]]:
-    """Per mode: answers, median and p90 TTFT, mean recompute ratio, tier mix."""
+    """Per mode: answers, median and p90 TTFT, mean recompute ratio, tier mix, and of the
+    answers progressive blend upgraded, how many and their second token's median time."""
     by_mode: dict[str, list[Message]] = {}
     for message in messages:
         by_mode.setdefault(message.mode or "?", []).append(message)
@@ -308,6 +348,8 @@ def metrics_summary(messages: list[Message]) -> list[dict[str, Any]]:
     for mode, items in sorted(by_mode.items()):
         ttfts = sorted(m.ttft_s for m in items if m.ttft_s is not None)
         ratios = [m.recompute_ratio for m in items if m.recompute_ratio is not None]
+        upgraded = [m for m in items if m.refresh_ratio is not None]
+        seconds = sorted(m.second_token_s for m in upgraded if m.second_token_s is not None)
         tiers: Counter[str] = Counter()
         for m in items:
             tiers.update(m.tiers or {})
@@ -318,6 +360,8 @@ def metrics_summary(messages: list[Message]) -> list[dict[str, Any]]:
                 "ttft_p50": _quantile(ttfts, 0.5),
                 "ttft_p90": _quantile(ttfts, 0.9),
                 "mean_ratio": sum(ratios) / len(ratios) if ratios else None,
+                "progressive": len(upgraded),
+                "second_token_p50": _quantile(seconds, 0.5),
                 "tiers": dict(tiers.most_common()),
             }
         )

@@ -83,12 +83,18 @@ def _parse_target(value: str | float | None) -> float:
 
 def controller_set(
     *, mode: str, fixed_ratio: str | float | None = None,
-    fidelity_target: str | float | None = None, user=None,
+    fidelity_target: str | float | None = None, refresh_ratio: str | float | None = None,
+    user=None,
 ) -> DashboardSettings:  # fmt: skip
     """Auto, a fixed recompute ratio that every chat request carries from now on, or a
-    fidelity target that the measured curve turns into each request's least ratio."""
+    fidelity target that the measured curve turns into each request's least ratio; and
+    progressive blend's upgrade (``refresh_ratio``: blank for the worker's own setting, 0
+    for off)."""
     if mode not in DashboardSettings.ControllerMode.values:
         raise DashboardError(f"Unknown controller mode {mode!r}.")
+    refresh = None
+    if refresh_ratio is not None and str(refresh_ratio).strip():
+        refresh = _parse_unit(refresh_ratio, "The ratio progressive blend upgrades to")
     with transaction.atomic():
         row = _locked_settings()
         row.controller_mode = mode
@@ -96,6 +102,7 @@ def controller_set(
             row.fixed_recompute_ratio = _parse_unit(fixed_ratio, "The recompute ratio")
         if mode == DashboardSettings.ControllerMode.TARGET:
             row.fidelity_target = _parse_target(fidelity_target)
+        row.refresh_ratio = refresh
         row.updated_by = user
         row.save()
     return row
@@ -220,6 +227,7 @@ def fidelity_maybe_audit(
                 request=request.to_dict(),
                 blend_text=result.get("text", ""),
                 blend_recompute_ratio=metrics.get("recompute_ratio"),
+                blend_refresh_ratio=metrics.get("refresh_ratio"),
                 blend_ttft_s=metrics.get("ttft_s"),
             )
             payload = request.to_dict()

@@ -43,9 +43,9 @@ def _metrics() -> dict[str, object]:
     hourly = selectors.questions_per_hour(hours=24)
     audits = selectors.fidelity_audits(since=since)
     points = selectors.ratio_curve()["points"] or []
-    for audit in audits:  # what the measured curve expected of the answer's ratio
-        ratio = audit.blend_recompute_ratio
-        audit.predicted = predict(points, ratio) if points and ratio is not None else {}
+    for audit in audits:  # what the measured curve expected of the answer's ratio(s)
+        ratio, refresh = audit.blend_recompute_ratio, audit.blend_refresh_ratio
+        audit.predicted = predict(points, ratio, refresh) if points and ratio is not None else {}
     scored = [a for a in audits if a.token_f1 is not None]
     return {
         "summary": selectors.metrics_summary(answers),
@@ -89,8 +89,11 @@ def _metrics() -> dict[str, object]:
 def _ratio_curve() -> dict[str, object]:
     curve = selectors.ratio_curve()
     chart = charts.ratio_curve(curve["series"], current=curve["codec"]) if curve["series"] else None
-    target = selectors.target_ratio()  # the ratio the operator's fidelity target asks for
-    return {"ratio_curve": curve, "ratio_curve_chart": chart, "target_ratio": target}
+    target, refresh = selectors.target_plan()  # what the operator's fidelity target asks for
+    return {
+        "ratio_curve": curve, "ratio_curve_chart": chart,
+        "target_ratio": target, "target_refresh": refresh,
+    }  # fmt: skip
 
 
 def _live_context() -> dict[str, object]:
@@ -136,18 +139,21 @@ def controller(request: HttpRequest) -> HttpResponse:
             mode=request.POST.get("mode", ""),
             fixed_ratio=request.POST.get("fixed_ratio"),
             fidelity_target=request.POST.get("fidelity_target"),
+            refresh_ratio=request.POST.get("refresh_ratio"),
             user=request.user,
         )
         if row.controller_mode == row.ControllerMode.FIXED:
             return f"Recompute ratio fixed at {row.fixed_recompute_ratio:g} from the next answer."
         if row.controller_mode == row.ControllerMode.TARGET:
-            ratio = selectors.target_ratio(row.fidelity_target)
+            ratio, refresh = selectors.target_plan(row.fidelity_target)
             reach = (
                 f"no measured curve yet for the store's codec ({selectors.store_codec()}): "
                 "the loading controller decides"
                 if ratio is None
                 else f"the measured curve gives a ratio of at least {ratio:.3f}"
             )
+            if refresh is not None:
+                reach += f", upgraded to {refresh:g} after the first token"
             return f"Fidelity target: mean KL to full at most {row.fidelity_target:g}; {reach}."
         return "The loading controller chooses the recompute ratio again."
 

@@ -137,7 +137,8 @@ def test_record_answer_stores_metrics_and_is_idempotent(alice) -> None:
     )
     result = {"status": "done", "text": "Arborio [1].",
               "metrics": {"ttft_s": 0.12, "total_s": 1.5, "mode": "blend", "recompute_ratio": 0.15,
-                          "chunk_tiers": {"7": "s3", "8": "cpu"}}}  # fmt: skip
+                          "chunk_tiers": {"7": "s3", "8": "cpu"}, "refresh_ratio": 0.25,
+                          "second_token_s": 0.4}}  # fmt: skip
     services.chat_record_answer(message_id=answer.id, result=result)
     answer.refresh_from_db()
     assert (answer.status, answer.content, answer.ttft_s, answer.tiers) == (
@@ -146,6 +147,7 @@ def test_record_answer_stores_metrics_and_is_idempotent(alice) -> None:
         0.12,
         {"s3": 1, "cpu": 1},
     )
+    assert (answer.refresh_ratio, answer.second_token_s) == (0.25, 0.4)  # progressive blend
     services.chat_record_answer(message_id=answer.id, result={"status": "error", "error": "late"})
     answer.refresh_from_db()
     assert answer.status == "done" and answer.error_message == ""

@@ -190,3 +190,45 @@ def test_an_operator_sets_a_fidelity_target_and_sees_the_ratio_it_gives(
     assert setting == "fidelity target: mean KL to full ≤ 0.0400"
     ARTIFACTS.mkdir(exist_ok=True)
     assert browser.save_screenshot(str(ARTIFACTS / "dashboard-target.png"))
+
+
+def test_an_operator_sets_a_target_that_progressive_blend_meets_first(
+    browser, live_server, staff, settings, tmp_path
+) -> None:
+    """With a curve that measured progressive blend, the operator sets a fidelity target
+    and progressive blend's upgrade in the form; the page says the first-token ratio and the
+    upgrade the curve gives, the live panel the setting."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.webapp.dashboard.test_target import CURVE, PROGRESSIVE
+    from webapp.dashboard import selectors
+
+    path = tmp_path / "curve.json"
+    curve = {"modes": {}, "curve": [*CURVE, *PROGRESSIVE], "env": {"kv_codec": DEFAULT_CODEC}}
+    path.write_text(json.dumps(curve))
+    settings.RATIO_CURVE_PATH = path
+    _log_in(browser, live_server, staff)
+    browser.get(f"{live_server.url}/dashboard/")
+    form = browser.find_element(By.ID, "controller-form")
+    form.find_element(By.CSS_SELECTOR, 'input[name="mode"][value="target"]').click()
+    for name, value in (("fidelity_target", "0.03"), ("refresh_ratio", "0.25")):
+        field = form.find_element(By.CSS_SELECTOR, f'input[name="{name}"]')
+        field.clear()
+        field.send_keys(value)
+    form.find_element(By.CSS_SELECTOR, 'button[type="submit"]').click()
+
+    saved = WebDriverWait(browser, 15).until(
+        lambda b: b.find_elements(By.CSS_SELECTOR, "ul.messages")
+    )
+    assert "at least 0.100, upgraded to 0.25 after the first token" in saved[0].text
+    assert selectors.target_plan() == (pytest.approx(0.1), 0.25)
+    shown = browser.find_element(By.ID, "target-ratio").text
+    assert "from r = 0.100, upgraded to 0.25 after the first token" in shown
+    assert "upgrade to 0.25" in browser.find_element(By.ID, "refresh-setting").text
+    refresh = browser.find_element(By.CSS_SELECTOR, 'input[name="refresh_ratio"]')
+    assert refresh.get_attribute("value") == "0.25"
+    rings = browser.find_elements(By.CSS_SELECTOR, "#ratio-curve g.marker-progressive")
+    assert len(rings) == len(PROGRESSIVE)
+    ARTIFACTS.mkdir(exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "dashboard-progressive.png"))

@@ -73,6 +73,30 @@ def test_fixed_ratio_on_the_dashboard_is_used_by_the_worker_for_the_next_answer(
     assert f"r = {answer.recompute_ratio:.3f}" in page
 
 
+def test_progressive_blend_set_on_the_dashboard_upgrades_the_workers_next_answer(
+    celery_worker_process, inference_worker_process, django_user_model, client
+) -> None:
+    """Progressive blend set on the dashboard reaches the real worker: the answer records the
+    ratio its cache was upgraded to and its second token, after its first; set to 0, the
+    next answer is not upgraded."""
+    staff = django_user_model.objects.create_user(
+        username="operator", password="operator-pass", is_staff=True
+    )
+    upload_ready(staff, TEXT, "observatory.txt")
+    conversation = chat.conversation_create(owner=staff)
+    client.force_login(staff)
+    progressive = {"mode": "fixed", "fixed_ratio": "0.1", "refresh_ratio": "0.5"}
+    assert client.post(reverse("dashboard:controller"), progressive).status_code == 302
+    answer = _ask(staff, conversation, "Who founded the Brennish observatory?")
+    assert answer.recompute_ratio == pytest.approx(0.1)
+    assert answer.refresh_ratio == pytest.approx(0.5) and answer.completion_tokens > 1
+    assert answer.second_token_s > answer.ttft_s > 0
+
+    client.post(reverse("dashboard:controller"), dict(progressive, refresh_ratio="0"))
+    answer = _ask(staff, conversation, "When does the observatory open to visitors?")
+    assert answer.refresh_ratio is None and answer.second_token_s > answer.ttft_s
+
+
 def test_a_sampled_blend_answer_is_audited_in_full_prefill(
     celery_worker_process, inference_worker_process, django_user_model, client
 ) -> None:

@@ -101,19 +101,15 @@ def test_without_a_curve_the_target_leaves_the_ratio_to_the_controller(staff_cli
     assert selectors.fidelity_target() == pytest.approx(0.04) and selectors.target_ratio() is None
 
 
-def test_the_next_chat_request_carries_the_targets_ratio(alice, staff_client, curve) -> None:
+def _asked(alice, question: str) -> dict:
+    """The GenerateRequest a chat question of ``alice``'s sends to the inference queue."""
     client = redis.Redis.from_url(django_settings.REDIS_URL)
     client.delete(INFERENCE_QUEUE)
     try:
-        staff_client.post(
-            reverse("dashboard:controller"), {"mode": "target", "fidelity_target": "0.05"}
-        )
         make_document(alice, "space.md", [PASSAGES["space"]])
         conversation = chat.conversation_create(owner=alice)
         with TestCase.captureOnCommitCallbacks(execute=True):
-            chat.chat_ask(
-                user=alice, conversation=conversation, question="Which moon hides an ocean?"
-            )
+            chat.chat_ask(user=alice, conversation=conversation, question=question)
         sent = []
         for raw in client.lrange(INFERENCE_QUEUE, 0, -1):
             message = json.loads(raw)
@@ -122,7 +118,69 @@ def test_the_next_chat_request_carries_the_targets_ratio(alice, staff_client, cu
     finally:
         client.delete(INFERENCE_QUEUE)
     assert len(sent) == 1
-    assert sent[0]["target_ratio"] == pytest.approx(0.05) and sent[0]["recompute_ratio"] is None
+    return sent[0]
+
+
+def test_the_next_chat_request_carries_the_targets_ratio(alice, staff_client, curve) -> None:
+    staff_client.post(
+        reverse("dashboard:controller"), {"mode": "target", "fidelity_target": "0.05"}
+    )
+    sent = _asked(alice, "Which moon hides an ocean?")
+    assert sent["target_ratio"] == pytest.approx(0.05) and sent["recompute_ratio"] is None
+    assert sent["refresh_ratio"] == 0.0  # plain blend reaches it: nothing upgrades
+
+
+# Progressive blend upgrading to 0.25 on the same curve: from 0.05 KL 0.032, from 0.15 0.028.
+PROGRESSIVE = [
+    dict(_point("blend@0.05>0.25", 0.05, 0.032, 0.88), refresh_ratio=0.25,
+         second_token_ratio_to_full=0.9),
+    dict(_point("blend@0.15>0.25", 0.15, 0.028, 0.92), refresh_ratio=0.25,
+         second_token_ratio_to_full=1.0),
+]  # fmt: skip
+
+
+def test_a_target_plain_blend_reaches_late_is_met_by_progressive_blend(
+    alice, staff_client, curve
+) -> None:
+    """With progressive blend set to 0.25 on the dashboard, a target of 0.03 (plain blend
+    reaches it at 0.15) starts from progressive blend's crossing, halfway from 0.05 (0.032)
+    to 0.15 (0.028): 0.10, sent with its upgrade."""
+    data = json.loads(curve.read_text())
+    curve.write_text(json.dumps(dict(data, curve=[*CURVE, *PROGRESSIVE])))
+    response = staff_client.post(
+        reverse("dashboard:controller"),
+        {"mode": "target", "fidelity_target": "0.03", "refresh_ratio": "0.25"}, follow=True,
+    )  # fmt: skip
+    page = response.content.decode()
+    assert "at least 0.100, upgraded to 0.25 after the first token" in page
+    assert selectors.target_plan() == (pytest.approx(0.10), 0.25)
+    sent = _asked(alice, "Which moon hides an ocean?")
+    assert sent["target_ratio"] == pytest.approx(0.10) and sent["refresh_ratio"] == 0.25
+    index = staff_client.get(reverse("dashboard:index")).content.decode()
+    assert "upgraded to 0.25 after the first token (progressive blend)" in index
+    live = staff_client.get(reverse("dashboard:index"), HTTP_HX_REQUEST="true").content.decode()
+    assert "upgrade to 0.25 after the first token" in live
+
+    # progressive blend off (0): plain blend's own ratio for the same target, sent as off
+    off = {"mode": "target", "fidelity_target": "0.03", "refresh_ratio": "0"}
+    staff_client.post(reverse("dashboard:controller"), off)
+    assert selectors.target_plan() == (pytest.approx(0.15), None)
+    # auto: the setting as it is; blank: the worker's own (None)
+    staff_client.post(reverse("dashboard:controller"), {"mode": "auto", "refresh_ratio": "0.3"})
+    assert selectors.request_ratios() == {
+        "recompute_ratio": None, "target_ratio": None, "refresh_ratio": 0.3}  # fmt: skip
+    staff_client.post(reverse("dashboard:controller"), {"mode": "auto", "refresh_ratio": ""})
+    assert selectors.request_ratios()["refresh_ratio"] is None
+
+
+@pytest.mark.parametrize("bad", ["-0.1", "1.5", "abc"])
+def test_a_bad_progressive_ratio_is_refused_and_nothing_changes(staff_client, bad) -> None:
+    staff_client.post(reverse("dashboard:controller"), {"mode": "auto", "refresh_ratio": "0.25"})
+    fixed = {"mode": "fixed", "fixed_ratio": "0.2", "refresh_ratio": bad}
+    response = staff_client.post(reverse("dashboard:controller"), fixed, follow=True)
+    assert "The ratio progressive blend upgrades to must be" in response.content.decode()
+    row = DashboardSettings.objects.get()
+    assert row.refresh_ratio == 0.25 and row.controller_mode == "auto"
 
 
 def test_the_audit_shows_the_curves_prediction_beside_the_measured_f1(
@@ -138,3 +196,21 @@ def test_the_audit_shows_the_curves_prediction_beside_the_measured_f1(
     assert '<td class="predicted-kl">0.0400</td>' in row  # halfway from 0.05 to 0.03
     assert '<td class="predicted-f1">0.850</td>' in row
     assert '<td class="measured-f1">0.620</td>' in row
+
+
+def test_a_progressive_answers_audit_is_predicted_from_the_progressive_curve(
+    staff_client, alice, curve
+) -> None:
+    data = json.loads(curve.read_text())
+    curve.write_text(json.dumps(dict(data, curve=[*CURVE, *PROGRESSIVE])))
+    document = make_dashboard_document(alice, "Rivers of Europe", chunks=2)
+    answer = next(a for a in make_answers(alice, document) if a.mode == "blend")
+    audit = FidelityAudit.objects.create(message=answer, blend_text="x", full_text="y",
+                                         token_f1=0.7, status="done", blend_recompute_ratio=0.10,
+                                         blend_refresh_ratio=0.25,
+                                         completed_at=answer.completed_at)  # fmt: skip
+    page = staff_client.get(reverse("dashboard:index")).content.decode()
+    row = page.split(f'id="audit-{audit.message_id}"')[1].split("</tr>")[0]
+    assert "0.100 → 0.25" in row
+    assert '<td class="predicted-kl">0.0300</td>' in row  # halfway from 0.032 to 0.028
+    assert '<td class="predicted-f1">0.900</td>' in row
