@@ -197,48 +197,81 @@ def example_prompt(fmt: PromptFormat, example: dict, passages: int) -> Prompt:
 
 
 def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dict:
+    """One Musique example: every run of ``args.plan`` timed (:func:`_timed_runs`), then
+    each one's fidelity to full prefill's answer (:func:`_mode_row`)."""
     prompt = example_prompt(fmt, example, args.passages)
-    head_kv = precompute_head(model, prompt.head_ids)
     chunks = precompute_chunks(model, fmt.storage_ids, prompt.chunk_ids)  # --kv-preamble
     texts = [text + fmt.chunk_separator for text in passage_texts(example, args.passages)]
     for tier in {args.tier, *args.run_tiers.values()}:  # before any timing
         bench_of(args, tier).stage(chunks, texts=texts, head=fmt.head_text)
-    # Room after the prompt for the longest greedy answer or teacher-forced answer (each is
-    # rolled back before the next).
-    extra = max(args.max_new_tokens, GAP_TOKENS)
-    plan: dict[str, tuple[Mode, float]] = args.plan
+    prefill = _Prefill(model, prompt, precompute_head(model, prompt.head_ids), chunks, args)
+    timings = _timed_runs(model, hf_model, prompt, prefill, args)
+    full = timings.results["full"] if "full" in timings.results else prefill("full", "full")
+    reference = _Reference.of(model, tokenizer, full, args, stop_ids)
+    row: dict = {"num_tokens": full.num_tokens, "full_answer": reference.text, "modes": {}}
+    for key in args.plan:
+        row["modes"][key] = _mode_row(key, prefill, timings, reference, tokenizer, example,
+                                      stop_ids)  # fmt: skip
+    if timings.ttft["hf_full"]:
+        row["hf_full"] = {"ttft_s": statistics.median(timings.ttft["hf_full"])}
+    return row
 
-    def prefill(key: str, mode: Mode, ratio: float, sources=None) -> BlendResult:
+
+@dataclasses.dataclass
+class _Prefill:
+    """A run's prefill of one prompt, its chunks read as ``chunk_sources`` gives them (from
+    the run's tier), up to the first token (where TTFT ends), with room after the prompt for
+    the longest greedy or teacher-forced answer (each is rolled back before the next)."""
+
+    model: Transformer
+    prompt: Prompt
+    head_kv: ChunkKV
+    chunks: list[ChunkKV]
+    args: argparse.Namespace
+
+    def __call__(self, key: str, mode: Mode, ratio: float | None = None, sources=None):
+        args, prompt = self.args, self.prompt
+        ratio = args.ratio if ratio is None else ratio
         result = blend_prefill(
-            model,
+            self.model,
             prompt.head_ids,
-            chunk_sources(chunks, args, mode, key, ratio) if sources is None else sources,
+            chunk_sources(self.chunks, args, mode, key, ratio) if sources is None else sources,
             prompt.question_ids,
             mode=mode,
             recompute_ratio=ratio,
             chunk_ids=prompt.chunk_ids,
-            head_kv=head_kv,
-            extra_capacity=extra,
+            head_kv=self.head_kv,
+            extra_capacity=max(args.max_new_tokens, GAP_TOKENS),
             settings=BlendSettings(**args.blend),
         )
         int(result.logits.argmax())  # the first token: TTFT ends here
         return result
 
-    def blend_in_memory() -> tuple[float, int]:
+    def in_memory(self) -> tuple[float, int]:
         """Blend with every chunk's KV in memory: what the loading controller prices blend's
         compute by (``--s3-mbps``; not a result)."""
         result, seconds = timed(
-            lambda: prefill("blend", "blend", args.ratio, list(chunks)), model.device
+            lambda: self("blend", "blend", self.args.ratio, list(self.chunks)), self.model.device
         )
         return seconds, sum(result.recomputed_per_layer)
 
-    # Timed runs, the modes interleaved so that load from other processes hits all alike.
-    ttft: dict[str, list[float]] = {key: [] for key in [*plan, "hf_full"]}
-    second: dict[str, list[float]] = {}  # progressive runs: time to the second token's logits
-    results: dict[str, BlendResult] = {}
+
+@dataclasses.dataclass
+class _Timings:
+    ttft: dict[str, list[float]]  # run key (and hf_full) -> TTFT of each repeat
+    second: dict[str, list[float]]  # progressive runs: time to the second token's logits
+    results: dict[str, BlendResult]  # run key -> its last timed prefill
+
+
+def _timed_runs(model, hf_model, prompt: Prompt, prefill: _Prefill, args) -> _Timings:
+    """Every run of the plan ``--repeats`` times, the modes interleaved so that load from
+    other processes hits all alike; the store's controller learns from each (and, with
+    ``--s3-mbps``, the throttled link is set after full's first run)."""
+    timings = _Timings({key: [] for key in [*args.plan, "hf_full"]}, {}, {})
+    ttft, results = timings.ttft, timings.results
     ids = torch.tensor([prompt.token_ids], device=model.device)
     for _ in range(args.repeats):
-        for key, (mode, ratio) in plan.items():
+        for key, (mode, ratio) in args.plan.items():
             results[key], seconds = timed(
                 lambda key=key, mode=mode, ratio=ratio: prefill(key, mode, ratio), model.device
             )
@@ -247,66 +280,88 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
                 first = [int(results[key].logits.argmax())]
                 _, more = timed(lambda key=key, first=first: refresh(
                     model, results[key], first, args.refresh_keys[key]), model.device)  # fmt: skip
-                second.setdefault(key, []).append(seconds + more)
+                timings.second.setdefault(key, []).append(seconds + more)
             if (tier := args.run_tiers.get(key, args.tier)) != "kdn":  # the controller learns
                 bench_of(args, tier).observe_run(key, seconds)  # from each timed run
             if key == "full" and len(ttft[key]) == 1:  # --s3-mbps: the link follows full
                 for tier in {args.tier, *args.run_tiers.values()}:
                     after_full(args, tier, prompt_tokens=len(prompt.token_ids),
                                num_layers=model.config.n_layers, seconds=seconds,
-                               blend_in_memory=blend_in_memory)  # fmt: skip
+                               blend_in_memory=prefill.in_memory)  # fmt: skip
         if hf_model is not None:
             _, seconds = timed(
                 lambda: int(hf_model(ids, logits_to_keep=1).logits[0, -1].argmax()), model.device
             )
             ttft["hf_full"].append(seconds)
+    return timings
 
-    full = results["full"] if "full" in results else prefill("full", "full", args.ratio)
-    # Full's greedy answer, long enough for both teacher-forced windows: tf_kl's is the first
-    # TF_TOKENS positions of the answer cut at --max-new-tokens then a stop token, as before
-    # tf_logprob_gap existed; the logits there depend only on the tokens fed, which are the
-    # first tokens of the gap's answer, so one forward serves both.
-    answer_ids = _greedy(model, full, max(args.max_new_tokens, GAP_TOKENS), stop_ids)
-    full_answer = _without_stop(answer_ids, stop_ids)[: args.max_new_tokens]
-    forced = answer_ids[:GAP_TOKENS]
-    tf_positions = min(len(full_answer) + 1, TF_TOKENS)
-    full_logits = _teacher_forced_logits(model, full, forced)
-    full_text = tokenizer.decode(full_answer, skip_special_tokens=True)
-    row: dict = {"num_tokens": full.num_tokens, "full_answer": full_text, "modes": {}}
-    for key, (mode, ratio) in plan.items():
-        result = results[key]
-        if key in args.refresh_keys:  # its timed result was refreshed already: prefill again
-            upgrade = args.refresh_keys[key]
-            again = functools.partial(prefill, f"{key}/untimed", mode, ratio)
-            logits = _progressive_logits(model, again, upgrade, forced)
-            greedy = _progressive_greedy(model, again, upgrade, args.max_new_tokens, stop_ids)
-        else:
-            logits = _teacher_forced_logits(model, result, forced)
-            greedy = _greedy(model, result, args.max_new_tokens, stop_ids)
-        fidelity = teacher_forced_fidelity(logits, full_logits, forced, tf_positions)
-        progressive = {}  # a progressive run's second token, and the ratio it refreshed to
-        if key in second:
-            progressive = {"second_token_s": statistics.median(second[key]),
-                           "refresh_ratio": args.refresh_keys[key]}  # fmt: skip
-        answer = tokenizer.decode(_without_stop(greedy, stop_ids), skip_special_tokens=True)
-        row["modes"][key] = {
-            "ttft_s": statistics.median(ttft[key]),
-            **progressive,
-            **fidelity,
-            "fidelity_f1": token_f1(answer, full_text),
-            "gold_f1": max(token_f1(answer, gold) for gold in example["answers"]),
-            "answer": answer,
-            "recompute_ratio": result.recompute_ratio_effective,
-            **bench_of(args, args.run_tiers.get(key, args.tier)).report(
-                key,
-                prompt_tokens=full.num_tokens,
-                num_layers=model.config.n_layers,
-                full_ttft_s=statistics.median(ttft["full"]) if ttft.get("full") else None,
-            ),
-        }
-    if ttft["hf_full"]:
-        row["hf_full"] = {"ttft_s": statistics.median(ttft["hf_full"])}
-    return row
+
+@dataclasses.dataclass
+class _Reference:
+    """Full prefill's answer, what every run is measured against."""
+
+    forced: list[int]  # the tokens teacher-forced (GAP_TOKENS of the greedy answer)
+    positions: int  # how many of them tf_kl reads
+    logits: torch.Tensor  # full's teacher-forced logits
+    text: str  # full's answer cut at --max-new-tokens
+    num_tokens: int
+
+    @classmethod
+    def of(cls, model, tokenizer, full: BlendResult, args, stop_ids) -> _Reference:
+        # Full's greedy answer, long enough for both teacher-forced windows: tf_kl's is the
+        # first TF_TOKENS positions of the answer cut at --max-new-tokens then a stop token,
+        # as before tf_logprob_gap existed; the logits there depend only on the tokens fed,
+        # which are the first tokens of the gap's answer, so one forward serves both.
+        answer_ids = _greedy(model, full, max(args.max_new_tokens, GAP_TOKENS), stop_ids)
+        answer = _without_stop(answer_ids, stop_ids)[: args.max_new_tokens]
+        forced = answer_ids[:GAP_TOKENS]
+        return cls(
+            forced=forced,
+            positions=min(len(answer) + 1, TF_TOKENS),
+            logits=_teacher_forced_logits(model, full, forced),
+            text=tokenizer.decode(answer, skip_special_tokens=True),
+            num_tokens=full.num_tokens,
+        )
+
+
+def _mode_row(key, prefill: _Prefill, timings: _Timings, reference: _Reference, tokenizer,
+              example, stop_ids) -> dict:  # fmt: skip
+    """One run's row: its median TTFT, its teacher-forced fidelity to full and its greedy
+    answer's (a progressive run's through a refresh of an untimed prefill: its timed one was
+    refreshed already), and the store's numbers."""
+    model, args = prefill.model, prefill.args
+    mode, ratio = args.plan[key]
+    result = timings.results[key]
+    progressive = {}  # a progressive run's second token, and the ratio it refreshed to
+    if key in args.refresh_keys:
+        upgrade = args.refresh_keys[key]
+        again = functools.partial(prefill, f"{key}/untimed", mode, ratio)
+        logits = _progressive_logits(model, again, upgrade, reference.forced)
+        greedy = _progressive_greedy(model, again, upgrade, args.max_new_tokens, stop_ids)
+        progressive = {"second_token_s": statistics.median(timings.second[key]),
+                       "refresh_ratio": upgrade}  # fmt: skip
+    else:
+        logits = _teacher_forced_logits(model, result, reference.forced)
+        greedy = _greedy(model, result, args.max_new_tokens, stop_ids)
+    fidelity = teacher_forced_fidelity(logits, reference.logits, reference.forced,
+                                       reference.positions)  # fmt: skip
+    answer = tokenizer.decode(_without_stop(greedy, stop_ids), skip_special_tokens=True)
+    full_ttft = timings.ttft.get("full")
+    return {
+        "ttft_s": statistics.median(timings.ttft[key]),
+        **progressive,
+        **fidelity,
+        "fidelity_f1": token_f1(answer, reference.text),
+        "gold_f1": max(token_f1(answer, gold) for gold in example["answers"]),
+        "answer": answer,
+        "recompute_ratio": result.recompute_ratio_effective,
+        **bench_of(args, args.run_tiers.get(key, args.tier)).report(
+            key,
+            prompt_tokens=reference.num_tokens,
+            num_layers=model.config.n_layers,
+            full_ttft_s=statistics.median(full_ttft) if full_ttft else None,
+        ),
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from deploy import services
+from tests.interrupt import interrupt_on_sigterm
 
 TEST_S3_BUCKETS = ("documents", "kvcache")
 # The real inference worker serves its own queue in tests, so that fast tests can inspect
@@ -70,6 +71,7 @@ def _start_services() -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    interrupt_on_sigterm()  # a killed run still stops the services (pytest_unconfigure)
     if not _started:
         _start_services()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
