@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -93,7 +94,10 @@ class GenerateRequest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerateRequest:
-        data = dict(data)
+        """The request ``to_dict`` wrote. Fields this version does not know (a newer web app
+        during a rolling upgrade) are left out, not refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {name: value for name, value in data.items() if name in known}
         data["chunks"] = [ChunkRef(**c) for c in data.get("chunks", [])]
         data["history"] = [Turn(**t) for t in data.get("history", [])]
         return cls(**data)

@@ -19,6 +19,7 @@ from tests.webapp.chat.test_chat import PASSAGES, make_document
 from tests.webapp.dashboard.factories import make_answers
 from tests.webapp.dashboard.factories import make_document as make_dashboard_document
 from webapp.chat import services as chat
+from webapp.chat.models import Message
 from webapp.dashboard import selectors
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
 
@@ -214,3 +215,18 @@ def test_a_progressive_answers_audit_is_predicted_from_the_progressive_curve(
     assert "0.100 → 0.25" in row
     assert '<td class="predicted-kl">0.0300</td>' in row  # halfway from 0.032 to 0.028
     assert '<td class="predicted-f1">0.900</td>' in row
+
+
+def test_the_answers_table_counts_progressive_answers_and_their_second_token(
+    staff_client, alice
+) -> None:
+    blends = [a for a in make_answers(alice) if a.mode == "blend"]
+    for answer, second in zip(blends[:2], (0.9, 1.3), strict=True):
+        Message.objects.filter(pk=answer.pk).update(refresh_ratio=0.25, second_token_s=second)
+    Message.objects.filter(pk=blends[2].pk).update(second_token_s=0.2)  # not upgraded
+    page = staff_client.get(reverse("dashboard:index")).content.decode()
+    rows = {row.split("</th>")[0].rsplit(">", 1)[-1]: row
+            for row in page.split('<tr><th scope="row">')[1:]}  # fmt: skip
+    # two upgraded (the third's second token is not counted), median: the lower of the two
+    assert '<td class="progressive">2 (900.0 ms)</td>' in rows["blend"]
+    assert '<td class="progressive">—</td>' in rows["full"]
