@@ -387,6 +387,7 @@ def _points(frame: _Frame, drawn: list[dict], codec: str, color: str) -> list[st
             f'class="{"blend-line" if refresh is None else "progressive-line"}"/>'
         )
     codec_attr = f' data-codec="{escape(codec)}"' if codec else ""
+    placed: list[tuple[float, float, float]] = []  # labels drawn: (left, right, baseline)
     for point in drawn:
         kind = _kind(point)
         point_color = FULL_COLOR if kind == "full" else color
@@ -403,18 +404,37 @@ def _points(frame: _Frame, drawn: list[dict], codec: str, color: str) -> list[st
             f'transform="translate({x:.1f} {y:.1f})">'
             f"<title>{_tooltip(point, codec)}</title>{_marker(kind, point_color)}</g>"
         )
-        # Blend points sit close together: each is labelled with its ratio alone (the legend
-        # says so), in its series' colour, above and to the right, clear of a curve that
-        # falls to the right.
+        # Blend points sit close together: each is labelled with its (first token's) ratio
+        # alone (the legend says so), in its series' colour, to the right; above the point
+        # (clear of a curve that falls to the right), a progressive one below, and moved on
+        # where a label already drawn is in the way.
         label = str(point.get("label", ""))
-        text = label.partition("@")[2] if kind in ("blend", "progressive") else label
-        anchor = "end" if x > frame.left + frame.width * 0.85 else "start"
-        parts.append(
-            f'<text x="{x + (-8 if anchor == "end" else 6):.1f}" y="{y - 7:.1f}" '
-            f'text-anchor="{anchor}" fill="{point_color}" class="point-label">'
-            f"{escape(text)}</text>"
-        )
+        ratios = label.partition("@")[2]  # "0.05", or "0.05>0.25" for a progressive one
+        text = {"blend": ratios, "progressive": ratios.rpartition(">")[0]}.get(kind, label)
+        parts.append(_label(frame, placed, x, y, text, point_color, below=kind == "progressive"))
     return parts
+
+
+def _label(frame: _Frame, placed: list, x: float, y: float, text: str, color: str,
+           *, below: bool) -> str:  # fmt: skip
+    """A point's label beside (``x``, ``y``), at the first of a few heights where it overlaps
+    no label in ``placed`` (which it joins)."""
+    anchor = "end" if x > frame.left + frame.width * 0.85 else "start"
+    left = x + (-8 if anchor == "end" else 6)
+    width = 6.5 * len(text)  # ~11 px type
+    left, right = (left - width, left) if anchor == "end" else (left, left + width)
+    heights = (16, 28, -7, -19) if below else (-7, -19, 16, 28)
+    for dy in heights:
+        clear = all(right <= a or left >= b or abs(y + dy - baseline) >= 12
+                    for a, b, baseline in placed)  # fmt: skip
+        if clear:
+            break
+    placed.append((left, right, y + dy))
+    x_text = right if anchor == "end" else left
+    return (
+        f'<text x="{x_text:.1f}" y="{y + dy:.1f}" text-anchor="{anchor}" fill="{color}" '
+        f'class="point-label">{escape(text)}</text>'
+    )
 
 
 def _legend(drawn: list[tuple[str, str, list[dict]]], current: str | None) -> list[str]:
@@ -422,8 +442,10 @@ def _legend(drawn: list[tuple[str, str, list[dict]]], current: str | None) -> li
     parts = []
     x, y = MARGIN_LEFT, HEIGHT - 28
     kinds = [("full", "full prefill"), ("reuse", "reuse (ratio 0)")]
-    if any(_kind(p) == "progressive" for _, _, points in drawn for p in points):
-        kinds += [("blend", "blend (its ratio)"), ("progressive", "progressive (ratio>upgrade)")]
+    upgrades = refresh_ratios([p for _, _, points in drawn for p in points])
+    if upgrades:  # the ring's label is its first token's ratio; the legend names the upgrade
+        then = "/".join(f"{r:g}" for r in upgrades)
+        kinds += [("blend", "blend (its ratio)"), ("progressive", f"then {then} (progressive)")]
     else:
         kinds.append(("blend", "blend, labelled with its recompute ratio"))
     for kind, text in kinds:

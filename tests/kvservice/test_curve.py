@@ -228,7 +228,25 @@ def test_progressive_points_are_drawn_as_rings_on_a_dashed_line_and_named_in_the
     lines = {line.get("class"): line for line in root.iter(f"{SVG}polyline")}
     assert lines["progressive-line"].get("stroke-dasharray") and lines["blend-line"] is not None
     assert len(lines["progressive-line"].get("points").split()) == 2
-    assert "progressive (ratio&gt;upgrade)" in svg or "progressive (ratio>upgrade)" in svg
-    assert "0.05&gt;0.25" in svg  # the point's label: first-token ratio > upgrade
-    assert "second token × full" in svg  # its tooltip
+    assert "then 0.25 (progressive)" in svg  # the legend names the upgrade
+    assert "blend@0.05&gt;0.25" in svg and "second token × full" in svg  # its tooltip
     assert "progressive" not in ratio_curve_svg(POINTS, "plain")
+
+
+def test_labels_that_would_overlap_are_moved_apart():
+    """Progressive points sit right beside plain blend's: every label is drawn where no
+    other covers it, a ring's (its first token's ratio) below it by preference."""
+    svg = ratio_curve_svg(WITH_PROGRESSIVE, "Quality against speed")
+    root = ET.fromstring(svg)
+    labels = [(float(t.get("x")), float(t.get("y")), t.text)
+              for t in root.iter(f"{SVG}text") if t.get("class") == "point-label"]  # fmt: skip
+    assert sorted(text for *_, text in labels) == sorted(
+        ["reuse", "0.05", "0.15", "0.4", "full", "0.05", "0.15"]
+    )
+    for i, (x0, y0, a) in enumerate(labels):
+        for x1, y1, b in labels[i + 1 :]:
+            wide = 6.5 * max(len(a), len(b))
+            assert abs(x0 - x1) >= wide or abs(y0 - y1) >= 12, (a, b)
+    rings = [(x, y) for cls, x, y in _markers(svg) if "marker-progressive" in cls]
+    for x, y in rings:  # a ring's label sits below it (a larger y)
+        assert any(abs(lx - (x + 6)) < 1 and ly > y for lx, ly, _ in labels)
