@@ -68,23 +68,28 @@ def fidelity_target() -> float | None:
 
 
 def target_plan(
-    target: float | None = None, refresh: float | None = None
+    target: float | None = None, points: list[dict] | None = None
 ) -> tuple[float | None, float | None]:
     """(ratio, refresh ratio) for the fidelity target (the operator's unless ``target`` is
-    given) on the measured curve of the codec the store writes (``ratio_curve()["points"]``):
-    the least first-token ratio that reaches it, by plain blend or by progressive blend
-    upgrading to ``refresh`` (the operator's progressive setting unless given; None where
-    plain blend is cheaper or nothing upgrades, ``kvservice.curve.plan_for_target``);
-    (None, None) without a target or that codec's curve, when the worker's controller
-    decides as in auto."""
-    target = fidelity_target() if target is None else target
+    given) on the measured curve of the codec the store writes (``points``, else
+    ``ratio_curve()["points"]``): the least first-token ratio that reaches it, by plain blend
+    or by progressive blend upgrading to the operator's progressive setting (None where plain
+    blend is cheaper or nothing upgrades, ``kvservice.curve.plan_for_target``); (None, None)
+    without a target or that codec's curve, when the worker's controller decides as in
+    auto."""
+    row = dashboard_settings()
     if target is None:
-        return None, None
-    points = ratio_curve()["points"]
-    if not points:
-        return None, None
-    refresh = dashboard_settings().refresh_ratio if refresh is None else refresh
-    return plan_for_target(points, target, refresh or None)
+        if row.controller_mode != DashboardSettings.ControllerMode.TARGET:
+            return None, None
+        target = row.fidelity_target
+    return _plan_on_curve(target, row.refresh_ratio, points)
+
+
+def _plan_on_curve(
+    target: float, refresh: float | None, points: list[dict] | None = None
+) -> tuple[float | None, float | None]:
+    points = ratio_curve()["points"] if points is None else points
+    return (None, None) if not points else plan_for_target(points, target, refresh or None)
 
 
 def target_ratio(target: float | None = None) -> float | None:
@@ -102,7 +107,7 @@ def request_ratios() -> dict[str, float | None]:
     if row.controller_mode == DashboardSettings.ControllerMode.FIXED:
         out["recompute_ratio"] = row.fixed_recompute_ratio
     elif row.controller_mode == DashboardSettings.ControllerMode.TARGET:
-        ratio, refresh = target_plan(row.fidelity_target, row.refresh_ratio)
+        ratio, refresh = _plan_on_curve(row.fidelity_target, row.refresh_ratio)
         if ratio is not None:
             out.update(target_ratio=ratio, refresh_ratio=refresh or 0.0)
     return out

@@ -26,7 +26,7 @@ METRICS_WINDOW = timedelta(days=7)
 TIER_MIX_ANSWERS = 40  # the last answers shown in the tier-mix chart
 
 
-def _metrics() -> dict[str, object]:
+def _metrics(points: list[dict]) -> dict[str, object]:
     since = timezone.now() - METRICS_WINDOW
     answers = selectors.answered_messages(since=since)
     ttft_by_mode: dict[str, list] = {}
@@ -42,7 +42,6 @@ def _metrics() -> dict[str, object]:
     recent = answers[-TIER_MIX_ANSWERS:]
     hourly = selectors.questions_per_hour(hours=24)
     audits = selectors.fidelity_audits(since=since)
-    points = selectors.ratio_curve()["points"] or []
     for audit in audits:  # what the measured curve expected of the answer's ratio(s)
         ratio, refresh = audit.blend_recompute_ratio, audit.blend_refresh_ratio
         audit.predicted = predict(points, ratio, refresh) if points and ratio is not None else {}
@@ -86,10 +85,10 @@ def _metrics() -> dict[str, object]:
     }
 
 
-def _ratio_curve() -> dict[str, object]:
-    curve = selectors.ratio_curve()
+def _ratio_curve(curve: dict[str, object]) -> dict[str, object]:
     chart = charts.ratio_curve(curve["series"], current=curve["codec"]) if curve["series"] else None
-    target, refresh = selectors.target_plan()  # what the operator's fidelity target asks for
+    # what the operator's fidelity target asks for, on the curve just read
+    target, refresh = selectors.target_plan(points=curve["points"] or [])
     return {
         "ratio_curve": curve, "ratio_curve_chart": chart,
         "target_ratio": target, "target_refresh": refresh,
@@ -110,10 +109,11 @@ def index(request: HttpRequest) -> HttpResponse:
     if request.htmx:
         return render(request, "dashboard/_live.html", _live_context())
     live = _live_context()
+    curve = selectors.ratio_curve()  # the measured curves: read once for the page
     context = {
         **live,
-        **_metrics(),
-        **_ratio_curve(),
+        **_metrics(curve["points"] or []),
+        **_ratio_curve(curve),
         "health": health.run_checks(),
         "documents": selectors.documents_with_cache_counts(),
         "stored_kv": selectors.stored_kv_summary(),
