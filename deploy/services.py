@@ -241,20 +241,87 @@ def weed_ports(s3_port: int) -> dict[str, int]:
     return ports
 
 
-def _weed_security(data: Path) -> None:
-    """Only the S3 port (which checks keys) may serve objects: the filer's and the volume
-    server's own HTTP ports, also listening, then refuse requests without a JWT signed with
-    these random keys (SeaweedFS reads ``security.toml`` from its working directory)."""
-    path = data / "security.toml"
-    if path.exists():
-        return
-    sections = ["jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read"]
-    text = "".join(
-        f'[{name}]\nkey = "{secrets.token_urlsafe(32)}"\nexpires_after_seconds = 60\n\n'
-        for name in sections
-    )
-    path.write_text(text)
+# Every internal server ``weed mini`` opens (master, volume, filer, admin, their gRPC ports)
+# listens on 127.0.0.1, where any local user can reach it, and the master's HTTP API has no
+# authentication of its own (``/col/delete`` deleted every stored original). So each of them
+# speaks TLS and asks for a client certificate signed by a CA made at each start and kept
+# 0600 under DATA_DIR: only the S3 port, which checks keys, answers without one.
+_WEED_TLS_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker")
+_WEED_JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing",
+                      "jwt.filer_signing.read")  # fmt: skip
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.touch(mode=0o600, exist_ok=True)
     path.chmod(0o600)
+    path.write_bytes(data)
+
+
+def _weed_certificates(tls: Path) -> tuple[Path, Path, Path]:
+    """A fresh CA and one certificate it signs for every weed server and client (weed does
+    not check host names): ``(ca, cert, key)`` PEM files under ``tls``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    valid = {"not_valid_before": now - datetime.timedelta(minutes=5),
+             "not_valid_after": now + datetime.timedelta(days=3650)}  # fmt: skip
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    def builder(subject: str, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder(issuer_name=name("ragblend-s3-internal-ca"), **valid)
+            .subject_name(name(subject))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+        )
+
+    ca_key, node_key = (
+        ec.generate_private_key(ec.SECP256R1()),
+        ec.generate_private_key(ec.SECP256R1()),
+    )
+    ca = builder("ragblend-s3-internal-ca", ca_key).add_extension(
+        x509.BasicConstraints(ca=True, path_length=0), critical=True
+    )
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    here = [x509.IPAddress(ipaddress.ip_address(HOST)), x509.DNSName("localhost")]
+    node = (
+        builder("ragblend-s3-node", node_key)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.SubjectAlternativeName(here), critical=False)  # weed's HTTPS checks it
+    )
+    tls.mkdir(mode=0o700, exist_ok=True)
+    paths = tls / "ca.pem", tls / "node.pem", tls / "node.key"
+    pem = serialization.Encoding.PEM
+    _write_private(paths[0], ca.sign(ca_key, hashes.SHA256()).public_bytes(pem))
+    _write_private(paths[1], node.sign(ca_key, hashes.SHA256()).public_bytes(pem))
+    _write_private(paths[2], node_key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ))  # fmt: skip
+    return paths
+
+
+def _weed_security(data: Path) -> None:
+    """``security.toml`` (read from weed's working directory), written anew at each start:
+    mutual TLS on every internal HTTP and gRPC port (see above), and random JWT keys that the
+    volume and filer servers check as well."""
+    ca, cert, key = _weed_certificates(data / "tls")
+    sections = [f'[{name}]\nkey = "{secrets.token_urlsafe(32)}"\nexpires_after_seconds = 60\n'
+                for name in _WEED_JWT_SECTIONS]  # fmt: skip
+    pair = f'cert = "{cert}"\nkey = "{key}"\n'
+    sections.append(f'[grpc]\nca = "{ca}"\n')
+    sections += [f"[grpc.{component}]\n{pair}" for component in (*_WEED_TLS_COMPONENTS, "client")]
+    sections += [f'[https.{component}]\n{pair}ca = "{ca}"\n'
+                 for component in ("master", "volume", "filer")]  # fmt: skip
+    sections.append(f'[https.client]\nenabled = true\n{pair}ca = "{ca}"\n')
+    _write_private(data / "security.toml", "\n".join(sections).encode())
 
 
 def _weed_binary() -> str:

@@ -229,6 +229,30 @@ def test_web_is_probed_scaled_and_protected(rendered) -> None:
     assert _by_kind(documents, "Ingress") and _by_kind(documents, "Service")
 
 
+def _refuses_proxy_headers(command: str) -> bool:
+    """uvicorn run so that no client can name its own address: ``--no-proxy-headers`` and no
+    list of trusted forwarders (the app reads X-Forwarded-For per TRUSTED_PROXY_COUNT)."""
+    return "--no-proxy-headers" in command and "--forwarded-allow-ips" not in command
+
+
+def test_every_web_server_ignores_proxy_headers(rendered) -> None:
+    from deploy.devstack import web_server_argv
+
+    _, documents = rendered
+    (web,) = [d for d in _by_kind(documents, "Deployment").values()
+              if "webapp.asgi" in _command(d)]  # fmt: skip
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    image_command = dockerfile[dockerfile.rindex("CMD [") :]
+    compose_command = " ".join(_compose()["services"]["web"]["command"])
+    dev_command = " ".join(web_server_argv(8000))
+    for where, command in [("Kubernetes", _command(web)), ("image", image_command),
+                           ("Compose", compose_command), ("dev", dev_command)]:  # fmt: skip
+        assert _refuses_proxy_headers(command), (where, command)
+    assert not _refuses_proxy_headers("uvicorn app --proxy-headers --forwarded-allow-ips *")
+    config = _by_kind(documents, "ConfigMap")
+    assert any(c["data"].get("TRUSTED_PROXY_COUNT") == "1" for c in config.values())
+
+
 def test_ingest_workers_scale_on_the_celery_queue(rendered) -> None:
     _, documents = rendered
     (scaled,) = _by_kind(documents, "ScaledObject").values()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
 import io
+import socket
+import ssl
 import stat
-import urllib.error
-import urllib.request
+import threading
 from pathlib import Path
 
 from minio import Minio
@@ -18,16 +20,35 @@ def _flag_ports(service: services.RunningService) -> dict[str, int]:
     return {name: int(value) for name, value in (a.split("=", 1) for a in args)}
 
 
-def _status(url: str, method: str = "GET") -> int:
-    request = urllib.request.Request(url, method=method, data=b"x" if method == "PUT" else None)
+# What an attacker on the host sent the master (issue: every stored original deleted).
+MASTER_ATTACKS = ("/col/delete?collection=documents", "/col/delete?collection=kvcache",
+                  "/dir/assign", "/vol/grow?count=1", "/dir/status")  # fmt: skip
+
+
+def _plain_http_answer(port: int, path: str) -> bytes:
+    """The first bytes a server sends back to a plain HTTP GET (b"" when it hangs up)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        try:
+            return sock.recv(64)
+        except OSError:
+            return b""
+
+
+def _tls_answer_without_certificate(port: int, path: str) -> bytes:
+    """The same over TLS with no client certificate: b"" when the server refuses it."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status
-    except urllib.error.HTTPError as err:
-        return err.code
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            with context.wrap_socket(raw) as sock:
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+                return sock.recv(64)
+    except (ssl.SSLError, OSError):
+        return b""
 
 
-def test_only_the_s3_port_serves_objects_and_it_checks_keys(s3_service) -> None:
+def test_only_the_s3_port_answers_and_it_checks_keys(s3_service) -> None:
     env = s3_service.env
     client = Minio(env["S3_ENDPOINT"], access_key=env["S3_ACCESS_KEY"],
                    secret_key=env["S3_SECRET_KEY"], secure=False)  # fmt: skip
@@ -36,10 +57,14 @@ def test_only_the_s3_port_serves_objects_and_it_checks_keys(s3_service) -> None:
     try:
         ports = _flag_ports(s3_service)
         assert "webdav.port" not in ports and "-webdav=false" in s3_service.process.args
-        path = f"/buckets/{bucket}/probe/secret.txt"
-        for method in ("GET", "PUT", "DELETE"):  # the filer's own HTTP API wants a JWT
-            assert _status(f"http://127.0.0.1:{ports['filer.port']}{path}", method) == 401
-        assert _status(f"http://127.0.0.1:{ports['volume.port']}/1,01637037d6") == 401
+        internal = [ports[f"{name}.port"] for name in ("master", "volume", "filer", "admin")]
+        internal += [port + services.GRPC_OFFSET for port in internal]
+        listening = [port for port in internal if not services.port_is_free(port)]
+        assert ports["master.port"] in listening and ports["filer.port"] in listening
+        for port in listening:
+            for path in MASTER_ATTACKS:
+                assert not _plain_http_answer(port, path).startswith(b"HTTP/1.1 2"), (port, path)
+                assert _tls_answer_without_certificate(port, path) == b"", (port, path)
         anonymous = Minio(env["S3_ENDPOINT"], secure=False)
         try:
             anonymous.get_object(bucket, "probe/secret.txt")
@@ -51,10 +76,32 @@ def test_only_the_s3_port_serves_objects_and_it_checks_keys(s3_service) -> None:
         client.remove_object(bucket, "probe/secret.txt")
 
 
+def test_the_probes_tell_an_open_server_from_a_closed_one(tmp_path) -> None:
+    """The probes above against servers that answer anyone, plain and over TLS: both see it
+    (so their empty answers from weed's ports are refusals, not a broken probe)."""
+    handler = http.server.SimpleHTTPRequestHandler
+    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    tls = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    _, cert, key = services._weed_certificates(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    tls.socket = context.wrap_socket(tls.socket, server_side=True)
+    for server in (plain, tls):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert _plain_http_answer(plain.server_address[1], "/").startswith(b"HTTP/1.0 2")
+        assert _tls_answer_without_certificate(tls.server_address[1], "/").startswith(b"HTTP/1.0 2")
+    finally:
+        for server in (plain, tls):
+            server.shutdown()
+            server.server_close()
+
+
 def test_the_object_store_data_is_private_to_its_user(s3_service) -> None:
     data = Path(next(a for a in s3_service.process.args if a.startswith("-dir=")).split("=", 1)[1])
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
-    assert stat.S_IMODE((data / "security.toml").stat().st_mode) == 0o600
+    for private in ("security.toml", "tls/node.key", "tls/ca.pem"):
+        assert stat.S_IMODE((data / private).stat().st_mode) == 0o600, private
 
 
 def test_weed_ports_never_take_another_servers_grpc_port(monkeypatch) -> None:
