@@ -26,6 +26,7 @@ concatenated weights (``FusedLinear``): one pass over the activations instead of
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -72,15 +73,38 @@ def attention_dtype(device: torch.device, precision: str, weights: torch.dtype) 
     return weights
 
 
-def candidates(device: torch.device, precision: str) -> list[str]:
-    """The kernels worth measuring on ``device`` at ``precision``."""
+@functools.cache
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """True when oneDNN's packed product runs in ``dtype`` on this CPU, asked of the CPU
+    itself with a tiny product: float16 needs AVX512-FP16 or AVX-NE-CONVERT (absent on AMD
+    EPYC Zen 4, where packing a float16 weight fails), float32 runs everywhere oneDNN does."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), 16)
+        torch.ops.mkldnn._linear_pointwise(
+            torch.ones(2, 16, dtype=dtype), weight, None, "none", [], ""
+        )
+    except RuntimeError as err:
+        log.info("oneDNN has no %s product on this CPU: %s", dtype, err)
+        return False
+    return True
+
+
+def candidates(
+    device: torch.device, precision: str, weights: torch.dtype = torch.float32
+) -> list[str]:
+    """The kernels worth measuring on ``device`` at ``precision`` for weights in ``weights``:
+    only those this CPU runs."""
     if precision not in PRECISIONS:
         raise UnknownPrecisionError(
             f"unknown linear precision {precision!r} (one of {', '.join(PRECISIONS)})"
         )
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return ["torch"]
-    names = ["torch", "onednn"]
+    names = ["torch"]
+    if onednn_runs(weights):
+        names.append("onednn")
     if precision == "auto" and native_bf16():
         names.append("onednn-bf16")
     return names
@@ -215,10 +239,13 @@ def prepare(
     """Pack ``model``'s linear layers with the fastest kernel allowed at ``precision``
     (``kernel`` forces one, for tests and benches). Returns the choice, also logged."""
     device = next(model.parameters()).device
-    names = candidates(device, precision)
+    weights = next(model.parameters()).dtype
+    names = candidates(device, precision, weights)
     if kernel is not None:
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r} (one of {', '.join(KERNELS)})")
+        if kernel == "onednn" and device.type == "cpu" and not onednn_runs(weights):
+            raise ValueError(f"this CPU has no oneDNN {weights} product: use kernel 'torch'")
         names = [kernel]
     products = _products(model)
     prefill_ms: dict[str, float] = {}
@@ -238,7 +265,6 @@ def prepare(
         chosen = names[0]
     for product in products:
         product.pack(chosen)
-    weights = next(model.parameters()).dtype
     choice = KernelChoice(
         chosen, precision, prefill_ms, decode_ms, native_bf16(),
         attention_dtype(device, precision, weights),

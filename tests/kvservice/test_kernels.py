@@ -64,6 +64,23 @@ def test_candidates_follow_device_and_precision():
         candidates(torch.device("cpu"), "int4")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_candidate_kernel_runs_on_this_cpu_in_the_weights_dtype(tiny_checkpoints, dtype):
+    """Only kernels this CPU runs are offered: a float16 model loads on an AMD EPYC without
+    AVX512-FP16 (oneDNN's float16 packing failed there and the load with it)."""
+    names = candidates(torch.device("cpu"), "auto", dtype)
+    assert ("onednn" in names) == kernels.onednn_runs(dtype)
+    model = Transformer.from_pretrained(tiny_checkpoints["llama"], dtype=dtype)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(5))
+    for name in names:
+        model.prepare_kernels("auto", kernel=name)
+        logits, _ = model(ids, torch.arange(20)[None], all_logits=True)
+        assert torch.isfinite(logits).all(), name
+    if not kernels.onednn_runs(dtype):
+        with pytest.raises(ValueError, match="no oneDNN"):
+            model.prepare_kernels("auto", kernel="onednn")
+
+
 def test_prepare_measures_every_candidate_and_keeps_the_state_dict(tiny_checkpoints):
     model = Transformer.from_pretrained(tiny_checkpoints["llama"])
     keys_before = set(model.state_dict())
