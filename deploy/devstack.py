@@ -2,8 +2,10 @@
 
 Starts PostgreSQL (+pgvector), the S3 gateway and valkey with their data under DATA_DIR,
 records where they are in DATA_DIR/stack.json, migrates, creates the buckets and a first
-admin, then runs the web server, a Celery worker and the inference worker. Ctrl-C stops
-everything it started; the data stays for the next start.
+admin, then runs the web server, a Celery worker and the inference worker. A service or
+worker that dies is started again on the same port and data; one that keeps dying stops the
+stack with its name and log. Ctrl-C stops everything it started; the data stays for the next
+start.
 
 Any of DATABASE_URL, S3_ENDPOINT (+S3_ACCESS_KEY/S3_SECRET_KEY), REDIS_URL set in the
 environment replaces the embedded service of that kind.
@@ -16,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from deploy import services
@@ -33,51 +37,63 @@ def _port(previous: dict[str, str], name: str, *, offset: int | None = None) -> 
     return services.free_port(also_free_at_offset=offset)
 
 
-def start_services(data: Path) -> tuple[list[services.RunningService], dict[str, str]]:
-    previous = read_stack_env(data)
-    ports = {k: v for k, v in previous.items() if k.endswith("_PORT")}
-    started: list[services.RunningService] = []
+PORT_VARIABLES = {"postgres": "POSTGRES_PORT", "seaweedfs": "S3_PORT", "valkey": "VALKEY_PORT"}
+
+
+def service_starters(data: Path) -> list[tuple[int, Callable[[], services.RunningService]]]:
+    """``(port, start)`` for each embedded service this stack runs: ``start()`` starts it, and
+    starts it again after a crash, on the same port and data (so every URL stays right). A
+    service whose URL the environment sets (DATABASE_URL, S3_ENDPOINT, REDIS_URL) is external:
+    not started here."""
+    ports = {k: v for k, v in read_stack_env(data).items() if k.endswith("_PORT")}
+    starters: list[tuple[int, Callable[[], services.RunningService]]] = []
+    if not os.environ.get("DATABASE_URL"):
+        port = _port(ports, "POSTGRES_PORT")
+        password = services.dev_secret(data, "postgres_password")
+        starters.append(
+            (port, partial(services.start_postgres, data, port=port, password=password))
+        )
+    if not os.environ.get("S3_ENDPOINT"):
+        port = _port(ports, "S3_PORT", offset=10000)
+        secret = os.environ.get("S3_SECRET_KEY") or services.dev_secret(data, "s3_secret_key")
+        starters.append((port, partial(
+            services.start_seaweedfs, data, port=port, buckets=BUCKETS, secret_key=secret,
+            access_key=os.environ.get("S3_ACCESS_KEY", "ragblend"),
+        )))  # fmt: skip
+    if not os.environ.get("REDIS_URL"):
+        port = _port(ports, "VALKEY_PORT")
+        password = services.dev_secret(data, "valkey_password")
+        starters.append((port, partial(services.start_valkey, data, port=port, password=password)))
+    return starters
+
+
+def stack_env(data: Path, started: list[tuple[int, services.RunningService]]) -> dict[str, str]:
+    """What a client of the stack needs: each service's URL and keys, its port (to take the
+    same one next time) and the Django secret key."""
     # 64 characters: as strong as Django's deploy check asks (the file name changed with it).
-    key = services.dev_secret(data, "django_secret_key_64", nbytes=48)
-    env: dict[str, str] = {"SECRET_KEY": key}
+    env = {"SECRET_KEY": services.dev_secret(data, "django_secret_key_64", nbytes=48)}
+    for port, service in started:
+        env |= service.env | {PORT_VARIABLES[service.name]: str(port)}
+    return env
+
+
+def start_services(data: Path) -> tuple[list[services.RunningService], dict[str, str]]:
+    """Start the embedded services once (no supervision): for benches and tests."""
+    started: list[tuple[int, services.RunningService]] = []
     try:
-        if not os.environ.get("DATABASE_URL"):
-            port = _port(ports, "POSTGRES_PORT")
-            pg = services.start_postgres(
-                data, port=port, password=services.dev_secret(data, "postgres_password")
-            )
-            started.append(pg)
-            env |= pg.env | {"POSTGRES_PORT": str(port)}
-        if not os.environ.get("S3_ENDPOINT"):
-            port = _port(ports, "S3_PORT", offset=10000)
-            s3 = services.start_seaweedfs(
-                data,
-                port=port,
-                access_key=os.environ.get("S3_ACCESS_KEY", "ragblend"),
-                secret_key=os.environ.get("S3_SECRET_KEY")
-                or services.dev_secret(data, "s3_secret_key"),
-                buckets=BUCKETS,
-            )
-            started.append(s3)
-            env |= s3.env | {"S3_PORT": str(port)}
-        if not os.environ.get("REDIS_URL"):
-            port = _port(ports, "VALKEY_PORT")
-            vk = services.start_valkey(
-                data, port=port, password=services.dev_secret(data, "valkey_password")
-            )
-            started.append(vk)
-            env |= vk.env | {"VALKEY_PORT": str(port)}
+        for port, start in service_starters(data):
+            started.append((port, start()))
     except Exception:
-        stop_all(started)
+        stop_all([service for _, service in started])
         raise
-    return started, env
+    return [service for _, service in started], stack_env(data, started)
 
 
 def stop_all(processes: list) -> None:
     for item in reversed(processes):
         name = getattr(item, "name", "process")
         try:
-            if isinstance(item, services.RunningService):
+            if isinstance(item, services.RunningService | Supervised):
                 item.stop()
             elif item.poll() is None:
                 item.send_signal(signal.SIGTERM)
@@ -97,45 +113,65 @@ def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], check=True, env=env)
 
 
+def run_child(
+    name: str, argv: list[str], env: dict[str, str], log: Path | None
+) -> services.RunningService:
+    """A worker or the web server as a child process, its output appended to ``log``."""
+    out = open(log, "ab") if log else None  # noqa: SIM115 (the child keeps it)
+    try:
+        process = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            start_new_session=True, preexec_fn=services.die_with_parent(),
+        )  # fmt: skip
+    finally:
+        if out:
+            out.close()
+    return services.RunningService(name, process, log or Path(os.devnull))
+
+
 class Supervised:
-    """A worker or the web server, started again when it exits on its own (killed, out of
-    memory): the in-flight answers of a dead inference worker are ended by the reaper, and
-    the new one takes the next questions. More than ``MAX_RESTARTS`` exits within
-    ``RESTART_WINDOW_S`` is a crash loop: the stack stops, pointing at the log."""
+    """A service, a worker or the web server, started again when it exits on its own (killed,
+    out of memory): a dead valkey or S3 gateway comes back on its port and data, the in-flight
+    answers of a dead inference worker are ended by the reaper and the new one takes the next
+    questions. More than ``MAX_RESTARTS`` exits within ``RESTART_WINDOW_S``, or a restart
+    that fails, is a crash loop: the stack stops, saying which part and where its log is."""
 
     MAX_RESTARTS = 5
     RESTART_WINDOW_S = 60.0
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path | None):
-        self.name, self.argv, self.env, self.log = name, argv, env, log
+    def __init__(self, start: Callable[[], services.RunningService], name: str = ""):
+        self.start = start
         self.exits: list[float] = []
-        self.process = self._start()
+        self.service = start()
+        self.name = name or self.service.name
 
-    def _start(self) -> subprocess.Popen:
-        out = open(self.log, "ab") if self.log else None  # noqa: SIM115 (the child keeps it)
-        try:
-            return subprocess.Popen(
-                self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                start_new_session=True, preexec_fn=services.die_with_parent(),
-            )  # fmt: skip
-        finally:
-            if out:
-                out.close()
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.service.process
+
+    def stop(self) -> None:
+        self.service.stop()
 
     def check(self) -> bool:
-        """Restart the process if it exited; False when it keeps exiting."""
-        code = self.process.poll()
+        """Restart the process if it exited; False when it keeps exiting or cannot start."""
+        code = self.process.poll()  # also reaps it: no zombie is left behind
         if code is None:
             return True
         now = time.monotonic()
         self.exits = [t for t in self.exits if now - t < self.RESTART_WINDOW_S] + [now]
-        where = f" (log: {self.log})" if self.log else ""
+        log = self.service.log_path
+        where = "" if str(log) == os.devnull else f" (log: {log})"
         if len(self.exits) > self.MAX_RESTARTS:
             print(f"\n{self.name} exited {len(self.exits)} times in "
                   f"{self.RESTART_WINDOW_S:.0f} s{where}; stopping.", file=sys.stderr)  # fmt: skip
             return False
         print(f"{self.name} exited with {code}{where}; starting it again.", file=sys.stderr)
-        self.process = self._start()
+        try:
+            self.service = self.start()
+        except services.ServiceStartError as err:
+            print(f"\n{self.name} could not be started again; stopping.\n{err}", file=sys.stderr)
+            return False
+        print(f"{self.name} is running again.", file=sys.stderr)
         return True
 
 
@@ -161,6 +197,37 @@ def inference_workers(
     return workers
 
 
+def web_server_argv(port: int) -> list[str]:
+    """uvicorn as the stack runs it. ``--no-proxy-headers``: the client's address is the
+    connection's own; only the app reads ``X-Forwarded-For``, and only from the proxies
+    ``TRUSTED_PROXY_COUNT`` names (uvicorn would take it from any local client, and a
+    rotated header would defeat the login lockout)."""
+    uvicorn = str(Path(sys.executable).parent / "uvicorn")
+    return [uvicorn, "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+            "--no-proxy-headers", "--log-level", "info"]  # fmt: skip
+
+
+def start_app(children: list[Supervised], env: dict[str, str], data: Path, port: int) -> None:
+    """The Celery worker (with beat), the inference workers and the web server, each added
+    to ``children`` as it starts (so a failure stops those already running)."""
+    logs = data / "logs"
+    celery = str(Path(sys.executable).parent / "celery")
+    # The Celery worker also runs beat (-B): the periodic reaper of answers nobody will
+    # finish. One beat per deployment; production runs it as its own process.
+    argv = [celery, "-A", "worker", "worker", "-Q", "ingest,kv",
+            "--concurrency", os.environ.get("CELERY_CONCURRENCY", "2"),
+            "--hostname", "ingest@%h", "--loglevel", "INFO",
+            "-B", "--schedule", str(data / "celerybeat-schedule")]  # fmt: skip
+    children.append(Supervised(partial(run_child, "celery worker", argv, env, logs / "celery.log")))
+    # INFERENCE_WORKERS=2: two inference workers sharing the S3 tier, each with its own
+    # memory and disk tiers; questions go to the one that holds their chunks
+    # (kvservice.routing).
+    for name, worker_env, log in inference_workers(env, data, logs):
+        argv = [sys.executable, "-m", "kvservice.server"]
+        children.append(Supervised(partial(run_child, name, argv, worker_env, log)))
+    children.append(Supervised(partial(run_child, "web server", web_server_argv(port), env, None)))
+
+
 def main() -> int:
     data = data_dir()
     data.mkdir(parents=True, exist_ok=True)
@@ -169,43 +236,25 @@ def main() -> int:
         print(f"Port {web_port} is in use: set PORT to run another stack.", file=sys.stderr)
         return 2
     print(f"Ragblend dev stack, data in {data}")
-    backing, stack_env = start_services(data)
-    write_stack_env(stack_env, data)  # where the services are; no DEBUG: see below
-    # DEBUG is on for the processes this launcher starts only; a process that reads
-    # stack.json from another shell (or a production process pointed at this DATA_DIR)
-    # does not get it from there.
-    env = {**stack_env, "DEBUG": "true", **os.environ, "DATA_DIR": str(data),
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    logs = data / "logs"
-    children: list[Supervised] = []
+    supervised: list[Supervised] = []  # services first, then the app: stopped in reverse
     try:
+        starters = service_starters(data)
+        for _, start in starters:
+            supervised.append(Supervised(start))
+        started = [
+            (port, each.service) for (port, _), each in zip(starters, supervised, strict=True)
+        ]
+        env = stack_env(data, started)
+        write_stack_env(env, data)  # where the services are; no DEBUG: see below
+        # DEBUG is on for the processes this launcher starts only; a process that reads
+        # stack.json from another shell (or a production process pointed at this DATA_DIR)
+        # does not get it from there.
+        env = {**env, "DEBUG": "true", **os.environ, "DATA_DIR": str(data),
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
         manage("migrate", "--no-input", env=env)
         manage("ensure_admin", env=env)
-        bin_dir = Path(sys.executable).parent
-        # The Celery worker also runs beat (-B): the periodic reaper of answers nobody will
-        # finish. One beat per deployment; production runs it as its own process.
-        children.append(Supervised("celery worker", [
-            str(bin_dir / "celery"), "-A", "worker", "worker", "-Q", "ingest,kv",
-            "--concurrency", os.environ.get("CELERY_CONCURRENCY", "2"),
-            "--hostname", "ingest@%h", "--loglevel", "INFO",
-            "-B", "--schedule", str(data / "celerybeat-schedule"),
-        ], env, logs / "celery.log"))  # fmt: skip
-        # INFERENCE_WORKERS=2: two inference workers sharing the S3 tier, each with its own
-        # memory and disk tiers; questions go to the one that holds their chunks
-        # (kvservice.routing).
-        for name, worker_env, log in inference_workers(env, data, logs):
-            children.append(Supervised(
-                name, [sys.executable, "-m", "kvservice.server"], worker_env, log
-            ))  # fmt: skip
-        children.append(Supervised("web server", [
-            str(bin_dir / "uvicorn"), "webapp.asgi:application", "--host", "127.0.0.1",
-            "--port", str(web_port), "--log-level", "info",
-        ], env, None))  # fmt: skip
-        print(f"\n  Ragblend is running at http://127.0.0.1:{web_port}/")
-        print(f"  Health: http://127.0.0.1:{web_port}/healthz")
-        print(f"  Worker logs: {logs}/celery.log, {logs}/inference*.log")
-        print(f"  Same stack from another shell: DATA_DIR={data} .venv/bin/python manage.py …")
-        print("  Ctrl-C stops everything.\n")
+        start_app(supervised, env, data, web_port)
+        _print_welcome(web_port, data)
         # Ctrl-C, a kill or a closed terminal all stop the stack. SIGINT is set explicitly: a
         # launcher started in the background by a non-interactive shell inherits it ignored,
         # and Python then never raises KeyboardInterrupt (seen: a CI run's stack that Ctrl-C
@@ -213,14 +262,23 @@ def main() -> int:
         # kernel (``services.die_with_parent``).
         for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(stop_signal, _interrupt)
-        while all(child.check() for child in children):
+        while all(each.check() for each in supervised):
             time.sleep(1)
         return 1
     except KeyboardInterrupt:
         print("\nStopping…")
         return 0
     finally:
-        stop_all([*backing, *(child.process for child in children)])
+        stop_all(supervised)
+
+
+def _print_welcome(web_port: int, data: Path) -> None:
+    logs = data / "logs"
+    print(f"\n  Ragblend is running at http://127.0.0.1:{web_port}/")
+    print(f"  Health: http://127.0.0.1:{web_port}/healthz")
+    print(f"  Worker logs: {logs}/celery.log, {logs}/inference*.log")
+    print(f"  Same stack from another shell: DATA_DIR={data} .venv/bin/python manage.py …")
+    print("  Ctrl-C stops everything.\n")
 
 
 if __name__ == "__main__":

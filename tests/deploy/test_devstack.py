@@ -3,13 +3,16 @@ same stack through DATA_DIR, stops everything on Ctrl-C, and keeps the data for 
 
 from __future__ import annotations
 
+import http.cookiejar
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -63,6 +66,14 @@ def _descendants(process: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
+def _alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (a process may end between the two questions)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _inference_workers(process: subprocess.Popen) -> list[psutil.Process]:
     found = []
     for child in _descendants(process):
@@ -85,6 +96,46 @@ def _stop(process: subprocess.Popen, log: Path) -> list[psutil.Process]:
         process.kill()
         raise AssertionError(f"launcher did not stop on Ctrl-C:\n{log.read_text()[-3000:]}")
     return started
+
+
+def _login_status(port: int, username: str, password: str, forwarded_for: str) -> int:
+    """One login POST in a fresh session (CSRF token from the form) claiming to come from
+    ``forwarded_for``; the status (200 the form again, 302 signed in, 429 locked)."""
+    jar = http.cookiejar.CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    url = f"http://127.0.0.1:{port}/accounts/login/"
+    with opener.open(url, timeout=30) as response:
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', response.read().decode())
+    form = urllib.parse.urlencode({"username": username, "password": password,
+                                   "csrfmiddlewaretoken": token[1]}).encode()  # fmt: skip
+    request = urllib.request.Request(url, data=form, headers={"X-Forwarded-For": forwarded_for})
+    opener.add_handler(_NoRedirect())
+    try:
+        with opener.open(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+def _service_process(process: subprocess.Popen, binary: str) -> psutil.Process:
+    (found,) = [p for p in _descendants(process) if p.name() == binary]
+    return found
+
+
+def _killed_service_comes_back(process, log: Path, port: int, name: str, binary: str) -> None:
+    """kill -9 an embedded service: the launcher starts it again and the stack is healthy."""
+    victim = _service_process(process, binary)
+    victim.send_signal(signal.SIGKILL)
+    wait_for(lambda: f"{name} is running again" in log.read_text(), timeout=120,
+             what=f"{name} started again")  # fmt: skip
+    assert f"{name} exited with -9" in log.read_text()
+    assert not _alive(victim)
+    wait_for(lambda: (_healthz(port) or (0,))[0] == 200, timeout=120, what="healthy again")
 
 
 def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
@@ -118,6 +169,12 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
             listening |= {c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN}
         assert listening and listening <= {"127.0.0.1"}, listening
 
+        # A client cannot pick its address: wrong passwords "from" ten addresses all count
+        # against 127.0.0.1, and the right one is then locked out (uvicorn trusted the header).
+        wrong = [_login_status(port, "root", "wrong-password", f"10.9.0.{n}") for n in range(12)]
+        assert wrong[:4] == [200] * 4 and set(wrong[5:]) == {429}, wrong
+        assert _login_status(port, "root", "stack-test-password", "10.9.0.99") == 429
+
         # manage.py with the same DATA_DIR (and nothing else) talks to this running stack.
         env = {k: v for k, v in _stack_env(data_dir, port).items() if k != "PORT"}
         out = subprocess.run(
@@ -135,7 +192,7 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
     finally:
         started = _stop(process, log) if process.poll() is None else []
     time.sleep(1)
-    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in started if _alive(p)]
     assert not alive, f"still running after Ctrl-C: {[p.cmdline()[:3] for p in alive]}"
 
     # Restart on the same DATA_DIR: the data (the admin account) is still there.
@@ -158,13 +215,17 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
         assert "inference worker exited with -9" in log.read_text()
         assert process.poll() is None
 
+        # So are a killed broker and S3 gateway, on their ports: the stack is healthy again.
+        _killed_service_comes_back(process, log, port, "valkey", "valkey-server")
+        _killed_service_comes_back(process, log, port, "seaweedfs", "weed")
+
         # The launcher killed outright (no handler can run): its children die with it.
         started = _descendants(process)
         process.send_signal(signal.SIGKILL)
         process.wait(10)
 
         def all_gone():
-            return not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            return not [p for p in started if _alive(p)]
 
         wait_for(all_gone, timeout=60, what="the stack's processes to die with the launcher")
     finally:
