@@ -195,8 +195,8 @@ class KdnFetch:
 
 
 class KdnClient:
-    """The two calls over one pooled HTTP connection manager; 429s are waited out as the
-    server's ``Retry-After`` says, a PUT still computing (202) is asked again."""
+    """The calls over one pooled HTTP connection manager; with an API key 429s are waited out
+    as the server's ``Retry-After`` says, a PUT still computing (202) is asked again."""
 
     def __init__(self, url: str, key: str = "", *, timeout_s: float = 600.0) -> None:
         """``key``: an API key; "" for a client whose calls each carry a request's token
@@ -215,6 +215,9 @@ class KdnClient:
     def _request(
         self, method: str, path: str, payload: Any, *, stream: bool = False, token: str = ""
     ) -> Any:
+        """The call's response; a 429 is waited out, except for a request's token (the
+        inference worker's): a question does not wait a minute for its KV, the worker
+        recomputes the chunk instead."""
         body = json.dumps(payload).encode()
         headers = {"Authorization": f"Bearer {token or self._key}",
                    "Content-Type": "application/json"}  # fmt: skip
@@ -222,7 +225,7 @@ class KdnClient:
             response = self._http.request(
                 method, self.url + path, body=body, headers=headers, preload_content=not stream,
             )  # fmt: skip
-            if response.status == 429:
+            if response.status == 429 and not token:
                 response.drain_conn()
                 time.sleep(float(response.headers.get("Retry-After") or 1))
                 continue
@@ -400,8 +403,9 @@ class KdnTier(Tier):
 
     def _begin(self, key: ChunkKey) -> _OpenFetch | None:
         """A fetch of ``key``'s text, its preamble read; None when the tier may not ask for
-        it, the API does not find it (404), or refuses the request (another 4xx: an expired
-        token's 401, logged). A 5xx or no answer is the store being down."""
+        it, the API does not find it (404), or refuses the request (another 4xx, logged: an
+        expired token's 401, a text outside the token's 403, the user's token limit's 429,
+        not waited out). A 5xx or no answer is the store being down."""
         read = self._read_for(key)
         if read is None:
             return None

@@ -12,13 +12,17 @@
 - In flight: while a worker answers a request, the request is an entry of ``INFLIGHT_KEY``
   naming the worker, and the worker keeps ``worker_alive_key(worker)`` alive (a short TTL).
   An entry whose worker's key has expired belongs to a worker that died (killed, out of
-  memory, machine lost): the web side's reaper (webapp/chat/reaper.py) ends that answer.
+  memory, machine lost): the web side's reaper (webapp/chat/reaper.py) ends that answer. So
+  does an entry its worker abandoned (it could not finish or report the answer: Redis stopped
+  answering under it) and one still there ``INFLIGHT_GRACE_S`` past its request's timeout
+  (a worker alive but stuck).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,9 +37,12 @@ RECORD_QUEUE = "ingest"
 STREAM_TTL_S = 600  # a finished answer's events stay readable this long
 STREAM_MAXLEN = 20_000
 
-INFLIGHT_KEY = "ragblend:inference:inflight"  # hash: request id -> JSON {worker, message_id}
+INFLIGHT_KEY = "ragblend:inference:inflight"  # hash: request id -> JSON (inflight_entries)
 ALIVE_INTERVAL_S = 2.0  # how often a worker renews its alive key
 ALIVE_TTL_S = 6  # a worker silent this long is dead: its answers in flight are ended
+# An entry still in flight this long past its request's ``timeout_s`` is ended, worker alive
+# or not: the worker checks its deadline between tokens, then has this long to report.
+INFLIGHT_GRACE_S = 30.0
 
 
 def answer_stream(request_id: str) -> str:
@@ -144,9 +151,30 @@ def worker_alive(client: Any, worker_id: str) -> bool:
     return bool(client.exists(worker_alive_key(worker_id)))
 
 
+def _inflight_entry(worker_id: str, request: GenerateRequest, **extra: Any) -> str:
+    entry = {"worker": worker_id, "message_id": request.message_id, "audit_of": request.audit_of,
+             "since": time.time(), "timeout_s": request.timeout_s, **extra}  # fmt: skip
+    return json.dumps(entry)
+
+
 def inflight_add(client: Any, worker_id: str, request: GenerateRequest) -> None:
-    entry = {"worker": worker_id, "message_id": request.message_id, "audit_of": request.audit_of}
-    client.hset(INFLIGHT_KEY, request.request_id, json.dumps(entry))
+    client.hset(INFLIGHT_KEY, request.request_id, _inflight_entry(worker_id, request))
+
+
+def inflight_abandon(client: Any, worker_id: str, request: GenerateRequest) -> None:
+    """The worker gives ``request`` up unfinished or unreported, for the reaper to end now."""
+    entry = _inflight_entry(worker_id, request, abandoned=True)
+    client.hset(INFLIGHT_KEY, request.request_id, entry)
+
+
+def inflight_overdue(entry: dict[str, Any], now: float) -> bool:
+    """Whether an entry is past its request's timeout and the grace (False for an entry of a
+    worker that did not record when it started)."""
+    since = entry.get("since")
+    if since is None:
+        return False
+    timeout_s = entry.get("timeout_s") or GenerateRequest.timeout_s
+    return now > since + timeout_s + INFLIGHT_GRACE_S
 
 
 def inflight_has(client: Any, request_id: str) -> bool:
@@ -158,7 +186,8 @@ def inflight_remove(client: Any, request_id: str) -> None:
 
 
 def inflight_entries(client: Any) -> dict[str, dict[str, Any]]:
-    """Every request in flight on any worker: request id -> {worker, message_id, audit_of}."""
+    """Every request in flight on any worker: request id -> {worker, message_id, audit_of,
+    since, timeout_s, and abandoned where its worker gave it up}."""
     entries = {}
     for key, raw in client.hgetall(INFLIGHT_KEY).items():
         key = key.decode() if isinstance(key, bytes) else key

@@ -26,6 +26,7 @@ import redis
 from celery import Celery
 
 from kvservice.bundled import default_cache_dir
+from kvservice.deadlines import celery_options, redis_from_url
 from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.protocol import (
@@ -37,6 +38,7 @@ from kvservice.protocol import (
     RECORD_TASK,
     WARM_TASK,
     GenerateRequest,
+    inflight_abandon,
     inflight_add,
     inflight_remove,
     mark_alive,
@@ -122,8 +124,9 @@ def configure(cfg: ServerConfig) -> None:
     """Point the Celery app and the Redis client at ``cfg`` and make the runtime (not loaded)."""
     global config, runtime, _redis
     config = cfg
-    _redis = redis.Redis.from_url(cfg.redis_url, socket_timeout=10)
+    _redis = redis_from_url(cfg.redis_url)
     app.conf.update(
+        **celery_options(),  # deadlines on the broker, results and reports (kvservice.deadlines)
         broker_url=cfg.redis_url,
         result_backend=cfg.redis_url,
         task_default_queue=cfg.queue,
@@ -147,16 +150,54 @@ def generate(request_data: dict) -> dict:
 
     request = GenerateRequest.from_dict(request_data)
     inflight_add(redis_client(), WORKER_ID, request)
+    reported = False
     try:
         result = answer_request(runtime, request, redis_client())
         # Reported while still in flight: an answer out of flight is one whose report is
         # queued, so the reaper never takes a finished answer for one nobody took.
         report = {**result, "audit_of": request.audit_of}
         app.send_task(RECORD_TASK, args=[request.message_id, report], queue=RECORD_QUEUE)
+        reported = True
     finally:
-        inflight_remove(redis_client(), request.request_id)
+        _leave_flight(redis_client(), request, reported=reported)
     _advertise_hot(redis_client())  # the chunks just loaded: routable to here at once
     return {"status": result["status"], "request_id": request.request_id}
+
+
+# In-flight entries Redis did not take when their request ended (it stopped answering): the
+# request and whether its answer was reported. The heartbeat thread settles them once Redis
+# answers again, so an outage never leaves an answer in flight with nobody to end it.
+_unsettled: dict[str, tuple[GenerateRequest, bool]] = {}
+_unsettled_lock = threading.Lock()
+
+
+def _settle(client: redis.Redis, request: GenerateRequest, reported: bool) -> None:
+    """A reported answer leaves flight; an unreported one is abandoned to the reaper, which
+    records what its stream holds (``done`` if it got that far) or fails it."""
+    if reported:
+        inflight_remove(client, request.request_id)
+    else:
+        inflight_abandon(client, WORKER_ID, request)
+
+
+def _leave_flight(client: redis.Redis, request: GenerateRequest, *, reported: bool) -> None:
+    try:
+        _settle(client, request, reported)
+    except redis.RedisError as err:
+        log.warning("request %s left in flight (%s): retried with the heartbeat",
+                    request.request_id, err)  # fmt: skip
+        with _unsettled_lock:
+            _unsettled[request.request_id] = (request, reported)
+
+
+def _settle_left_in_flight(client: redis.Redis) -> None:
+    """Settle what ``_leave_flight`` could not; raises ``RedisError`` while Redis is out."""
+    with _unsettled_lock:
+        waiting = list(_unsettled.values())
+    for request, reported in waiting:
+        _settle(client, request, reported)
+        with _unsettled_lock:
+            _unsettled.pop(request.request_id, None)
 
 
 @app.task(name=EVICT_TASK)
@@ -186,12 +227,13 @@ def _advertise_hot(client: redis.Redis) -> None:
 
 
 def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
-    """Renew this worker's alive key every ``ALIVE_INTERVAL_S`` and write the status heartbeat
-    every ``HEARTBEAT_INTERVAL_S``."""
+    """Renew this worker's alive key every ``ALIVE_INTERVAL_S`` (and settle the in-flight
+    entries Redis missed), and write the status heartbeat every ``HEARTBEAT_INTERVAL_S``."""
     last_status = 0.0
     while not stop.is_set():
         try:
             mark_alive(client, WORKER_ID)
+            _settle_left_in_flight(client)
             if time.monotonic() - last_status >= HEARTBEAT_INTERVAL_S:
                 write_heartbeat(client, worker=WORKER_ID, **runtime.status())
                 _advertise_hot(client)

@@ -5,24 +5,30 @@
   loaded, and the inference worker holds its model.
 - ``GET /livez``: 200 whenever this process serves requests (a liveness probe: restarting
   the web server cannot fix a database that is down).
-- ``GET /readyz``: 200 when what the web server itself needs answers, the database and Redis
-  (a readiness probe: take this replica out of the load balancer otherwise). The workers are
-  not part of it: pages and uploads work without them, and questions get a clear error.
+- ``GET /readyz``: 200 when what the web server itself needs answers, the database, Redis and
+  S3 (a readiness probe: take this replica out of the load balancer otherwise). The workers
+  are not part of it: pages work without them, and questions get a clear error.
 
 Anyone gets the statuses of ``/healthz``; only staff get the details
 (endpoints, worker names and PIDs, the model, error messages, latencies). The checks run at
 most once per ``HEALTH_CACHE_S`` per process: a probe storm does not become a storm of
-Celery broadcast pings."""
+Celery broadcast pings.
+
+The checks run at once, each in a thread of its own, and both endpoints answer within
+``HEALTH_TIMEOUT_S`` (3 s): a check with no answer by then is reported down ("no answer
+within 3 s"), so a frozen valkey or S3 gateway is a 503 naming it, not a probe that hangs
+(it took 40 s to minutes before; docs/reliability.md, "Frozen services")."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, connections
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
@@ -119,16 +125,43 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-def run_checks() -> dict[str, dict[str, Any]]:
-    results: dict[str, dict[str, Any]] = {}
-    for name, check in CHECKS.items():
-        started = time.perf_counter()
-        try:
-            results[name] = {"status": "up", **check()}
-        except Exception as err:  # any failure of a component is reported, never raised
-            results[name] = {"status": "down", "error": f"{type(err).__name__}: {err}"}
-        results[name]["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
-    return results
+def _run_one(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        result = {"status": "up", **check()}
+    except Exception as err:  # any failure of a component is reported, never raised
+        result = {"status": "down", "error": f"{type(err).__name__}: {err}"}
+    finally:
+        connections.close_all()  # this thread's own: a pool thread keeps none open
+    result["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
+    return result
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _threads() -> ThreadPoolExecutor:
+    """The checks' threads. A check past the deadline keeps its thread until its client's own
+    timeout ends it (kvservice.deadlines, webapp.storage): a few seconds, so a pool of a few
+    rounds' worth of threads is never all taken by a service that hangs."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=4 * len(CHECKS), thread_name_prefix="health")
+        return _pool
+
+
+def run_checks(names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+    """The named checks (all by default), run at once; within ``HEALTH_TIMEOUT_S`` in all."""
+    timeout_s = settings.HEALTH_TIMEOUT_S
+    futures: dict[str, Future] = {
+        name: _threads().submit(_run_one, CHECKS[name]) for name in (names or CHECKS)
+    }
+    done, _late = wait(futures.values(), timeout=timeout_s)
+    late = {"status": "down", "error": f"no answer within {timeout_s:g} s",
+            "latency_ms": round(timeout_s * 1000, 1)}  # fmt: skip
+    return {name: f.result() if f in done else dict(late) for name, f in futures.items()}
 
 
 _cached: tuple[float, dict[str, dict[str, Any]]] | None = None
@@ -162,18 +195,14 @@ def livez(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"status": "ok"})
 
 
-READY_CHECKS = ("database", "broker")
+READY_CHECKS = ("database", "broker", "object_store")
 
 
 @never_cache
 @require_GET
 def readyz(request: HttpRequest) -> JsonResponse:
-    failed = []
-    for name in READY_CHECKS:
-        try:
-            CHECKS[name]()
-        except Exception:  # any failure means not ready; /healthz (staff) tells why
-            failed.append(name)
+    results = run_checks(READY_CHECKS)  # why one failed: /healthz (staff)
+    failed = [name for name in READY_CHECKS if results[name]["status"] != "up"]
     if failed:
         return JsonResponse({"status": "unavailable", "failed": failed}, status=503)
     return JsonResponse({"status": "ok"})

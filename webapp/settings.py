@@ -12,6 +12,7 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 from deploy.stack import apply_stack_env, data_dir
+from kvservice import deadlines
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = data_dir()
@@ -66,6 +67,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "webapp.outages.ServiceUnavailableMiddleware",  # a dead service: 503, not a 500
+    "webapp.unstorable.RefuseUnstorableText",  # a NUL in a form: 400, not a 500
     "axes.middleware.AxesMiddleware",  # last, as django-axes requires
 ]
 # Error reports and the DEBUG page hide settings holding URLs with passwords too.
@@ -117,6 +119,8 @@ AXES_COOLOFF_TIME = timedelta(minutes=env.int("LOGIN_LOCKOUT_MINUTES", default=1
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_TEMPLATE = "accounts/locked.html"
+# Renders AXES_LOCKOUT_TEMPLATE with Retry-After, as the rate limits' 429 (ratelimits.py).
+AXES_LOCKOUT_CALLABLE = "webapp.accounts.ratelimits.axes_lockout_response"
 AXES_VERBOSE = False
 # Proxies in front of the web server that append to X-Forwarded-For (1 behind the Kubernetes
 # ingress): who a client is for axes and the rate limits (webapp/accounts/addresses.py).
@@ -185,6 +189,8 @@ CACHES = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "ragblend:cache",
+        # The web app's Redis deadlines (kvservice/deadlines.py), not redis-py's defaults.
+        "OPTIONS": deadlines.redis_options(),
     }
 }
 
@@ -198,7 +204,13 @@ CELERY_TASK_ROUTES = {
     "worker.tasks.ingest_*": {"queue": "ingest"},
     "worker.tasks.precompute_*": {"queue": "kv"},
 }
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600, **deadlines.BROKER_TRANSPORT_OPTIONS}
+# Deadlines on the result backend and on publishing, as the inference worker's app has them
+# (kvservice.deadlines.celery_options): a frozen broker fails a send in seconds.
+CELERY_REDIS_SOCKET_TIMEOUT = deadlines.REDIS_COMMAND_TIMEOUT_S
+CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = deadlines.REDIS_CONNECT_TIMEOUT_S
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"retry_policy": deadlines.CELERY_RETRY_POLICY}
+CELERY_TASK_PUBLISH_RETRY_POLICY = deadlines.CELERY_RETRY_POLICY
 # A pool process that grew past this (KiB) after a task is replaced: memory a parser or torch
 # kept is given back. The LLM and the embedder take about 1.5 GB.
 CELERY_WORKER_MAX_MEMORY_PER_CHILD = env.int("WORKER_MAX_MEMORY_MB", default=3072) * 1024
@@ -224,6 +236,22 @@ KDN_MAX_TEXTS = env.int("KDN_MAX_TEXTS", default=64)
 KDN_MAX_TEXT_CHARS = env.int("KDN_MAX_TEXT_CHARS", default=64_000)
 KDN_MAX_TEXT_TOKENS = env.int("KDN_MAX_TEXT_TOKENS", default=4096)
 KDN_PUT_WAIT_S = env.float("KDN_PUT_WAIT_S", default=120.0)
+# A /kdn/v1 body over this is a 413 as it arrives (webapp/asgi.py): 64 texts of 4,096 tokens
+# of English are about 1.2 MB of JSON. Keep it within Django's DATA_UPLOAD_MAX_MEMORY_SIZE
+# (2.5 MB), past which Django refuses to read a body (also a 413, webapp/api/errors.py).
+KDN_MAX_BODY_BYTES = env.int("KDN_MAX_BODY_BYTES", default=2 * 1024 * 1024)
+# Where the inference worker reads chunk KV (kvservice.kdn_client.KvSource reads the same
+# variable): "s3", or "kdn" through /kdn/v1, with a token the web app signs for each passage
+# of a question (webapp/kdn/tokens.py), at most KDN_TOKEN_TTL_S and the request's timeout.
+# With "s3" no token is signed: none is needed, so none travels in the task messages.
+KV_SOURCE = env.str("KV_SOURCE", default="s3").strip().lower()
+if KV_SOURCE not in ("s3", "kdn"):
+    raise ImproperlyConfigured(f"KV_SOURCE must be 's3' or 'kdn', not {KV_SOURCE!r}")
+KDN_TOKEN_TTL_S = env.float("KDN_TOKEN_TTL_S", default=120.0)
+for _name, _value in [("KDN_MAX_BODY_BYTES", KDN_MAX_BODY_BYTES),
+                      ("KDN_TOKEN_TTL_S", KDN_TOKEN_TTL_S)]:  # fmt: skip
+    if _value <= 0:
+        raise ImproperlyConfigured(f"{_name} must be positive, got {_value}.")
 # Parsing runs in a child process under these limits (webapp/documents/sandbox.py): a file
 # that needs more memory or CPU time is refused, and the worker goes on.
 PARSE_MAX_MEMORY_MB = env.int("PARSE_MAX_MEMORY_MB", default=2048)
@@ -312,6 +340,15 @@ RATIO_CURVE_PATH = BASE_DIR / env.str("RATIO_CURVE_PATH", default="docs/ratio_cu
 # How long /healthz waits for a Celery worker to answer a ping, and reuses its results.
 HEALTH_PING_TIMEOUT_S = env.float("HEALTH_PING_TIMEOUT_S", default=1.0)
 HEALTH_CACHE_S = env.float("HEALTH_CACHE_S", default=5.0)
+# How long /healthz and /readyz wait for their checks, run at once (webapp/health.py); a check
+# not done by then is reported down. Under the probes' own timeouts (4-5 s in deploy/), and
+# longer than a Celery ping, which waits out HEALTH_PING_TIMEOUT_S for every worker's reply.
+HEALTH_TIMEOUT_S = env.float("HEALTH_TIMEOUT_S", default=max(3.0, HEALTH_PING_TIMEOUT_S + 1.5))
+if HEALTH_TIMEOUT_S <= HEALTH_PING_TIMEOUT_S:
+    raise ImproperlyConfigured(
+        f"HEALTH_TIMEOUT_S ({HEALTH_TIMEOUT_S:g}) must be longer than HEALTH_PING_TIMEOUT_S "
+        f"({HEALTH_PING_TIMEOUT_S:g})."
+    )
 
 LOGGING = {
     "version": 1,

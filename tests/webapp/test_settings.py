@@ -42,3 +42,12 @@ def test_a_rate_limit_that_is_not_a_count_per_period_is_refused() -> None:
         assert result.returncode != 0, bad
         assert "LOGIN_RATE_LIMIT must be a count per period" in result.stderr, bad
     assert _manage("check", SECRET_KEY=STRONG_KEY, SIGNUP_RATE_LIMIT="5/2h").returncode == 0
+
+
+def test_a_health_timeout_within_the_celery_ping_is_refused() -> None:
+    """/healthz's deadline must leave the Celery ping, which waits its whole timeout, time
+    to answer, or the Celery worker would always read as down."""
+    result = _manage("check", SECRET_KEY=STRONG_KEY, HEALTH_PING_TIMEOUT_S="3",
+                     HEALTH_TIMEOUT_S="2")  # fmt: skip
+    assert result.returncode != 0 and "HEALTH_TIMEOUT_S (2) must be longer" in result.stderr
+    assert _manage("check", SECRET_KEY=STRONG_KEY, HEALTH_TIMEOUT_S="4").returncode == 0

@@ -118,10 +118,9 @@ def test_bad_inputs_fail_with_a_message_and_the_worker_keeps_going(
     untouched = (before.updated_at, list(before.chunks.values_list("pk", "kv_key")))
 
     settings.MAX_UPLOAD_BYTES = 64 * 1024
-    bad = {
-        "empty.txt": (b"", "The file is empty."),
-        "image.pdf": (files.png_bytes(), "Unsupported file type"),
-        "huge.txt": (b"Big. " * 20_000, "too large"),
+    refused = {"empty.txt": b"", "image.pdf": files.png_bytes(), "huge.txt": b"Big. " * 20_000}
+    assert _post(client, alice, refused) == {}  # refused at upload: nothing stored
+    bad = {  # passed the checks at upload, failed in the worker
         "locked.pdf": (files.encrypted_pdf_bytes(), "password-protected"),
         "broken.pdf": (files.corrupt_pdf_bytes(), "damaged or truncated"),
         "bomb.docx": (files.zip_bomb_docx_bytes(), "zip bomb"),

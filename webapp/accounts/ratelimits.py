@@ -7,8 +7,9 @@ Retry-After until the period ends.
 
 This bounds one address across every username (guessing many accounts' passwords, making
 many accounts); django-axes still locks one username at one address after a few wrong
-passwords. The address is the one django-axes sees (``addresses.client_ip``, behind a proxy
-too), so both agree on who a client is.
+passwords (its 429, ``axes_lockout_response``, has a Retry-After too). The address is the
+one django-axes sees (``addresses.client_ip``, behind a proxy too), so both agree on who a
+client is.
 
 Requests per user (``user_seconds_until_allowed``): every API key of a user, the session's API
 calls and the questions asked in the browser share ``API_RATE_LIMIT_REQUESTS`` per
@@ -17,10 +18,11 @@ calls and the questions asked in the browser share ``API_RATE_LIMIT_REQUESTS`` p
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from functools import wraps
 
-from axes.helpers import get_client_ip_address
+from axes.helpers import get_client_ip_address, get_cool_off
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
@@ -107,3 +109,17 @@ def limit_posts(limit: str) -> Callable:
         return limited
 
     return decorator
+
+
+def axes_lockout_response(
+    request: HttpRequest, original_response: HttpResponse | None = None, credentials=None
+) -> HttpResponse:
+    """django-axes' lockout page (AXES_LOCKOUT_CALLABLE): a 429 with Retry-After, as the rate
+    limits' own. Each refused attempt starts the cool-off again (axes'
+    AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT, on by default), and this page answers one,
+    so the wait is the whole cool-off."""
+    retry_after = max(1, math.ceil(get_cool_off(request).total_seconds()))
+    context = {"wait": _wait_words(retry_after)}
+    response = render(request, settings.AXES_LOCKOUT_TEMPLATE, context, status=429)
+    response["Retry-After"] = str(retry_after)
+    return response

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
@@ -74,6 +76,9 @@ def normalize(exc: Exception) -> ApiError:
         return ApiError(404, "not_found", str(exc) or "Not found.")
     if isinstance(exc, HttpError):
         return ApiError(exc.status_code, _CODES.get(exc.status_code, "error"), str(exc))
+    if isinstance(exc, RequestDataTooBig):  # Django will not read the body: the caller's size
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return ApiError(413, "too_large", f"The request body is over {limit:,} bytes.")
     if outages.is_outage(exc):
         log.warning("API request failed: service unavailable: %r", exc)
         return unavailable(outages.MESSAGE)

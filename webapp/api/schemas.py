@@ -9,17 +9,20 @@ from django.conf import settings
 from ninja import Field, Schema
 from pydantic import AfterValidator, ConfigDict
 
+from webapp.unstorable import unstorable_reason
 
-def _without_nul(text: str) -> str:
-    if "\x00" in text:
-        raise ValueError("holds a NUL character, which text cannot")
+
+def _storable(text: str) -> str:
+    if reason := unstorable_reason(text):
+        raise ValueError(reason)
     return text
 
 
 Id = Annotated[int, Field(ge=1, le=2**63 - 1)]
-# A string a request hands on to be stored. PostgreSQL's text cannot hold a NUL character: one
-# is a 422 naming the field here, not a DataError (a 500) in whichever service stores it.
-Text = Annotated[str, AfterValidator(_without_nul)]
+# A string a request hands on to be stored. The database cannot store a NUL character or a lone
+# surrogate (webapp/unstorable.py): one is a 422 naming the field here, not a 500 in whichever
+# service stores it.
+Text = Annotated[str, AfterValidator(_storable)]
 DocumentStatus = Literal["queued", "processing", "ready", "failed"]
 Mode = Literal["blend", "full", "reuse", "prefix"]
 

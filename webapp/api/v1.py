@@ -94,9 +94,10 @@ def _document_out(document: Document, user) -> dict:
 def document_upload(request: HttpRequest, file: File[UploadedFile]):
     """Upload one file (multipart field ``file``); it is parsed, chunked, embedded and its KV
     cache precomputed in the background: poll the document until ``ready`` or ``failed``."""
-    document = document_services.document_upload(owner=request.user, uploaded_file=file)
-    if document.status == Document.Status.FAILED and not document.object_key:
-        raise ApiError(422, "upload_refused", document.error_message or "The file was refused.")
+    try:
+        document = document_services.document_upload(owner=request.user, uploaded_file=file)
+    except document_services.UploadRefused as err:
+        raise ApiError(422, "upload_refused", str(err)) from err
     return Status(201, {"id": document.pk, "status": document.status})
 
 

@@ -2,14 +2,17 @@
 
 Two cases, checked every few seconds by Celery beat (``worker.chat.reap_stale_answers``):
 
-* **The worker died while answering.** Each request in flight names its worker
-  (``kvservice.protocol.inflight_add``), and each worker renews a short-lived alive key. An
-  entry whose worker's key has expired is ended: if the worker had already published the
-  answer's last event (it died between that and reporting it), that event is recorded;
-  otherwise the answer fails with what it had streamed so far.
+* **The worker died, gave up, or is stuck while answering.** Each request in flight names its
+  worker (``kvservice.protocol.inflight_add``), and each worker renews a short-lived alive
+  key. An entry is ended when its worker's key has expired, when its worker abandoned it
+  (Redis stopped answering while it streamed or reported the answer), or when it is still
+  there ``INFLIGHT_GRACE_S`` past its request's timeout: if the worker had already published
+  the answer's last event (it stopped between that and reporting it), that event is
+  recorded; otherwise the answer fails with what it had streamed so far.
 * **No worker took the question.** An answer still pending past ``ANSWER_PENDING_LIMIT_S``
   and not in flight anywhere fails; its stop flag is set, so a worker that picks the request
-  up late drops it at once.
+  up late drops it at once. Past ``hard_limit_s()`` it fails in flight or not, whatever the
+  entry says (one written by an older worker has no start time).
 
 Either way an ``error`` event goes on the answer's stream, so a browser or program reading it
 learns at once instead of waiting out its own timeout.
@@ -18,6 +21,7 @@ learns at once instead of waiting out its own timeout.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -25,9 +29,12 @@ from django.conf import settings
 from django.utils import timezone
 
 from kvservice.protocol import (
+    INFLIGHT_GRACE_S,
+    GenerateRequest,
     answer_stream,
     decode_events,
     inflight_entries,
+    inflight_overdue,
     inflight_remove,
     publish_event,
     request_stop,
@@ -40,6 +47,10 @@ from webapp.redis import redis_client
 logger = logging.getLogger(__name__)
 
 WORKER_DIED = "The model worker stopped while writing this answer. Ask again to get a full one."
+WORKER_LOST = (
+    "The model worker lost its connection while writing this answer. Ask again to get a full one."
+)
+OVERDUE = "The model did not finish this answer in time. Ask again in a moment."
 NOBODY_ANSWERED = "No model worker took this question in time. Ask again in a moment."
 
 
@@ -70,26 +81,57 @@ def _end(client: Any, request_id: str, message_id: int | None, reason: str) -> N
         chat_record_answer(message_id=message_id, result=result)
 
 
+def hard_limit_s() -> float:
+    """The longest an answer may stay pending, in flight or not: the longest a question may
+    wait for a worker, then the longest that worker may take (its timeout and the grace)."""
+    return settings.ANSWER_PENDING_LIMIT_S + GenerateRequest.timeout_s + INFLIGHT_GRACE_S
+
+
+def _why_ended(client: Any, entry: dict[str, Any], now: float) -> str | None:
+    """Why an in-flight entry's answer must be ended now, or None to leave it to its worker."""
+    if entry.get("abandoned"):
+        return WORKER_LOST
+    if not worker_alive(client, entry["worker"]):
+        return WORKER_DIED
+    return OVERDUE if inflight_overdue(entry, now) else None
+
+
+def _reap_in_flight(client: Any, inflight: dict[str, dict[str, Any]]) -> int:
+    ended, now = 0, time.time()
+    for request_id, entry in inflight.items():
+        reason = _why_ended(client, entry, now)
+        if reason is None:
+            continue
+        logger.warning("ending request %s of worker %s: %s", request_id, entry["worker"], reason)
+        if entry.get("audit_of") is None:  # a fidelity audit has no answer of its own
+            _end(client, request_id, entry.get("message_id"), reason)
+        inflight_remove(client, request_id)
+        ended += 1
+    return ended
+
+
+def _reap_pending(client: Any, inflight: dict[str, dict[str, Any]]) -> int:
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=settings.ANSWER_PENDING_LIMIT_S)
+    hard_cutoff = now - timedelta(seconds=hard_limit_s())
+    stale = Message.objects.filter(status=Message.Status.PENDING, created_at__lt=cutoff)
+    stale = stale.exclude(request_id__in=list(inflight), created_at__gte=hard_cutoff)
+    ended = 0
+    for answer in stale.only("id", "request_id"):
+        request_id = str(answer.request_id)
+        reason = OVERDUE if request_id in inflight else NOBODY_ANSWERED
+        logger.warning("answer %s still pending: ending it (%s)", answer.id, reason)
+        _end(client, request_id, answer.id, reason)
+        inflight_remove(client, request_id)
+        ended += 1
+    return ended
+
+
 def reap_stale_answers() -> int:
     """End the answers described in the module doc; returns how many were ended. Questions
     routed to a worker that died before taking them go back to the shared queue first."""
     client = redis_client()
     if moved := requeue_orphans(client, settings.INFERENCE_QUEUE):
         logger.warning("%d questions waited on a worker that is gone: requeued", moved)
-    ended = 0
     inflight = inflight_entries(client)
-    for request_id, entry in inflight.items():
-        if worker_alive(client, entry["worker"]):
-            continue
-        logger.warning("worker %s is gone: ending request %s", entry["worker"], request_id)
-        if entry.get("audit_of") is None:  # a fidelity audit has no answer of its own
-            _end(client, request_id, entry.get("message_id"), WORKER_DIED)
-        inflight_remove(client, request_id)
-        ended += 1
-    cutoff = timezone.now() - timedelta(seconds=settings.ANSWER_PENDING_LIMIT_S)
-    stale = Message.objects.filter(status=Message.Status.PENDING, created_at__lt=cutoff)
-    for answer in stale.exclude(request_id__in=list(inflight)).only("id", "request_id"):
-        logger.warning("answer %s was never taken by a worker: ending it", answer.id)
-        _end(client, str(answer.request_id), answer.id, NOBODY_ANSWERED)
-        ended += 1
-    return ended
+    return _reap_in_flight(client, inflight) + _reap_pending(client, inflight)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from django.conf import settings
 
-from kvservice.protocol import GenerateRequest, Turn
+from kvservice.protocol import ChunkRef, GenerateRequest, Turn
 from webapp.chat.follow_ups import topic_questions
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.documents.kv import chunk_ref
@@ -66,23 +66,25 @@ def generate_request(
 ) -> GenerateRequest:
     """The request for ``answer`` (its stream and record; sampled when it is an answer asked
     again), or for an audit of another answer (``audit_of``, a stream of its own). Each
-    passage in its owner's KV scope, with its text and a token that lets a worker reading KV
-    through the knowledge delivery API (``KV_SOURCE=kdn``) fetch it as the asker, until the
-    request's timeout (``webapp.kdn.tokens``)."""
+    passage in its owner's KV scope, with its text and, when the worker reads KV through the
+    knowledge delivery API (``KV_SOURCE=kdn``), a token that fetches that passage only, as
+    the asker, for a short while (``webapp.kdn.tokens``)."""
     sampled = answer is not None and answer.temperature > 0
     citations = list(citations)
     request_id = str(answer.request_id) if answer is not None else str(uuid.uuid4())
-    timeout_s = GenerateRequest.timeout_s  # the protocol's default, the token's lifetime too
+    timeout_s = GenerateRequest.timeout_s  # the protocol's default, the token's longest life
     asker = _asker_id(answer, citations)
-    token = "" if asker is None else request_token(
-        user_id=asker, request_id=request_id, timeout_s=timeout_s
-    )  # fmt: skip
+
+    def passage(citation: Citation) -> ChunkRef:
+        token = _kdn_token(asker, request_id, citation.chunk.text, timeout_s)
+        return replace(chunk_ref(citation.chunk), text=citation.chunk.text, kdn_token=token)
+
     return GenerateRequest(
         request_id=request_id,
         message_id=answer.id if answer is not None else None,
         question=question,
         history=history,
-        chunks=[replace(chunk_ref(c.chunk), text=c.chunk.text, kdn_token=token) for c in citations],
+        chunks=[passage(c) for c in citations],
         timeout_s=timeout_s,
         mode=mode,
         recompute_ratio=recompute_ratio,  # None: the worker's controller decides
@@ -94,6 +96,14 @@ def generate_request(
         seed=answer.seed if sampled else None,
         audit_of=audit_of,
     )
+
+
+def _kdn_token(asker: int | None, request_id: str, text: str, timeout_s: float) -> str:
+    """A token for one passage; none ("") when the worker reads S3 (``KV_SOURCE=s3``, it
+    would go unused in the task message) or nobody asked."""
+    if asker is None or settings.KV_SOURCE != "kdn":
+        return ""
+    return request_token(user_id=asker, request_id=request_id, texts=[text], timeout_s=timeout_s)
 
 
 def _asker_id(answer: Message | None, citations: list[Citation]) -> int | None:

@@ -45,7 +45,8 @@ class Document(models.Model):
     )
     title = models.CharField(max_length=255)
     original_name = models.CharField(max_length=255, blank=True)
-    # Key of the original in settings.S3_DOCUMENTS_BUCKET; empty when it was refused at upload.
+    # Key of the original in settings.S3_DOCUMENTS_BUCKET; empty only on a row an upload refusal
+    # left before refusals stored nothing (services.UploadRefused).
     object_key = models.CharField(max_length=512, blank=True)
     content_sha256 = models.CharField(max_length=64)
     detected_type = models.CharField(max_length=16, choices=Type.choices, default=Type.UNKNOWN)

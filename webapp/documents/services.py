@@ -88,64 +88,65 @@ class UploadResult:
     duplicate: bool = False
 
 
+class UploadRefused(ValueError):
+    """A file refused before anything is stored (empty, too large, of a type we do not read,
+    over the quota): no document, no object; the message is for the person uploading."""
+
+
 def document_upload(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> Document:
     """``document_upload_result``'s document (for callers that need not tell a duplicate)."""
     return document_upload_result(owner=owner, uploaded_file=uploaded_file).document
 
 
-def document_upload_result(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> UploadResult:
-    """Store one uploaded file and queue its ingest, or record why it was refused.
-
-    The same content uploaded twice by one user is one document: the existing one is
-    returned, marked ``duplicate`` so the user can be told (a document refused at upload is
-    re-examined, since the limits may have changed). A refusal (empty, too large,
-    unsupported type) is a ``failed`` document with a human message, so it shows in the list
-    next to the files that were accepted."""
-    name = uploaded_file.name or "Untitled"
-    limit = settings.MAX_UPLOAD_BYTES
-    sha, size, data = _read_upload(uploaded_file, limit)
-    existing = Document.objects.filter(owner=owner, content_sha256=sha).first()
-    if existing is not None and existing.object_key:
-        return UploadResult(existing, duplicate=True)
-
-    detected = Document.Type.UNKNOWN
-    refusal = ""
+def _detect_or_refuse(*, owner: AbstractBaseUser, name: str, size: int, data: bytes | None) -> str:
+    """The detected type of an upload, or ``UploadRefused`` saying why it is not taken."""
     if size == 0 or data is not None and not data.strip():
-        refusal = "The file is empty."
-    elif data is None:
-        refusal = (
+        raise UploadRefused("The file is empty.")
+    if data is None:
+        limit = settings.MAX_UPLOAD_BYTES
+        raise UploadRefused(
             f"The file is too large ({size / 1048576:.1f} MB); the limit is "
             f"{limit / 1048576:.0f} MB."
         )
-    else:
-        try:
-            detected = parsing.detect_type(data, name)
-        except parsing.ParseError as err:
-            refusal = str(err)
-    refusal = refusal or quotas.upload_refusal(owner)
+    try:
+        detected = parsing.detect_type(data, name)
+    except parsing.ParseError as err:
+        raise UploadRefused(str(err)) from err
+    if over_quota := quotas.upload_refusal(owner):
+        raise UploadRefused(over_quota)
+    return detected
 
-    fields = {
-        "title": _title_from(name),
-        "original_name": name[:255],
-        "detected_type": detected,
-        "size_bytes": size,
-    }
-    if refusal:
-        fields |= {"status": Status.FAILED, "stage": Stage.UPLOADED, "progress": 0,
-                   "error_message": refusal, "object_key": ""}  # fmt: skip
-    else:
-        key = original_object_key(owner_id=owner.pk, content_sha256=sha)
-        try:
-            object_store().put_object(
-                settings.S3_DOCUMENTS_BUCKET, key, io.BytesIO(data), length=size,
-                content_type="application/octet-stream",
-            )  # fmt: skip
-        except (S3Error, urllib3.exceptions.HTTPError, OSError) as err:
-            log.exception("could not store the original of %s", name)
-            raise TransientError("Storage is unavailable right now; try again shortly.") from err
-        fields |= {"status": Status.QUEUED, "stage": Stage.UPLOADED, "progress": 0,
-                   "error_message": "", "object_key": key, "ingest_attempts": 0}  # fmt: skip
 
+def _store_original(*, key: str, data: bytes, name: str) -> None:
+    try:
+        object_store().put_object(
+            settings.S3_DOCUMENTS_BUCKET, key, io.BytesIO(data), length=len(data),
+            content_type="application/octet-stream",
+        )  # fmt: skip
+    except (S3Error, urllib3.exceptions.HTTPError, OSError) as err:
+        log.exception("could not store the original of %s", name)
+        raise TransientError("Storage is unavailable right now; try again shortly.") from err
+
+
+def document_upload_result(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> UploadResult:
+    """Store one uploaded file and queue its ingest; ``UploadRefused`` (nothing stored) when
+    it is empty, too large, of a type we do not read, or over the owner's quota.
+
+    The same content uploaded twice by one user is one document: the existing one is
+    returned, marked ``duplicate`` so the user can be told. (A ``failed`` row without an
+    original, left by a refusal from before refusals stored nothing, is taken over.)"""
+    name = uploaded_file.name or "Untitled"
+    sha, size, data = _read_upload(uploaded_file, settings.MAX_UPLOAD_BYTES)
+    existing = Document.objects.filter(owner=owner, content_sha256=sha).first()
+    if existing is not None and existing.object_key:
+        return UploadResult(existing, duplicate=True)
+    detected = _detect_or_refuse(owner=owner, name=name, size=size, data=data)
+    key = original_object_key(owner_id=owner.pk, content_sha256=sha)
+    _store_original(key=key, data=data, name=name)
+    fields = {"title": _title_from(name), "original_name": name[:255], "detected_type": detected,
+              "size_bytes": size, "status": Status.QUEUED, "stage": Stage.UPLOADED,
+              "progress": 0, "error_message": "", "object_key": key,
+              "ingest_attempts": 0}  # fmt: skip
     try:
         with transaction.atomic():
             if existing is not None:
@@ -153,8 +154,7 @@ def document_upload_result(*, owner: AbstractBaseUser, uploaded_file: UploadedFi
                 document = Document.objects.get(pk=existing.pk)
             else:
                 document = Document.objects.create(owner=owner, content_sha256=sha, **fields)
-            if document.status == Status.QUEUED:
-                _enqueue_ingest(document.pk)
+            _enqueue_ingest(document.pk)
     except IntegrityError:
         # The same content arrived twice at once (two tabs); the other request won.
         return UploadResult(Document.objects.get(owner=owner, content_sha256=sha), duplicate=True)

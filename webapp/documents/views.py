@@ -73,7 +73,7 @@ def document_list(request: HttpRequest) -> HttpResponse:
             result = services.document_upload_result(
                 owner=request.user, uploaded_file=uploaded_file
             )
-        except services.TransientError as err:
+        except (services.UploadRefused, services.TransientError) as err:
             errors.append(f"{uploaded_file.name}: {err}")
             continue
         if result.duplicate:

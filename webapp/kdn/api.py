@@ -1,19 +1,25 @@
 """The knowledge delivery API, /kdn/v1: any engine stores KV with its text, fetches KV by
 text and deletes what it stored (docs/kdn.md). API keys (``Authorization: Bearer``), under
 the same per-user rate limit as /api/v1; a fetch also takes a request token, the inference
-worker's (``webapp.kdn.tokens``). Errors are ``{"code", "message"}``, a malformed body a
-400. The schema is at /kdn/v1/openapi.json."""
+worker's (``webapp.kdn.tokens``), for the texts it names only and under a limit of its own.
+Errors are ``{"code", "message"}``; a malformed body (not the call's JSON, a lone surrogate,
+a blank text) is a 400, one over ``KDN_MAX_BODY_BYTES`` a 413 (``webapp.bodylimit``). The
+schema is at /kdn/v1/openapi.json."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.http import HttpRequest, StreamingHttpResponse
+from django_ratelimit.core import get_usage
 from ninja import Field, NinjaAPI, Schema
 from ninja.errors import ValidationError
 from ninja.security import HttpBearer
+from pydantic import AfterValidator, BeforeValidator
+from pydantic_core import PydanticCustomError
 
 from kvservice.kdn_stream import ObjectStreams, StreamMissing
 from kvservice.store.errors import StoreUnavailable
@@ -28,20 +34,39 @@ from webapp.api.errors import (
 )
 from webapp.documents.kv import KVUnavailable
 from webapp.kdn import services
-from webapp.kdn.tokens import token_user
+from webapp.kdn.tokens import RequestToken, token_claims, token_user
+
+
+def check_token_rate_limit(request: HttpRequest, user) -> None:
+    """Count a fetch with a request token against ``user``'s token limit: the API keys' rate
+    (``API_RATE_LIMIT_REQUESTS`` per ``API_RATE_LIMIT_WINDOW_S``) in a bucket of its own.
+    Not the keys' bucket: a question's worker fetches each passage, and counting those there
+    would cut a user's questions to a seventh of their limit; over this one the worker
+    recomputes (``kvservice.kdn_client.KdnTier``). 429 with ``Retry-After``, as a key's."""
+    rate = f"{settings.API_RATE_LIMIT_REQUESTS}/{settings.API_RATE_LIMIT_WINDOW_S}s"
+    usage = get_usage(
+        request, group="kdn-token", key=lambda _group, _request: str(user.pk), rate=rate,
+        increment=True,
+    )  # fmt: skip
+    if usage is not None and usage["should_limit"]:
+        retry_after = max(1, usage["time_left"])
+        message = f"This user's request tokens are over their rate limit; retry in {retry_after} s."
+        raise ApiError(429, "rate_limited", message, {"Retry-After": str(retry_after)})
 
 
 class RequestTokenAuth(HttpBearer):
     """A request token the web app signed for an inference worker (``webapp.kdn.tokens``):
-    the request's user, until its timeout. Not under the per-user rate limit: the question
-    it serves passed the limit when it was asked, and its worker fetches each passage, so a
-    limit per call would slow or fail answers of a user who is within theirs."""
+    the request's user, until the token expires, for the texts it names. ``request.auth`` is
+    the token's claims, which the fetch checks its texts against."""
 
     def authenticate(self, request: HttpRequest, token: str) -> Any:
-        user = token_user(token)
-        if user is not None:
-            request.user = user
-        return user
+        claims = token_claims(token)
+        user = None if claims is None else token_user(claims)
+        if user is None:
+            return None
+        check_token_rate_limit(request, user)
+        request.user = user
+        return claims
 
 
 kdn_api = NinjaAPI(
@@ -64,9 +89,36 @@ def _malformed(request: HttpRequest, exc: ValidationError):
 HEAD_DOC = "The prompt head the KV is computed after (its text); default the deployment's."
 
 
+def _unicode(value: Any) -> Any:
+    """A lone surrogate (JSON's "\\ud800") is no text: the tokenizer cannot read it. Before
+    pydantic's own check, which refuses it too but says only "unable to parse raw data"."""
+    try:
+        if isinstance(value, str):
+            value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PydanticCustomError(
+            "unicode", "is not valid Unicode: a lone surrogate at character {at}",
+            {"at": err.start},
+        ) from None  # fmt: skip
+    return value
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise PydanticCustomError("blank", "is only whitespace, no text")
+    return text
+
+
+# A text or head is Unicode; a text to store or fetch has more than whitespace (a DELETE
+# takes any, so that a blank text stored before this rule can be removed).
+Head = Annotated[str, Field(min_length=1, description=HEAD_DOC), BeforeValidator(_unicode)]
+AnyText = Annotated[str, Field(min_length=1), BeforeValidator(_unicode)]
+Text = Annotated[AnyText, AfterValidator(_not_blank)]
+
+
 class PutIn(Schema):
-    text: str = Field(..., min_length=1, description="The chunk's text, tokenized on its own.")
-    head: str | None = Field(None, min_length=1, description=HEAD_DOC)
+    text: Text = Field(..., description="The chunk's text, tokenized on its own.")
+    head: Head | None = None
 
 
 class PutOut(Schema):
@@ -77,8 +129,8 @@ class PutOut(Schema):
 
 
 class DeleteIn(Schema):
-    text: str = Field(..., min_length=1, description="A text you stored with PUT.")
-    head: str | None = Field(None, min_length=1, description=HEAD_DOC)
+    text: AnyText = Field(..., description="A text you stored with PUT.")
+    head: Head | None = None
 
 
 class DeleteOut(Schema):
@@ -88,12 +140,12 @@ class DeleteOut(Schema):
 
 
 class FetchIn(Schema):
-    texts: list[str] = Field(
+    texts: list[Text] = Field(
         ...,
         min_length=1,
         description="Texts stored with PUT, or passages of documents you may read, in order.",
     )
-    head: str | None = Field(None, min_length=1, description=HEAD_DOC)
+    head: Head | None = None
 
 
 class ComputingOut(Schema):
@@ -134,7 +186,7 @@ def put_kv(request: HttpRequest, payload: PutIn):
         return response
 
 
-@kdn_api.delete("/kv", response={200: DeleteOut, **error_responses(404)}, tags=["kdn"])
+@kdn_api.delete("/kv", response={200: DeleteOut, **error_responses(404, 413)}, tags=["kdn"])
 def delete_kv(request: HttpRequest, payload: DeleteIn):
     """Delete a text you stored: its record (its tokens leave your quota) and its KV object,
     unless a document chunk or another record in the same scope uses it too. 404 when you
@@ -150,13 +202,16 @@ def delete_kv(request: HttpRequest, payload: DeleteIn):
 
 
 @kdn_api.post(
-    "/fetch", response={200: None, **error_responses(404)}, openapi_extra=_STREAM_DOC,
+    "/fetch", response={200: None, **error_responses(403, 404, 413)}, openapi_extra=_STREAM_DOC,
     auth=[ApiKeyAuth(), RequestTokenAuth()], tags=["kdn"],
 )  # fmt: skip
 def fetch_kv(request: HttpRequest, payload: FetchIn):
     """Stream the stored KV of each text, layer by layer: texts you stored, and passages of
     documents you may read (your own, and those of collections shared with you) as ingest
-    stored them. Takes an API key, or a request token (the inference worker's)."""
+    stored them. Takes an API key, or a request token (the inference worker's): that fetches
+    the texts it names only, after the deployment's head (any other is a 403)."""
+    if isinstance(request.auth, RequestToken):
+        _check_token_scope(request.auth, payload)
     try:
         keys = services.stored_keys(owner=request.user, texts=payload.texts, head=payload.head)
     except services.KdnRefused as err:
@@ -170,6 +225,18 @@ def fetch_kv(request: HttpRequest, payload: FetchIn):
         raise ApiError(404, "not_stored", f"texts[{err.index}] is recorded but its KV is gone "
                        "from the store: PUT it again.") from err  # fmt: skip
     return _stream_response(streams)
+
+
+def _check_token_scope(claims: RequestToken, payload: FetchIn) -> None:
+    """A 403 for a text the token does not name, decided from the token alone: it says
+    nothing of whether the text is stored, or whose it is."""
+    if payload.head is not None:
+        raise ApiError(403, "out_of_scope", "A request token fetches after the deployment's "
+                       "prompt head only: send no head.")  # fmt: skip
+    index = claims.first_outside(payload.texts)
+    if index is not None:
+        message = f"texts[{index}] is not a text this request token was issued for."
+        raise ApiError(403, "out_of_scope", message)
 
 
 def _s3_tier():

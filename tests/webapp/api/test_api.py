@@ -8,6 +8,7 @@ import json
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import connections
 from django.test import Client
 
@@ -22,6 +23,7 @@ from webapp.chat.models import Conversation, Message
 from webapp.chat.requests import HISTORY_TURNS
 from webapp.documents.models import Document
 from webapp.redis import redis_client
+from webapp.storage import object_store
 
 ENDPOINTS = [
     ("get", "/api/v1/documents"),
@@ -98,6 +100,20 @@ def test_documents_upload_list_detail_delete(client, alice_auth) -> None:
     assert client.delete(f"/api/v1/documents/{created['id']}", **alice_auth).status_code == 204
     assert client.get(f"/api/v1/documents/{created['id']}", **alice_auth).status_code == 404
     assert not Document.objects.filter(pk=created["id"]).exists()
+
+
+@pytest.mark.django_db
+def test_a_refused_upload_is_a_422_and_stores_nothing(client, alice, alice_auth) -> None:
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    program = SimpleUploadedFile("setup.exe", b"MZ\x90\x00\x03" + bytes(range(256)) * 4)
+    response = client.post("/api/v1/documents", {"file": program}, **alice_auth)
+    assert response.status_code == 422, response.content
+    body = response.json()
+    assert body["code"] == "upload_refused" and "Unsupported file type" in body["message"]
+    assert not Document.objects.exists()
+    mine = f"originals/{alice.pk}/"
+    assert not list(object_store().list_objects(settings.S3_DOCUMENTS_BUCKET, prefix=mine))
 
 
 @pytest.mark.django_db

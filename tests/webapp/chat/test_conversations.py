@@ -31,7 +31,7 @@ def _exchange(owner, title: str, question: str, answer: str, **conversation_fiel
 def test_rename_keeps_a_cleaned_title_and_refuses_an_empty_one(client, alice) -> None:
     conversation = _exchange(alice, "When was it dug?", "When?", "In 1764 [1].")
     client.force_login(alice)
-    client.post(f"/chat/{conversation.id}/rename", {"title": "  Velmont\x00   harbour "})
+    client.post(f"/chat/{conversation.id}/rename", {"title": "  Velmont\x07   harbour "})
     conversation.refresh_from_db()
     assert conversation.title == "Velmont harbour"
     response = client.post(f"/chat/{conversation.id}/rename", {"title": "   "}, follow=True)

@@ -3,12 +3,14 @@ PostgreSQL; the slow test kills a real inference worker in the middle of an answ
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -16,9 +18,12 @@ from django.utils import timezone
 
 from kvservice.protocol import (
     GENERATE_TASK,
+    INFLIGHT_GRACE_S,
+    INFLIGHT_KEY,
     GenerateRequest,
     answer_stream,
     decode_events,
+    inflight_abandon,
     inflight_add,
     inflight_entries,
     inflight_remove,
@@ -30,7 +35,14 @@ from kvservice.protocol import (
 from tests.conftest import ROOT, wait_for
 from webapp.chat import services
 from webapp.chat.models import Conversation, Message
-from webapp.chat.reaper import NOBODY_ANSWERED, WORKER_DIED, reap_stale_answers
+from webapp.chat.reaper import (
+    NOBODY_ANSWERED,
+    OVERDUE,
+    WORKER_DIED,
+    WORKER_LOST,
+    hard_limit_s,
+    reap_stale_answers,
+)
 from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
@@ -124,6 +136,86 @@ def test_a_question_no_worker_took_fails_after_the_limit(new_answer, settings) -
     assert old.status == Message.Status.FAILED and old.error_message == NOBODY_ANSWERED
     assert stop_requested(redis_client(), str(old.request_id))  # a late worker drops it
     assert recent.status == Message.Status.PENDING
+
+
+@pytest.fixture
+def live_worker() -> Iterator[str]:
+    """A worker id whose alive key is set: the reaper must not take it for dead."""
+    worker = f"alive:{uuid.uuid4()}"
+    mark_alive(redis_client(), worker)
+    yield worker
+    redis_client().delete(worker_alive_key(worker))
+
+
+@pytest.mark.django_db
+def test_answers_their_live_worker_abandoned_are_ended_from_their_streams(
+    new_answer, live_worker
+) -> None:
+    """A worker whose broker stopped answering gives its requests up: an answer it had
+    finished on the stream is recorded, one it had not fails with what it streamed."""
+    finished, cut = new_answer(), new_answer()
+    for answer in (finished, cut):
+        request = GenerateRequest(str(answer.request_id), "q", [], message_id=answer.id)
+        inflight_abandon(redis_client(), live_worker, request)
+    publish_event(redis_client(), str(finished.request_id), "done", text="Vienna", metrics={})
+    publish_event(redis_client(), str(cut.request_id), "token", text="The Danube")
+    reap_stale_answers()
+    finished.refresh_from_db()
+    cut.refresh_from_db()
+    assert finished.status == Message.Status.DONE and finished.content == "Vienna"
+    assert cut.status == Message.Status.FAILED and cut.error_message == WORKER_LOST
+    assert cut.content == "The Danube" and _events(cut)[-1][0] == "error"
+    assert not {str(finished.request_id), str(cut.request_id)} & set(
+        inflight_entries(redis_client())
+    )
+
+
+def _in_flight_since(answer: Message, worker: str, seconds_ago: float | None) -> None:
+    """An entry as a worker writes it, started ``seconds_ago`` (None: an older worker's,
+    with no start time)."""
+    entry = {"worker": worker, "message_id": answer.id, "audit_of": None, "timeout_s": 300.0}
+    if seconds_ago is not None:
+        entry["since"] = time.time() - seconds_ago
+    redis_client().hset(INFLIGHT_KEY, str(answer.request_id), json.dumps(entry))
+
+
+@pytest.mark.django_db
+def test_an_answer_in_flight_past_its_timeout_fails_though_its_worker_is_alive(
+    new_answer, live_worker
+) -> None:
+    """A worker alive but stuck on a request (a broker frozen under it, a hung engine) does
+    not keep its answer pending: past the request's timeout and the grace, it is ended."""
+    stuck, working = new_answer(), new_answer()
+    _in_flight_since(stuck, live_worker, seconds_ago=300 + INFLIGHT_GRACE_S + 1)
+    _in_flight_since(working, live_worker, seconds_ago=300 + INFLIGHT_GRACE_S - 5)
+    publish_event(redis_client(), str(stuck.request_id), "token", text="The Danube")
+    reap_stale_answers()
+    stuck.refresh_from_db()
+    working.refresh_from_db()
+    assert stuck.status == Message.Status.FAILED and stuck.error_message == OVERDUE
+    assert stuck.content == "The Danube"
+    assert stop_requested(redis_client(), str(stuck.request_id))  # the worker drops it
+    assert working.status == Message.Status.PENDING
+
+
+@pytest.mark.django_db
+def test_an_answer_pending_past_the_hard_limit_fails_even_in_flight(
+    new_answer, live_worker, settings
+) -> None:
+    """An entry with no start time (an older worker's) cannot be judged by its timeout: the
+    answer still fails once it has been pending past ``hard_limit_s()``."""
+    settings.ANSWER_PENDING_LIMIT_S = 60
+    old, recent = new_answer(), new_answer()
+    for answer, age in ((old, hard_limit_s() + 1), (recent, hard_limit_s() - 30)):
+        _in_flight_since(answer, live_worker, seconds_ago=None)
+        created = timezone.now() - timedelta(seconds=age)
+        Message.objects.filter(pk=answer.pk).update(created_at=created)
+    reap_stale_answers()
+    old.refresh_from_db()
+    recent.refresh_from_db()
+    assert old.status == Message.Status.FAILED and old.error_message == OVERDUE
+    assert str(old.request_id) not in inflight_entries(redis_client())
+    assert recent.status == Message.Status.PENDING  # past the pending limit, but in flight
 
 
 @pytest.mark.django_db

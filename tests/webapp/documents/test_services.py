@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import io
 
 import pytest
@@ -32,6 +33,10 @@ def _chunk(document: Document, index: int, kv_key: str) -> Chunk:
         document=document, index=index, text=f"chunk {index}", token_ids=[1, 2, index],
         token_count=3, token_ids_sha256=f"{index:064x}", kv_key=kv_key, kv_status="ready",
     )  # fmt: skip
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _original_exists(key: str) -> bool:
@@ -75,20 +80,35 @@ def test_upload_of_existing_content_returns_the_same_document(user) -> None:
     assert first.pk == second.pk and second.title == "x.docx"
 
 
-def test_a_refused_upload_is_reexamined_when_uploaded_again(user, settings) -> None:
-    data = files.text_bytes("limits")
+def _left_by_an_old_refusal(user, data: bytes) -> Document:
+    """A row as upload refusals left them before they stored nothing: failed, no original."""
+    return Document.objects.create(
+        owner=user, title="t.txt", content_sha256=_sha(data),
+        status="failed", error_message="The file is too large.", object_key="",
+    )  # fmt: skip
+
+
+def test_a_refused_upload_raises_and_stores_nothing(user, settings) -> None:
     settings.MAX_UPLOAD_BYTES = 10
-    refused = services.document_upload(owner=user, uploaded_file=upload("t.txt", data))
-    assert refused.status == "failed" and not refused.object_key
-    settings.MAX_UPLOAD_BYTES = 10 * 1024 * 1024
+    data = files.text_bytes("limits")
+    with pytest.raises(services.UploadRefused, match="too large"):
+        services.document_upload(owner=user, uploaded_file=upload("t.txt", data))
+    assert not Document.objects.exists()
+    key = services.original_object_key(owner_id=user.pk, content_sha256=_sha(data))
+    assert not _original_exists(key)
+
+
+def test_an_old_refusals_row_is_taken_over_by_an_accepted_upload(user) -> None:
+    data = files.text_bytes("limits")
+    refused = _left_by_an_old_refusal(user, data)
     accepted = services.document_upload(owner=user, uploaded_file=upload("t.txt", data))
     assert accepted.pk == refused.pk
     assert (accepted.status, accepted.error_message) == ("queued", "")
     assert _original_exists(accepted.object_key)
 
 
-def test_retry_of_a_refused_upload_is_not_possible(user) -> None:
-    refused = services.document_upload(owner=user, uploaded_file=upload("e.txt", b""))
+def test_retry_of_an_old_refusals_row_is_not_possible(user) -> None:
+    refused = _left_by_an_old_refusal(user, b"e")
     with pytest.raises(services.RetryNotPossible):
         services.document_retry(document=refused)
 

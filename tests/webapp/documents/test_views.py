@@ -62,31 +62,56 @@ def test_same_content_from_two_users_is_two_documents(client, user, other_user) 
     assert Document.objects.count() == 2
 
 
+def _stored_originals(user) -> list[str]:
+    prefix = f"originals/{user.pk}/"
+    found = object_store().list_objects(settings.S3_DOCUMENTS_BUCKET, prefix=prefix)
+    return [item.object_name for item in found]
+
+
 @pytest.mark.parametrize(
     ("name", "data", "message"),
     [
         ("empty.txt", b"", "The file is empty."),
         ("photo.pdf", files.png_bytes(), "Unsupported file type (image/png)"),
         ("archive.docx", b"PK\x03\x04" + b"\x00" * 100, "damaged"),
+        ("setup.exe", b"MZ\x90\x00\x03" + bytes(range(256)) * 4, "Unsupported file type"),
+        ("blob.txt", bytes(range(256)) * 8, "Unsupported file type (binary data)"),
     ],
 )
-def test_refused_uploads_are_failed_documents_with_a_message(
+def test_refused_uploads_are_a_message_and_store_nothing(
     alice_client, user, name, data, message
 ) -> None:
-    alice_client.post(reverse("documents:list"), {"files": [upload(name, data)]})
-    document = Document.objects.get(owner=user)
-    assert document.status == Document.Status.FAILED
-    assert message in document.error_message
-    assert document.object_key == ""  # nothing was stored
-    assert not document.can_retry
+    response = alice_client.post(reverse("documents:list"), {"files": [upload(name, data)]},
+                                 follow=True)  # fmt: skip
+    shown = [m.message for m in response.context["messages"]]
+    assert len(shown) == 1 and shown[0].startswith(f"{name}: ") and message in shown[0]
+    assert not Document.objects.filter(owner=user).exists()
+    assert _stored_originals(user) == []
 
 
-def test_oversize_upload_fails_with_the_limit_in_the_message(alice_client, user, settings) -> None:
+def test_a_refusal_is_shown_in_the_htmx_answer_next_to_the_accepted(alice_client, user) -> None:
+    accepted = files.text_bytes("kept")
+    response = alice_client.post(
+        reverse("documents:list"),
+        {"files": [upload("kept.txt", accepted), upload("empty.txt", b"")]},
+        HTTP_HX_REQUEST="true",
+    )
+    assert "empty.txt: The file is empty." in response.content.decode()
+    kept = Document.objects.get(owner=user)  # the only one
+    assert kept.title == "kept.txt" and kept.content_sha256 == hashlib.sha256(accepted).hexdigest()
+    assert _stored_originals(user) == [kept.object_key]
+
+
+def test_oversize_upload_is_refused_with_the_limit_in_the_message(
+    alice_client, user, settings
+) -> None:
     settings.MAX_UPLOAD_BYTES = 1024
-    alice_client.post(reverse("documents:list"), {"files": [upload("big.txt", b"a. " * 2000)]})
-    document = Document.objects.get(owner=user)
-    assert document.status == Document.Status.FAILED
-    assert "too large" in document.error_message and "limit" in document.error_message
+    response = alice_client.post(
+        reverse("documents:list"), {"files": [upload("big.txt", b"a. " * 2000)]}, follow=True
+    )
+    assert "big.txt: The file is too large" in response.content.decode()
+    assert "the limit is" in response.content.decode()
+    assert not Document.objects.filter(owner=user).exists()
 
 
 def test_page_lists_only_my_documents_with_status_and_progress(client, user, other_user) -> None:

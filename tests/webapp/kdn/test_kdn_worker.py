@@ -32,7 +32,7 @@ from webapp.documents.kv import kv_store
 from webapp.documents.models import Chunk, Collection, Document, OrphanObject
 from webapp.documents.services import document_delete
 from webapp.kdn.models import StoredText
-from webapp.kdn.tokens import SALT, request_token, token_claims
+from webapp.kdn.tokens import SALT, request_token, text_digest, token_claims
 
 TEXT = (
     "The Varnholt observatory sits above the village of Ostrel. Its great telescope was "
@@ -78,7 +78,7 @@ def test_the_workers_store_reads_a_passage_through_the_api_with_the_request_toke
     assert store.durable is None and not any(isinstance(t, S3Tier) for t in store.tiers)
     assert [t.name for t in store.tiers] == ["cpu", "kdn"]
     kdn = store.tier("kdn")
-    token = request_token(user_id=alice.pk, request_id="r-1", timeout_s=60)
+    token = request_token(user_id=alice.pk, request_id="r-1", texts=[chunk.text], timeout_s=60)
     kdn.expect({key: KdnRead(chunk.text, token, time.monotonic() + 60)})
     with KVLoader(store) as loader:
         batch = loader.open([key], token_ids=[chunk.token_ids], recompute_fn=_no_recompute)
@@ -94,7 +94,7 @@ def test_the_workers_store_reads_a_passage_through_the_api_with_the_request_toke
     assert kdn.stats().hits >= 1 and kdn.stats().bytes_read > 0
 
     # Bob may not read alice's passage: the fetch is a 404, and the worker recomputes it.
-    bobs = request_token(user_id=bob.pk, request_id="r-2", timeout_s=60)
+    bobs = request_token(user_id=bob.pk, request_id="r-2", texts=[chunk.text], timeout_s=60)
     client = Client()
     response = _fetch(client, bobs, [chunk.text])
     assert response.status_code == 404 and response.json()["code"] == "not_stored"
@@ -141,9 +141,9 @@ def test_the_workers_store_reads_a_passage_through_the_api_with_the_request_toke
 @pytest.mark.django_db
 def test_an_expired_or_forged_token_is_a_401(alice) -> None:
     client = Client()
-    expired = request_token(user_id=alice.pk, request_id="r-1", timeout_s=-1)
+    expired = request_token(user_id=alice.pk, request_id="r-1", texts=[PASSAGE], timeout_s=-1)
     assert _fetch(client, expired, [PASSAGE]).status_code == 401
-    valid = request_token(user_id=alice.pk, request_id="r-1", timeout_s=60)
+    valid = request_token(user_id=alice.pk, request_id="r-1", texts=[PASSAGE], timeout_s=60)
     payload = signing.loads(valid, salt=SALT)
     forged = [
         valid[:-2] + ("AA" if not valid.endswith("AA") else "BB"),  # signature changed
@@ -164,7 +164,7 @@ def test_an_expired_or_forged_token_is_a_401(alice) -> None:
 
 @pytest.mark.django_db
 def test_an_inactive_users_token_is_a_401(alice) -> None:
-    token = request_token(user_id=alice.pk, request_id="r-1", timeout_s=60)
+    token = request_token(user_id=alice.pk, request_id="r-1", texts=[PASSAGE], timeout_s=60)
     alice.is_active = False
     alice.save()
     assert _fetch(Client(), token, [PASSAGE]).status_code == 401
@@ -275,7 +275,8 @@ def test_the_tier_asks_only_for_keys_a_live_request_named() -> None:
 
 
 @pytest.mark.django_db
-def test_a_question_sends_each_passage_with_its_text_and_the_askers_token(alice) -> None:
+def test_a_question_sends_each_passage_with_its_text_and_the_askers_token(alice, settings) -> None:
+    settings.KV_SOURCE = "kdn"  # with s3 no token is signed (test_kdn_hostile.py)
     document = Document.objects.create(owner=alice, title="t", content_sha256="0" * 64)
     chunk = Chunk.objects.create(document=document, index=0, text="Some words.",
                                  token_ids=[1, 2], token_count=2,
@@ -290,7 +291,8 @@ def test_a_question_sends_each_passage_with_its_text_and_the_askers_token(alice)
     assert ref.text == "Some words." and ref.kv_scope == f"u{alice.pk}"
     claims = token_claims(ref.kdn_token)
     assert claims.user_id == alice.pk and claims.request_id == str(answer.request_id)
-    assert 0 < claims.expires_at - time.time() <= request.timeout_s
+    assert claims.text_digests == {text_digest("Some words.")}  # this passage, no other
+    assert 0 < claims.expires_at - time.time() <= min(request.timeout_s, settings.KDN_TOKEN_TTL_S)
     audit = generate_request(question="q", history=[], citations=[citation], mode="full",
                              audit_of=answer.id)  # fmt: skip
     assert token_claims(audit.chunks[0].kdn_token).user_id == alice.pk
