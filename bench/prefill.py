@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from bench.data import passage_texts
+from bench.opcount import count_ops
 from bench.staging import TIERS, after_full, bench_of, parse_link_rate
 from bench.stats import bootstrap_ci, quantile
 from bench.timing import cpu_name, timed
@@ -209,9 +210,14 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     full = timings.results["full"] if "full" in timings.results else prefill("full", "full")
     reference = _Reference.of(model, tokenizer, full, args, stop_ids)
     row: dict = {"num_tokens": full.num_tokens, "full_answer": reference.text, "modes": {}}
-    for key in args.plan:
+    for key, (mode, ratio) in args.plan.items():
         row["modes"][key] = _mode_row(key, prefill, timings, reference, tokenizer, example,
                                       stop_ids)  # fmt: skip
+        # Counted on an untimed run of its own (the profiler slows what it watches).
+        run = functools.partial(prefill, f"{key}/ops", mode, ratio)
+        ops = count_ops(run, model.config.n_layers)
+        row["modes"][key]["ops_per_layer"] = ops.per_layer
+        row["modes"][key]["ops_top"] = dict(ops.top())
     if timings.ttft["hf_full"]:
         row["hf_full"] = {"ttft_s": statistics.median(timings.ttft["hf_full"])}
     return row
@@ -710,10 +716,11 @@ def ratio_curve(modes: Mapping[str, dict], plan: Mapping[str, tuple[Mode, float]
 
 
 def _store_means(values: list[dict]) -> dict:
-    """Per-mode means of the store's numbers (None where the mode read no cached KV)."""
+    """Per-mode means of the store's numbers (None where the mode read no cached KV) and of
+    the operators a pass dispatched (None where they were not counted)."""
     out = {}
     for name in ("load_s", "hidden_load_fraction", "ratio_chosen", "kv_bytes_per_token",
-                 "s3_mbps", "recomputed_chunks"):  # fmt: skip
+                 "s3_mbps", "recomputed_chunks", "ops_per_layer"):  # fmt: skip
         known = [v[name] for v in values if v.get(name) is not None]
         out[name] = statistics.fmean(known) if known else None
     return out
@@ -739,6 +746,11 @@ def print_table(summary: dict) -> None:
             f"{versus:>12} {m['gold_f1']:7.3f}"
         )
     print("vs reuse -/+: examples whose tf_kl is worse / better than reuse's on the same prompt")
+    counted = {key: m["ops_per_layer"] for key, m in summary["modes"].items()
+               if m.get("ops_per_layer") is not None}  # fmt: skip
+    if counted:
+        print("kernel-launching operators per layer (bench.opcount, every thread): "
+              + ", ".join(f"{key} {ops:.1f}" for key, ops in counted.items()))  # fmt: skip
     for key, m in summary["modes"].items():
         if "second_token_median_s" in m:
             ratio = m["second_token_ratio_to_full"] or float("nan")

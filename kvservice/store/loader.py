@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -66,6 +67,18 @@ DECODE_LAYERS = 32
 # 0.457 -> 0.28-0.31 s at 4,096 tokens and 1.72 -> 0.68-0.78 s at 16,384; 4 MiB was better
 # for fp16 (0.23-0.25 / 0.57 s) but worse for the default codec at 16,384 (0.56 s / 0.34 s).
 DISK_RUN_BYTES = 16 << 20
+
+# What every fetch task runs inside, when set (None: nothing): how a bench counts the operators
+# a request dispatches on the loader's threads as well as its own (bench.opcount; a dispatch
+# mode or the profiler sees only the thread it was entered on).
+task_context: Callable[[], AbstractContextManager[Any]] | None = None
+
+
+def _in_task_context(fn: Callable[..., Any], *args: Any) -> Any:
+    if task_context is None:
+        return fn(*args)
+    with task_context():
+        return fn(*args)
 
 
 @dataclass(frozen=True)
@@ -261,7 +274,9 @@ class StoreLayeredKV:
                 else:  # disk: read and checked on a fetch thread
                     run = self._run_futures(found.header, index, DISK_RUN_BYTES)
                     self._futures.update(run)
-                    self._loader.executor.submit(self._fetch_run, found, run, generation)
+                    self._loader.executor.submit(
+                        _in_task_context, self._fetch_run, found, run, generation
+                    )
 
     def _start_stream(self, found: Located) -> None:
         """Every layer's future now, resolved in order by one sequential read that a stream
@@ -576,7 +591,7 @@ class KVLoader:
         streams = [stream for stream in (s.take_stream() for s in sources) if stream is not None]
         readers = min(self.stream_threads, len(streams))
         for r in range(readers):
-            self.stream_executor.submit(_read_in_turn, streams[r::readers])
+            self.stream_executor.submit(_in_task_context, _read_in_turn, streams[r::readers])
 
     def open(
         self,
@@ -602,7 +617,7 @@ class KVLoader:
             for i, key in enumerate(keys)
         ]
         started = time.perf_counter()
-        located = [self.executor.submit(source._locate) for source in sources]
+        located = [self.executor.submit(_in_task_context, source._locate) for source in sources]
         for future in located:
             future.result()
         if choose is not None:
