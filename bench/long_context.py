@@ -30,6 +30,7 @@ Per mode (``modes.<mode>`` in the JSON, the Musique bench's names where they mea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -40,6 +41,7 @@ from dataclasses import asdict
 import torch
 
 from bench.codec import decode_speed
+from bench.opcount import count_ops
 from bench.prefill import chunk_sources
 from bench.staging import bench_of, on_device
 from bench.timing import cpu_name, synchronize, timed
@@ -139,6 +141,9 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
             if device.type == "cuda":
                 peak[key] = max(peak.get(key, 0), torch.cuda.max_memory_allocated(device))
 
+    # Operators each run dispatches, counted on an untimed run of its own (bench.opcount).
+    ops = {key: count_ops(functools.partial(prefill, key, mode, ratio), model.config.n_layers)
+           for key, (mode, ratio) in plan.items()}  # fmt: skip
     full_logits = logits["full"] if "full" in logits else prefill("full", "full", 0.0)[0]
     full_ttft = statistics.median(ttft["full"]) if "full" in ttft else None
     modes = {}
@@ -152,6 +157,7 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
             "prefill_tokens_per_s": prompt_tokens / median,
             "recompute_ratio": ratios[key],
             "peak_memory_bytes": peak.get(key),
+            "ops_per_layer": ops[key].per_layer,
             **bench.report(
                 key,
                 prompt_tokens=prompt_tokens,
@@ -259,7 +265,7 @@ def _gib(n: int | None) -> str:
 def print_table(report: Mapping) -> None:
     header = (
         f"{'run':13} {'TTFT s':>8} {'x full':>6} {'tok/s':>8} {'peak GiB':>8} {'load s':>7} "
-        f"{'hidden':>6} {'KL':>8} {'agree':>5}"
+        f"{'hidden':>6} {'KL':>8} {'agree':>5} {'ops/L':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -269,7 +275,8 @@ def print_table(report: Mapping) -> None:
             f"{key:13} {m['ttft_median_s']:8.3f} {ratio or float('nan'):6.3f} "
             f"{m['prefill_tokens_per_s']:8.0f} {_gib(m['peak_memory_bytes']):>8} "
             f"{m['load_s']:7.3f} {'-' if hidden is None else f'{hidden:.2f}':>6} "
-            f"{m['kl_to_full']:8.2e} {'yes' if m['agrees_with_full'] else 'no':>5}"
+            f"{m['kl_to_full']:8.2e} {'yes' if m['agrees_with_full'] else 'no':>5} "
+            f"{m.get('ops_per_layer') or float('nan'):6.1f}"
         )
     memory, prompt, env = report["memory"], report["prompt"], report["env"]
     print(
