@@ -59,7 +59,8 @@ def kdn_inference_worker(redis_service, live_server, tmp_path) -> Iterator[None]
     assert "S3 unreachable" not in log_path.read_text()
 
 
-@override_settings(INFERENCE_QUEUE=KDN_QUEUE, CHAT_MAX_NEW_TOKENS=24)
+# The web side signs a question's KV tokens only where it is told the workers read the KDN.
+@override_settings(INFERENCE_QUEUE=KDN_QUEUE, CHAT_MAX_NEW_TOKENS=24, KV_SOURCE="kdn")
 def test_a_kdn_worker_answers_from_kv_fetched_through_the_api(
     celery_worker_process, kdn_inference_worker, django_user_model
 ) -> None:
