@@ -109,17 +109,14 @@ def _usage(metrics: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def _extras(answer: Message, result: answers.FinishedAnswer) -> dict[str, Any]:
-    """``citations`` (what the answer cites), ``also_retrieved`` and ``ragblend`` (with
-    ``withheld``: the words of an answer no passage supports, whose content is "not found";
-    a stream sent them, then marked them withdrawn)."""
+def _extras(answer: Message, metrics: dict[str, Any], text: str) -> dict[str, Any]:
+    """``citations`` (what the answer cites), ``also_retrieved`` and ``ragblend``."""
     return {
-        **answers.sources_of(answer, result.text),
+        **answers.sources_of(answer, text),
         "ragblend": {
             "conversation_id": answer.conversation_id,
             "message_id": answer.pk,
-            "withheld": result.withheld,
-            "metrics": answers.metrics_of(answer, result.metrics),
+            "metrics": answers.metrics_of(answer, metrics),
         },  # fmt: skip
     }
 
@@ -143,7 +140,7 @@ async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
                 yield sse(None, _openai_error(error))
                 return
             last = _chunk(answer, model, {}, finish=result.metrics.get("finish_reason", "stop"))
-            extras = await sync_to_async(_extras)(answer, result)
+            extras = await sync_to_async(_extras)(answer, result.metrics, result.text)
             last |= {"usage": _usage(result.metrics)} | extras
             yield sse(None, last)
     except AnswerTimeout as err:
@@ -187,4 +184,4 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
             }
         ],  # fmt: skip
         "usage": _usage(result.metrics),
-    } | _extras(answer, result)
+    } | _extras(answer, result.metrics, result.text)
