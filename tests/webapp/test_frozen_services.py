@@ -38,6 +38,7 @@ from kvservice.protocol import (
     publish_event,
 )
 from tests.conftest import ROOT, TEST_S3_BUCKETS, wait_for
+from tests.webapp.chat.test_reaper import wait_until_reaped
 from webapp.chat.models import Conversation, Message
 from webapp.chat.reaper import WORKER_LOST, reap_stale_answers
 from webapp.documents.models import Document, OrphanObject
@@ -143,6 +144,19 @@ def _get(client: Client, path: str) -> tuple[Any, float]:
     return timed(lambda: client.get(path))
 
 
+def _health_while_frozen(client: Client, service: services.RunningService, settings) -> tuple:
+    """/healthz and /readyz asked while ``service`` is frozen (both 200 before): each must
+    answer within HEALTH_TIMEOUT_S (and 2 s of slack); their responses."""
+    assert _get(client, "/readyz")[0].status_code == 200  # up before the freeze
+    with frozen(service):
+        health, health_s = _get(client, "/healthz")
+        ready, ready_s = _get(client, "/readyz")
+    print(f"frozen {service.name}: /healthz {health_s:.2f} s, /readyz {ready_s:.2f} s")
+    limit_s = settings.HEALTH_TIMEOUT_S + 2
+    assert health_s < limit_s and ready_s < limit_s
+    return health, ready
+
+
 # --- valkey frozen ---------------------------------------------------------------------------
 
 
@@ -151,13 +165,7 @@ def _get(client: Client, path: str) -> tuple[Any, float]:
 def test_healthz_and_readyz_answer_in_time_with_the_broker_down_while_valkey_is_frozen(
     staff_client, web_on_private_valkey, private_valkey, settings
 ) -> None:
-    assert _get(staff_client, "/readyz")[0].status_code == 200  # up before the freeze
-    with frozen(private_valkey):
-        health, health_s = _get(staff_client, "/healthz")
-        ready, ready_s = _get(staff_client, "/readyz")
-    print(f"frozen valkey: /healthz {health_s:.2f} s, /readyz {ready_s:.2f} s")
-    limit_s = settings.HEALTH_TIMEOUT_S + 2
-    assert health_s < limit_s and ready_s < limit_s
+    health, ready = _health_while_frozen(staff_client, private_valkey, settings)
     components = health.json()["components"]
     assert health.status_code == 503 and components["broker"]["status"] == "down"
     assert components["database"]["status"] == "up"  # the others are still told apart
@@ -293,11 +301,7 @@ def _freeze_mid_answer(
     wait_for(lambda: inflight_entries(client).get(request_id, {}).get("abandoned"), timeout=30,
              interval=0.5, what="the worker to give the request up")  # fmt: skip
 
-    def ended() -> bool:
-        reap_stale_answers()  # beat runs it every REAPER_INTERVAL_S
-        return Message.objects.get(pk=answer.pk).status != Message.Status.PENDING
-
-    wait_for(ended, timeout=30, interval=0.5, what="the reaper to end the answer")
+    wait_until_reaped(answer)
     print(f"frozen valkey 25 s: answer failed {time.monotonic() - thawed:.1f} s after the thaw")
     answer.refresh_from_db()
     assert answer.status == Message.Status.FAILED and answer.error_message == WORKER_LOST
@@ -326,13 +330,7 @@ def test_readyz_needs_s3(client, settings) -> None:
 def test_healthz_and_readyz_report_a_frozen_s3_in_time(
     staff_client, web_on_private_s3, private_s3, settings
 ) -> None:
-    assert _get(staff_client, "/readyz")[0].status_code == 200
-    with frozen(private_s3):
-        health, health_s = _get(staff_client, "/healthz")
-        ready, ready_s = _get(staff_client, "/readyz")
-    print(f"frozen S3: /healthz {health_s:.2f} s, /readyz {ready_s:.2f} s")
-    limit_s = settings.HEALTH_TIMEOUT_S + 2
-    assert health_s < limit_s and ready_s < limit_s
+    health, ready = _health_while_frozen(staff_client, private_s3, settings)
     object_store_check = health.json()["components"]["object_store"]
     assert object_store_check["status"] == "down", object_store_check
     assert ready.status_code == 503 and ready.json()["failed"] == ["object_store"]

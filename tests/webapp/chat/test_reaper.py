@@ -47,6 +47,17 @@ from webapp.redis import redis_client
 from worker.celery import app as celery_app
 
 
+def wait_until_reaped(answer: Message, timeout: float = 30) -> None:
+    """Run the reaper (beat runs it every REAPER_INTERVAL_S) until ``answer`` is no longer
+    pending."""
+
+    def ended() -> bool:
+        reap_stale_answers()
+        return Message.objects.get(pk=answer.pk).status != Message.Status.PENDING
+
+    wait_for(ended, timeout=timeout, interval=0.5, what="the reaper to end the answer")
+
+
 @pytest.fixture
 def alice(django_user_model):
     return django_user_model.objects.create_user(username="alice", password="alice-passphrase")
@@ -261,11 +272,7 @@ def test_killing_the_inference_worker_mid_answer_fails_the_answer_within_seconds
         worker.wait(10)
         killed_at = time.monotonic()
 
-        def ended() -> bool:
-            reap_stale_answers()
-            return Message.objects.get(pk=answer.pk).status != Message.Status.PENDING
-
-        wait_for(ended, timeout=30, interval=0.5, what="the reaper to end the answer")
+        wait_until_reaped(answer)
         print(f"answer ended {time.monotonic() - killed_at:.1f} s after the kill")
         answer.refresh_from_db()
         assert answer.status == Message.Status.FAILED and answer.error_message == WORKER_DIED
