@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.data import passage_texts
-from kvservice.citing import cited_ranks, complete_citation, says_not_found
+from kvservice.citing import cited_ranks, says_not_found, verdict
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 LOOP_NGRAM, LOOP_REPEATS = 6, 3
@@ -66,7 +66,7 @@ class Outcome:
     seconds: float
     loops: bool
     model_cited: bool  # the model wrote a valid [n] itself
-    citation: str  # kvservice.citing.complete_citation's "model", "attributed", ...
+    citation: str  # kvservice.citing.verdict's "model", "attributed", ...
     cited: list[int]
     cites_fact: bool
     not_found: bool
@@ -130,9 +130,9 @@ def run(cases: list[Case], engine: Any, sampling: Any) -> list[Outcome]:
             tokens = len(completion.token_ids)
         model_cited = bool(cited_ranks(text, len(case.passages)))
         how = "not_found"
-        if case.passages:  # what the worker adds: the [n] of the supporting passage, or a note
-            extra, how = complete_citation(text, case.passages, case.question)
-            text += extra
+        if case.passages:  # the worker's verdict: the [n] of the supporting passage, or "not found"
+            judged = verdict(text, case.passages, case.question)
+            text, how = judged.text, judged.citation
         cited = cited_ranks(text, len(case.passages))
         fact = (case.fact or "").lower()
         outcome = Outcome(

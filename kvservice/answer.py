@@ -195,20 +195,23 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> di
     cut = status == "done" and finish_reason == "length" and not answer.repeated
     if rest := answer.finish(cut=cut):
         publish_event(redis, request_id, "token", text=rest)
-    text, citation = answer.text, None
+    text, citation, withheld = answer.text, None, ""
     if status == "done":
         passages = [runtime.tokenizer.decode(ids) for ids in fitted.chunks_tokens]
-        extra, citation = citing.complete_citation(text, passages, request.question)
-        if extra:
-            text += extra
-            publish_event(redis, request_id, "token", text=extra)
+        judged = citing.verdict(text, passages, request.question)
+        if judged.streamed:
+            publish_event(redis, request_id, "token", text=judged.streamed)
+        text, citation, withheld = judged.text, judged.citation, judged.withheld
+    whole_prefix = served_from_prefix(fitted, engine_metrics)
     metrics: dict[str, Any] = {
         "mode": request.mode,
         "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
         "ttft_s": None if first_token_at is None else round(first_token_at - started, 4),
         "second_token_s": None if second_token_at is None else round(second_token_at - started, 4),
         "total_s": round(time.perf_counter() - started, 4),
-        "recompute_ratio": plan.ratio,
+        # No ratio ran over passages the prefix cache served whole: none is recorded.
+        "recompute_ratio": None if whole_prefix else plan.ratio,
+        "prefix_cache": whole_prefix,
         "prompt_tokens": plan.prompt_tokens,
         "completion_tokens": completion_tokens,
         # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise (an answer
@@ -221,7 +224,17 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> di
         "citation": citation,
         **engine_metrics,
     }
-    if plan.decision is not None:
+    if plan.decision is not None and not whole_prefix:
         metrics["controller"] = {"source": plan.decision.source, "why": plan.decision.why}
-    publish_event(redis, request_id, "done", text=text, metrics=metrics, status=status)
-    return {"status": status, "text": text, "error": "", "metrics": metrics}
+    publish_event(
+        redis, request_id, "done", text=text, withheld=withheld, metrics=metrics, status=status
+    )
+    return {"status": status, "text": text, "withheld": withheld, "error": "", "metrics": metrics}
+
+
+def served_from_prefix(fitted: FittedContext, engine_metrics: dict[str, Any]) -> bool:
+    """Whether every passage's KV came from the prefix cache (``kvservice.prefix``): the
+    whole context was read as the previous turn left it, so no recompute ratio ran."""
+    tiers = engine_metrics.get("chunk_tiers") or {}
+    kept = [str(chunk_id) for chunk_id in fitted.chunk_ids]
+    return bool(kept) and all(tiers.get(chunk_id) == "prefix" for chunk_id in kept)

@@ -1,17 +1,36 @@
 """What an answer says about its sources, read from its text: which passages it cites inline
 ([n]), which passage supports it when it cites none, which sentence of a cited passage
 supports it, and whether it says the documents do not hold the answer. Pure functions: the
-inference worker completes an answer's citation, the chat records them, the APIs report them,
-the answer benchmark measures them."""
+inference worker gives each complete answer one verdict (``verdict``: supported, or "not
+found"), the chat records them, the APIs report them, the answer benchmark measures them."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 CITATION_MARK = re.compile(r"\[(\d{1,2})\]")
-_SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)")
 _WORD = re.compile(r"\w+", re.UNICODE)
+# Where a sentence may end: a line break, or . ! ? … (closing quotes and brackets after
+# them included) before a space or the end. A mark inside a token ("48.2",
+# "helpdesk@brightwater.coop", "https://example.org/a?b=1") is never followed by a space,
+# so it is never a candidate.
+_SENTENCE_END = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s|$)|\n")
+# The token before a period: words joined by dots, @ or hyphens ("e.g", "U.S", "48.2",
+# "helpdesk@brightwater.coop"), at most this long.
+_TOKEN_BEFORE = re.compile(r"[\w@.-]*\w$")
+_TOKEN_MAX = 200
+# Abbreviations a period does not end a sentence after, even before a capital ("Dr. Lee",
+# "e.g. The", "U.S. Coast Guard"); some only before a number ("No. 4", "approx. 40"), as
+# "The answer is no. The" ends one. Those that often end a sentence ("etc.", "Inc.",
+# "a.m.") are left out: a capital after them starts a new sentence.
+_TITLES = frozenset("mr mrs ms dr prof sr jr st mt gen col capt lt sgt rev hon".split())
+_BEFORE_WORDS = frozenset("vs cf e.g i.e incl excl resp viz".split())
+_BEFORE_NUMBERS = frozenset(
+    "no nr nos fig figs p pp vol vols ch sec art para tel ext min max approx ca".split()
+)
+_ENDING_ABBREVIATIONS = frozenset("a.m p.m".split())
 # Words too common to tell one sentence from another.
 _STOP_WORDS = frozenset(
     "a an and are as at be by can do does for from has have how in is it its of on or that the "
@@ -34,16 +53,59 @@ def _words(text: str) -> set[str]:
     return {w for w in _WORD.findall(text.lower()) if w not in _STOP_WORDS}
 
 
+def _abbreviates(token: str, following: str) -> bool:
+    """Whether a period after ``token``, with ``following`` after it, marks an abbreviation:
+    a title or a word of ``_BEFORE_WORDS``, one of ``_BEFORE_NUMBERS`` before a digit, or
+    single letters joined by dots ("U.S", "e.g")."""
+    word = token.lower()
+    if word in _TITLES or word in _BEFORE_WORDS:
+        return True
+    if word in _BEFORE_NUMBERS:
+        return following[:1].isdigit()
+    parts = word.split(".")
+    letters = len(parts) > 1 and all(len(part) == 1 and part.isalpha() for part in parts)
+    return letters and word not in _ENDING_ABBREVIATIONS
+
+
+def _ends_sentence(text: str, mark: re.Match[str]) -> bool:
+    """Whether the candidate ``mark`` (a ``_SENTENCE_END`` match) ends a sentence: always
+    ! ? and …; a line break unless the next line goes on in lowercase (a PDF's wrapped line);
+    a period unless it marks an abbreviation or a list number at the start of a line
+    ("2. Lock the door"), or a lowercase word follows it."""
+    following = text[mark.end() :].lstrip(" \t")
+    if mark.group() == "\n":  # a line wrapped inside a sentence goes on in lowercase
+        return not following[:1].islower()
+    if mark.group()[0] in "!?…":
+        return True
+    before = _TOKEN_BEFORE.search(text, max(0, mark.start() - _TOKEN_MAX), mark.start())
+    token = before.group() if before else ""
+    if token and _abbreviates(token, following):
+        return False
+    line_start = text.rfind("\n", 0, mark.start()) + 1
+    if token.isdigit() and not text[line_start : mark.start() - len(token)].strip():
+        return False
+    return not following[:1].islower()
+
+
 def sentences(text: str) -> list[tuple[int, int]]:
-    """(start, end) of each sentence of ``text``, surrounding spaces left out."""
-    spans = []
-    for match in _SENTENCE.finditer(text):
-        start, end = match.span()
-        while start < end and text[start].isspace():
-            start += 1
-        if start < end:
-            spans.append((start, end))
-    return spans
+    """(start, end) of each sentence of ``text``, surrounding spaces left out. Periods of
+    decimals, e-mail addresses, URLs and abbreviations end none (``_ends_sentence``)."""
+    spans, start = [], 0
+    for mark in _SENTENCE_END.finditer(text):
+        if _ends_sentence(text, mark):
+            spans.append((start, mark.end()))
+            start = mark.end()
+    spans.append((start, len(text)))
+    return [trimmed for span in spans if (trimmed := _trimmed(text, *span))]
+
+
+def _trimmed(text: str, start: int, end: int) -> tuple[int, int] | None:
+    """The span without the spaces at its ends (None when nothing else is left)."""
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return (start, end) if start < end else None
 
 
 def claim_for(answer: str, rank: int) -> str:
@@ -107,20 +169,43 @@ def attribute(answer: str, passages: Sequence[str], question: str = "") -> int |
     return best
 
 
-# Added to an answer that cites no passage and none of whose words any passage holds.
-UNSUPPORTED = "(I could not find this in your documents: no passage supports this answer.)"
+# The one verdict on an answer that cites no passage and none of whose words any passage
+# holds: it is recorded and shown in place of the model's words ("The answer is: 4"
+# followed by a note that nothing supports it left readers two answers to choose from).
+UNSUPPORTED = "I could not find this in your documents: no passage supports an answer."
+# What the stream adds after those words, which its readers have already received: they are
+# withdrawn. The stream's ``done`` carries ``UNSUPPORTED`` alone (the page shows that).
+WITHDRAWN = (
+    "\n\n(Withdrawn: no passage of your documents supports the words above, so they are not "
+    "an answer. " + UNSUPPORTED + ")"
+)
 
 
-def complete_citation(text: str, passages: Sequence[str], question: str) -> tuple[str, str]:
-    """(text to add to the answer, how it cites). The model's own [n] markers stand
-    ("model"), as does its "not found"; an answer without a marker cites the passage that
-    holds what it adds to the question ("attributed": the bundled model writes few markers),
-    and one that no passage supports says so ("unsupported")."""
+@dataclass(frozen=True)
+class Verdict:
+    """A complete answer judged against its passages: how it cites (``citation``:
+    "model", "attributed", "not_found" or "unsupported"), its text as recorded and shown,
+    what the stream adds after the words already streamed, and the model's words when they
+    are withheld (an unsupported answer's)."""
+
+    citation: str
+    text: str
+    streamed: str = ""
+    withheld: str = ""
+
+
+def verdict(text: str, passages: Sequence[str], question: str) -> Verdict:
+    """One verdict per answer. The model's own [n] markers stand ("model"), as does its "not
+    found"; an answer without a marker cites the passage that holds what it adds to the
+    question ("attributed": the bundled model writes few markers); one that no passage
+    supports becomes "not found" (``UNSUPPORTED``), its words withheld."""
     if cited_ranks(text, len(passages)):
-        return "", "model"
+        return Verdict("model", text)
     if says_not_found(text):
-        return "", "not_found"
+        return Verdict("not_found", text)
     rank = attribute(text, passages, question)
     if rank is not None:
-        return f" [{rank}]", "attributed"
-    return ("\n\n" if text.strip() else "") + UNSUPPORTED, "unsupported"
+        return Verdict("attributed", f"{text} [{rank}]", f" [{rank}]")
+    if not text.strip():
+        return Verdict("unsupported", UNSUPPORTED, UNSUPPORTED)
+    return Verdict("unsupported", UNSUPPORTED, WITHDRAWN, withheld=text)

@@ -4,6 +4,9 @@
 - The worker appends events to a Redis stream named ``answer_stream(request_id)``: ``token``
   (a text delta), then exactly one of ``done`` / ``error`` (with metrics). A stream, not
   plain pub/sub: a reader that connects late (or reconnects) still gets every event.
+  ``done`` carries the answer's ``text`` as recorded: the tokens' text, except for an answer
+  no passage supports, whose words are ``withheld`` and whose text is "not found"
+  (``kvservice.citing.verdict``). The first token's entry id dates the first words.
 - The worker then reports the complete answer with the ``RECORD_TASK`` Celery task, so the
   answer is stored even if nobody is watching the stream.
 - The heartbeat (kvservice/heartbeat.py) carries the worker's live state for the dashboard:
@@ -121,6 +124,16 @@ def read_events(client: Any, request_id: str, last_id: str = "0", block_ms: int 
     (An asyncio client: ``decode_events(await client.xread(...))`` with the same arguments.)"""
     reply = client.xread({answer_stream(request_id): last_id}, block=block_ms, count=256)
     return decode_events(reply)
+
+
+def first_token_time_s(client: Any, request_id: str) -> float | None:
+    """When the answer's first token entered its stream (Unix seconds, from the entry id's
+    milliseconds: the stream server's clock), or None when the stream does not begin with a
+    token (an answer with no words, or a stream expired after ``STREAM_TTL_S``)."""
+    entries = client.xrange(answer_stream(request_id), count=1)
+    for entry_id, kind, _payload in decode_events([(None, entries)]):
+        return int(entry_id.split("-")[0]) / 1000 if kind == "token" else None
+    return None
 
 
 def decode_events(reply: Any):

@@ -1,17 +1,19 @@
 """The web side of an answer's stream: the events the inference worker publishes to the
 answer's Redis stream (``kvservice.protocol``), read without blocking the event loop, and
 server-sent events for the browser (``webapp.chat.views``) and for programs
-(``webapp.api``)."""
+(``webapp.api``), and when an answer's first words reached its stream (``ttft_seen_s``)."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
-from kvservice.protocol import answer_stream, decode_events
-from webapp.redis import STREAM_BLOCK_MS, async_redis_client
+from kvservice.protocol import answer_stream, decode_events, first_token_time_s
+from webapp import outages
+from webapp.redis import STREAM_BLOCK_MS, async_redis_client, redis_client
 
 Event = tuple[str, str, dict[str, Any]]  # (stream entry id, type, payload)
 
@@ -57,3 +59,22 @@ def sse(event: str | None, data: Any, event_id: str = "") -> str:
     body = data if isinstance(data, str) else json.dumps(data)
     head = (f"id: {event_id}\n" if event_id else "") + (f"event: {event}\n" if event else "")
     return head + "".join(f"data: {line}\n" for line in body.split("\n")) + "\n"
+
+
+def ttft_seen_s(
+    *, asked_at: datetime | None, request_id: str, worker_ttft_s: float | None
+) -> float | None:
+    """Seconds from the question's submit (``asked_at``) to the answer's first token on its
+    stream, where the web server sends it on: the first words as the user sees them, with
+    retrieval, the queue and the worker's own time to first token (``worker_ttft_s``) in it,
+    so never less than that one (the two clocks, web and stream server, may differ by a few
+    milliseconds). None when unknown: no submit time, no token, or Redis not answering."""
+    if asked_at is None:
+        return None
+    try:
+        first = first_token_time_s(redis_client(), request_id)
+    except outages.SERVICE_ERRORS:
+        return None
+    if first is None:
+        return None
+    return round(max(first - asked_at.timestamp(), worker_ttft_s or 0.0), 3)

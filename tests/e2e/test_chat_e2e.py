@@ -151,7 +151,10 @@ def test_staff_modes_all_answer_and_full_reads_no_cache(
         wait_recorded(answer)
         seen[mode] = payload["metrics"]
     assert seen["full"]["chunk_tiers"] == {} and seen["full"]["recompute_ratio"] == 1.0
-    assert seen["reuse"]["recompute_ratio"] == 0.0
+    # Reuse asks what full has just answered: served whole from the prefix cache, it records
+    # that, and no ratio (none ran); else reuse's own, 0.
+    reuse = seen["reuse"]
+    assert reuse["recompute_ratio"] == (None if reuse["prefix_cache"] else 0.0), reuse
     assert all(seen[m]["chunk_tiers"] for m in ("reuse", "prefix", "blend")), json.dumps(seen)
 
 
@@ -181,3 +184,6 @@ def test_a_follow_up_over_the_same_passages_reads_the_previous_turns_kv(
     assert second["prefix_tokens"] > first["prefix_tokens"] + 10, (first, second)
     assert set(second["chunk_tiers"].values()) == {"prefix"}, second["chunk_tiers"]
     assert second["recompute_ratio_effective"] == 0.0  # the passage was blended last turn
+    # Served whole from the prefix cache: recorded as such, with no ratio (none ran).
+    assert second["prefix_cache"] and second["recompute_ratio"] is None, second
+    assert not first["prefix_cache"] and first["recompute_ratio"] is not None, first

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import redis
 
 from kvservice.answer import answer_request
+from kvservice.citing import UNSUPPORTED, WITHDRAWN
 from kvservice.engine import TokenEvent
 from kvservice.prompt import PromptFormat
 from kvservice.protocol import ChunkRef, GenerateRequest, answer_stream
@@ -73,12 +74,14 @@ def test_the_stream_holds_back_only_the_last_words() -> None:
 
 
 class ScriptedPlan:
-    """An engine's plan that streams ``pieces``, the last with ``finish_reason``."""
+    """An engine's plan that streams ``pieces``, the last with ``finish_reason``, and
+    reports ``engine_metrics`` after."""
 
     ratio, decision, prompt_tokens = 0.15, None, 40
 
-    def __init__(self, pieces: list[str], finish_reason: str) -> None:
+    def __init__(self, pieces: list[str], finish_reason: str, engine_metrics=None) -> None:
         self.pieces, self.finish_reason, self.taken = pieces, finish_reason, 0
+        self.engine_metrics = engine_metrics or {}
 
     def events(self) -> Iterator[TokenEvent]:
         for index, piece in enumerate(self.pieces):
@@ -89,7 +92,7 @@ class ScriptedPlan:
             )
 
     def finish(self) -> dict:
-        return {}
+        return dict(self.engine_metrics)
 
 
 def answer_through_the_worker(smollm2_tokenizer, redis_service, plan: ScriptedPlan):
@@ -110,7 +113,12 @@ def answer_through_the_worker(smollm2_tokenizer, redis_service, plan: ScriptedPl
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
               for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
     streamed = "".join(data["text"] for kind, data in events if kind == "token")
-    assert events[-1][1]["text"] == result["text"] == streamed  # the stream is the record
+    assert events[-1][1]["text"] == result["text"]  # the stream's end is the record
+    if not result["withheld"]:  # the words streamed are the answer
+        assert streamed == result["text"]
+    else:  # the words streamed, then withdrawn; the answer is "not found"
+        assert streamed == result["withheld"] + WITHDRAWN
+        assert events[-1][1]["withheld"] == result["withheld"]
     return result
 
 
@@ -136,3 +144,32 @@ def test_the_worker_cuts_an_answer_at_the_cap_at_a_word_and_says_so(
     assert result["text"] == cut + " [1]"  # the citation the worker completes comes after
     assert result["metrics"]["finish_reason"] == "length"
     assert not result["metrics"]["repeat_suppressed"]
+
+
+def test_the_worker_withholds_an_answer_no_passage_supports(smollm2_tokenizer, redis_service):
+    """One verdict: "not found", the model's words kept apart (and, on the stream, withdrawn)
+    rather than an answer followed by a note that nothing supports it."""
+    plan = ScriptedPlan(words("The answer is: 4"), finish_reason="stop")
+    result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
+    assert result["text"] == UNSUPPORTED and "4" not in result["text"]
+    assert result["withheld"] == "The answer is: 4"
+    assert result["metrics"]["citation"] == "unsupported"
+
+
+def test_a_supported_answer_carries_no_not_found_note(smollm2_tokenizer, redis_service):
+    plan = ScriptedPlan(words("The Gannet seats six people."), finish_reason="stop")
+    result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
+    assert result["text"] == "The Gannet seats six people. [1]" and not result["withheld"]
+    assert "could not find" not in result["text"]
+
+
+def test_an_answer_served_whole_from_the_prefix_cache_records_no_ratio(
+    smollm2_tokenizer, redis_service
+) -> None:
+    """Every passage from the prefix cache: the plan's ratio (the deployment's) never ran."""
+    whole = ScriptedPlan(words("Six [1]."), "stop", {"chunk_tiers": {"1": "prefix"}})
+    metrics = answer_through_the_worker(smollm2_tokenizer, redis_service, whole)["metrics"]
+    assert metrics["prefix_cache"] is True and metrics["recompute_ratio"] is None
+    loaded = ScriptedPlan(words("Six [1]."), "stop", {"chunk_tiers": {"1": "cpu"}})
+    metrics = answer_through_the_worker(smollm2_tokenizer, redis_service, loaded)["metrics"]
+    assert metrics["prefix_cache"] is False and metrics["recompute_ratio"] == 0.15

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import json
+import time
+import uuid
 
-from kvservice.protocol import ChunkRef, GenerateRequest, Turn
+import redis
+
+from kvservice.protocol import (
+    ChunkRef,
+    GenerateRequest,
+    Turn,
+    first_token_time_s,
+    publish_event,
+)
 
 
 def test_a_request_round_trips_and_a_newer_versions_fields_are_left_out():
@@ -18,3 +28,19 @@ def test_a_request_round_trips_and_a_newer_versions_fields_are_left_out():
     assert GenerateRequest.from_dict(newer) == request
     older = {k: v for k, v in data.items() if k != "refresh_ratio"}  # queued before it existed
     assert GenerateRequest.from_dict(older).refresh_ratio is None
+
+
+def test_the_first_tokens_time_is_read_from_its_stream_entry(redis_service) -> None:
+    """The first words are dated by their stream entry (the stream server's clock); a stream
+    that begins without a token has none."""
+    client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
+    answered, silent = uuid.uuid4().hex, uuid.uuid4().hex
+    before = time.time()
+    publish_event(client, answered, "token", text="Six")
+    time.sleep(0.05)
+    publish_event(client, answered, "done", text="Six")
+    publish_event(client, silent, "done", text="")
+    first = first_token_time_s(client, answered)
+    assert first is not None and abs(first - before) < 0.04  # the token's, not "done"'s
+    assert first_token_time_s(client, silent) is None
+    assert first_token_time_s(client, uuid.uuid4().hex) is None  # no stream at all

@@ -15,16 +15,20 @@ from asgiref.sync import async_to_sync
 from django.conf import settings
 
 from kvservice.citing import cited_ranks, highlights
-from webapp.answer_stream import AnswerTimeout, stream_events
+from webapp.answer_stream import AnswerTimeout, stream_events, ttft_seen_s
 from webapp.chat.models import Message
+
+# Ratios are reported to 3 decimals: 0.20041213932375773 says no more than 0.2.
+RATIO_DECIMALS = 3
 
 
 @dataclass(frozen=True)
 class FinishedAnswer:
     ok: bool
-    text: str
+    text: str  # the answer as recorded: "not found" for one no passage supports
     error: str
     metrics: dict[str, Any]
+    withheld: str = ""  # that answer's words (kvservice.citing.verdict)
 
 
 async def answer_events(
@@ -43,7 +47,8 @@ def finished(kind: str, payload: dict[str, Any]) -> FinishedAnswer:
     ok = kind == "done" and payload.get("status", "done") != "error"
     error = "" if ok else (payload.get("error") or payload.get("message") or "The model failed.")
     return FinishedAnswer(ok=ok, text=payload.get("text", ""), error=str(error),
-                          metrics=payload.get("metrics") or {})  # fmt: skip
+                          metrics=payload.get("metrics") or {},
+                          withheld=payload.get("withheld") or "")  # fmt: skip
 
 
 async def _wait(request_id: str, timeout_s: float | None) -> FinishedAnswer:
@@ -77,13 +82,24 @@ def retrieval_of(answer: Message) -> list[dict[str, Any]]:
     ]
 
 
+def rounded_ratio(ratio: float | None) -> float | None:
+    return None if ratio is None else round(ratio, RATIO_DECIMALS)
+
+
 def metrics_of(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:
-    """The API's metrics object, from the worker's ``done`` payload."""
+    """The API's metrics object, from the worker's ``done`` payload: its time to first token
+    beside the user's (``ttft_seen_s``), as the chat records them."""
+    ttft_seen = ttft_seen_s(
+        asked_at=answer.asked_at, request_id=str(answer.request_id),
+        worker_ttft_s=metrics.get("ttft_s"),
+    )  # fmt: skip
     return {
         "ttft_s": metrics.get("ttft_s"),
+        "ttft_seen_s": ttft_seen,
         "total_s": metrics.get("total_s"),
         "mode": metrics.get("mode") or answer.mode,
-        "recompute_ratio": metrics.get("recompute_ratio"),
+        "recompute_ratio": rounded_ratio(metrics.get("recompute_ratio")),
+        "from_prefix_cache": bool(metrics.get("prefix_cache")),
         "tiers": tier_counts(metrics),
         "prompt_tokens": metrics.get("prompt_tokens"),
         "completion_tokens": metrics.get("completion_tokens"),

@@ -109,14 +109,17 @@ def _usage(metrics: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def _extras(answer: Message, metrics: dict[str, Any], text: str) -> dict[str, Any]:
-    """``citations`` (what the answer cites), ``also_retrieved`` and ``ragblend``."""
+def _extras(answer: Message, result: answers.FinishedAnswer) -> dict[str, Any]:
+    """``citations`` (what the answer cites), ``also_retrieved`` and ``ragblend`` (with
+    ``withheld``: the words of an answer no passage supports, whose content is "not found";
+    a stream sent them, then marked them withdrawn)."""
     return {
-        **answers.sources_of(answer, text),
+        **answers.sources_of(answer, result.text),
         "ragblend": {
             "conversation_id": answer.conversation_id,
             "message_id": answer.pk,
-            "metrics": answers.metrics_of(answer, metrics),
+            "withheld": result.withheld,
+            "metrics": answers.metrics_of(answer, result.metrics),
         },  # fmt: skip
     }
 
@@ -140,7 +143,7 @@ async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
                 yield sse(None, _openai_error(error))
                 return
             last = _chunk(answer, model, {}, finish=result.metrics.get("finish_reason", "stop"))
-            extras = await sync_to_async(_extras)(answer, result.metrics, result.text)
+            extras = await sync_to_async(_extras)(answer, result)
             last |= {"usage": _usage(result.metrics)} | extras
             yield sse(None, last)
     except AnswerTimeout as err:
@@ -184,4 +187,4 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
             }
         ],  # fmt: skip
         "usage": _usage(result.metrics),
-    } | _extras(answer, result.metrics, result.text)
+    } | _extras(answer, result)

@@ -85,10 +85,16 @@ class RetrievedOut(Schema):
 
 
 class MetricsOut(Schema):
-    ttft_s: float | None
+    ttft_s: float | None  # the worker's time to first token, from when it took the request
+    # From the question's submit to the first token on the answer's stream: what a user
+    # waits for (retrieval and the queue included), as the chat page shows it.
+    ttft_seen_s: float | None = None
     total_s: float | None
     mode: str
+    # The share of the passages' tokens recomputed (3 decimals); None where no ratio ran,
+    # as for an answer served whole from the prefix cache (``from_prefix_cache``).
     recompute_ratio: float | None
+    from_prefix_cache: bool = False
     tiers: dict[str, int]
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -116,6 +122,9 @@ class QueryIn(Schema):
 
 class QueryOut(Schema):
     answer: str
+    # The model's words when no passage supports them: ``answer`` is then "not found" and
+    # ``metrics.citation`` "unsupported" (a stream sent the words, then marked them withdrawn).
+    withheld: str = ""
     citations: list[CitationOut]  # the passages the answer cites
     also_retrieved: list[CitationOut] = []  # given to the model, not cited
     metrics: MetricsOut
@@ -139,6 +148,7 @@ class MessageOut(Schema):
     id: int
     role: Literal["user", "assistant"]
     content: str
+    withheld: str = ""  # an unsupported answer's words (as QueryOut.withheld)
     status: str
     error: str
     mode: str

@@ -219,6 +219,7 @@ def ask(
 def _query_out(answer: Message, result: answers.FinishedAnswer) -> dict:
     return {
         "answer": result.text,
+        "withheld": result.withheld,
         **answers.sources_of(answer, result.text),
         "metrics": answers.metrics_of(answer, result.metrics),
         "conversation_id": answer.conversation_id,
@@ -284,12 +285,15 @@ def _message_out(message: Message) -> dict:
     has_metrics = message.role == Message.Role.ASSISTANT and not message.is_open
     return {
         "id": message.pk, "role": message.role, "content": message.content,
+        "withheld": message.withheld_text,
         "status": message.status, "error": message.error_message, "mode": message.mode,
         "created_at": message.created_at,
         **answers.sources_of(message),
         "metrics": {
-            "ttft_s": message.ttft_s, "total_s": message.total_s,
-            "mode": message.mode, "recompute_ratio": message.recompute_ratio,
+            "ttft_s": message.ttft_s, "ttft_seen_s": message.ttft_seen_s,
+            "total_s": message.total_s, "mode": message.mode,
+            "recompute_ratio": answers.rounded_ratio(message.recompute_ratio),
+            "from_prefix_cache": message.from_prefix_cache,
             "tiers": message.tiers or {}, "prompt_tokens": message.prompt_tokens,
             "completion_tokens": message.completion_tokens,
             "retrieval": answers.retrieval_of(message),
@@ -451,7 +455,11 @@ def cache_stats(request: HttpRequest):
         worker = read_heartbeat(redis_client())
     except Exception:  # noqa: BLE001 - statistics still answer when Redis does not
         worker = None
-    return {"chunks": chunks, "kv_objects": kv_objects, "tiers": tiers, "modes": list(modes),
+    modes = [
+        {**row, "mean_recompute_ratio": answers.rounded_ratio(row["mean_recompute_ratio"])}
+        for row in modes
+    ]
+    return {"chunks": chunks, "kv_objects": kv_objects, "tiers": tiers, "modes": modes,
             "worker": worker}  # fmt: skip
 
 

@@ -77,6 +77,9 @@ class Message(models.Model):
     )
     role = models.CharField(max_length=16, choices=Role.choices)
     content = models.TextField(blank=True)
+    # The model's words when no passage supports them: the answer is then "not found"
+    # (``content``, kvservice.citing.UNSUPPORTED), and these are kept apart, marked as such.
+    withheld_text = models.TextField(blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.DONE)
     error_message = models.TextField(blank=True)
     # The inference request that produced this answer (its token stream's name in Redis).
@@ -86,7 +89,11 @@ class Message(models.Model):
     # Progressive blend: the ratio the cache was upgraded to after the first token (None:
     # not upgraded), and when the second token came (seconds, as ttft_s).
     refresh_ratio = models.FloatField(null=True, blank=True)
+    # Time to the first token: the worker's own (from when it took the request), and as the
+    # user sees it (``ttft_seen_s``: from ``asked_at`` to the first token on the answer's
+    # stream, retrieval and the queue included), which the page shows.
     ttft_s = models.FloatField(null=True, blank=True)
+    ttft_seen_s = models.FloatField(null=True, blank=True)
     second_token_s = models.FloatField(null=True, blank=True)
     total_s = models.FloatField(null=True, blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
@@ -106,6 +113,9 @@ class Message(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replaces"
     )
     created_at = models.DateTimeField(auto_now_add=True)
+    # When this answer was asked for (``created_at`` is its place in the conversation, which
+    # an answer asked again takes over from the one it replaces).
+    asked_at = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
 
     objects = MessageQuerySet.as_manager()
@@ -125,6 +135,19 @@ class Message(models.Model):
     def was_cut(self) -> bool:
         """It reached the longest answer the model may write, and was cut there."""
         return self.finish_reason == "length"
+
+    @property
+    def total_seen_s(self) -> float | None:
+        """Seconds from the question's submit to the answer's end as the user saw it: to its
+        first words as seen, then the worker's time from its first token to its end."""
+        if self.ttft_seen_s is None or self.ttft_s is None or self.total_s is None:
+            return None
+        return self.ttft_seen_s + max(self.total_s - self.ttft_s, 0.0)
+
+    @property
+    def from_prefix_cache(self) -> bool:
+        """Every passage's KV came from the prefix cache: no recompute ratio ran."""
+        return bool(self.tiers) and set(self.tiers) == {"prefix"}
 
     @property
     def sources(self) -> list[Citation]:

@@ -25,6 +25,7 @@ from kvservice.protocol import (
     request_stop,
 )
 from webapp import outages
+from webapp.answer_stream import ttft_seen_s
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.requests import (
     REGENERATE_TEMPERATURE,
@@ -239,6 +240,7 @@ def _pending_answer(conversation: Conversation, mode: str, *, sampled: bool = Fa
         mode=mode,
         temperature=REGENERATE_TEMPERATURE if sampled else 0.0,
         seed=secrets.randbelow(2**31) if sampled else None,
+        asked_at=timezone.now(),
     )
 
 
@@ -303,16 +305,17 @@ def _retrieve(
     A follow-up (``topic``: the earlier questions it refers to, ``conversation_history``) is
     also searched with them joined on ("And what about the Osprey?" means little on its
     own), and the passages of both searches are ranked by their scores: the joined search
-    adds the passages the question alone scores too low. Full-text search always reads the
-    question alone. Joining the previous question to every question gave new topics the last
-    topic's passages (16 of 22 questions given other passages than in a fresh conversation),
-    and 0 of 5 unanswerable questions mid-conversation were "not found" (1 of 5 in a fresh
-    one: tests/webapp/chat/test_follow_ups.py)."""
+    adds the passages the question alone scores too low; each search's full text reads its
+    own words (the relevance score counts the question's words a passage holds). Joining the
+    previous question to every question gave new topics the last topic's passages (16 of 22
+    questions given other passages than in a fresh conversation), and 0 of 5 unanswerable
+    questions mid-conversation were "not found" (1 of 5 in a fresh one:
+    tests/webapp/chat/test_follow_ups.py)."""
     queries = [question] + (["\n".join([*topic, question])] if topic else [])
     best: dict[str, Chunk] = {}  # by content: the better score of the two searches
-    for vector in embed_texts(queries):
+    for query, vector in zip(queries, embed_texts(queries), strict=True):
         for chunk in retrieve_chunks(
-            user=user, question=question,
+            user=user, question=query,
             query_embedding=vector, top_k=settings.RETRIEVAL_TOP_K,
             min_score=settings.RETRIEVAL_MIN_SCORE, scope=scope,
         ):  # fmt: skip
@@ -408,30 +411,42 @@ def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> Non
             "stopped": Message.Status.STOPPED,
         }.get(status, Message.Status.FAILED)
         answer.content = result.get("text", "")
+        answer.withheld_text = result.get("withheld") or ""
         answer.error_message = result.get("error", "")
-        answer.mode = metrics.get("mode") or answer.mode
-        answer.recompute_ratio = metrics.get("recompute_ratio")
-        answer.refresh_ratio = metrics.get("refresh_ratio")
-        answer.ttft_s = metrics.get("ttft_s")
-        answer.second_token_s = metrics.get("second_token_s")
-        answer.total_s = metrics.get("total_s")
-        answer.prompt_tokens = metrics.get("prompt_tokens")
-        answer.completion_tokens = metrics.get("completion_tokens")
-        answer.finish_reason = metrics.get("finish_reason") or ""
-        chunk_tiers: dict[str, str] = metrics.get("chunk_tiers") or {}
-        answer.tiers = dict(Counter(chunk_tiers.values()))
+        _record_metrics(answer, metrics)
         answer.completed_at = timezone.now()
         answer.save()
-        citations = list(answer.citations.all())
-        spans = highlights(answer.content, [c.text for c in citations])
-        cited = set(cited_ranks(answer.content, len(citations)))
-        for citation in citations:
-            citation.tier = chunk_tiers.get(str(citation.chunk_id)) or citation.tier
-            citation.cited = citation.rank in cited
-            citation.highlight_start, citation.highlight_end = spans.get(
-                citation.rank, (None, None)
-            )
-            citation.save(update_fields=["tier", "cited", "highlight_start", "highlight_end"])
+        _record_citations(answer, metrics.get("chunk_tiers") or {})
+
+
+def _record_metrics(answer: Message, metrics: dict[str, Any]) -> None:
+    """What the worker measured, and the time to first token as the user saw it."""
+    answer.mode = metrics.get("mode") or answer.mode
+    answer.recompute_ratio = metrics.get("recompute_ratio")
+    answer.refresh_ratio = metrics.get("refresh_ratio")
+    answer.ttft_s = metrics.get("ttft_s")
+    answer.ttft_seen_s = ttft_seen_s(
+        asked_at=answer.asked_at, request_id=str(answer.request_id), worker_ttft_s=answer.ttft_s
+    )
+    answer.second_token_s = metrics.get("second_token_s")
+    answer.total_s = metrics.get("total_s")
+    answer.prompt_tokens = metrics.get("prompt_tokens")
+    answer.completion_tokens = metrics.get("completion_tokens")
+    answer.finish_reason = metrics.get("finish_reason") or ""
+    answer.tiers = dict(Counter((metrics.get("chunk_tiers") or {}).values()))
+
+
+def _record_citations(answer: Message, chunk_tiers: dict[str, str]) -> None:
+    """Which passages the recorded answer cites, the tier that served each, and the sentence
+    of each that supports it."""
+    citations = list(answer.citations.all())
+    spans = highlights(answer.content, [c.text for c in citations])
+    cited = set(cited_ranks(answer.content, len(citations)))
+    for citation in citations:
+        citation.tier = chunk_tiers.get(str(citation.chunk_id)) or citation.tier
+        citation.cited = citation.rank in cited
+        citation.highlight_start, citation.highlight_end = spans.get(citation.rank, (None, None))
+        citation.save(update_fields=["tier", "cited", "highlight_start", "highlight_end"])
 
 
 def chat_warm_recent(*, user) -> list[str]:

@@ -179,7 +179,8 @@ def _record_finished(answer_id: int, kind: str, payload: dict) -> None:
     closes the answer, and the other changes nothing."""
     if kind == "done":
         result = {"status": payload.get("status", "done"), "text": payload.get("text", ""),
-                  "error": "", "metrics": payload.get("metrics") or {}}  # fmt: skip
+                  "withheld": payload.get("withheld") or "", "error": "",
+                  "metrics": payload.get("metrics") or {}}  # fmt: skip
     else:
         result = {"status": "error", "text": payload.get("text", ""),
                   "error": payload.get("message", ""), "metrics": {}}  # fmt: skip

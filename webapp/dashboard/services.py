@@ -203,6 +203,13 @@ def _audit_request(answer: Message) -> GenerateRequest | None:
     )  # fmt: skip
 
 
+def _model_words(result: dict[str, Any]) -> str:
+    """What the model wrote: an answer's text, or its words withheld for want of a passage
+    supporting them (the same "not found" in place of two different answers hides a
+    difference)."""
+    return result.get("withheld") or result.get("text", "")
+
+
 def fidelity_maybe_audit(
     *, message_id: int | None, result: dict[str, Any], draw: Callable[[], float] = random.random
 ) -> FidelityAudit | None:
@@ -225,7 +232,7 @@ def fidelity_maybe_audit(
             audit = FidelityAudit.objects.create(
                 message=answer,
                 request=request.to_dict(),
-                blend_text=result.get("text", ""),
+                blend_text=_model_words(result),
                 blend_recompute_ratio=metrics.get("recompute_ratio"),
                 blend_refresh_ratio=metrics.get("refresh_ratio"),
                 blend_ttft_s=metrics.get("ttft_s"),
@@ -253,7 +260,7 @@ def fidelity_record(*, audit_of: int, result: dict[str, Any]) -> FidelityAudit |
         if audit.status != FidelityAudit.Status.PENDING:
             return audit
         metrics = result.get("metrics") or {}
-        audit.full_text = result.get("text", "")
+        audit.full_text = _model_words(result)
         audit.full_ttft_s = metrics.get("ttft_s")
         if result.get("status", "done") == "done":
             audit.status = FidelityAudit.Status.DONE

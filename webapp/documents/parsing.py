@@ -312,7 +312,56 @@ def parse_docx(data: bytes, limits: DocxLimits) -> ParsedDocument:
 
 
 _BLOCK_TAGS = ["p", "div", "li", "tr", "br", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
-               "blockquote", "section", "article", "table"]  # fmt: skip
+               "blockquote", "section", "article", "table", "main", "header", "footer",
+               "aside", "figcaption", "dt", "dd"]  # fmt: skip
+
+
+# A page's boilerplate, the same on every page of a site and never what a question is
+# about: navigation always; the page's header, footer and sidebars (not those of an article
+# or the main content, which belong to it); cookie and consent banners. Kept in a passage,
+# they were retrieved and cited (a footer's address highlighted instead of the answer).
+_NAVIGATION = ["nav"]
+_NAVIGATION_ROLES = {"navigation", "search"}
+_PAGE_PARTS = ["header", "footer", "aside"]
+_PAGE_PART_ROLES = {"banner", "contentinfo", "complementary"}
+_CONTENT = ["article", "main", "body", "html"]
+_BANNER_NAME = re.compile(r"cookie|consent|gdpr", re.I)
+_BANNER_MAX_CHARS = 2000  # longer: a page about cookies, not a banner
+
+
+def _is_banner(tag) -> bool:
+    names = " ".join([tag.get("id") or "", *(tag.get("class") or [])])
+    return bool(_BANNER_NAME.search(names)) and len(tag.get_text()) <= _BANNER_MAX_CHARS
+
+
+def _is_boilerplate(tag) -> bool:
+    role = (tag.get("role") or "").lower()
+    if tag.name in _NAVIGATION or role in _NAVIGATION_ROLES:
+        return True
+    if tag.name in _CONTENT or role == "main":
+        return False
+    page_part = tag.name in _PAGE_PARTS or role in _PAGE_PART_ROLES
+    if page_part and tag.find_parent(_is_content) is None:
+        return True
+    return _is_banner(tag)
+
+
+def _is_content(tag) -> bool:
+    """An article or the main content (the page's own header and footer are outside it)."""
+    return tag.name in ("article", "main") or (tag.get("role") or "").lower() == "main"
+
+
+def strip_boilerplate(soup) -> None:
+    """Remove the page's boilerplate (``_is_boilerplate``) from ``soup``, unless that would
+    leave no text: a page that is all header is still read."""
+    doomed = [tag for tag in soup.find_all(True) if _is_boilerplate(tag)]
+    marked = {id(tag) for tag in doomed}
+    outermost = [t for t in doomed if not any(id(parent) in marked for parent in t.parents)]
+    removed = sum(len(tag.get_text(strip=True)) for tag in outermost)
+    if removed >= len(soup.get_text(strip=True)):
+        return
+    for tag in outermost:
+        tag.decompose()
 
 
 def _html_to_text(html: str) -> tuple[str, str]:
@@ -326,6 +375,7 @@ def _html_to_text(html: str) -> tuple[str, str]:
     title = soup.title.get_text(" ", strip=True) if soup.title else ""
     if soup.head is not None:
         soup.head.decompose()
+    strip_boilerplate(soup)
     # Block elements end a line, so sentences of separate paragraphs never run together.
     for block in soup.find_all(_BLOCK_TAGS):
         block.append("\n\n")

@@ -154,7 +154,7 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
 
     # The same request by hand: numbered passages, the product's decoding, the citation.
     from kvservice.answer import answer_sampling
-    from kvservice.citing import complete_citation
+    from kvservice.citing import verdict
     from kvservice.prompt import Prompt
     from kvservice.sampling import AnswerText
     from kvservice.vllm.engine import VllmRequest
@@ -174,12 +174,13 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     streamed.close()  # aborts it in vLLM when left early, as the worker does
     shown.finish(cut=event.finish_reason == "length" and not shown.repeated)
     passages = [vllm_engine.tokenizer.decode(c.token_ids) for c in chunks]
-    extra, how = complete_citation(shown.text, passages, request.question)
+    judged = verdict(shown.text, passages, request.question)
     assert result["status"] == "done", result
-    assert result["text"] == shown.text + extra and result["metrics"]["citation"] == how
+    assert result["text"] == judged.text and result["metrics"]["citation"] == judged.citation
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
               for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
-    assert "".join(data["text"] for kind, data in events if kind == "token") == result["text"]
+    streamed = "".join(data["text"] for kind, data in events if kind == "token")
+    assert streamed == shown.text + judged.streamed
     kind, done = events[-1]
     assert kind == "done" and done["metrics"]["engine"] == "vllm"
     assert set(done["metrics"]["chunk_tiers"].values()) == {"disk"}

@@ -9,19 +9,23 @@ import json
 import threading
 import time
 
+from kvservice.citing import verdict
 from kvservice.protocol import INFERENCE_QUEUE, publish_event
 
 
 class FakeInferenceWorker:
     """``queue``: the one it takes requests from; ``token_delay_s``: a pause before each token
     (a slow model, for the browser to see an answer stream); ``record``: report each answer to
-    the web app as the real worker's record task does (``chat_record_answer``)."""
+    the web app as the real worker's record task does (``chat_record_answer``); ``judged``:
+    the real worker's verdict on the words over the request's passages (its [n], or "not
+    found" with the words withheld); ``metrics``: measurements to report over the canned."""
 
     def __init__(self, client, *, words=("Arborio", " rice", " [1]."), fail: bool = False,
                  finish_reason: str = "stop", queue: str = INFERENCE_QUEUE,
-                 token_delay_s: float = 0.0, record: bool = False):  # fmt: skip
+                 token_delay_s: float = 0.0, record: bool = False, judged: bool = False,
+                 metrics: dict | None = None):  # fmt: skip
         self.client, self.words, self.fail = client, words, fail
-        self.finish_reason = finish_reason
+        self.finish_reason, self.judged, self.metrics = finish_reason, judged, metrics or {}
         self.queue, self.token_delay_s, self.record = queue, token_delay_s, record
         self.requests: list[dict] = []
         self._stop = threading.Event()
@@ -59,14 +63,29 @@ class FakeInferenceWorker:
         metrics = {"ttft_s": 0.05, "total_s": 0.2, "mode": request["mode"],
                    "recompute_ratio": 0.15, "chunk_tiers": tiers, "prompt_tokens": 40,
                    "completion_tokens": len(self.words),
-                   "finish_reason": self.finish_reason}  # fmt: skip
-        text = "".join(self.words)
+                   "finish_reason": self.finish_reason, **self.metrics}  # fmt: skip
+        text, withheld = self._judge(request, metrics)
         if self.record:  # before "done" (the real worker's record task comes just after it)
             from django.db import connection
 
             from webapp.chat.services import chat_record_answer
 
-            result = {"status": "done", "text": text, "metrics": metrics}
+            result = {"status": "done", "text": text, "withheld": withheld, "metrics": metrics}
             chat_record_answer(message_id=request["message_id"], result=result)
             connection.close()  # this thread's own: the test database is dropped after the test
-        publish_event(self.client, request_id, "done", text=text, metrics=metrics)
+        publish_event(
+            self.client, request_id, "done", text=text, withheld=withheld, metrics=metrics
+        )
+
+    def _judge(self, request: dict, metrics: dict) -> tuple[str, str]:
+        """(the answer's text, its withheld words), streaming what the verdict adds and
+        reporting how the answer cites in ``metrics``."""
+        text = "".join(self.words)
+        if not self.judged:
+            return text, ""
+        passages = [chunk["text"] for chunk in request["chunks"]]
+        judged = verdict(text, passages, request["question"])
+        if judged.streamed:
+            publish_event(self.client, request["request_id"], "token", text=judged.streamed)
+        metrics["citation"] = judged.citation
+        return judged.text, judged.withheld

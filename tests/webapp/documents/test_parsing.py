@@ -32,6 +32,43 @@ def test_html_drops_scripts_and_styles_and_keeps_the_title() -> None:
     assert parsed.title == "Skerryvore html"
 
 
+FERRY_PAGE = b"""<!doctype html><html><head><title>Annual report</title></head>
+<body class="cookie-consent-open">
+<header><a href="/">Brightwater Ferries</a><nav><a href="/">Home</a> <a>Timetable</a></nav></header>
+<div id="cookie-banner" role="dialog">We use cookies. <button>Accept all</button></div>
+<main><article><header><h1>Annual report 2024</h1></header>
+<p>The cooperative reported revenue of 48.2 million euros in 2024.</p>
+<aside>Figures are unaudited.</aside>
+<p>Write to helpdesk@brightwater.coop for a printed copy.</p></article></main>
+<aside class="sidebar">Related pages: Fares, Timetable</aside>
+<div role="contentinfo">Harbour Road 1, Brightwater</div>
+<footer>&copy; 2025 Brightwater Ferry Cooperative &middot; Privacy &middot; Imprint</footer>
+</body></html>"""
+
+
+def test_html_boilerplate_is_stripped_before_chunking() -> None:
+    """Navigation, the page's header, footer and sidebars, cookie banners: gone. The
+    article's own header and aside stay, each a paragraph of its own."""
+    text = parsing.parse(FERRY_PAGE, parsing.HTML).text
+    assert text == (
+        "Annual report 2024\n\n"
+        "The cooperative reported revenue of 48.2 million euros in 2024.\n\n"
+        "Figures are unaudited.\n\n"
+        "Write to helpdesk@brightwater.coop for a printed copy."
+    )
+
+
+def test_a_page_that_is_all_boilerplate_is_still_read() -> None:
+    page = b"<html><body><header><h1>Closed today</h1><p>No ferries sail.</p></header></body>"
+    assert parsing.parse(page, parsing.HTML).text == "Closed today\n\nNo ferries sail."
+
+
+def test_a_page_about_cookies_is_not_taken_for_a_cookie_banner() -> None:
+    policy = "We store a session cookie to keep you signed in. " * 60  # a page, not a banner
+    page = f'<html><body><div class="cookie-policy"><p>{policy}</p></div></body></html>'
+    assert "session cookie" in parsing.parse(page.encode(), parsing.HTML).text
+
+
 def test_markdown_is_rendered_to_plain_text() -> None:
     parsed = parsing.parse(files.markdown_bytes(), parsing.MARKDOWN)
     assert "##" not in parsed.text and "](https" not in parsed.text

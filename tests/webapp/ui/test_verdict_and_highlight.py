@@ -1,0 +1,119 @@
+"""In a real browser (headless Chromium on the ASGI server, a stand-in worker giving the real
+worker's verdict): a cited sentence is highlighted whole, with its decimal ("48.2") and its
+e-mail address, and the passage panel scrolls to it; an answer no passage supports shows
+"not found" alone, the model's words folded away and marked, never both as the answer.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` packages; skipped where they are missing."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+from tests.browser import log_in, needs_chromium, screenshot, start_chromium
+from tests.conftest import wait_for
+from tests.e2e.test_browser_chat import running_asgi_server
+from tests.webapp.api.fake_worker import FakeInferenceWorker
+from tests.webapp.chat.test_chat import make_document
+from webapp.chat.models import Conversation
+from webapp.redis import redis_client
+
+pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
+
+QUEUE = "inference-verdict-test"  # the stand-in's own: a real worker of the session never takes it
+REVENUE = "The cooperative reported revenue of 48.2 million euros in 2024."
+HELPDESK = "Questions about the annual report go to helpdesk@brightwater.coop by e-mail."
+# One passage, taller than the panel: the cited sentences come after a screenful of others.
+PASSAGE = " ".join(
+    [f"The ferry {name} sails from the harbour of Brightwater every morning, on Sundays too."
+     for name in ("Gannet", "Osprey", "Skua", "Tern", "Fulmar", "Petrel", "Puffin", "Eider",
+                  "Shag", "Gull", "Heron", "Kittiwake")]
+    + [REVENUE, HELPDESK, "The cooperative has members in every harbour town."]
+)  # fmt: skip
+
+
+@pytest.fixture
+def chat_server(django_db_blocker, tmp_path):
+    with running_asgi_server(django_db_blocker, tmp_path / "uvicorn.log", INFERENCE_QUEUE=QUEUE,
+                             HEARTBEAT_KEY=f"ragblend:test:{QUEUE}") as url:  # fmt: skip
+        yield url
+
+
+@pytest.fixture
+def worker():
+    with FakeInferenceWorker(redis_client(), queue=QUEUE, judged=True, record=True) as fake:
+        yield fake
+
+
+@pytest.fixture
+def browser():
+    driver = start_chromium("--window-size=1280,560")
+    yield driver
+    driver.quit()
+
+
+def _ask(browser, question: str):
+    """Ask ``question`` with the keyboard; the recorded answer, once the page shows it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    done = "#messages .msg.assistant[data-status=done]"
+    before = len(browser.find_elements(By.CSS_SELECTOR, done))
+    browser.find_element(By.NAME, "question").send_keys(question, Keys.ENTER)
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, done)) > before, timeout=60,
+             what=f"the answer to {question!r}")  # fmt: skip
+    return browser.find_elements(By.CSS_SELECTOR, done)[-1]
+
+
+def _open_citation(browser, answer) -> str:
+    """Click the answer's [1]; the highlighted sentence, once the panel shows it in view."""
+    from selenium.webdriver.common.by import By
+
+    browser.execute_script("document.getElementById('citation-panel').innerHTML = ''")
+    answer.find_element(By.CSS_SELECTOR, "a.cite").click()
+    mark = wait_for(
+        lambda: browser.find_elements(By.CSS_SELECTOR, "#citation-panel mark.cited-sentence"),
+        timeout=15, what="the highlighted passage",
+    )[0]  # fmt: skip
+    in_view = (
+        "const m = arguments[0].getBoundingClientRect();"
+        "const p = document.getElementById('citation-overlay').getBoundingClientRect();"
+        "return m.top >= p.top && m.bottom <= p.bottom"
+    )
+    wait_for(lambda: browser.execute_script(in_view, mark), timeout=5,
+             what="the panel to scroll to the highlight")  # fmt: skip
+    return mark.text
+
+
+def test_highlights_whole_sentences_and_one_verdict_per_answer(
+    browser, chat_server, worker, alice
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    make_document(alice, "Annual report", [PASSAGE])
+    conversation = Conversation.objects.create(owner=alice, title="Annual report")
+    log_in(browser, chat_server, alice)
+    browser.get(f"{chat_server}{reverse('chat:conversation', args=[conversation.id])}")
+    scroller = browser.execute_script("return document.getElementById('citation-overlay')")
+
+    worker.words = ("Revenue", " was", " 48.2", " million", " euros.")
+    answer = _ask(browser, "What revenue did the cooperative report in 2024?")
+    assert _open_citation(browser, answer) == REVENUE  # not "... revenue of 48."
+    assert browser.execute_script("return arguments[0].scrollTop", scroller) > 0
+    screenshot(browser, "highlight-decimal.png")
+
+    worker.words = ("Write", " to", " helpdesk@brightwater.coop.")
+    answer = _ask(browser, "Which e-mail address takes questions about the annual report?")
+    assert _open_citation(browser, answer) == HELPDESK  # not "... helpdesk@brightwater."
+
+    worker.words = ("The", " answer", " is:", " 4")
+    answer = _ask(browser, "How many ferries sail from Brightwater on Sundays?")
+    bubble = answer.find_element(By.CSS_SELECTOR, ".bubble")
+    assert "could not find this in your documents" in bubble.text
+    assert "The answer is: 4" not in bubble.text  # folded away, not beside the verdict
+    assert not answer.find_elements(By.CSS_SELECTOR, "a.cite, .sources-label")
+    bubble.find_element(By.CSS_SELECTOR, "details.withheld summary").click()
+    withheld = bubble.find_element(By.CSS_SELECTOR, ".withheld-text")
+    assert withheld.text == "The answer is: 4"
+    assert "not an answer" in bubble.find_element(By.CSS_SELECTOR, "details.withheld").text
+    screenshot(browser, "verdict-not-found.png")
