@@ -286,9 +286,10 @@ RETRIEVAL_TOP_K = env.int("RETRIEVAL_TOP_K", default=6)
 # The web process loads the embedding model in the background at start (webapp/asgi.py), and
 # /healthz reports it not ready until then; 0: loaded on the first question.
 WEB_WARM_UP = env.bool("WEB_WARM_UP", default=True)
-# Chunks scoring below this (cosine similarity + a full-text bonus, webapp/chat/retrieval.py)
+# Chunks scoring below this (0.25 x cosine similarity + 0.75 x the share of the question's
+# words they hold, webapp/chat/retrieval.py; tuned with bench/retrieval.py, docs/retrieval.md)
 # are not given to the model; with none left the answer is "not found" (0: keep them all).
-RETRIEVAL_MIN_SCORE = env.float("RETRIEVAL_MIN_SCORE", default=0.3)
+RETRIEVAL_MIN_SCORE = env.float("RETRIEVAL_MIN_SCORE", default=0.475)
 # Admission control: with this many questions already waiting for the model, a new one is
 # refused with 503 and Retry-After instead of queueing behind them (0: never refused).
 INFERENCE_MAX_BACKLOG = env.int("INFERENCE_MAX_BACKLOG", default=32)

@@ -177,8 +177,8 @@ class Citation(models.Model):
     document_title = models.CharField(max_length=255)
     text = models.TextField()
     tier = models.CharField(max_length=16, blank=True)
-    # Retrieval's view of the chunk (webapp.chat.retrieval): cosine similarity, normalized
-    # full-text rank, and the score the relevance threshold applies to.
+    # Retrieval's view of the chunk (webapp.chat.retrieval): cosine similarity, full-text
+    # term coverage (0..1), and the score the relevance threshold applies to.
     score = models.FloatField(null=True, blank=True)
     similarity = models.FloatField(null=True, blank=True)
     text_rank = models.FloatField(null=True, blank=True)

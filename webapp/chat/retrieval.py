@@ -1,32 +1,57 @@
 """Hybrid retrieval over the ready chunks a user may read (their own, or a conversation's
-scope): pgvector cosine + PostgreSQL full-text, fused by reciprocal rank, deduplicated by
+scope): pgvector cosine and PostgreSQL full text, fused by reciprocal rank, deduplicated by
 content, and kept only from a relevance score on.
 
 Reciprocal-rank fusion orders chunks but says nothing of how relevant the best one is (the
-first of five unrelated chunks is still first), so each chunk also gets an absolute score:
-its cosine similarity to the question plus ``FULL_TEXT_WEIGHT`` times its full-text rank
-(``ts_rank`` normalized to 0..1). Measured with MiniLM on the handbook questions
-(tests/data/handbook): the best chunk scored 0.34-0.67 for the 14 questions the handbook
-answers and 0.10-0.23 for the 5 it does not, hence ``RETRIEVAL_MIN_SCORE`` = 0.3."""
+first of five unrelated chunks is still first), so each chunk also gets an absolute score,
+``relevance``: its cosine similarity to the question and its term coverage, weighted 1/4 and
+3/4 (``FULL_TEXT_SHARE``). Coverage is the share of the question's words (stemmed, no stop
+words) that the chunk holds, each word weighted by its rarity among the chunks the user may
+read (BM25's inverse document frequency); for a question in two parts, that of the part the
+chunk covers best. A word no readable chunk holds ("football") counts as the rarest and is
+missing, so an unrelated question sharing only the documents' common words ("cooperative")
+scores low, and a passage stating the question's words ("How long must passwords be?")
+scores high even where MiniLM's cosine to a 512-token chunk is 0.2.
+
+Measured with bench/retrieval.py on tests/data/kestrel, held-out questions (docs/retrieval.md,
+2026-11-27): the rule before (cosine + 0.5 x ``ts_rank`` normalized to 0..1, from 0.3) gave
+the answering passage within 6 for 24 of 36 questions and said "not found" to 6 of 12 that
+no document answers, and 5 times to a question it could have answered; this one gives 31 of
+36, 6 of 12, and 2. ``ts_rank`` knows no word's rarity and gave a verbatim match 0.03-0.07:
+too little to lift a long chunk's cosine over the bar. The share and the threshold
+(``RETRIEVAL_MIN_SCORE``) were chosen on the tuning questions only (``--tune``)."""
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from django.contrib.postgres.search import SearchQuery, SearchRank
-from django.db.models import F, QuerySet
+from django.db import connection
+from django.db.models import Case, Count, Expression, F, FloatField, Q, QuerySet, Value, When
+from django.db.models.functions import Greatest
 from pgvector.django import CosineDistance
 
-from webapp.documents.models import Chunk, Document
+from webapp.documents.models import SEARCH_CONFIG, Chunk, Document
 from webapp.documents.selectors import EVERYTHING, Scope, documents_searchable
 
 RRF_K = 60  # the usual constant of reciprocal-rank fusion
-FULL_TEXT_WEIGHT = 0.5  # an exact word match lifts a borderline chunk a little
+FULL_TEXT_SHARE = 0.75  # chosen on the tuning questions (module doc)
 _WORD = re.compile(r"\w{2,}", re.UNICODE)
+# Stemmed words that ask for a kind of answer ("how much", "how many", "how often") rather
+# than name what it is about, and that PostgreSQL's English stop words keep: a passage states
+# "every four years", not "often", and a word no passage holds counts as the rarest.
+QUESTION_WORDS = frozenset({"much", "mani", "often"})
+# Where a question asks a second thing ("Which moon has an ocean, and which rice goes into a
+# risotto?"): a passage answering one part holds half the words, and is scored on that part.
+_CLAUSE_BREAK = re.compile(
+    r"[?!;]+\s+|,\s*(?:and|or|but)\s+|\s+and\s+(?=(?:who|what|when|where|which|why|how)\b)",
+    re.IGNORECASE,
+)
 
 
-def _ready_chunks(user, scope: Scope) -> QuerySet[Chunk]:
+def ready_chunks(user, scope: Scope) -> QuerySet[Chunk]:
     return Chunk.objects.filter(
         document__in=documents_searchable(user=user, scope=scope),
         document__status=Document.Status.READY,
@@ -34,16 +59,84 @@ def _ready_chunks(user, scope: Scope) -> QuerySet[Chunk]:
 
 
 def has_ready_chunks(user, scope: Scope = EVERYTHING) -> bool:
-    return _ready_chunks(user, scope).exists()
+    return ready_chunks(user, scope).exists()
 
 
-def _full_text_query(question: str) -> SearchQuery | None:
-    """Any of the question's words (websearch syntax: ``a or b``), ranked by ts_rank; an
-    AND of every word of a natural-language question would rarely match anything."""
+def full_text_query(question: str) -> SearchQuery | None:
+    """Any of the question's words (websearch syntax: ``a or b``); an AND of every word of a
+    natural-language question would rarely match anything."""
     words = _WORD.findall(question)
     if not words:
         return None
-    return SearchQuery(" or ".join(words), search_type="websearch", config="english")
+    return SearchQuery(" or ".join(words), search_type="websearch", config=SEARCH_CONFIG)
+
+
+def question_clauses(question: str) -> list[list[str]]:
+    """Each part of the question (most have one) as its words stand in the full-text index
+    (stemmed, no stop words), less ``QUESTION_WORDS``; parts without such words left out."""
+    parts = [part for part in _CLAUSE_BREAK.split(question) if part.strip()]
+    if not parts:
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT tsvector_to_array(to_tsvector(%s::regconfig, part))"
+            " FROM unnest(%s::text[]) WITH ORDINALITY AS parts(part, at) ORDER BY at",
+            [SEARCH_CONFIG, parts],
+        )
+        clauses = [[t for t in terms if t not in QUESTION_WORDS] for (terms,) in cursor]
+    return [terms for terms in clauses if terms]
+
+
+def _holds(term: str) -> Q:
+    # 'simple' leaves a stemmed term as it is (no second stemming, no stop words)
+    return Q(search_vector=SearchQuery(term, config="simple"))
+
+
+def term_weights(chunks: QuerySet[Chunk], terms: Sequence[str]) -> dict[str, float]:
+    """Each term's BM25 inverse document frequency among ``chunks``: ln(1 + (N - n + 0.5) /
+    (n + 0.5)) for n of N chunks holding it, n at least 1: a term no chunk holds weighs as
+    much as the rarest that one does, not more (in a scope of one chunk it would otherwise
+    weigh 4.8 times a term the chunk holds, and one missing word outweigh two found). One
+    pass over the chunks, counting every term."""
+    if not terms:
+        return {}
+    counts = chunks.aggregate(
+        total=Count("id"),
+        **{f"t{i}": Count("id", filter=_holds(term)) for i, term in enumerate(terms)},
+    )
+    total = max(counts["total"], 1)
+    holding = [max(counts[f"t{i}"], 1) for i in range(len(terms))]
+    return {
+        term: math.log(1 + (total - n + 0.5) / (n + 0.5))
+        for term, n in zip(terms, holding, strict=True)
+    }
+
+
+def _share(weights: Mapping[str, float], terms: Sequence[str]) -> Expression:
+    whole = sum(weights[term] for term in terms)
+    parts = [
+        Case(When(_holds(term), then=Value(weights[term] / whole)), default=Value(0.0),
+             output_field=FloatField())
+        for term in terms
+    ]  # fmt: skip
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def coverage(weights: Mapping[str, float], clauses: Sequence[Sequence[str]]) -> Expression:
+    """SQL: the weighted share (0..1) of a question part's terms that a chunk holds, for the
+    part it covers best."""
+    shares = [_share(weights, terms) for terms in clauses]
+    if not shares:
+        return Value(0.0, output_field=FloatField())
+    return shares[0] if len(shares) == 1 else Greatest(*shares, output_field=FloatField())
+
+
+def relevance(similarity: float, text_rank: float) -> float:
+    """The score the relevance threshold (``RETRIEVAL_MIN_SCORE``) applies to."""
+    return (1 - FULL_TEXT_SHARE) * similarity + FULL_TEXT_SHARE * text_rank
 
 
 def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = RRF_K) -> list[int]:
@@ -53,6 +146,56 @@ def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = RRF_K) ->
         for rank, item in enumerate(ranking, start=1):
             scores[item] = scores.get(item, 0.0) + 1.0 / (k + rank)
     return sorted(scores, key=lambda item: -scores[item])
+
+
+def _by_vector(chunks: QuerySet[Chunk], embedding: list[float], limit: int) -> list[int]:
+    return list(
+        chunks.exclude(embedding=None)
+        .order_by(CosineDistance("embedding", embedding), "id")
+        .values_list("id", flat=True)[:limit]
+    )
+
+
+def _by_text(chunks: QuerySet[Chunk], question: str, covered: Expression, limit: int) -> list[int]:
+    """Chunks holding any of the question's words (the GIN index), best ``covered`` first,
+    then by ``ts_rank`` (normalization 32: rank / (rank + 1))."""
+    query = full_text_query(question)
+    if query is None:
+        return []
+    return list(
+        chunks.filter(search_vector=query)
+        .annotate(covered=covered, rank=SearchRank(F("search_vector"), query, normalization=32))
+        .order_by("-covered", "-rank", "id")
+        .values_list("id", flat=True)[:limit]
+    )
+
+
+def rank_candidates(
+    *, user, question: str, query_embedding: Sequence[float], limit: int,
+    scope: Scope = EVERYTHING,
+) -> list[Chunk]:  # fmt: skip
+    """Up to ``limit`` chunks by vector and up to ``limit`` by full text, fused by reciprocal
+    rank, best first, each carrying ``similarity`` (cosine), ``text_rank`` (term coverage,
+    0..1) and ``score`` (their mean, weighted by ``FULL_TEXT_SHARE``). No threshold."""
+    chunks = ready_chunks(user, scope)
+    embedding = list(query_embedding)
+    clauses = question_clauses(question)
+    terms = list(dict.fromkeys(term for clause in clauses for term in clause))
+    covered = coverage(term_weights(chunks, terms), clauses)
+    fused = reciprocal_rank_fusion(
+        [_by_vector(chunks, embedding, limit), _by_text(chunks, question, covered, limit)]
+    )
+    rows = (
+        Chunk.objects.select_related("document")
+        .annotate(distance=CosineDistance("embedding", embedding), covered=covered)
+        .in_bulk(fused)
+    )
+    ranked = [rows[chunk_id] for chunk_id in fused]
+    for chunk in ranked:
+        chunk.similarity = 0.0 if chunk.distance is None else 1.0 - float(chunk.distance)
+        chunk.text_rank = float(chunk.covered)
+        chunk.score = relevance(chunk.similarity, chunk.text_rank)
+    return ranked
 
 
 def retrieve_chunks(
@@ -65,41 +208,17 @@ def retrieve_chunks(
     scope: Scope = EVERYTHING,
 ) -> list[Chunk]:
     """The ``top_k`` most relevant chunks the user may read within ``scope`` (by default all
-    of their own), best first, one per distinct text, whose score reaches ``min_score``. Each
-    carries ``similarity`` (cosine), ``text_rank`` (normalized ``ts_rank``, 0 without a word
-    in common) and ``score``."""
-    candidates = max(top_k * 4, 20)
-    chunks = _ready_chunks(user, scope)
-    by_vector = list(
-        chunks.exclude(embedding=None)
-        .order_by(CosineDistance("embedding", list(query_embedding)), "id")
-        .values_list("id", flat=True)[:candidates]
-    )
-    by_text: dict[int, float] = {}
-    query = _full_text_query(question)
-    if query is not None:
-        by_text = dict(
-            chunks.filter(search_vector=query)
-            # normalization 32: rank / (rank + 1), so 0..1 whatever the chunk's length
-            .annotate(rank=SearchRank(F("search_vector"), query, normalization=32))
-            .order_by("-rank", "id")
-            .values_list("id", "rank")[:candidates]
-        )
-    fused = reciprocal_rank_fusion([by_vector, list(by_text)])
-    rows = (
-        Chunk.objects.select_related("document")
-        .annotate(distance=CosineDistance("embedding", list(query_embedding)))
-        .in_bulk(fused)
-    )
+    of their own), in fused order, one per distinct text, whose score reaches ``min_score``
+    (see :func:`rank_candidates` for what each carries)."""
+    candidates = rank_candidates(
+        user=user, question=question, query_embedding=query_embedding,
+        limit=max(top_k * 4, 20), scope=scope,
+    )  # fmt: skip
     selected: list[Chunk] = []
     seen: set[str] = set()
-    for chunk_id in fused:
-        chunk = rows[chunk_id]
+    for chunk in candidates:
         if chunk.token_ids_sha256 in seen:  # the same text in two documents: cite it once
             continue
-        chunk.similarity = 0.0 if chunk.distance is None else 1.0 - float(chunk.distance)
-        chunk.text_rank = float(by_text.get(chunk_id, 0.0))
-        chunk.score = chunk.similarity + FULL_TEXT_WEIGHT * chunk.text_rank
         if chunk.score < min_score:
             continue
         seen.add(chunk.token_ids_sha256)

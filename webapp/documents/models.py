@@ -15,6 +15,9 @@ from django.db import models
 from pgvector.django import HnswIndex, VectorField
 
 EMBEDDING_DIM = 384  # all-MiniLM-L6-v2; settings.EMBEDDING_DIM must agree (checked at embed)
+# The text search configuration of Chunk.search_vector (written at ingest) and of the
+# questions searched against it (webapp/chat/retrieval.py): both must stem alike.
+SEARCH_CONFIG = "english"
 
 
 class Document(models.Model):

@@ -27,7 +27,7 @@ from django.utils import timezone
 from minio.error import S3Error
 
 from webapp.documents import parsing, quotas
-from webapp.documents.models import Chunk, Collection, Document, OrphanObject
+from webapp.documents.models import SEARCH_CONFIG, Chunk, Collection, Document, OrphanObject
 from webapp.documents.sandbox import SandboxLimits, parse_isolated
 from webapp.documents.selectors import S3_MISSING
 from webapp.storage import object_store
@@ -331,7 +331,7 @@ def document_ingest(*, document_id: int) -> None:
             for chunk, vector in zip(chunks, vectors, strict=True)
         )
         Chunk.objects.filter(document_id=document_id).update(
-            search_vector=SearchVector("text", config="english")
+            search_vector=SearchVector("text", config=SEARCH_CONFIG)
         )
         _update(document_id, stage=Stage.KV, progress=PROGRESS[Stage.KV])
         chunk_ids = [row.pk for row in rows]

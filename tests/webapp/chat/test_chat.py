@@ -15,7 +15,7 @@ from webapp.chat import services
 from webapp.chat.models import Citation, Message
 from webapp.chat.retrieval import reciprocal_rank_fusion, retrieve_chunks
 from webapp.documents.embeddings import embed_texts
-from webapp.documents.models import Chunk, Document
+from webapp.documents.models import SEARCH_CONFIG, Chunk, Document
 
 pytestmark = pytest.mark.django_db
 
@@ -37,7 +37,9 @@ def make_document(owner, title: str, texts: list[str]) -> Document:
             document=document, index=index, text=text, token_ids=ids, token_count=len(ids),
             token_ids_sha256=hashlib.sha256(text.encode()).hexdigest(), embedding=vector,
         )  # fmt: skip
-    Chunk.objects.filter(document=document).update(search_vector=SearchVector("text"))
+    Chunk.objects.filter(document=document).update(
+        search_vector=SearchVector("text", config=SEARCH_CONFIG)
+    )  # as ingest writes it
     return document
 
 

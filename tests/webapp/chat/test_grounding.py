@@ -14,7 +14,7 @@ from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Citation, Message
 from webapp.chat.requests import conversation_history
-from webapp.chat.retrieval import retrieve_chunks
+from webapp.chat.retrieval import relevance, retrieve_chunks
 from webapp.documents.embeddings import embed_texts
 from webapp.redis import redis_client
 
@@ -48,15 +48,16 @@ def test_retrieval_scores_each_chunk_and_drops_those_under_the_threshold(alice) 
             user=alice, question=question, query_embedding=vector, top_k=6, min_score=min_score
         )
 
+    bar = settings.RETRIEVAL_MIN_SCORE
     everything = found("Which moon has an ocean under its ice?", 0.0)
     assert len(everything) == len(PASSAGES)
     best = everything[0]
-    assert best.text == PASSAGES["space"] and best.score > 0.3 > everything[-1].score
-    assert best.score == pytest.approx(best.similarity + 0.5 * best.text_rank)
-    assert [c.text for c in found("Which moon has an ocean under its ice?", 0.3)] == [
+    assert best.text == PASSAGES["space"] and best.score > bar > everything[-1].score
+    assert best.score == pytest.approx(relevance(best.similarity, best.text_rank))
+    assert [c.text for c in found("Which moon has an ocean under its ice?", bar)] == [
         PASSAGES["space"]
     ]
-    assert found("What is the dress code at the office?", 0.3) == []
+    assert found("What is the dress code at the office?", bar) == []
 
 
 def test_a_question_nothing_relevant_answers_gets_not_found_without_the_model(alice, queue) -> None:
