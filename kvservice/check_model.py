@@ -6,7 +6,12 @@ that the engine can be held to HF transformers' own float32 result), builds the 
 prompt for a fixed question over three fixed passages, and checks:
 
 * **logits**: the engine's logits for every prompt token against HF transformers' for the
-  same ids (``AutoModelForCausalLM``; it loads the weights a second time);
+  same ids (``AutoModelForCausalLM``; it loads the weights a second time). A ``.gguf`` file is
+  converted into the model cache as the worker converts it (``kvservice.bundled``), and the
+  reference is transformers' own reading of the GGUF file, so the conversion is checked too;
+  where transformers reads the file's model differently from the conversion (RoPE scaling
+  its GGUF reader ignores, say), the reference is transformers loading the converted
+  directory, and the report names the differences;
 * **blend at ratio 1.0** equals full prefill (``kvservice.blend.blend_prefill``): every
   chunk token recomputed over the chunks' stored KV gives full's logits and cache;
 * **stored chunk KV**: the first passage's KV as precomputed and stored (K before RoPE,
@@ -22,13 +27,17 @@ not run is named in the message), 2 when the path is no checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvservice.model import UnsupportedModelError
 
 PASSAGES = (
     "The Amazon river flows through Peru, Colombia and Brazil before reaching the Atlantic "
@@ -67,11 +76,15 @@ class Report:
     chat_template: bool = False
     stop_tokens: list[tuple[int, str]] = field(default_factory=list)
     layers: str = ""
+    checkpoint: Path | None = None  # the converted directory, for a GGUF file
+    reference: str = "transformers loading the directory"
 
     def lines(self) -> list[str]:
         verdict = "supported" if self.supported else "NOT supported"
         lines = [f"{self.path}: {verdict} (model type {self.model_type!r})"]
         lines += [f"  problem: {problem}" for problem in self.problems]
+        if self.checkpoint is not None:
+            lines.append(f"  converted into: {self.checkpoint}")
         if not self.prompt_tokens:
             return lines
         stops = ", ".join(f"{token_id} {text!r}" for token_id, text in self.stop_tokens)
@@ -80,6 +93,7 @@ class Report:
             f"  max logit difference to HF transformers (float32, {self.prompt_tokens} prompt "
             f"tokens): {self.max_logit_diff:.2e} (largest |logit| {self.logit_scale:.2f}, "
             f"tolerance {LOGIT_TOLERANCE * max(1.0, self.logit_scale):.2e})",
+            f"  reference: {self.reference}",
             f"  blend at ratio 1.0 against full prefill: {self.blend_diff:.2e}",
             f"  stored chunk KV against full prefill's: {self.chunk_kv_diff:.2e} "
             f"(prefix caching's logits: {self.prefix_diff:.2e})",
@@ -128,15 +142,74 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def _hf_logits(path: Path, ids: torch.Tensor, device: str) -> torch.Tensor:
-    """HF transformers' float32 logits ``[T, V]`` for ``ids [T]``."""
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+def _hf_logits(load: Callable[[], Any], ids: torch.Tensor, device: str) -> torch.Tensor:
+    """HF transformers' float32 logits ``[T, V]`` for ``ids [T]``, of the model ``load`` gives."""
+    hf_model = load().to(device).eval()
     with torch.no_grad():
         logits = hf_model(ids[None]).logits[0].float()
     del hf_model
     return logits
+
+
+def _hf_directory_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _hf_gguf_model(gguf_path: Path):
+    """The GGUF file as transformers itself reads it (its config, its tensor names and
+    transforms; ``from_pretrained(gguf_file=...)`` would need ``accelerate``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(
+        str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )
+    result = model.load_state_dict(parsed["tensors"], strict=False)
+    tied = config.tie_word_embeddings
+    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and tied)]
+    if missing:
+        raise UnsupportedModelError(f"transformers' GGUF reader left weights unset: {missing}")
+    model.tie_weights()
+    return model
+
+
+def transformers_gguf_differences(gguf_path: Path, checkpoint: Path) -> list[str]:
+    """Where transformers' GGUF reader makes another model of the file than the conversion
+    (``kvservice.gguf_checkpoint``): the engine config fields that differ (empty: none)."""
+    from transformers import AutoConfig
+
+    from kvservice.model import ModelConfig
+
+    ours = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        theirs = ModelConfig.from_hf_config(config)
+    except Exception as error:  # noqa: BLE001 (any failure of theirs means: not comparable)
+        return [f"it cannot read the file ({error})"]
+    return [
+        f"{f.name} {getattr(theirs, f.name)!r} for {getattr(ours, f.name)!r}"
+        for f in dataclasses.fields(ModelConfig)
+        if getattr(ours, f.name) != getattr(theirs, f.name)
+    ]
+
+
+def _reference(report: Report, path: Path, gguf_path: Path | None) -> Callable[[], Any]:
+    """What the engine's logits are held to (``Report.reference`` says which)."""
+    if gguf_path is None:
+        return lambda: _hf_directory_model(path)
+    differences = transformers_gguf_differences(gguf_path, path)
+    if differences:
+        report.reference = (
+            "transformers loading the converted directory (its GGUF reader differs: "
+            + "; ".join(differences) + ")"
+        )  # fmt: skip
+        return lambda: _hf_directory_model(path)
+    report.reference = "transformers' own reading of the GGUF file"
+    return lambda: _hf_gguf_model(gguf_path)
 
 
 def _chunk_kv_diff(model, full_cache, chunk, start: int) -> float:
@@ -176,7 +249,7 @@ def _engine_checks(report: Report, model, prompt) -> None:
     report.chunk_kv_diff = _chunk_kv_diff(model, full.cache, chunks[0], len(head))
 
 
-def _measure(report: Report, path: Path, device: str) -> None:
+def _measure(report: Report, path: Path, device: str, gguf_path: Path | None = None) -> None:
     """Everything but the verdict: load as the worker does, compare, size."""
     from transformers import AutoTokenizer
 
@@ -189,7 +262,7 @@ def _measure(report: Report, path: Path, device: str) -> None:
     ids = torch.tensor(prompt.token_ids, device=device)
     positions = torch.arange(ids.numel(), device=device)
     ours, _ = model(ids[None], positions[None], all_logits=True)
-    reference = _hf_logits(path, ids, device)
+    reference = _hf_logits(_reference(report, path, gguf_path), ids, device)
     report.prompt_tokens = ids.numel()
     report.max_logit_diff = (ours[0] - reference).abs().max().item()
     report.logit_scale = reference.abs().max().item()
@@ -222,23 +295,47 @@ def _verdict(report: Report) -> None:
 
 
 def check(path: str | Path, device: str | None = None) -> Report:
-    """The report for the checkpoint directory ``path`` (``ModelPathError`` when it is none).
-    An unsupported model type or layout is a report with ``supported`` False, not an error."""
-    from kvservice.bundled import check_checkpoint_dir
-    from kvservice.model import ModelConfig, UnsupportedModelError
+    """The report for the checkpoint directory or GGUF file ``path`` (``ModelPathError`` when
+    it is neither). An unsupported model type or layout is a report with ``supported`` False,
+    not an error."""
+    from kvservice.bundled import (
+        check_checkpoint_dir,
+        check_gguf_file,
+        check_tokenizer,
+        gguf_checkpoint,
+    )
+    from kvservice.model import ModelConfig
 
-    path = check_checkpoint_dir(Path(path).expanduser())
-    hf_config: dict[str, Any] = json.loads((path / "config.json").read_text())
-    report = Report(path, str(hf_config.get("model_type")))
+    given = Path(path).expanduser()
+    gguf_path = check_gguf_file(given) if given.suffix.lower() == ".gguf" else None
+    if gguf_path is not None:
+        try:
+            directory = check_checkpoint_dir(gguf_checkpoint(gguf_path))
+        except UnsupportedModelError as error:
+            report = Report(given, _gguf_architecture(gguf_path))
+            report.problems.append(str(error))
+            return report
+    else:  # the tokenizer after the model type: an unsupported model is named as such
+        directory = check_checkpoint_dir(given, tokenizer=False)
+    hf_config: dict[str, Any] = json.loads((directory / "config.json").read_text())
+    report = Report(given, str(hf_config.get("model_type")))
+    report.checkpoint = directory if gguf_path is not None else None
     try:
         ModelConfig.from_hf_config(hf_config)
     except UnsupportedModelError as error:
         report.problems.append(str(error))
         return report
+    check_tokenizer(directory)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    _measure(report, path, device)
+    _measure(report, directory, device, gguf_path)
     _verdict(report)
     return report
+
+
+def _gguf_architecture(gguf_path: Path) -> str:
+    from kvservice.gguf_checkpoint import read_gguf
+
+    return read_gguf(gguf_path).architecture
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvservice.check_model", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("path", help="an HF checkpoint directory (config.json, *.safetensors)")
+    parser.add_argument(
+        "path", help="an HF checkpoint directory (config.json, *.safetensors) or a .gguf file"
+    )
     parser.add_argument("--device", help="cpu or cuda (default: cuda where there is one)")
     args = parser.parse_args(argv)
     try:

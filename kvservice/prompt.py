@@ -79,8 +79,8 @@ class PromptFormat:
             messages.insert(0, {"role": "system", "content": system_prompt})
         if getattr(tokenizer, "chat_template", None):
             rendered = _render(tokenizer, messages)
-        else:  # a base model: plain text turns
-            rendered = f"{system_prompt or ''}\n\nUser: {_MARK}\nAssistant:"
+        else:  # a base model: plain text turns, after its BOS where it reads one
+            rendered = f"{_bos_text(tokenizer)}{system_prompt or ''}\n\nUser: {_MARK}\nAssistant:"
         before, after = rendered.split(_MARK)
         self.head_text = before + instruction
         self.tail_text = after
@@ -180,6 +180,17 @@ def preamble_passages() -> tuple[str, ...]:
     """The shipped preamble's passages (``kv_preamble.json``: two encyclopedia paragraphs
     that no evaluation prompt contains)."""
     return tuple(p["text"] for p in json.loads(PREAMBLE_FILE.read_text())["passages"])
+
+
+def _bos_text(tokenizer: Any) -> str:
+    """The BOS token's text where the tokenizer starts every text with it (the model was
+    trained so: Gemma's base models read a prompt without it badly), else nothing. A chat
+    template writes its own."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return ""
+    ids = tokenizer("a")["input_ids"]
+    return tokenizer.bos_token if ids and ids[0] == bos_id else ""
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:

@@ -237,3 +237,61 @@ def test_the_stale_shift_ramps_with_the_cached_tokens_a_chunk_never_saw():
     assert fewer.shares[2] == 0.0 and fewer.shares[1] > 0.0
     assert _stale_shift(stale, active, BlendSettings()) is None  # off by default
     assert _stale_shift(stale, torch.tensor([44]), BlendSettings(**on)) is None  # none recomputed
+
+
+def test_local_layer_weight_weighs_the_sliding_layers_in_selection():
+    """Gemma 3's sliding layers read only the last window: at weight 0 selection reads the
+    global layers alone, at 1 every layer alike (the default), and a model with no sliding
+    layers, or only sliding ones (Phi-3), is read alike whatever the weight."""
+    from kvservice.blend import attention_importance, local_layer_weights
+
+    windows = [4, 4, None, 4, 4, None]
+    assert local_layer_weights(windows, 1.0) is None
+    assert (
+        local_layer_weights([None] * 6, 0.0) is None and local_layer_weights([4] * 6, 0.0) is None
+    )
+    attention = torch.rand(6, 10, generator=torch.Generator().manual_seed(3))
+    candidate = torch.ones(10, dtype=torch.bool)
+    weights = local_layer_weights(windows, 0.0)
+    only_global = attention_importance(attention, candidate, 0.0, 1.0, 6, weights)
+    shares = attention / attention.sum(dim=1, keepdim=True)
+    torch.testing.assert_close(only_global, shares[[2, 5]].mean(dim=0))
+    alike = attention_importance(
+        attention, candidate, 0.0, 1.0, 6, local_layer_weights(windows, 1.0)
+    )
+    torch.testing.assert_close(alike, shares.mean(dim=0))
+    # no global layer among those read: they are read alike rather than not at all
+    early = attention_importance(attention, candidate, 0.0, 0.3, 6, weights)
+    torch.testing.assert_close(early, shares[:2].mean(dim=0))
+
+
+def test_local_layer_weight_changes_what_gemma3_blend_recomputes(tmp_path):
+    """Through ``blend_prefill`` on a tiny Gemma 3 (sliding window 8, a 54-token prompt):
+    the same first pass, another selection, so another result."""
+    import transformers
+
+    from kvservice.model import Transformer
+
+    from .conftest import perturbed
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=16, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    perturbed(transformers.Gemma3ForCausalLM(config)).save_pretrained(tmp_path)
+    model = Transformer.from_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    head = torch.randint(0, 128, (3,), generator=gen).tolist()
+    chunk_ids = [torch.randint(0, 128, (15,), generator=gen).tolist() for _ in range(3)]
+    question = torch.randint(0, 128, (6,), generator=gen).tolist()
+    chunks = precompute_chunks(model, head, chunk_ids)
+    alike, global_only = (
+        blend_prefill(model, head, chunks, question, recompute_ratio=0.2,
+                      settings=BlendSettings(local_layer_weight=weight))
+        for weight in (1.0, 0.0)
+    )  # fmt: skip
+    torch.testing.assert_close(alike.question_attention, global_only.question_attention)
+    assert torch.isfinite(global_only.logits).all()
+    assert not torch.equal(alike.logits, global_only.logits)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -14,8 +15,15 @@ from kvservice.bundled import (
 )
 
 
-def test_model_path_override_is_used(tiny_checkpoints):
-    assert resolve_llm_path(str(tiny_checkpoints["llama"])) == tiny_checkpoints["llama"]
+def test_model_path_override_is_used(tiny_checkpoints, smollm2_dir, tmp_path):
+    """A checkpoint directory is served as it is, once it has a tokenizer (issue #50: without
+    one the worker failed in the embedding or asked for sentencepiece)."""
+    directory = tmp_path / "llama"
+    shutil.copytree(tiny_checkpoints["llama"], directory)
+    with pytest.raises(ModelPathError, match="has no tokenizer"):
+        resolve_llm_path(str(directory))
+    shutil.copy(smollm2_dir / "tokenizer.json", directory / "tokenizer.json")
+    assert resolve_llm_path(str(directory)) == directory
 
 
 def test_missing_model_path_fails_clearly(tmp_path):
@@ -80,29 +88,34 @@ def test_bundled_dir_answers_a_prompt_like_our_engine(smollm2_dir, smollm2, smol
 
 @pytest.mark.slow
 def test_conversion_is_atomic_and_reused(tmp_path, monkeypatch):
-    """Converts the GGUF from scratch (about 30 s); a second call reuses the directory."""
-    import kvservice.bundled as bundled
+    """Converts the GGUF from scratch (about 30 s); a second call reuses the directory. The
+    conversion (``kvservice.gguf_checkpoint``) gives the weights and config the earlier
+    conversion through transformers gave: the same model fingerprint, so stored chunk KV
+    keys stay valid."""
+    import kvservice.gguf_checkpoint as gguf_checkpoint
 
     calls = []
-    real = bundled._convert_gguf
+    real = gguf_checkpoint.convert_gguf
 
     def failing(gguf_path, out_dir):
         (out_dir / "config.json").write_text("{}")  # a half-written directory...
         raise KeyboardInterrupt  # ...then the process is killed
 
-    monkeypatch.setattr(bundled, "_convert_gguf", failing)
+    monkeypatch.setattr(gguf_checkpoint, "convert_gguf", failing)
     with pytest.raises(KeyboardInterrupt):
         smollm2_checkpoint(tmp_path)
-    assert not (tmp_path / bundled.SMOLLM2_DIR_NAME).exists()
-    assert not any(tmp_path.iterdir())  # no staging leftovers either
+    assert not any(tmp_path.iterdir())  # no half directory, no staging leftovers either
 
-    monkeypatch.setattr(bundled, "_convert_gguf", lambda g, o: (calls.append(1), real(g, o)))
+    monkeypatch.setattr(gguf_checkpoint, "convert_gguf", lambda g, o: (calls.append(1), real(g, o)))
     path = smollm2_checkpoint(tmp_path)
     again = smollm2_checkpoint(tmp_path)
     assert path == again and len(calls) == 1
+    assert path.name.startswith("smollm2-135m-instruct-q4-1-")
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in path.iterdir()
     }
     from kvservice.model import Transformer
 
-    assert Transformer.from_pretrained(path).config.n_layers == 30
+    model = Transformer.from_pretrained(path)
+    assert model.config.n_layers == 30
+    assert model.fingerprint == "9ee0332e337276df2c492920980cfe04"  # as converted before #50

@@ -194,7 +194,9 @@ def test_stop_tokens_come_from_the_generation_config(family_dirs, smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(family_dirs["qwen3"])
     assert stop_token_ids(tokenizer) == set(STOP_IDS)
     bundled = AutoTokenizer.from_pretrained(smollm2_dir)
-    assert stop_token_ids(bundled) == {bundled.convert_tokens_to_ids("<|im_end|>")}
+    # the bundled GGUF's end of sequence, and its <|endoftext|>, where llama.cpp stops too
+    ends = {bundled.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    assert stop_token_ids(bundled) == ends
 
 
 def test_check_model_command_passes_gemma3_and_refuses_gpt2_by_name(family_dirs, tmp_path):
