@@ -42,13 +42,8 @@ from bench.prefill import (
     example_prompt,
     teacher_forced_fidelity,
 )
-from kvservice.blend import (
-    BlendResult,
-    BlendSettings,
-    attention_importance,
-    blend_prefill,
-    select_recompute,
-)
+from kvservice.blend import BlendResult, BlendSettings, blend_prefill
+from kvservice.blend_selection import attention_importance, select_recompute
 from kvservice.bundled import default_cache_dir, resolve_llm_path
 from kvservice.chunk import ChunkKV
 from kvservice.engine import stop_token_ids

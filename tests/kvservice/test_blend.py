@@ -7,16 +7,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvservice.blend import (
-    BlendSettings,
-    attend_and_weigh,
-    attend_grouped,
+from kvservice.blend import BlendSettings, blend_prefill, refresh
+from kvservice.blend_attention import attend_and_weigh, attend_grouped, group_queries
+from kvservice.blend_placing import rotate_into
+from kvservice.blend_selection import (
     attention_importance,
-    blend_prefill,
-    group_queries,
-    refresh,
-    rerotate,
-    rotate_into,
     select_recompute,
     selection_layers,
     smooth_scores,
@@ -57,16 +52,6 @@ def _cache_kv(result):
 
 
 # ---- pure functions ------------------------------------------------------------------------
-
-
-def test_rerotate_equals_rotation_at_the_new_position(tiny_llama):
-    inv_freq = tiny_llama.inv_freq
-    k = torch.randn(2, 7, 16)
-    old, new = torch.arange(3, 10), torch.arange(40, 47)
-    at_old = apply_rope(k, *rope_cos_sin(inv_freq, old))
-    expected = apply_rope(k, *rope_cos_sin(inv_freq, new))
-    torch.testing.assert_close(rerotate(at_old, old, new, inv_freq), expected, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(at_old, expected, atol=1e-3)
 
 
 @pytest.mark.parametrize("stored", [torch.float32, torch.float16])

@@ -6,16 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.blend import (
-    BlendSettings,
-    _Stale,
-    _stale_shift,
-    attend_and_weigh,
-    attend_grouped,
-    blend_prefill,
-    group_queries,
-    round_budgets,
-)
+from kvservice.blend import BlendSettings, blend_prefill
+from kvservice.blend_attention import attend_and_weigh, attend_grouped, group_queries
+from kvservice.blend_placing import stale_shift
+from kvservice.blend_plan import StaleReading
+from kvservice.blend_selection import round_budgets
 from kvservice.model import attend, position_mask, precompute_chunks
 
 
@@ -108,7 +103,7 @@ def test_the_stale_corrections_leave_reuse_as_stored(tiny_blend):
 
 
 def test_the_stale_temperature_ramps_with_the_cached_tokens_a_chunk_never_saw():
-    from kvservice.blend import Segment, _stale_reading
+    from kvservice.blend_plan import Segment, stale_reading
 
     cached = object()  # any source: only whether a segment is read from cache matters here
     segments = [
@@ -122,22 +117,22 @@ def test_the_stale_temperature_ramps_with_the_cached_tokens_a_chunk_never_saw():
     ]
     stale = torch.zeros(510, dtype=torch.bool)
     stale[12:412] = stale[462:502] = True
-    ramped = _stale_reading(
+    ramped = stale_reading(
         segments, stale, BlendSettings(stale_key_scale=0.9, stale_ramp_tokens=200)
     )
     assert [(s.start, s.stop) for s in ramped.spans] == [(12, 112), (112, 412), (462, 502)]
     assert ramped.key_scales == pytest.approx((1.0, 0.95, 0.9))
     assert ramped.key_scale(112, 412) == pytest.approx(0.95) and ramped.key_scale(0, 10) == 1.0
-    flat = _stale_reading(segments, stale, BlendSettings(stale_key_scale=0.9, stale_ramp_tokens=0))
+    flat = stale_reading(segments, stale, BlendSettings(stale_key_scale=0.9, stale_ramp_tokens=0))
     assert flat.key_scales == pytest.approx((0.9, 0.9, 0.9))
     assert ramped.bias is None and flat.bias is None  # no bias asked
     # a logit bias ramps alike, on the stale slots only
-    biased = _stale_reading(segments, stale, BlendSettings(stale_bias=-0.5, stale_ramp_tokens=200))
+    biased = stale_reading(segments, stale, BlendSettings(stale_bias=-0.5, stale_ramp_tokens=200))
     expected = torch.zeros(510)
     expected[112:412], expected[462:502] = -0.25, -0.5
     torch.testing.assert_close(biased.bias, expected)
     stale[200:210] = False  # recomputed in a first round: read as computed, no bias
-    again = _stale_reading(segments, stale, BlendSettings(stale_bias=-0.5, stale_ramp_tokens=200))
+    again = stale_reading(segments, stale, BlendSettings(stale_bias=-0.5, stale_ramp_tokens=200))
     assert bool((again.bias[200:210] == 0).all()) and float(again.bias[220]) == -0.25
 
 
@@ -227,23 +222,23 @@ def test_the_stale_shift_ramps_with_the_cached_tokens_a_chunk_never_saw():
     """A chunk is moved by as much of its estimate as the cached chunk tokens before it make
     up of ``stale_shift_ramp_tokens``; one without enough recomputed tokens not at all."""
     spans = (slice(10, 20), slice(20, 30), slice(30, 40))
-    stale = _Stale(spans, (1.0, 0.95, 0.9), unseen=(300, 600, 2400))
+    stale = StaleReading(spans, (1.0, 0.95, 0.9), unseen=(300, 600, 2400))
     active = torch.tensor([12, 13, 21, 22, 23, 31, 44])  # the last one: the question
     on = {"stale_shift": 1.0, "stale_shift_pool": 16}
-    shift = _stale_shift(stale, active, BlendSettings(**on, stale_shift_ramp_tokens=1200))
+    shift = stale_shift(stale, active, BlendSettings(**on, stale_shift_ramp_tokens=1200))
     assert shift.shares == pytest.approx((0.25, 0.5, 1.0))
     assert [r.tolist() for r in shift.rows] == [[0, 1], [2, 3, 4], [5]]
-    fewer = _stale_shift(stale, active, BlendSettings(**on, stale_shift_min_tokens=2))
+    fewer = stale_shift(stale, active, BlendSettings(**on, stale_shift_min_tokens=2))
     assert fewer.shares[2] == 0.0 and fewer.shares[1] > 0.0
-    assert _stale_shift(stale, active, BlendSettings()) is None  # off by default
-    assert _stale_shift(stale, torch.tensor([44]), BlendSettings(**on)) is None  # none recomputed
+    assert stale_shift(stale, active, BlendSettings()) is None  # off by default
+    assert stale_shift(stale, torch.tensor([44]), BlendSettings(**on)) is None  # none recomputed
 
 
 def test_local_layer_weight_weighs_the_sliding_layers_in_selection():
     """Gemma 3's sliding layers read only the last window: at weight 0 selection reads the
     global layers alone, at 1 every layer alike (the default), and a model with no sliding
     layers, or only sliding ones (Phi-3), is read alike whatever the weight."""
-    from kvservice.blend import attention_importance, local_layer_weights
+    from kvservice.blend_selection import attention_importance, local_layer_weights
 
     windows = [4, 4, None, 4, 4, None]
     assert local_layer_weights(windows, 1.0) is None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.blend import blend_prefill, rerotate
+from kvservice.blend import blend_prefill
 from kvservice.model import (
     Transformer,
     apply_rope,
@@ -139,23 +139,6 @@ def test_every_mode_in_half_precision_tracks_float32(tiny_checkpoints, prompt, d
         half = _run(model, prompt, mode, **options).logits
         ref = _run(model32, prompt, mode, **options).logits
         assert _max_diff(half, ref) <= ROUNDING_FACTOR * rounding, mode
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", HALF)
-def test_rerotated_keys_equal_keys_rotated_at_the_new_far_position(tiny_checkpoints, device, dtype):
-    inv_freq = _load(tiny_checkpoints, device, dtype).inv_freq
-    gen = torch.Generator().manual_seed(5)
-    k = torch.randn(2, 7, 16, generator=gen).to(device, dtype)
-    old = torch.arange(3, 10, device=device)
-    new = torch.arange(10_000, 10_007, device=device)  # bfloat16 spaces integers 64 apart here
-    at_old = apply_rope(k, *rope_cos_sin(inv_freq, old))
-    expected = apply_rope(k, *rope_cos_sin(inv_freq, new))
-    moved = rerotate(at_old, old, new, inv_freq)
-    assert moved.dtype == dtype
-    ulp = torch.finfo(dtype).eps * k.abs().max().item()
-    assert _max_diff(moved, expected) <= ROPE_ULPS * ulp
-    assert _max_diff(at_old, expected) > 10 * ROPE_ULPS * ulp  # it did move
 
 
 @pytest.mark.parametrize("device", DEVICES)

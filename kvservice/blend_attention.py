@@ -1,0 +1,190 @@
+"""Attention of the computed tokens over the blended cache, causal by real position: the
+question's with the weights selection reads (``attend_and_weigh``), the others' cut into
+groups of queries that each read only the keys up to their last position (``group_queries``,
+``attend_grouped``), and one pass's plan of who attends how (``attention_plan``)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvservice.model import attend, position_mask
+
+
+def attend_and_weigh(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    sliding_window: int | None = None,
+    key_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the question's queries ``q [H, S, D]`` (rotated) over a layer's keys
+    ``k, v [H_kv, T, D]`` (rotated, at sorted positions ``key_pos``), causal by position, and
+    the weights it paid each key.
+
+    Returns the output ``[H, S, D]`` (what SDPA gives) and the weights averaged over heads
+    and queries, ``[T]``, summing to 1. One explicit computation gives both: for the few
+    question tokens it is faster than SDPA plus a second pass for the weights (5 against
+    10-12 ms a layer for 45 queries over 3,700 keys here), and the query heads that share a
+    key head are stacked into one matrix product instead of copying the keys per head."""
+    heads, length, dim = q.shape
+    kv_heads, num_keys = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    stacked = (q * (1.0 / math.sqrt(dim))).to(k.dtype).reshape(kv_heads, group * length, dim)
+    scores = (stacked @ k.transpose(1, 2)).view(kv_heads, group, length, num_keys)
+    if key_bias is not None:
+        scores += key_bias.to(scores.dtype)
+    # Keys at or before the first query's position are seen by every query (key_pos sorted):
+    # only the ones after it are masked (the question's own, when it ends the prompt).
+    seen = (
+        0
+        if sliding_window is not None
+        else int(torch.searchsorted(key_pos, query_pos.min(), right=True))
+    )
+    visible = position_mask(query_pos, key_pos[seen:], sliding_window=sliding_window)  # [S, T']
+    scores[..., seen:].masked_fill_(~visible, float("-inf"))
+    # In the scores' dtype (softmax accumulates in float32): a bfloat16 cache's weights are
+    # rounded as SDPA rounds them before its second product, and no float32 copy is made.
+    weights = torch.softmax(scores, dim=-1)  # [H_kv, G, S, T]
+    out = (weights.view(kv_heads, group * length, num_keys) @ v.to(weights.dtype)).view(
+        heads, length, dim
+    )
+    return out, weights.sum(dim=(0, 1, 2), dtype=torch.float32) / (kv_heads * group * length)
+
+
+@dataclass(frozen=True)
+class QueryGroups:
+    """Selected queries cut into groups by position, each with the keys it may read: built
+    once per pass (``group_queries``) and used by every layer (``attend_grouped``)."""
+
+    spans: list[slice]  # each group's queries
+    n_keys: list[int]  # each group reads keys [0, n_keys)
+    masks: list[torch.Tensor]  # additive, 0 or -inf: [heads_per_key * S_g, n_keys] each
+
+
+# PyTorch's CPU flash attention cuts a call's queries into 256-row blocks from 768 rows on,
+# and into 32- or 64-row blocks below, which run ~15 % slower per (query, key) pair here.
+MIN_ROWS_PER_CALL = 768
+# On a GPU one call per layer: the launches of the CPU's cut (~12 calls a layer at 16,384
+# tokens) cost more than the masked work they skip. Blend 0.15 of Llama-3-8B's shape on an
+# H200, 12 chunks from CPU memory / the GPU tier (docs/long_context_gpu/h200_s44_ab.txt):
+# 4,096 tokens 0.192 / 0.202 -> 0.171 / 0.186 s, 8,192 0.272 / 0.304 -> 0.237 / 0.254,
+# 16,384 0.373 / 0.348 -> 0.352 / 0.378 (a wash there).
+GPU_ROWS_PER_CALL: int | None = None
+
+
+def group_queries(
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    heads_per_key: int,
+    sliding_window: int | None = None,
+    min_rows: int | None = MIN_ROWS_PER_CALL,
+    dtype: torch.dtype = torch.float32,
+    key_bias: torch.Tensor | None = None,
+) -> QueryGroups:
+    """Cut queries at positions ``query_pos [S]`` (sorted) over keys at ``key_pos [T]``
+    (position order) into groups of consecutive queries that each read only the keys up to
+    their last position: the same result as one masked call over all keys, without the
+    masked scores past each group.
+
+    ``attend_grouped`` stacks the ``heads_per_key`` query heads that share a key head into
+    one call's rows, so a group of ``n`` queries is ``heads_per_key * n`` rows; the groups
+    are as many, of equal size, as leave each call at least ``min_rows`` rows (None: one
+    group). One layer of
+    a blend at 0.15 (tuning examples 0-3, layers 5, 15 and 25: 572-596 queries over
+    3,631-3,758 keys; medians of 9): 2 stacked groups 20.1 ms, 1 group 21.2, 3 groups 21.9,
+    4 groups 22.2, the previous 8 groups of equal key spans with SDPA's GQA 23.1.
+    The masks are additive (SDPA converts a boolean mask on every call) and repeated per
+    stacked head (``heads_per_key * S`` rows of keys in all, built once per pass)."""
+    count = query_pos.numel()
+    n_groups = 1 if min_rows is None else max(1, min(count, heads_per_key * count // min_rows))
+    bounds = [count * g // n_groups for g in range(n_groups + 1)]
+    spans, n_keys, masks = [], [], []
+    for start, stop in itertools.pairwise(bounds):
+        group_pos = query_pos[start:stop]
+        keys = int(torch.searchsorted(key_pos, group_pos[-1], right=True))
+        visible = position_mask(group_pos, key_pos[:keys], sliding_window=sliding_window)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        if key_bias is not None:
+            mask += key_bias[:keys].to(dtype)
+        spans.append(slice(start, stop))
+        n_keys.append(keys)
+        masks.append(mask.masked_fill_(~visible, float("-inf")).repeat(heads_per_key, 1))
+    return QueryGroups(spans, n_keys, masks)
+
+
+def attend_grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: QueryGroups
+) -> torch.Tensor:
+    """Attention of selected queries ``q [1, H, S, D]`` over a layer's keys ``k, v
+    [1, H_kv, T, D]``, causal by real position, one SDPA call per group (``group_queries``)
+    with the query heads that share a key head stacked as rows. Returns ``[1, H, S, D]``."""
+    _, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    outputs = []
+    for span, keys, mask in zip(groups.spans, groups.n_keys, groups.masks, strict=True):
+        n = span.stop - span.start
+        rows = q[0, :, span].to(k.dtype).reshape(1, kv_heads, heads // kv_heads * n, dim)
+        out = F.scaled_dot_product_attention(rows, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
+        outputs.append(out.reshape(1, heads, n, dim))  # CUDA's SDPA may return other strides
+    return torch.cat(outputs, dim=2)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Who attends how in one pass, built once and used by every layer (``attend_layer``)."""
+
+    positions: torch.Tensor  # [T] key positions (slot = position)
+    active: torch.Tensor  # [S] the computed slots
+    grouped: int  # the active queries before the recorded question (all when none is)
+    question_length: int  # the last that many active tokens' attention is recorded
+    everything: bool  # every slot is active: plain causal prefill
+    groups: QueryGroups | None
+    last_query: QueryGroups
+    window: int | None
+    bias: torch.Tensor | None
+    layer: int  # the first layer of this plan's window (``Transformer.mask``)
+
+
+def attention_plan(model, cache, active, num_tokens, question_length, bias, layer) -> AttentionPlan:
+    """Layer ``layer``'s plan; every layer with the same sliding window shares it."""
+    config, positions = model.config, torch.arange(num_tokens, device=model.device)
+    window, dtype = config.window(layer), cache.k.dtype
+    heads_per_key = config.n_heads // config.n_kv_heads
+    grouped = active.numel() - question_length
+    everything = active.numel() == num_tokens
+
+    rows = MIN_ROWS_PER_CALL if model.device.type == "cpu" else GPU_ROWS_PER_CALL
+
+    def groups_of(queries: torch.Tensor) -> QueryGroups:
+        return group_queries(queries, positions, heads_per_key, window, rows, dtype, bias)
+
+    groups = groups_of(active[:grouped]) if grouped and not everything else None
+    return AttentionPlan(positions, active, grouped, question_length, everything, groups,
+                         groups_of(active[-1:]), window, bias, layer)  # fmt: skip
+
+
+def attend_layer(model, plan: AttentionPlan, q, k_layer, v_layer, last: bool):
+    """One layer's attention output ``[1, H, S', D]`` for the active queries (only the last
+    one's in the last layer) and, when the question is recorded, its weights ``[T]``."""
+    if plan.question_length:
+        out, weights = attend_and_weigh(
+            q[0, :, plan.grouped :], k_layer[0], v_layer[0], plan.active[plan.grouped :],
+            plan.positions, plan.window, plan.bias,
+        )  # fmt: skip
+        if plan.groups is not None and not last:
+            before = attend_grouped(q[:, :, : plan.grouped], k_layer, v_layer, plan.groups)
+            return torch.cat([before, out[None]], 2), weights
+        return out[None], weights
+    if last:
+        return attend_grouped(q[:, :, -1:], k_layer, v_layer, plan.last_query), None
+    if plan.everything:
+        mask = model.mask(plan.positions, plan.positions, layer=plan.layer)
+        return attend(q, k_layer, v_layer, mask), None
+    return attend_grouped(q, k_layer, v_layer, plan.groups), None
