@@ -9,9 +9,11 @@ For a request whose cached chunks hold ``N`` tokens over ``L`` layers:
   parallel, so the request waits for the slowest);
 - the break-even ratio ``r_eq = load_s / full_recompute_s`` makes recompute exactly as long
   as the load. Recomputing more tokens than ``r_min`` costs nothing while the load is the
-  bottleneck anyway, so ``r = clamp(max(r_min, r_eq), 0, 1)``; an admin-fixed ratio wins.
-- the cheapest tier (S3 < disk < CPU memory < device) whose load time at the target ratio
-  (``r_min`` or the admin's) is no longer than the recompute time keeps loading hidden.
+  bottleneck anyway, so ``r = clamp(max(r_min, r_eq), 0, 1)``. (A ratio the admin fixes on
+  the dashboard comes with the request and does not reach the controller.)
+- the cheapest tier (S3 < disk < CPU memory < device) whose load time at the floor ratio
+  (``r_min``, or the fidelity target's) is no longer than the recompute time keeps loading
+  hidden.
 
 Per chunk, load or recompute (the paper's loading controller; :func:`choose_loads`): a chunk
 is either read (its KV arrives over its tier's link) or recomputed whole, like a cache miss.
@@ -50,7 +52,7 @@ TIER_COST_ORDER = ("s3", "disk", "cpu", "device")  # cheapest storage first
 @dataclass(frozen=True)
 class RatioDecision:
     recompute_ratio: float
-    source: str  # "admin" (fixed), "auto" (break-even), "r_min" (floor or no measurements)
+    source: str  # "auto" (break-even), "r_min" or "target" (the floor, or no measurements)
     load_s_estimate: float | None
     recompute_s_estimate: float | None  # at the chosen ratio
     cheapest_hidden_tier: str | None  # None: no measured tier hides loading
@@ -68,7 +70,6 @@ def choose_ratio(
     tier_bandwidth: Mapping[str, float | None],
     recompute_token_layers_per_s: float | None,
     r_min: float = R_MIN_DEFAULT,
-    fixed_ratio: float | None = None,
     target_ratio: float | None = None,
 ) -> RatioDecision:
     """The recompute ratio for one request, and the cheapest tier that would hide loading.
@@ -79,7 +80,7 @@ def choose_ratio(
     fidelity target (``kvservice.curve.ratio_for_target``); it is the floor in ``r_min``'s
     place, which loading may raise (recomputing while the load runs is free) but not lower.
     """
-    limits = (("r_min", r_min), ("fixed ratio", fixed_ratio), ("target ratio", target_ratio))
+    limits = (("r_min", r_min), ("target ratio", target_ratio))
     for name, value in limits:
         if value is not None and not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -101,16 +102,13 @@ def choose_ratio(
     }
     break_even = load_s / full_recompute_s if load_s is not None and full_recompute_s else None
     why["break_even_ratio"] = break_even
-    if fixed_ratio is not None:
-        ratio, source = fixed_ratio, "admin"
-        why["rule"] = f"admin fixed the ratio at {fixed_ratio:.3f}"
-    else:
-        ratio, source, why["rule"] = _ratio_rule(
-            floor, break_even, load_s, full_recompute_s, unmeasured
-        )
+    ratio, source, why["rule"] = _ratio_rule(
+        floor, break_even, load_s, full_recompute_s, unmeasured
+    )
     total_bytes = sum(max(0, b) for b in load_bytes_by_tier.values())
-    hide_at = fixed_ratio if fixed_ratio is not None else floor.ratio
-    hidden_tier = _cheapest_hidden_tier(hide_at, full_recompute_s, total_bytes, tier_bandwidth, why)
+    hidden_tier = _cheapest_hidden_tier(
+        floor.ratio, full_recompute_s, total_bytes, tier_bandwidth, why
+    )
     recompute_s = ratio * full_recompute_s if full_recompute_s is not None else None
     return RatioDecision(
         recompute_ratio=min(1.0, max(0.0, ratio)), source=source, load_s_estimate=load_s,
@@ -350,13 +348,11 @@ class LoadingController:
         self,
         *,
         r_min: float = R_MIN_DEFAULT,
-        fixed_ratio: float | None = None,
         smoothing: float = 0.3,
     ) -> None:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError("smoothing must be in (0, 1]")
         self.r_min = r_min
-        self.fixed_ratio = fixed_ratio
         self.smoothing = smoothing
         self.recompute_token_layers_per_s: float | None = None
         self.read_token_layer_s = 0.0  # blend's cost per read token and layer (observe_blend)
@@ -370,14 +366,8 @@ class LoadingController:
 
     @property
     def target_ratio(self) -> float:
-        """The ratio blend aims at before loading is weighed: the admin's, else r_min."""
-        return self.fixed_ratio if self.fixed_ratio is not None else self.r_min
-
-    def set_fixed_ratio(self, ratio: float | None) -> None:
-        """Admin override: a ratio in [0, 1], or None to go back to auto."""
-        if ratio is not None and not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-        self.fixed_ratio = ratio
+        """The ratio blend aims at before loading is weighed: r_min."""
+        return self.r_min
 
     def observe_recompute(self, *, tokens: int, layers: int, seconds: float) -> None:
         """The engine recomputed ``tokens`` tokens through ``layers`` layers in ``seconds``."""
@@ -419,13 +409,6 @@ class LoadingController:
             old, weight = self.overhead_s_per_byte, min(self.smoothing, OVERHEAD_SMOOTHING)
             self.overhead_s_per_byte = per if not old else (1 - weight) * old + weight * per
 
-    def observe_tier(self, tier: str, *, nbytes: int, seconds: float) -> None:
-        if seconds > 0 and nbytes > 0:
-            with self._lock:
-                self.tier_bandwidth[tier] = self._ewma(
-                    self.tier_bandwidth.get(tier), nbytes / seconds
-                )
-
     def observe_tier_bandwidths(self, bandwidths: Mapping[str, float | None]) -> None:
         """Take measured bandwidths as they are (e.g. from the store's stats), replacing."""
         with self._lock:
@@ -448,7 +431,7 @@ class LoadingController:
         decision = choose_ratio(
             num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes_by_tier,
             tier_bandwidth=bandwidth, recompute_token_layers_per_s=throughput, r_min=self.r_min,
-            fixed_ratio=self.fixed_ratio, target_ratio=target_ratio,
+            target_ratio=target_ratio,
         )  # fmt: skip
         self.last_decision = decision
         return decision
@@ -474,8 +457,6 @@ class LoadingController:
         with self._lock:
             return {
                 "r_min": self.r_min,
-                "fixed_ratio": self.fixed_ratio,
-                "mode": "admin" if self.fixed_ratio is not None else "auto",
                 "recompute_token_layers_per_s": self.recompute_token_layers_per_s,
                 "read_token_layer_s": self.read_token_layer_s,
                 "overhead_s_per_byte": self.overhead_s_per_byte,

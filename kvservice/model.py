@@ -931,10 +931,3 @@ def precompute_chunks(
                 head_hash=head_hash(head_ids),
             )
     return [r for r in results if r is not None]
-
-
-def precompute_chunk(
-    model: Transformer, head_ids: Sequence[int], chunk_ids: Sequence[int]
-) -> ChunkKV:
-    """One chunk's KV after the prompt head (see ``precompute_chunks``)."""
-    return precompute_chunks(model, head_ids, [chunk_ids])[0]

@@ -25,8 +25,6 @@ from kvservice.routing import chunk_digest
 
 
 class NativeRuntime:
-    engine_kind = "native"
-
     def __init__(self) -> None:
         self.model_name: str | None = None
         self.model = None

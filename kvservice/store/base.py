@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -143,21 +142,6 @@ class Tier(ABC):
 
     @abstractmethod
     def stats(self) -> TierStats: ...
-
-    # -- batched forms: default to the single-item ones ------------------------------------
-
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [self.contains(key) for key in keys]
-
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
-        return [self.get(key) for key in keys]
-
-    def put_many(self, items: Iterable[tuple[ChunkKey, Buffer]]) -> None:
-        for key, data in items:
-            self.put(key, data)
-
-    def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [self.delete(key) for key in keys]
 
     # -- helpers for subclasses ------------------------------------------------------------
 

@@ -251,22 +251,6 @@ class S3Tier(Tier):
             raise
         return int(stat.size or 0)
 
-    def list_keys(self) -> Iterator[tuple[ChunkKey, int]]:
-        """Every chunk object under the prefix with its size, in the store's key order (a
-        listing, paged by the client: for maintenance, never on a request's path)."""
-        prefix = self.config.s3_prefix
-        listing = self._call(
-            "list",
-            lambda: self.client.list_objects(self.bucket, prefix=prefix, recursive=True),
-        )
-        for obj in listing:
-            name = obj.object_name or ""
-            try:
-                key = ChunkKey.from_string(name[len(prefix) :])
-            except ValueError:
-                continue  # not a chunk object
-            yield key, int(obj.size or 0)
-
     def delete(self, key: ChunkKey) -> bool:
         present = self.contains(key)
         if present:

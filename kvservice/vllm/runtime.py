@@ -27,8 +27,6 @@ from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
 
 
 class VllmRuntime:
-    engine_kind = "vllm"
-
     def __init__(self) -> None:
         self.model_name: str | None = None
         self.engine: VllmEngine | None = None

@@ -46,12 +46,7 @@ def test_without_measurements_the_target_ratio_is_the_ratio():
     assert decision.recompute_ratio == 0.08 and "no measurement" in decision.why["rule"]
 
 
-def test_an_admin_ratio_still_wins_and_bad_targets_are_refused():
-    decision = choose_ratio(
-        **BASE, load_bytes_by_tier={"cpu": MB}, tier_bandwidth=BANDWIDTH, target_ratio=0.06,
-        fixed_ratio=0.3,
-    )  # fmt: skip
-    assert decision.recompute_ratio == 0.3 and decision.source == "admin"
+def test_bad_targets_are_refused():
     with pytest.raises(ValueError, match="target ratio"):
         choose_ratio(**BASE, load_bytes_by_tier={}, tier_bandwidth={}, target_ratio=1.5)
 

@@ -11,7 +11,6 @@ from kvservice.model import (
     Transformer,
     UnsupportedModelError,
     apply_rope,
-    precompute_chunk,
     precompute_chunks,
     rope_inv_freq,
 )
@@ -100,7 +99,7 @@ def test_rope_is_relative():
     assert not torch.allclose(score(7, 3), score(7, 5), atol=1e-3)
 
 
-def test_precompute_chunk_equals_its_part_of_a_joint_forward(tiny_llama):
+def test_precompute_chunks_equal_their_part_of_a_joint_forward(tiny_llama):
     gen = torch.Generator().manual_seed(4)
     head = torch.randint(0, 128, (6,), generator=gen).tolist()
     chunks = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 14, 5)]
@@ -113,12 +112,10 @@ def test_precompute_chunk_equals_its_part_of_a_joint_forward(tiny_llama):
         assert kv.token_ids == chunk_ids and kv.k.shape == k.shape
         torch.testing.assert_close(kv.k, k, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(kv.v, v, atol=1e-5, rtol=1e-5)
-    single = precompute_chunk(tiny_llama, head, chunks[1])
+    (single,) = precompute_chunks(tiny_llama, head, [chunks[1]])  # alone: no padding
     torch.testing.assert_close(single.v, got[1].v, atol=1e-5, rtol=1e-5)
-    assert (
-        single.head_hash == got[0].head_hash
-        and single.head_hash != precompute_chunk(tiny_llama, head[1:], chunks[1]).head_hash
-    )
+    (other_head,) = precompute_chunks(tiny_llama, head[1:], [chunks[1]])
+    assert single.head_hash == got[0].head_hash and single.head_hash != other_head.head_hash
 
 
 def test_bundled_smollm2_logits_equal_hf(smollm2, smollm2_dir, smollm2_tokenizer):

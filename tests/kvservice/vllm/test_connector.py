@@ -8,13 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvservice.vllm import vllm_available
-from tests.kvservice.vllm.conftest import MAX_TOKENS, PASSAGES, QUESTIONS
+from tests.kvservice.vllm.conftest import MAX_TOKENS, PASSAGES, QUESTIONS, VLLM_INSTALLED
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (make vllm)"),
+    pytest.mark.skipif(not VLLM_INSTALLED, reason="vllm is not installed (make vllm)"),
 ]
 
 

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice.vllm import vllm_available
 from tests.kvservice.test_families import (
     save_family_checkpoint,
     smollm2_vocab_size,
     tiny_family_model,
 )
-from tests.kvservice.vllm.conftest import PASSAGES, QUESTIONS
+from tests.kvservice.vllm.conftest import PASSAGES, QUESTIONS, VLLM_INSTALLED
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (make vllm)"),
+    pytest.mark.skipif(not VLLM_INSTALLED, reason="vllm is not installed (make vllm)"),
 ]
 
 # Riskiest first: q/k norms (Qwen3), then sliding windows with their own RoPE and (1 + w)
