@@ -150,7 +150,8 @@ def _slow_store(tmp_path, chunk):
 def test_prefetch_hides_load_behind_compute(tmp_path):
     chunk = make_chunk(40)
     store, key = _slow_store(tmp_path, chunk)
-    with KVLoader(store, promote=False, prefetch_depth=1) as loader:
+    # layer by layer (not in runs): each layer's read is what is hidden
+    with KVLoader(store, promote=False, prefetch_depth=1, decode_layers=1) as loader:
         batch = loader.open([key])
         source = batch[0]
         for i in range(L):
