@@ -42,17 +42,19 @@ from pathlib import Path
 
 import torch
 
+from bench.fidelity import (
+    greedy_answer,
+    teacher_forced_fidelity,
+    teacher_forced_logits,
+    without_stop,
+)
 from bench.prefill import (
     GAP_TOKENS,
     INSTRUCTION,
     QUESTION_PREFIX,
     SYSTEM_PROMPT,
     TF_TOKENS,
-    _greedy,
-    _teacher_forced_logits,
-    _without_stop,
     example_prompt,
-    teacher_forced_fidelity,
 )
 from bench.stats import quantile
 from kvservice.blend import blend_prefill
@@ -160,11 +162,11 @@ def run_example(model, tokenizer, fmt, example, args, stop_ids, codec_list) -> d
         )  # fmt: skip
 
     full = prefill(chunks, "full")
-    answer_ids = _greedy(model, full, max(args.max_new_tokens, GAP_TOKENS), stop_ids)
-    full_answer = _without_stop(answer_ids, stop_ids)[: args.max_new_tokens]
+    answer_ids = greedy_answer(model, full, max(args.max_new_tokens, GAP_TOKENS), stop_ids)
+    full_answer = without_stop(answer_ids, stop_ids)[: args.max_new_tokens]
     forced = answer_ids[:GAP_TOKENS]
     tf_positions = min(len(full_answer) + 1, TF_TOKENS)
-    full_logits = _teacher_forced_logits(model, full, forced)
+    full_logits = teacher_forced_logits(model, full, forced)
     chunk_tokens = sum(chunk.num_tokens for chunk in chunks)
     row: dict = {"num_tokens": full.num_tokens, "chunk_tokens": chunk_tokens, "codecs": {}}
     for codec in codec_list:
@@ -179,7 +181,7 @@ def run_example(model, tokenizer, fmt, example, args, stop_ids, codec_list) -> d
         for mode in MODES:
             result = prefill(decoded, mode)
             entry[mode] = teacher_forced_fidelity(
-                _teacher_forced_logits(model, result, forced), full_logits, forced, tf_positions
+                teacher_forced_logits(model, result, forced), full_logits, forced, tf_positions
             )
         row["codecs"][codec.name] = entry
     return row

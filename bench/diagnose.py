@@ -31,16 +31,14 @@ from pathlib import Path
 
 import torch
 
+from bench.fidelity import greedy_answer, teacher_forced_fidelity, teacher_forced_logits
 from bench.prefill import (
     GAP_TOKENS,
     INSTRUCTION,
     QUESTION_PREFIX,
     SYSTEM_PROMPT,
     TF_TOKENS,
-    _greedy,
-    _teacher_forced_logits,
     example_prompt,
-    teacher_forced_fidelity,
 )
 from kvservice.blend import BlendResult, BlendSettings, blend_prefill
 from kvservice.blend_selection import attention_importance, select_recompute
@@ -89,11 +87,11 @@ def diagnose_example(model, fmt, example, args, stop_ids) -> dict:
         )  # fmt: skip
 
     full = prefill(chunks, "full")
-    answer = _greedy(model, full, GAP_TOKENS, stop_ids)
-    full_logits = _teacher_forced_logits(model, full, answer)
+    answer = greedy_answer(model, full, GAP_TOKENS, stop_ids)
+    full_logits = teacher_forced_logits(model, full, answer)
 
     def score(result: BlendResult) -> dict:
-        logits = _teacher_forced_logits(model, result, answer)
+        logits = teacher_forced_logits(model, result, answer)
         return teacher_forced_fidelity(logits, full_logits, answer, TF_TOKENS)
 
     # True KV of every token: one forward over the whole prompt.

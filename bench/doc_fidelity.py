@@ -37,16 +37,14 @@ from typing import Any
 import torch
 
 from bench.answers import handbook_texts
-from bench.neighbours import keep_neighbours_together, precompute_after_previous
-from bench.prefill import (
-    GAP_TOKENS,
-    TF_TOKENS,
-    _greedy,
-    _teacher_forced_logits,
-    _without_stop,
-    blend_settings,
+from bench.fidelity import (
+    greedy_answer,
     teacher_forced_fidelity,
+    teacher_forced_logits,
+    without_stop,
 )
+from bench.neighbours import keep_neighbours_together, precompute_after_previous
+from bench.prefill import GAP_TOKENS, TF_TOKENS, blend_settings
 from bench.stats import quantile
 from kvservice.blend import BlendSettings, blend_prefill
 from kvservice.kernels import DEFAULT_PRECISION
@@ -156,11 +154,11 @@ def run_case(model, tokenizer, formats, case: Case, runs, stop_ids) -> dict[str,
                              settings=settings or BlendSettings())  # fmt: skip
 
     full = prefill("full", 0.0)
-    answer_ids = _greedy(model, full, max(MAX_NEW_TOKENS, GAP_TOKENS), stop_ids)
+    answer_ids = greedy_answer(model, full, max(MAX_NEW_TOKENS, GAP_TOKENS), stop_ids)
     forced = answer_ids[:GAP_TOKENS]
-    full_answer = _without_stop(answer_ids, stop_ids)[:MAX_NEW_TOKENS]
+    full_answer = without_stop(answer_ids, stop_ids)[:MAX_NEW_TOKENS]
     positions = min(len(full_answer) + 1, TF_TOKENS)
-    full_logits = _teacher_forced_logits(model, full, forced)
+    full_logits = teacher_forced_logits(model, full, forced)
     row = {
         "question": case.question, "fact": case.fact, "passages": len(passages),
         "follows": sum(case.follows),
@@ -169,9 +167,9 @@ def run_case(model, tokenizer, formats, case: Case, runs, stop_ids) -> dict[str,
     for key, (kv_name, mode, ratio, settings) in runs.items():
         result = prefill(mode, ratio, chunk_kv[kv_name], settings)
         metrics = teacher_forced_fidelity(
-            _teacher_forced_logits(model, result, forced), full_logits, forced, positions
+            teacher_forced_logits(model, result, forced), full_logits, forced, positions
         )
-        own = _without_stop(_greedy(model, result, MAX_NEW_TOKENS, stop_ids), stop_ids)
+        own = without_stop(greedy_answer(model, result, MAX_NEW_TOKENS, stop_ids), stop_ids)
         row["runs"][key] = {**metrics, **_answer(tokenizer, case, own)}
     return row
 

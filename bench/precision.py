@@ -20,17 +20,19 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from bench.data import shared_data
+from bench.fidelity import (
+    greedy_answer,
+    teacher_forced_fidelity,
+    teacher_forced_logits,
+    without_stop,
+)
 from bench.prefill import (
     GAP_TOKENS,
     INSTRUCTION,
     QUESTION_PREFIX,
     SYSTEM_PROMPT,
     TF_TOKENS,
-    _greedy,
-    _teacher_forced_logits,
-    _without_stop,
     example_prompt,
-    teacher_forced_fidelity,
 )
 from bench.stats import quantile
 from kvservice.blend import blend_prefill
@@ -58,14 +60,16 @@ def _example(model, fmt, example, args, stop_ids) -> dict:
 
         per[precision] = {"full": prefill("full"), "blend": prefill("blend")}
         if precision == "float32":
-            answer = _greedy(model, per["float32"]["full"], GAP_TOKENS, stop_ids)
+            answer = greedy_answer(model, per["float32"]["full"], GAP_TOKENS, stop_ids)
             forced = answer[:GAP_TOKENS]
-            positions = min(len(_without_stop(answer, stop_ids)) + 1, TF_TOKENS)
+            positions = min(len(without_stop(answer, stop_ids)) + 1, TF_TOKENS)
         per[precision]["logits"] = {
-            mode: _teacher_forced_logits(model, per[precision][mode], forced)
+            mode: teacher_forced_logits(model, per[precision][mode], forced)
             for mode in ("full", "blend")
         }
-        per[precision]["greedy"] = _greedy(model, per[precision]["full"], args.max_new, stop_ids)
+        per[precision]["greedy"] = greedy_answer(
+            model, per[precision]["full"], args.max_new, stop_ids
+        )
     logits32, logits16 = per["float32"]["logits"], per["auto"]["logits"]
     row["full_auto_vs_float32"] = teacher_forced_fidelity(
         logits16["full"], logits32["full"], forced, positions

@@ -45,12 +45,20 @@ import functools
 import json
 import os
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from bench.data import passage_texts
+from bench.fidelity import (
+    greedy_answer,
+    progressive_greedy,
+    progressive_logits,
+    teacher_forced_fidelity,
+    teacher_forced_logits,
+    without_stop,
+)
 from bench.opcount import count_ops
 from bench.staging import TIERS, after_full, bench_of, parse_link_rate
 from bench.stats import bootstrap_ci, quantile
@@ -101,95 +109,8 @@ def chunk_sources(
     return bench_of(args, tier).sources(chunks, mode, key=key, ratio=ratio)
 
 
-def teacher_forced_fidelity(
-    mode_logits: torch.Tensor, full_logits: torch.Tensor, answer: Sequence[int], tf_positions: int
-) -> dict[str, float]:
-    """Fidelity of a mode to full prefill, both fed full's ``answer`` after their prefill:
-    next-token logits ``[len(answer), V]`` (position i predicts ``answer[i]``).
-
-    ``tf_agreement`` (top-1) and ``tf_kl`` (mean KL(mode || full)) over the first
-    ``tf_positions`` positions; ``tf_logprob_gap`` over all: the mean of
-    ``log p_full(token) - log p_mode(token)`` for the answer's own tokens."""
-    logp = torch.log_softmax(mode_logits.float(), dim=-1)  # [T, V]
-    full = torch.log_softmax(full_logits.float(), dim=-1)  # [T, V]
-    head, full_head = logp[:tf_positions], full[:tf_positions]
-    agreement = (head.argmax(-1) == full_head.argmax(-1)).float().mean().item()
-    kl = (head.exp() * (head - full_head)).sum(-1).mean().item()
-    tokens = torch.tensor(answer, device=logp.device)[:, None]  # [T, 1]
-    gap = (full.gather(-1, tokens) - logp.gather(-1, tokens)).mean().item()
-    return {"tf_agreement": agreement, "tf_kl": max(kl, 0.0), "tf_logprob_gap": gap}
-
-
 # --------------------------------------------------------------------------------------------
 # One example
-
-
-@torch.no_grad()
-def _teacher_forced_logits(
-    model: Transformer, result: BlendResult, answer: list[int]
-) -> torch.Tensor:
-    """Next-token logits ``[len(answer), V]`` after the prefill, fed ``answer`` token by token
-    (one forward). The cache is rolled back afterwards."""
-    n = result.num_tokens
-    fed = torch.tensor([answer[:-1]], device=model.device)
-    positions = torch.arange(n, n + fed.shape[1], device=model.device)[None]
-    later, _ = (
-        model(fed, positions, result.cache, all_logits=True) if fed.shape[1] else (None, None)
-    )
-    result.cache.truncate(n)
-    first = result.logits[None]
-    return first if later is None else torch.cat([first, later[0]])
-
-
-@torch.no_grad()
-def _greedy(model: Transformer, result: BlendResult, max_new: int, stop_ids: set[int]) -> list[int]:
-    """Free-running greedy answer from the prefill, at most ``max_new`` tokens, ending with
-    the stop token if one is chosen (the cache is rolled back afterwards)."""
-    n, logits, out = result.num_tokens, result.logits, []
-    for step in range(max_new):
-        token = int(logits.argmax())
-        out.append(token)
-        if token in stop_ids:
-            break
-        logits, _ = model(
-            torch.tensor([[token]], device=model.device),
-            torch.tensor([[n + step]], device=model.device),
-            result.cache,
-        )
-        logits = logits[0]
-    result.cache.truncate(n)
-    return out
-
-
-def _progressive_logits(
-    model: Transformer, prefill: Callable[[], BlendResult], ratio: float, answer: list[int]
-) -> torch.Tensor:
-    """Teacher-forced logits of progressive blend (``--refresh``): the first position's from
-    the prefill, the later ones over its cache refreshed to ``ratio`` with the first answer
-    token (``kvservice.blend.refresh``)."""
-    result = prefill()
-    if len(answer) < 2:
-        return result.logits[None]
-    upgraded = refresh(model, result, answer[:1], ratio)
-    return torch.cat([result.logits[None], _teacher_forced_logits(model, upgraded, answer[1:])])
-
-
-def _progressive_greedy(
-    model: Transformer, prefill: Callable[[], BlendResult], ratio: float, max_new: int,
-    stop_ids: set[int],
-) -> list[int]:  # fmt: skip
-    """Progressive blend's greedy answer: the first token from the prefill, the rest over its
-    cache refreshed to ``ratio`` with that token."""
-    result = prefill()
-    first = int(result.logits.argmax())
-    if first in stop_ids or max_new <= 1:
-        return [first]
-    upgraded = refresh(model, result, [first], ratio)
-    return [first, *_greedy(model, upgraded, max_new - 1, stop_ids)]
-
-
-def _without_stop(ids: list[int], stop_ids: set[int]) -> list[int]:
-    return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
 def example_prompt(fmt: PromptFormat, example: dict, passages: int) -> Prompt:
@@ -318,13 +239,13 @@ class _Reference:
         # first TF_TOKENS positions of the answer cut at --max-new-tokens then a stop token,
         # as before tf_logprob_gap existed; the logits there depend only on the tokens fed,
         # which are the first tokens of the gap's answer, so one forward serves both.
-        answer_ids = _greedy(model, full, max(args.max_new_tokens, GAP_TOKENS), stop_ids)
-        answer = _without_stop(answer_ids, stop_ids)[: args.max_new_tokens]
+        answer_ids = greedy_answer(model, full, max(args.max_new_tokens, GAP_TOKENS), stop_ids)
+        answer = without_stop(answer_ids, stop_ids)[: args.max_new_tokens]
         forced = answer_ids[:GAP_TOKENS]
         return cls(
             forced=forced,
             positions=min(len(answer) + 1, TF_TOKENS),
-            logits=_teacher_forced_logits(model, full, forced),
+            logits=teacher_forced_logits(model, full, forced),
             text=tokenizer.decode(answer, skip_special_tokens=True),
             num_tokens=full.num_tokens,
         )
@@ -342,16 +263,16 @@ def _mode_row(key, prefill: _Prefill, timings: _Timings, reference: _Reference, 
     if key in args.refresh_keys:
         upgrade = args.refresh_keys[key]
         again = functools.partial(prefill, f"{key}/untimed", mode, ratio)
-        logits = _progressive_logits(model, again, upgrade, reference.forced)
-        greedy = _progressive_greedy(model, again, upgrade, args.max_new_tokens, stop_ids)
+        logits = progressive_logits(model, again, upgrade, reference.forced)
+        greedy = progressive_greedy(model, again, upgrade, args.max_new_tokens, stop_ids)
         progressive = {"second_token_s": statistics.median(timings.second[key]),
                        "refresh_ratio": upgrade}  # fmt: skip
     else:
-        logits = _teacher_forced_logits(model, result, reference.forced)
-        greedy = _greedy(model, result, args.max_new_tokens, stop_ids)
+        logits = teacher_forced_logits(model, result, reference.forced)
+        greedy = greedy_answer(model, result, args.max_new_tokens, stop_ids)
     fidelity = teacher_forced_fidelity(logits, reference.logits, reference.forced,
                                        reference.positions)  # fmt: skip
-    answer = tokenizer.decode(_without_stop(greedy, stop_ids), skip_special_tokens=True)
+    answer = tokenizer.decode(without_stop(greedy, stop_ids), skip_special_tokens=True)
     full_ttft = timings.ttft.get("full")
     return {
         "ttft_s": statistics.median(timings.ttft[key]),

@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 
 from bench.data import passage_texts, shared_data
-from bench.prefill import (
-    GAP_TOKENS,
-    TF_TOKENS,
-    _greedy,
-    _teacher_forced_logits,
-    _without_stop,
+from bench.fidelity import (
+    greedy_answer,
     teacher_forced_fidelity,
+    teacher_forced_logits,
+    without_stop,
 )
+from bench.prefill import GAP_TOKENS, TF_TOKENS
 from bench.stats import quantile
 from bench.timing import cpu_name, timed
 from kvservice.blend import blend_prefill
@@ -71,12 +70,12 @@ def conversation(model, fmt, head_kv, examples, args, stop_ids) -> list[dict]:
         results, ttft = {}, {}
         for run in runs:
             results[run], ttft[run] = timed(lambda run=run: prefill(run), model.device)
-        answer = _greedy(model, results["full"], GAP_TOKENS, stop_ids)
-        positions = min(len(_without_stop(answer, stop_ids)) + 1, TF_TOKENS)
-        full_logits = _teacher_forced_logits(model, results["full"], answer)
+        answer = greedy_answer(model, results["full"], GAP_TOKENS, stop_ids)
+        positions = min(len(without_stop(answer, stop_ids)) + 1, TF_TOKENS)
+        full_logits = teacher_forced_logits(model, results["full"], answer)
         row = {"turn": turn, "prompt_tokens": results["full"].num_tokens, "runs": {}}
         for run in runs:
-            logits = _teacher_forced_logits(model, results[run], answer)
+            logits = teacher_forced_logits(model, results[run], answer)
             fidelity = teacher_forced_fidelity(logits, full_logits, answer, positions)
             row["runs"][run] = {"ttft_s": ttft[run], **fidelity}
         rows.append(row)

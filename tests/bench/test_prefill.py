@@ -13,18 +13,20 @@ import pytest
 import torch
 
 from bench.data import REPO_ROOT
+from bench.fidelity import (
+    progressive_greedy,
+    progressive_logits,
+    teacher_forced_fidelity,
+    teacher_forced_logits,
+)
 from bench.prefill import (
     GAP_TOKENS,
     TF_TOKENS,
-    _progressive_greedy,
-    _progressive_logits,
-    _teacher_forced_logits,
     blend_settings,
     parse_args,
     print_table,
     run_plan,
     summarize,
-    teacher_forced_fidelity,
 )
 from bench.stats import bootstrap_ci, quantile
 from kvservice.blend import blend_prefill
@@ -193,11 +195,11 @@ def test_the_kl_window_of_the_long_teacher_forcing_is_the_short_one(tiny_llama):
     for mode in ("full", "reuse"):
         result = blend_prefill(tiny_llama, head, kvs, question, mode=mode,
                                extra_capacity=GAP_TOKENS)  # fmt: skip
-        short = _teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
-        long = _teacher_forced_logits(tiny_llama, result, answer)
+        short = teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
+        long = teacher_forced_logits(tiny_llama, result, answer)
         assert long.shape[0] == GAP_TOKENS
         torch.testing.assert_close(long[:TF_TOKENS], short, atol=1e-5, rtol=1e-5)
-        again = _teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
+        again = teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
         torch.testing.assert_close(again, short, atol=0, rtol=0)  # rolled back
 
 
@@ -260,7 +262,7 @@ def test_progressive_logits_and_answer_come_from_the_refreshed_cache(tiny_llama)
                              chunk_ids=chunks, extra_capacity=8)  # fmt: skip
 
     answer = [5, 9, 2, 7]
-    logits = _progressive_logits(tiny_llama, lambda: blend(0.1), 0.5, answer)
+    logits = progressive_logits(tiny_llama, lambda: blend(0.1), 0.5, answer)
     high = blend(0.5)
     n = high.num_tokens
     later, _ = tiny_llama(torch.tensor([answer[:-1]]), torch.arange(n, n + 3)[None], high.cache,
@@ -268,7 +270,7 @@ def test_progressive_logits_and_answer_come_from_the_refreshed_cache(tiny_llama)
     assert logits.shape == (4, later.shape[-1])
     torch.testing.assert_close(logits[0], blend(0.1).logits)
     torch.testing.assert_close(logits[1:], later[0], atol=1e-4, rtol=1e-4)
-    greedy = _progressive_greedy(tiny_llama, lambda: blend(0.1), 0.5, 3, stop_ids=set())
+    greedy = progressive_greedy(tiny_llama, lambda: blend(0.1), 0.5, 3, stop_ids=set())
     assert len(greedy) == 3 and greedy[0] == int(blend(0.1).logits.argmax())
 
 
