@@ -53,6 +53,9 @@ def _pgvector() -> dict[str, Any]:
         row = cursor.fetchone()
         if row is None:
             raise RuntimeError("the vector extension is not installed in this database")
+        if tuple(int(part) for part in row[0].split(".")[:2]) < (0, 8):
+            # retrieval's iterative index scan (webapp/chat/retrieval.py)
+            raise RuntimeError(f"pgvector {row[0]} is installed; 0.8 or later is needed")
         cursor.execute("SELECT '[1,0]'::vector <=> '[0,1]'::vector")
     return {"version": row[0]}
 

@@ -79,11 +79,12 @@ def test_asking_with_the_broker_down_is_a_503_and_the_answer_does_not_stay_pendi
     assert not Message.objects.filter(conversation=conversation).exists()
 
     # Past the checks, a question whose message cannot be sent is kept, its answer failed
-    # with the reason (the broker went down in between).
+    # with the reason (the broker went down in between). The question's words are the
+    # passage's, so that it passes the relevance bar and is sent, not answered "not found".
     make_document(alice, "notes", list(PASSAGES.values()))
     with pytest.raises(chat.AnswerServiceUnavailable):
         chat.chat_ask(
-            user=alice, conversation=conversation, question="Which cities does the Danube cross?"
+            user=alice, conversation=conversation, question="Which sea does the Danube flow into?"
         )
     answer = Message.objects.get(conversation=conversation, role=Message.Role.ASSISTANT)
     assert answer.status == Message.Status.FAILED and "not reachable" in answer.error_message

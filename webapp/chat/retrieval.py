@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from django.contrib.postgres.search import SearchQuery, SearchRank
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Case, Count, Expression, F, FloatField, Q, QuerySet, Value, When
 from django.db.models.functions import Greatest
 from pgvector.django import CosineDistance
@@ -149,11 +149,22 @@ def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = RRF_K) ->
 
 
 def _by_vector(chunks: QuerySet[Chunk], embedding: list[float], limit: int) -> list[int]:
-    return list(
-        chunks.exclude(embedding=None)
-        .order_by(CosineDistance("embedding", embedding), "id")
-        .values_list("id", flat=True)[:limit]
-    )
+    """The ``limit`` chunks nearest the question. Where PostgreSQL walks the HNSW index (all
+    users' chunks), the readable ones are filtered from what the walk returns: by default at
+    most ``hnsw.ef_search`` (40) rows, which other users' chunks, or rows deleted and not yet
+    vacuumed, can fill, leaving the user none. An iterative scan (pgvector 0.8) walks on
+    until ``limit`` rows pass the filter, in order of distance, or ``hnsw.max_scan_tuples``
+    (20,000) were visited; the exact scan of the user's chunks, which the planner picks
+    while they are few, is unchanged."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL hnsw.iterative_scan = strict_order")
+        ef_search = min(max(limit, 40), 1000)  # pgvector's default and its largest
+        cursor.execute("SELECT set_config('hnsw.ef_search', %s, true)", [str(ef_search)])
+        return list(
+            chunks.exclude(embedding=None)
+            .order_by(CosineDistance("embedding", embedding), "id")
+            .values_list("id", flat=True)[:limit]
+        )
 
 
 def _by_text(chunks: QuerySet[Chunk], question: str, covered: Expression, limit: int) -> list[int]:

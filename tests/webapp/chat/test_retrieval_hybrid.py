@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from django.conf import settings
+from django.db import connection
 from pgvector.django import CosineDistance
 
 from kvservice.protocol import INFERENCE_QUEUE
@@ -109,6 +110,23 @@ def test_full_text_never_reads_another_users_document(alice, mallory) -> None:
     # For alice: none of mallory's chunks, and the same scores: how rare a word is counts
     # only the chunks she may read.
     assert alices() == before
+
+
+def test_another_users_nearer_chunks_do_not_crowd_out_the_users_own(alice, mallory) -> None:
+    make_document(alice, "notes", [*PASSAGES.values(), "The cooperative sponsors a race."])
+    question = "How long must passwords be?"  # none of its words in alice's: vectors only
+    make_document(mallory, "mallory's notes", [f"{question} Note {n}." for n in range(60)])
+    with connection.cursor() as cursor:
+        # What the planner does once the table is large: walk the HNSW index over all users'
+        # chunks (whose first 40 here are mallory's) and filter the rows it returns.
+        cursor.execute("SET LOCAL enable_sort = off")
+        cursor.execute("EXPLAIN SELECT id FROM documents_chunk ORDER BY embedding <=> %s::vector"
+                       " LIMIT 5", [str(list(embed_texts([question])[0]))])  # fmt: skip
+        assert "chunk_embedding_hnsw" in " ".join(row for (row,) in cursor)
+    found = _retrieve(alice, question, min_score=-1.0)  # 24 wanted: ef_search 40 < 60 + 4
+    assert sorted(chunk.text for chunk in found) == sorted(
+        [*PASSAGES.values(), "The cooperative sponsors a race."]
+    )
 
 
 def test_full_text_reads_a_shared_collection_only_while_it_is_shared(alice, bob) -> None:

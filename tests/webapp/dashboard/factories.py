@@ -41,6 +41,7 @@ def make_answers(owner, document: Document | None = None) -> list[Message]:
         answer = Message.objects.create(
             conversation=conversation, role="assistant", status="done", content=f"Answer {i}",
             mode=mode, ttft_s=ttft, total_s=ttft * 5, recompute_ratio=ratio, tiers=tiers,
+            ttft_seen_s=ttft + 0.3,  # retrieval and the queue before the worker's first token
         )  # fmt: skip
         when = now - timedelta(hours=len(specs) - i)
         Message.objects.filter(pk=answer.pk).update(completed_at=when, created_at=when)

@@ -123,13 +123,15 @@ def test_dashboard_with_the_real_workers_evict_warm_and_screenshot(
     conversation = chat.conversation_create(owner=staff)
     questions = ["How long is the Velmont breakwater?", "What do barges carry on the canal?",
                  "When was the harbour dug?", "How many locks does the canal have?"]  # fmt: skip
-    for question, mode in zip(questions, ["blend", "full", "reuse", "blend"], strict=True):
+    for question, mode in zip(questions, ["blend", "blend", "reuse", "full"], strict=True):
         with TestCase.captureOnCommitCallbacks(execute=True):
             answer = chat.chat_ask(user=staff, conversation=conversation, question=question,
                                    mode=mode)  # fmt: skip
         assert collect_stream(str(answer.request_id))[1] == "done"
-    # Every question retrieved both one-chunk documents, so blend/reuse promoted each chunk
-    # into CPU memory; evicting the two documents removes two entries, warming adds one.
+    # Each question retrieves the one-chunk document it asks about; the first two, in blend,
+    # read each chunk from the store and promote it into CPU memory (the questions after them
+    # find their passage in the prefix cache, or read none). Evicting the two documents
+    # removes two entries, warming adds one.
     answered = time.time() + 1.0  # promotion finishes just after the stream does
     before = wait_for(lambda: cpu_entries(after=answered), timeout=20, what="a fresh heartbeat")
     assert before >= len(documents)

@@ -4,23 +4,41 @@ and a sampled blend answer is audited in full prefill and scored."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.test import TestCase
 from django.urls import reverse
 
+from kvservice.heartbeat import read_heartbeat
 from tests.conftest import wait_for
 from tests.e2e.test_chat_e2e import collect_stream, upload_ready
 from webapp.chat import services as chat
 from webapp.chat.models import Message
 from webapp.dashboard.models import FidelityAudit
+from webapp.redis import redis_client
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
-TEXT = (
-    "The Brennish observatory sits on Mount Talvar. It was founded in 1902 by the astronomer "
-    "Ilse Marrow. Its main telescope has a mirror of two metres. Every August the observatory "
-    "opens to visitors, who come to watch the Perseid meteor shower."
-)
+# One file per question: an answer over the passages the answer before it read is served
+# whole from the worker's prefix cache, and runs no ratio (it records none).
+FILES = {
+    "founding.txt": (
+        "The Brennish observatory sits on Mount Talvar. It was founded in 1902 by the "
+        "astronomer Ilse Marrow."
+    ),
+    "visitors.txt": (
+        "Every August the Brennish observatory opens to visitors, who come to watch the "
+        "Perseid meteor shower."
+    ),
+    "telescope.txt": "The main telescope of the Brennish observatory has a mirror of two metres.",
+}
+TEXT = " ".join(FILES.values())
+
+
+def upload_observatory(user) -> None:
+    for name, text in FILES.items():
+        upload_ready(user, text, name)
 
 
 def _ask(user, conversation, question: str) -> Message:
@@ -43,7 +61,7 @@ def test_fixed_ratio_on_the_dashboard_is_used_by_the_worker_for_the_next_answer(
     staff = django_user_model.objects.create_user(
         username="operator", password="operator-pass", is_staff=True
     )
-    upload_ready(staff, TEXT, "observatory.txt")
+    upload_observatory(staff)
     conversation = chat.conversation_create(owner=staff)
     client.force_login(staff)
 
@@ -63,8 +81,13 @@ def test_fixed_ratio_on_the_dashboard_is_used_by_the_worker_for_the_next_answer(
     assert answer.recompute_ratio is not None and answer.recompute_ratio != pytest.approx(0.8)
 
     # The dashboard shows the worker's live tiers and its controller's last (auto) decision,
-    # once the next heartbeat carries it.
+    # once the next heartbeat carries it (one written before may hold an earlier test's).
+    answered = time.time()
+
     def live_panel_with_decision() -> str | None:
+        beat = read_heartbeat(redis_client())
+        if beat is None or beat["ts"] <= answered:
+            return None
         page = client.get(reverse("dashboard:index"), HTTP_HX_REQUEST="true").content.decode()
         return page if 'id="last-ratio"' in page else None
 
@@ -82,7 +105,7 @@ def test_progressive_blend_set_on_the_dashboard_upgrades_the_workers_next_answer
     staff = django_user_model.objects.create_user(
         username="operator", password="operator-pass", is_staff=True
     )
-    upload_ready(staff, TEXT, "observatory.txt")
+    upload_observatory(staff)
     conversation = chat.conversation_create(owner=staff)
     client.force_login(staff)
     progressive = {"mode": "fixed", "fixed_ratio": "0.1", "refresh_ratio": "0.5"}
