@@ -24,6 +24,7 @@ from pathlib import Path
 
 from deploy import services
 from deploy.stack import data_dir, read_stack_env, write_stack_env
+from kvservice.paths import kv_disk_dir
 
 BUCKETS = ("documents", "kvcache")
 
@@ -190,7 +191,7 @@ def inference_workers(
         worker_env = {
             **env,
             "INFERENCE_NODE_NAME": f"inference{suffix}@%h",
-            "KV_DISK_DIR": env.get("KV_DISK_DIR", str(data / "kv-disk")) + suffix,
+            "KV_DISK_DIR": env.get("KV_DISK_DIR", str(kv_disk_dir(data))) + suffix,
         }
         name = "inference worker" + (f" {index}" if count > 1 else "")
         workers.append((name, worker_env, logs / f"inference{suffix}.log"))

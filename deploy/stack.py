@@ -12,12 +12,9 @@ import json
 import os
 from pathlib import Path
 
-DEFAULT_DATA_DIR = ".ragblend"
+from kvservice.paths import data_dir  # DATA_DIR is decided there, for the KV store too
+
 STACK_FILE = "stack.json"
-
-
-def data_dir() -> Path:
-    return Path(os.environ.get("DATA_DIR", DEFAULT_DATA_DIR)).resolve()
 
 
 def read_stack_env(directory: Path | None = None) -> dict[str, str]:

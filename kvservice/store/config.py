@@ -14,7 +14,7 @@
 | ``KV_CPU_CAPACITY_BYTES`` | ``2 GiB`` | CPU-memory tier |
 | ``KV_CPU_PINNED`` | ``auto`` | hold that tier in page-locked memory (``auto``: where CUDA is) |
 | ``KV_DISK_CAPACITY_BYTES`` | ``20 GiB`` | local-disk tier (``0`` turns it off) |
-| ``KV_DISK_DIR`` | ``/tmp/ragblend-kv`` | local-disk tier directory |
+| ``KV_DISK_DIR`` | ``DATA_DIR/kv-disk`` | local-disk tier directory (``kvservice.paths``) |
 | ``KV_CODEC`` | the default | how new objects store K/V: ``fp16``, ``int8``, ``fp8``, ``kivi4``.. |
 | ``KV_QUANTIZE`` | ``false`` | the switch before ``KV_CODEC``: ``true`` means ``KV_CODEC=int8`` |
 | ``KV_STORE_DTYPE`` | ``float16`` | float32 KV stored (fp16) or decoded as this 16-bit type |
@@ -37,7 +37,9 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvservice.paths import DEFAULT_DATA_DIR, data_dir, kv_disk_dir
 from kvservice.store.codec import DEFAULT_CODEC, Codec, codec_by_name
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
@@ -81,7 +83,8 @@ class StoreConfig:
     cpu_capacity_bytes: int = 2 << 30
     cpu_pinned: bool | None = None  # None: where CUDA is available
     disk_capacity_bytes: int = 20 << 30
-    disk_dir: str = "/tmp/ragblend-kv"
+    # from_env: under the environment's DATA_DIR; built directly: under the default one
+    disk_dir: str = str(kv_disk_dir(Path(DEFAULT_DATA_DIR)))
     quantize: bool = False
     codec: str = DEFAULT_CODEC
     store_dtype: str = "float16"
@@ -125,6 +128,7 @@ class StoreConfig:
                     fields[name] = parse(env[variable])
                 except ValueError as err:
                     raise ValueError(f"{variable}: {err}") from err
+        fields.setdefault("disk_dir", str(kv_disk_dir(data_dir(env))))
         if fields.get("quantize") and "codec" not in fields:
             fields["codec"] = "int8"
         config = cls(**fields)  # type: ignore[arg-type]

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -126,6 +129,19 @@ def test_warm_copies_a_chunk_into_a_named_tier(store):
     assert store.warm(key, "disk") and store.where(key) == "disk"
     assert store.warm(key, "cpu") and store.where(key) == "cpu"
     assert torch.equal(store.get(key).k, chunk.k)
+
+
+def test_the_disk_tier_lives_under_the_data_dir_unless_told(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    config = StoreConfig.from_env({"DATA_DIR": str(data)})
+    assert config.disk_dir == str(data / "kv-disk")
+    store = TieredStore.from_config(replace(config, cpu_capacity_bytes=0))
+    assert store.tier("disk").root == data / "kv-disk" and (data / "kv-disk").is_dir()
+    told = str(tmp_path / "elsewhere")
+    assert StoreConfig.from_env({"DATA_DIR": str(data), "KV_DISK_DIR": told}).disk_dir == told
+    monkeypatch.chdir(tmp_path)  # no DATA_DIR: .ragblend in the working directory
+    assert StoreConfig.from_env({}).disk_dir == str(tmp_path.resolve() / ".ragblend" / "kv-disk")
+    assert StoreConfig().disk_dir == str(Path(".ragblend", "kv-disk"))
 
 
 def test_the_cpu_tier_is_pinned_where_cuda_is_unless_told(tmp_path):

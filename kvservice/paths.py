@@ -1,0 +1,33 @@
+"""Where a Ragblend process keeps its local state when nothing says otherwise: the one place
+the KV store, the dev stack (``deploy.stack``) and the web settings take these defaults from.
+
+| variable | default | meaning |
+|---|---|---|
+| ``DATA_DIR`` | ``.ragblend`` (working directory) | all local state, the disk tier's included |
+| ``KV_DISK_DIR`` | ``DATA_DIR/kv-disk`` | the local-disk KV tier (``kvservice.store.config``) |
+
+The disk tier sits under ``DATA_DIR`` because that is where a deployment gives local state its
+room: the dev stack's data directory, and the sized ``/data`` volume of the Compose and
+Kubernetes inference workers. (The model cache, ``RAGBLEND_MODEL_CACHE``, is another matter:
+converted weights shared by every stack of a machine; ``kvservice.bundled.default_cache_dir``.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+DEFAULT_DATA_DIR = ".ragblend"
+KV_DISK_SUBDIR = "kv-disk"
+
+
+def data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``DATA_DIR`` (from ``environ``, else the process environment), absolute."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("DATA_DIR", DEFAULT_DATA_DIR)).resolve()
+
+
+def kv_disk_dir(data: Path) -> Path:
+    """The local-disk KV tier's directory under the data directory ``data``."""
+    return data / KV_DISK_SUBDIR
