@@ -78,7 +78,7 @@ from kvservice.blend_selection import (
 )
 from kvservice.blend_settings import BlendSettings
 from kvservice.chunk import LayeredKV
-from kvservice.model import KVCache, Transformer, apply_rope
+from kvservice.model import KVCache, Transformer
 
 __all__ = [
     "MODES",
@@ -140,13 +140,15 @@ def _run_pass(
     num_tokens, config = token_ids.numel(), model.config
     until = config.n_layers if until is None else until
     ropes = model.ropes(torch.arange(num_tokens, device=model.device))  # per layer: [T, R] x2
+    at_active = _at_active(ropes, active)  # per layer: [1, S, R] x2
     x = model.embed(token_ids[active])[None]  # x: [1, S, dim]
     plans: dict[int | None, AttentionPlan] = {}  # per sliding window (Gemma 3 has two)
     placings = placing_runs(sources, stale, model.device)
+    span = _as_span(active)
     attention = []
     for i, layer in enumerate(model.layers[:until]):
         cos_all, sin_all = ropes[i]
-        cos_a, sin_a = cos_all[active][None], sin_all[active][None]  # [1, S, R]
+        cos_a, sin_a = at_active[i]
         window = config.window(i)
         if window not in plans:
             plans[window] = attention_plan(
@@ -155,15 +157,19 @@ def _run_pass(
         plan = plans[window]
         if placings and i >= place_from:
             place_sources(cache, i, placings, cos_all, sin_all)
-        q, k_pre, v = layer.project(x, cos_a, sin_a)  # q: [1, H, S, D]; k, v: [1, H_kv, S, D]
+        q, k_rot, v, k_pre = layer.project(x, cos_a, sin_a)  # [1, H, S, D]; [1, H_kv, S, D]
         if shift is not None:
             shift_stale(cache, i, shift, k_pre, v, active, cos_all, sin_all)
-        k_rot = apply_rope(k_pre, cos_a[:, None], sin_a[:, None])[0]
-        cache.k[i, 0, :, active] = k_rot.to(cache.k.dtype)  # index_put does not convert
-        cache.v[i, 0, :, active] = v[0].to(cache.v.dtype)
+        k_rot = k_rot[0]
+        if span is not None:  # one operator each, converting as it copies
+            cache.k[i, 0, :, span].copy_(k_rot)
+            cache.v[i, 0, :, span].copy_(v[0])
+        else:
+            cache.k[i, 0, :, active] = k_rot.to(cache.k.dtype)  # index_put does not convert
+            cache.v[i, 0, :, active] = v[0].to(cache.v.dtype)
         k_layer, v_layer = cache.k[i, :, :, :num_tokens], cache.v[i, :, :, :num_tokens]
         last = i == config.n_layers - 1
-        out, weights = attend_layer(model, plan, q, k_layer, v_layer, last)
+        out, weights = attend_layer(plan, q, k_layer, v_layer, last)
         if weights is not None:
             attention.append(weights)
         if last:  # after the last layer only the last token's output counts
@@ -171,6 +177,25 @@ def _run_pass(
         x = layer.finish(x, out)
     logits = model.logits(x[0, -1]) if until == config.n_layers else None
     return _Pass(logits, torch.stack(attention) if attention else None)
+
+
+def _at_active(ropes: list[tuple[torch.Tensor, torch.Tensor]], active: torch.Tensor):
+    """Each layer's cos/sin at the ``active`` slots, ``[1, S, R]``: gathered once for every
+    layer that shares its RoPE tables (all, or Gemma 3's two kinds), not once a layer."""
+    gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for cos, sin in ropes:
+        if id(cos) not in gathered:
+            gathered[id(cos)] = (cos[active][None], sin[active][None])
+    return [gathered[id(cos)] for cos, _ in ropes]
+
+
+def _as_span(active: torch.Tensor) -> slice | None:
+    """``active`` (sorted, distinct slots) as a slice when it is one run of slots (a prefill,
+    or the question after reused chunks), else None."""
+    if active.numel() == 0:
+        return None
+    first, last = int(active[0]), int(active[-1])
+    return slice(first, last + 1) if last - first + 1 == active.numel() else None
 
 
 def _checked(mode, recompute_ratio, chunks, chunk_ids, question_ids, cached_prefix):

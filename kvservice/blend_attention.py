@@ -23,6 +23,7 @@ def attend_and_weigh(
     key_pos: torch.Tensor,
     sliding_window: int | None = None,
     key_bias: torch.Tensor | None = None,
+    hidden: tuple[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the question's queries ``q [H, S, D]`` (rotated) over a layer's keys
     ``k, v [H_kv, T, D]`` (rotated, at sorted positions ``key_pos``), causal by position, and
@@ -32,7 +33,9 @@ def attend_and_weigh(
     and queries, ``[T]``, summing to 1. One explicit computation gives both: for the few
     question tokens it is faster than SDPA plus a second pass for the weights (5 against
     10-12 ms a layer for 45 queries over 3,700 keys here), and the query heads that share a
-    key head are stacked into one matrix product instead of copying the keys per head."""
+    key head are stacked into one matrix product instead of copying the keys per head.
+    ``hidden``: ``hidden_keys(query_pos, key_pos, sliding_window)``, made once for every
+    layer that shares it."""
     heads, length, dim = q.shape
     kv_heads, num_keys = k.shape[0], k.shape[1]
     group = heads // kv_heads
@@ -40,15 +43,8 @@ def attend_and_weigh(
     scores = (stacked @ k.transpose(1, 2)).view(kv_heads, group, length, num_keys)
     if key_bias is not None:
         scores += key_bias.to(scores.dtype)
-    # Keys at or before the first query's position are seen by every query (key_pos sorted):
-    # only the ones after it are masked (the question's own, when it ends the prompt).
-    seen = (
-        0
-        if sliding_window is not None
-        else int(torch.searchsorted(key_pos, query_pos.min(), right=True))
-    )
-    visible = position_mask(query_pos, key_pos[seen:], sliding_window=sliding_window)  # [S, T']
-    scores[..., seen:].masked_fill_(~visible, float("-inf"))
+    seen, masked = hidden_keys(query_pos, key_pos, sliding_window) if hidden is None else hidden
+    scores[..., seen:].masked_fill_(masked, float("-inf"))
     # In the scores' dtype (softmax accumulates in float32): a bfloat16 cache's weights are
     # rounded as SDPA rounds them before its second product, and no float32 copy is made.
     weights = torch.softmax(scores, dim=-1)  # [H_kv, G, S, T]
@@ -56,6 +52,21 @@ def attend_and_weigh(
         heads, length, dim
     )
     return out, weights.sum(dim=(0, 1, 2), dtype=torch.float32) / (kv_heads * group * length)
+
+
+def hidden_keys(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None = None
+) -> tuple[int, torch.Tensor]:
+    """The keys that queries at ``query_pos`` may not read: ``(seen, hidden [S, T - seen])``,
+    True where key ``seen + t`` is hidden from a query. Keys at or before the first query's
+    position are seen by every query (``key_pos`` sorted), so only the ones after it are
+    masked (the question's own, when it ends the prompt)."""
+    seen = (
+        0
+        if sliding_window is not None
+        else int(torch.searchsorted(key_pos, query_pos.min(), right=True))
+    )
+    return seen, ~position_mask(query_pos, key_pos[seen:], sliding_window=sliding_window)
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,8 @@ class AttentionPlan:
     last_query: QueryGroups
     window: int | None
     bias: torch.Tensor | None
-    layer: int  # the first layer of this plan's window (``Transformer.mask``)
+    mask: torch.Tensor | None  # ``everything``'s (``Transformer.mask``; None: the triangle)
+    question_hidden: tuple[int, torch.Tensor] | None  # the recorded question's (``hidden_keys``)
 
 
 def attention_plan(model, cache, active, num_tokens, question_length, bias, layer) -> AttentionPlan:
@@ -166,17 +178,19 @@ def attention_plan(model, cache, active, num_tokens, question_length, bias, laye
         return group_queries(queries, positions, heads_per_key, window, rows, dtype, bias)
 
     groups = groups_of(active[:grouped]) if grouped and not everything else None
+    mask = model.mask(positions, positions, layer=layer) if everything else None
+    hidden = hidden_keys(active[grouped:], positions, window) if question_length else None
     return AttentionPlan(positions, active, grouped, question_length, everything, groups,
-                         groups_of(active[-1:]), window, bias, layer)  # fmt: skip
+                         groups_of(active[-1:]), window, bias, mask, hidden)  # fmt: skip
 
 
-def attend_layer(model, plan: AttentionPlan, q, k_layer, v_layer, last: bool):
+def attend_layer(plan: AttentionPlan, q, k_layer, v_layer, last: bool):
     """One layer's attention output ``[1, H, S', D]`` for the active queries (only the last
     one's in the last layer) and, when the question is recorded, its weights ``[T]``."""
     if plan.question_length:
         out, weights = attend_and_weigh(
             q[0, :, plan.grouped :], k_layer[0], v_layer[0], plan.active[plan.grouped :],
-            plan.positions, plan.window, plan.bias,
+            plan.positions, plan.window, plan.bias, plan.question_hidden,
         )  # fmt: skip
         if plan.groups is not None and not last:
             before = attend_grouped(q[:, :, : plan.grouped], k_layer, v_layer, plan.groups)
@@ -185,6 +199,5 @@ def attend_layer(model, plan: AttentionPlan, q, k_layer, v_layer, last: bool):
     if last:
         return attend_grouped(q[:, :, -1:], k_layer, v_layer, plan.last_query), None
     if plan.everything:
-        mask = model.mask(plan.positions, plan.positions, layer=plan.layer)
-        return attend(q, k_layer, v_layer, mask), None
+        return attend(q, k_layer, v_layer, plan.mask), None
     return attend_grouped(q, k_layer, v_layer, plan.groups), None

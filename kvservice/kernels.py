@@ -162,15 +162,23 @@ class FusedLinear(nn.Module):
         if self.packed is None:
             x = x.to(self._parts[0].weight.dtype)
             return tuple(part(x) for part in self._parts)
-        weight, bias = self.packed
-        x = x.to(self.input_dtype)  # e.g. a bfloat16 attention output into fp32 products
-        if self.kernel == "torch":
-            y = F.linear(x, weight, bias)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        y = self.joined(x)
         if len(self.sizes) == 1:
             return (y,)
         return y.split(self.sizes, dim=-1)
+
+    def joined(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> the parts' outputs side by side, ``[..., sum(out_i)]``: one
+        tensor, so that what follows can treat neighbouring parts as one (q and k rotated
+        by one RoPE)."""
+        if self.packed is None:
+            x = x.to(self._parts[0].weight.dtype)
+            return torch.cat([part(x) for part in self._parts], dim=-1)
+        weight, bias = self.packed
+        x = x.to(self.input_dtype)  # e.g. a bfloat16 attention output into fp32 products
+        if self.kernel == "torch":
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 # --------------------------------------------------------------------------------------------

@@ -476,21 +476,27 @@ class Attention(nn.Module):
 
     def project(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed hidden ``h [B, S, dim]`` -> rotated q ``[B, H, S, D]``, pre-RoPE k and v
-        ``[B, H_kv, S, D]``. cos/sin ``[B, S, D]`` at the tokens' positions."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden ``h [B, S, dim]`` -> rotated q ``[B, H, S, D]``, rotated k, v and
+        pre-RoPE k ``[B, H_kv, S, D]``. cos/sin ``[B, S, D]`` at the tokens' positions.
+
+        q and k sit side by side in the fused product's output, so they are widened and
+        rotated as one tensor of ``H + H_kv`` heads: one set of operators a layer instead of
+        two (each a kernel launch on a GPU)."""
         bsz, seqlen, _ = h.shape
-        q, k, v = (t.to(h.dtype) for t in self.qkv(h))  # [B, S, H*D], [B, S, H_kv*D] x2
-        q = q.view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        # q: [B, H, S, D]; k, v: [B, H_kv, S, D]
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos[:, None], sin[:, None])
+        heads, kv_heads, dim = self.n_heads, self.n_kv_heads, self.head_dim
+        y = self.qkv.joined(h)  # [B, S, (H + 2 H_kv) * D]
+        qk = y[..., : (heads + kv_heads) * dim].to(h.dtype)
+        qk = qk.view(bsz, seqlen, heads + kv_heads, dim).transpose(1, 2)  # [B, H + H_kv, S, D]
+        v = y[..., (heads + kv_heads) * dim :].to(h.dtype)
+        v = v.view(bsz, seqlen, kv_heads, dim).transpose(1, 2)  # [B, H_kv, S, D]
+        if hasattr(self, "q_norm"):  # each head's q and k normed by its own weights
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        rotated = apply_rope(qk, cos[:, None], sin[:, None])
+        q, k = rotated[:, :heads], rotated[:, heads:]
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        return q, k, v
+        return q, k, v, qk[:, heads:]
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         bsz, _, seqlen, _ = attn.shape
@@ -535,8 +541,8 @@ class Block(nn.Module):
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """First half of the layer: rotated q, pre-RoPE k, v for the tokens in ``x``."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """First half of the layer: rotated q and k, v, pre-RoPE k for the tokens in ``x``."""
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def attend_and_mlp(
@@ -728,10 +734,9 @@ class Transformer(nn.Module):
             if window not in masks:
                 masks[window] = self.mask(positions, key_pos, key_valid, layer=i)
             cos, sin = ropes[i]
-            q, k, v = layer.project(x, cos, sin)
+            q, k, v, k_pre = layer.project(x, cos, sin)  # k: [B, H_kv, T, D], rotated
             if collected is not None:
-                collected.append((k, v))
-            k = apply_rope(k, cos[:, None], sin[:, None])  # k: [B, H_kv, T, D], rotated
+                collected.append((k_pre, v))
             if cache is not None:
                 cache.k[i, :, :, slots] = k
                 cache.v[i, :, :, slots] = v
