@@ -36,6 +36,7 @@ from pathlib import Path
 
 WIDTH, HEIGHT = 560, 340
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 60, 24, 34, 84
+LEGEND_ROW = 20  # px between the legend's rows
 FULL_COLOR = "#d92d20"  # full prefill reads no stored KV: one point, whatever the codec
 # one colour per series, the store's codec (drawn first) in the dashboard's blend blue
 SERIES_COLORS = ("#3056d3", "#dc6803", "#7a5af8", "#0e9384", "#c11574")
@@ -206,21 +207,25 @@ def plan_for_target(
 
 
 def _nice_max(value: float) -> float:
-    """A round upper bound for an axis (1, 2, 2.5, 5 × 10^k)."""
+    """A round upper bound for an axis (1, 1.25, 1.5, 2, 2.5, 5 × 10^k): full prefill's
+    point at 1.02 no longer doubles the axis to 2, leaving half the chart empty."""
     if value <= 0:
         return 1.0
     exponent = math.floor(math.log10(value))
-    for step in (1, 2, 2.5, 5, 10):
+    for step in (1, 1.25, 1.5, 2, 2.5, 5, 10):
         if step * 10**exponent >= value:
             return step * 10**exponent
     return 10.0 ** (exponent + 1)
 
 
 def _ticks(top: float) -> list[float]:
-    """0 to ``top`` in round steps (1, 2 or 5 × 10^k), at most six of them."""
+    """0 to ``top`` in round steps (1, 2, 2.5 or 5 × 10^k), at most six of them."""
     exponent = math.floor(math.log10(top))
     step = next(
-        s * 10.0**e for e in (exponent - 1, exponent) for s in (1, 2, 5) if top / (s * 10.0**e) <= 6
+        s * 10.0**e
+        for e in (exponent - 1, exponent)
+        for s in (1, 2, 2.5, 5)
+        if top / (s * 10.0**e) <= 6
     )
     return [i * step for i in range(round(top / step) + 1)]
 
@@ -335,9 +340,11 @@ def ratio_curves_svg(
         y_top=_nice_max(max([p["tf_kl_mean"] for p in every] + highs)),
     )
     parts = [heading, *_axes(frame)]
+    placed: list[tuple[float, float, float]] = []  # every series' labels, kept apart
     for codec, color, points in drawn:
-        parts += _points(frame, points, codec, color)
-    return _svg(title, [*parts, *_legend(drawn, current)])
+        parts += _points(frame, points, codec, color, placed)
+    legend, height = _legend(drawn, current)
+    return _svg(title, [*parts, *legend], height=height)
 
 
 def _axes(frame: _Frame) -> list[str]:
@@ -367,7 +374,12 @@ def _axes(frame: _Frame) -> list[str]:
     return parts
 
 
-def _points(frame: _Frame, drawn: list[dict], codec: str, color: str) -> list[str]:
+def _points(
+    frame: _Frame, drawn: list[dict], codec: str, color: str,
+    placed: list[tuple[float, float, float]],
+) -> list[str]:  # fmt: skip
+    """One series' lines, markers and labels; ``placed``: the labels drawn so far, of every
+    series, as (left, right, baseline), which this series' labels keep clear of and join."""
     parts = []
     for refresh in [None, *refresh_ratios(drawn)]:  # blend's line, then each progressive one
         line = sorted(
@@ -387,7 +399,6 @@ def _points(frame: _Frame, drawn: list[dict], codec: str, color: str) -> list[st
             f'class="{"blend-line" if refresh is None else "progressive-line"}"/>'
         )
     codec_attr = f' data-codec="{escape(codec)}"' if codec else ""
-    placed: list[tuple[float, float, float]] = []  # labels drawn: (left, right, baseline)
     for point in drawn:
         kind = _kind(point)
         point_color = FULL_COLOR if kind == "full" else color
@@ -417,30 +428,31 @@ def _points(frame: _Frame, drawn: list[dict], codec: str, color: str) -> list[st
 
 def _label(frame: _Frame, placed: list, x: float, y: float, text: str, color: str,
            *, below: bool) -> str:  # fmt: skip
-    """A point's label beside (``x``, ``y``), at the first of a few heights where it overlaps
-    no label in ``placed`` (which it joins)."""
-    anchor = "end" if x > frame.left + frame.width * 0.85 else "start"
-    left = x + (-8 if anchor == "end" else 6)
+    """A point's label beside (``x``, ``y``): to its right (left near the right edge), then
+    on its other side, at the first of a few heights where it overlaps no label in
+    ``placed`` (which it joins). Where every place is taken (three codecs' points crowd
+    together), none: the point's tooltip and the table below the chart still say it."""
     width = 6.5 * len(text)  # ~11 px type
-    left, right = (left - width, left) if anchor == "end" else (left, left + width)
+    first = "end" if x > frame.left + frame.width * 0.85 else "start"
     heights = (16, 28, -7, -19) if below else (-7, -19, 16, 28)
-    for dy in heights:
-        clear = all(right <= a or left >= b or abs(y + dy - baseline) >= 12
-                    for a, b, baseline in placed)  # fmt: skip
-        if clear:
-            break
-    placed.append((left, right, y + dy))
-    x_text = right if anchor == "end" else left
-    return (
-        f'<text x="{x_text:.1f}" y="{y + dy:.1f}" text-anchor="{anchor}" fill="{color}" '
-        f'class="point-label">{escape(text)}</text>'
-    )
+    for anchor in (first, "start" if first == "end" else "end"):
+        left = x + (-8 if anchor == "end" else 6)
+        left, right = (left - width, left) if anchor == "end" else (left, left + width)
+        for dy in heights:
+            if all(right <= a or left >= b or abs(y + dy - baseline) >= 12
+                   for a, b, baseline in placed):  # fmt: skip
+                placed.append((left, right, y + dy))
+                x_text = right if anchor == "end" else left
+                return (
+                    f'<text x="{x_text:.1f}" y="{y + dy:.1f}" text-anchor="{anchor}" '
+                    f'fill="{color}" class="point-label">{escape(text)}</text>'
+                )
+    return ""
 
 
-def _legend(drawn: list[tuple[str, str, list[dict]]], current: str | None) -> list[str]:
-    """The modes' shapes on one row; below it, one swatch per named series (codec)."""
-    parts = []
-    x, y = MARGIN_LEFT, HEIGHT - 28
+def _legend(drawn: list[tuple[str, str, list[dict]]], current: str | None) -> tuple[list, int]:
+    """The modes' shapes, then one swatch per named series (codec), in rows that wrap at the
+    chart's right edge (a long codec name ran off it); and the chart's height with them."""
     kinds = [("full", "full prefill"), ("reuse", "reuse (ratio 0)")]
     upgrades = refresh_ratios([p for _, _, points in drawn for p in points])
     if upgrades:  # the ring's label is its first token's ratio; the legend names the upgrade
@@ -448,29 +460,31 @@ def _legend(drawn: list[tuple[str, str, list[dict]]], current: str | None) -> li
         kinds += [("blend", "blend (its ratio)"), ("progressive", f"then {then} (progressive)")]
     else:
         kinds.append(("blend", "blend, labelled with its recompute ratio"))
-    for kind, text in kinds:
-        color = FULL_COLOR if kind == "full" else OTHER_COLOR
-        parts.append(
-            f'<g transform="translate({x + 5} {y - 4})">{_marker(kind, color)}</g>'
-            f'<text x="{x + 14}" y="{y}">{text}</text>'
-        )
-        x += 24 + 6 * len(text)
-    x, y = MARGIN_LEFT, HEIGHT - 8
+    entries = [  # (a shape centred on (0, 0), its text, the text's class)
+        (_marker(kind, FULL_COLOR if kind == "full" else OTHER_COLOR), text, "")
+        for kind, text in kinds
+    ]
     for codec, color, _ in drawn:
-        if not codec:
-            continue
-        text = f"{codec} (the store's codec)" if codec == current else codec
+        if codec:
+            text = f"KV stored as {codec}" + (" (the store's codec)" if codec == current else "")
+            swatch = f'<rect x="-5" y="-5" width="10" height="10" fill="{color}"/>'
+            entries.append((swatch, escape(text), ' class="series-label"'))
+    parts, x, y = [], MARGIN_LEFT, HEIGHT - 28
+    for shape, text, css in entries:
+        width = 30 + 6 * len(text)  # ~11 px type
+        if x > MARGIN_LEFT and x + width - 16 > WIDTH - MARGIN_RIGHT:
+            x, y = MARGIN_LEFT, y + LEGEND_ROW
         parts.append(
-            f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{color}"/>'
-            f'<text x="{x + 14}" y="{y}" class="series-label">KV stored as {escape(text)}</text>'
+            f'<g transform="translate({x + 5} {y - 4})">{shape}</g>'
+            f'<text x="{x + 14}" y="{y}"{css}>{text}</text>'
         )
-        x += 30 + 6 * len(f"KV stored as {text}")
-    return parts
+        x += width
+    return parts, max(HEIGHT, y + 12)
 
 
-def _svg(title: str, parts: list[str]) -> str:
+def _svg(title: str, parts: list[str], *, height: int = HEIGHT) -> str:
     return (
-        f'<svg class="chart ratio-curve" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
+        f'<svg class="chart ratio-curve" viewBox="0 0 {WIDTH} {height}" role="img" '
         f'xmlns="http://www.w3.org/2000/svg" aria-label="{escape(title)}" '
         f'font-family="system-ui, sans-serif" font-size="11" fill="#475467">'
         f"<title>{escape(title)}</title>{''.join(parts)}</svg>"

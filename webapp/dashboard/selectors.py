@@ -245,15 +245,16 @@ def controller_inputs(heartbeat: dict[str, Any] | None) -> dict[str, Any]:
     why = decision.get("why") or {}
     bandwidth = controller.get("tier_bandwidth_bytes_per_s") or {}
     order = {name: i for i, name in enumerate(TIER_ORDER)}
+    throughput = controller.get("recompute_token_layers_per_s")
     return {
         "tier_bandwidth": sorted(bandwidth.items(), key=lambda kv: order.get(kv[0], 99)),
-        "recompute_token_layers_per_s": controller.get("recompute_token_layers_per_s"),
-        # Not every worker reports it; the dashboard shows a dash then.
-        "kv_bytes_per_token": controller.get("kv_bytes_per_token")
-        or (heartbeat or {}).get("kv_bytes_per_token")
-        or why.get("kv_bytes_per_token"),
+        "recompute_token_layers_per_s": throughput,
         "r_min": controller.get("r_min"),
         "decision": decision or None,
+        # The last request was decided before the throughput shown was measured (the first
+        # blend measures it): its rule says "no measurement" beside a measurement.
+        "decided_before_measurement": throughput is not None
+        and str(why.get("rule", "")).startswith("no measurement of recompute throughput"),
         "why": why,
     }
 

@@ -234,3 +234,52 @@ def test_an_operator_sets_a_target_that_progressive_blend_meets_first(
     assert len(rings) == len(PROGRESSIVE)
     ARTIFACTS.mkdir(exist_ok=True)
     assert browser.save_screenshot(str(ARTIFACTS / "dashboard-progressive.png"))
+
+
+def test_the_dashboard_reads_at_desktop_and_phone_width(
+    live_server, staff, alice, worker_heartbeat, settings
+) -> None:
+    """The measured curves (the repository's, three codecs) drawn at a readable size with the
+    whole legend inside the chart, each table's meanings below it, and on a phone the tables
+    scroll sideways instead of squeezing each column to a letter a line."""
+    from selenium.webdriver.common.by import By
+
+    settings.RATIO_CURVE_PATH = settings.BASE_DIR / "docs" / "ratio_curve.json"
+    _with_real_rows(staff, alice)
+    for name, width in (("desktop", 1280), ("phone", 390)):
+        driver = start_chromium("--hide-scrollbars")
+        try:
+            driver.execute_cdp_cmd(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+            )
+            _log_in(driver, live_server, staff)
+            driver.get(f"{live_server.url}/dashboard/")
+            curve = driver.find_element(By.CSS_SELECTOR, "#ratio-curve svg.chart")
+            assert curve.size["width"] >= min(600, width - 60), (name, curve.size)
+            # every legend entry inside the drawing (a long codec name once ran off it)
+            overflow = driver.execute_script(
+                "const svg = arguments[0], right = svg.viewBox.baseVal.width,"
+                " bottom = svg.viewBox.baseVal.height;"
+                " return [...svg.querySelectorAll('text')].filter(t => { const b = t.getBBox();"
+                " return b.x + b.width > right + 1 || b.y + b.height > bottom + 1; })"
+                ".map(t => t.textContent);",
+                curve,
+            )
+            assert overflow == [], (name, overflow)
+            assert len(driver.find_elements(By.CSS_SELECTOR, "dl.meanings")) >= 5
+            scroll_width, inner = driver.execute_script(
+                "return [document.scrollingElement.scrollWidth, window.innerWidth]"
+            )
+            assert scroll_width <= inner, (name, scroll_width, inner)
+            # a column heading on one line, at any width
+            heading = driver.find_element(By.CSS_SELECTOR, "#tier-table thead th:nth-child(6)")
+            line = driver.execute_script(
+                "return parseFloat(getComputedStyle(arguments[0]).lineHeight)", heading
+            )
+            assert heading.size["height"] < 2 * line, (name, heading.size, line)
+            ARTIFACTS.mkdir(exist_ok=True)
+            assert driver.save_screenshot(str(ARTIFACTS / f"dashboard-{name}.png"))
+            assert curve.screenshot(str(ARTIFACTS / f"dashboard-curve-{name}.png"))
+        finally:
+            driver.quit()

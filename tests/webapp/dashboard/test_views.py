@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 
 import pytest
@@ -11,6 +12,8 @@ from django.urls import reverse
 
 from kvservice import routing
 from kvservice.chunk import token_ids_sha256
+from kvservice.controller import LoadingController
+from kvservice.heartbeat import heartbeat_key, write_heartbeat
 from kvservice.protocol import (
     EVICT_TASK,
     INFERENCE_QUEUE,
@@ -21,7 +24,7 @@ from kvservice.protocol import (
 from kvservice.store.codec import DEFAULT_CODEC
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.dashboard import selectors
-from webapp.dashboard.models import DashboardSettings
+from webapp.dashboard.models import DashboardSettings, FidelityAudit
 from webapp.dashboard.urls import urlpatterns
 from webapp.documents.kv import kv_scope_for
 from webapp.documents.models import Chunk, Document
@@ -111,11 +114,88 @@ def test_dashboard_shows_the_kv_bytes_stored_per_token_and_the_compression(
     page = staff_client.get(reverse("dashboard:index")).content.decode()
     stored = page.split('id="stored-kv"')[1].split("</p>")[0]
     ratio = settings.KV_BYTES_PER_TOKEN / 2_880
-    assert "for 60 tokens" in stored and "2880 B a token" in stored
-    assert f"{ratio:.2f}×" in stored
+    assert "for 60 tokens" in stored and "2.81 KiB a token" in stored  # 2,880 B
+    assert f"{ratio:.2f}× less than in 16 bits (22.5 KiB a token)" in stored
     assert f"<code>{worker_heartbeat['store']['codec']}</code>" in stored  # what new KV is
     row = page.split(f'id="dash-document-{document.pk}"')[1].split("</tr>")[0]
-    assert "168.8" in row  # 3 x 57,600 B, each chunk's object as stored
+    assert "169 KiB" in row  # 3 x 57,600 B, each chunk's object as stored
+    # One figure of bytes a token (and 16 bits' beside it), not the model's KV at its dtype
+    assert "KV bytes per token" not in page and page.count("B a token") == 2
+
+
+SELF_EXPLAINED = {"tier", "document", "owner", "status", "actions", "answer", "when"}
+
+
+def _text(html: str) -> str:
+    return re.sub(r"<.*?>", "", html).lower()
+
+
+def test_every_figure_on_the_dashboard_has_its_unit_and_a_line_saying_what_it_means(
+    staff_client, alice, worker_heartbeat, settings, tmp_path
+) -> None:
+    document = make_document(alice, chunks=3)
+    for answer in make_answers(alice, document)[:2]:
+        FidelityAudit.objects.create(message=answer, blend_text="a", full_text="b",
+                                     token_f1=0.5, status="done")  # fmt: skip
+    points = [_curve_point("reuse", 0.0, 0.1, 0.31), _curve_point("full", 1.0, 1.0, 0.0)]
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"curve": points, "env": {"kv_codec": DEFAULT_CODEC}}))
+    settings.RATIO_CURVE_PATH = curve
+    page = staff_client.get(reverse("dashboard:index")).content.decode()
+
+    tables = page.split('<table class="dash-table')[1:]
+    assert len(tables) == 6  # tiers, controller inputs, curve, answers, audits, documents
+    for table in tables:
+        table, after = table.split("</table>", 1)
+        if "<thead>" not in table:  # the controller's inputs: a header a row
+            headers = re.findall(r"<tr><th>(.*?)</th>", table)
+        else:
+            headers = re.findall(r"<th>(.*?)</th>", table.split("</thead>")[0])
+        meanings = after.split('<dl class="meanings"', 1)[1].split("</dl>")[0]
+        terms = [_text(term) for term in re.findall(r"<dt>(.*?)</dt>", meanings)]
+        for header in headers:
+            name = _text(header)
+            if "bandwidth" in name:  # a row per tier, one line for them all
+                name = "bandwidth"
+            explained = any(term in name or name in term for term in terms)
+            assert name in SELF_EXPLAINED or explained, f"no meaning for {header!r}: {terms}"
+        assert all(dd.strip() for dd in re.findall(r"<dd>(.*?)</dd>", meanings))
+
+    cpu = page.split('id="tier-cpu"')[1].split("</tr>")[0]
+    hits = next(t for t in worker_heartbeat["store"]["tiers"] if t["name"] == "cpu")
+    assert f"{hits['hits']} / {hits['misses']} reads" in cpu  # chunk reads, not "558 hits"
+    assert re.search(r"<td>\d+ chunks</td>", cpu)  # entries and evictions
+    inputs = page.split('id="controller-inputs"')[1].split("</table>")[0]
+    assert "768,000 token-layers/s" in inputs  # 512 tokens x 30 layers in 0.02 s
+    assert "decided before" not in page  # it decided after measuring
+
+
+def test_a_decision_made_before_the_throughput_was_measured_says_so(staff_client) -> None:
+    controller = LoadingController(r_min=0.15)
+    controller.choose(num_tokens=1500, num_layers=30, load_bytes_by_tier={"cpu": 2**20})
+    controller.observe_recompute(tokens=512, layers=30, seconds=0.02)  # measured after it
+    write_heartbeat(redis_client(), pid=1, model="m", model_loaded=True,
+                    controller=controller.snapshot())  # fmt: skip
+    try:
+        page = staff_client.get(reverse("dashboard:index")).content.decode()
+    finally:
+        redis_client().delete(heartbeat_key())
+    why = page.split('id="last-why"')[1].split("</p>")[0]
+    assert "no measurement of recompute throughput" in why and "768,000" in page
+    assert "decided before the recompute throughput beside it was measured" in why
+
+
+# The team's numbered working sessions ("stop 45", files named "h100_s45_..."): dates mean
+# something to an operator, these do not.
+INTERNAL_WORDING = re.compile(r"\bstop \d+|\bs\d\d\b|_s\d\d_", re.IGNORECASE)
+
+
+def test_the_dashboard_speaks_of_dates_not_internal_steps(staff_client, settings) -> None:
+    settings.RATIO_CURVE_PATH = settings.BASE_DIR / "docs" / "ratio_curve.json"
+    page = staff_client.get(reverse("dashboard:index")).content.decode()
+    panel = page.split('id="ratio-curve"')[1].split("</section>")[0]
+    assert panel.count("series-note") == 2  # the repository's notes are on the page
+    assert "2026-11-26" in panel and not INTERNAL_WORDING.search(panel)
 
 
 def _curve_point(label: str, ratio: float, ttft: float, kl: float) -> dict:

@@ -14,25 +14,30 @@ def percent(value: float | None) -> str:
 
 
 @register.filter
-def si(value: float | None, unit: str = "") -> str:
-    """1234567 -> '1.23 M<unit>'."""
+def count(value: float | None) -> str:
+    """A count or a rate, whole, with thousands separators: 3140 -> '3,140'."""
+    return DASH if value is None else f"{value:,.0f}"
+
+
+BINARY_UNITS = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+
+
+@register.filter
+def kib(value: float | None) -> str:
+    """Bytes in binary units, three significant digits: '22.5 KiB' (the one unit of bytes on
+    the dashboard; Django's ``filesizeformat`` writes KiB as "KB")."""
     if value is None:
         return DASH
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}".rstrip()
+    for factor, unit in BINARY_UNITS:
+        if value >= factor:
+            return f"{value / factor:.3g} {unit}"
+    return f"{value:.0f} B"
 
 
 @register.filter
 def bandwidth(value: float | None) -> str:
     """Bytes per second, binary units: '512 MiB/s'."""
-    if not value:
-        return DASH
-    for factor, prefix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if value >= factor:
-            return f"{value / factor:.3g} {prefix}/s"
-    return f"{value:.0f} B/s"
+    return DASH if not value else f"{kib(value)}/s"
 
 
 @register.filter
