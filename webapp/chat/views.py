@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncIterator
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib import messages as flash
 from django.contrib.auth.decorators import login_required
 from django.http import (
@@ -52,7 +53,11 @@ def _get_answer_for_user(request: HttpRequest, message_id: int) -> Message:
 def conversation_list(request: HttpRequest) -> HttpResponse:
     services.chat_warm_recent(user=request.user)
     conversations = browser_conversations(request)
-    return render(request, "chat/index.html", {"conversations": conversations})
+    # the bundled demo model (no MODEL_PATH): staff are told, with the line that sets another
+    demo_model = request.user.is_staff and not settings.MODEL_PATH
+    return render(
+        request, "chat/index.html", {"conversations": conversations, "demo_model": demo_model}
+    )
 
 
 @login_required
