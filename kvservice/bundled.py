@@ -17,12 +17,15 @@ runs; check one with ``python -m kvservice.check_model``) or the bundled one.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -117,21 +120,33 @@ def gguf_checkpoint(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     if _is_complete(target):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
-    try:
-        convert_gguf(gguf_path, staging)
-        if target.exists():  # an incomplete leftover from older code or a manual copy
-            shutil.rmtree(target)
+    # One process converts; the others (the web process, each ingest pool process and the
+    # inference worker start at once on a fresh machine) wait for it and use its directory.
+    with _locked(cache_dir / f".{name}.lock"):
+        if _is_complete(target):
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
         try:
+            convert_gguf(gguf_path, staging)
+            if target.exists():  # an incomplete leftover from older code or a manual copy
+                shutil.rmtree(target)
             staging.rename(target)
-        except OSError:
-            # Another process finished the same conversion first; theirs is as good.
-            if not _is_complete(target):
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` across processes (``flock``: released when the holder
+    exits, however it exits, so a killed conversion never leaves the others waiting)."""
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:

@@ -104,7 +104,8 @@ def test_conversion_is_atomic_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_checkpoint, "convert_gguf", failing)
     with pytest.raises(KeyboardInterrupt):
         smollm2_checkpoint(tmp_path)
-    assert not any(tmp_path.iterdir())  # no half directory, no staging leftovers either
+    # no half directory, no staging leftovers either: only the conversion's lock file
+    assert [p.suffix for p in tmp_path.iterdir()] == [".lock"]
 
     monkeypatch.setattr(gguf_checkpoint, "convert_gguf", lambda g, o: (calls.append(1), real(g, o)))
     path = smollm2_checkpoint(tmp_path)
@@ -119,3 +120,44 @@ def test_conversion_is_atomic_and_reused(tmp_path, monkeypatch):
     model = Transformer.from_pretrained(path)
     assert model.config.n_layers == 30
     assert model.fingerprint == "9ee0332e337276df2c492920980cfe04"  # as converted before #50
+
+
+def test_processes_starting_at_once_convert_once(tmp_path, monkeypatch):
+    """The web process, the ingest pool and the inference worker start together on a fresh
+    machine: one converts, the others wait for its directory. Before, a later finisher
+    deleted the directory an earlier one had made and was loading (a traceback in
+    celery.log)."""
+    import threading
+    import time
+
+    import kvservice.gguf_checkpoint as gguf_checkpoint
+    from kvservice.bundled import gguf_checkpoint as checkpoint_of
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    converted = []
+
+    def convert(gguf_path, out_dir):
+        converted.append(out_dir)
+        time.sleep(0.5)  # long enough for every thread to arrive meanwhile
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            (out_dir / name).write_text("{}")
+
+    monkeypatch.setattr(gguf_checkpoint, "convert_gguf", convert)
+    results, errors = [], []
+
+    def start():
+        try:
+            path = checkpoint_of(gguf, tmp_path / "cache")
+            results.append((path, sorted(p.name for p in path.iterdir())))
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors and len(results) == 4 and len(converted) == 1
+    assert len({path for path, _ in results}) == 1
+    assert all("model.safetensors" in names for _, names in results)
