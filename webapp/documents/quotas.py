@@ -122,6 +122,6 @@ def tokens_refusal(owner, *, document_id: int, new_tokens: int) -> str:
 
 def _token_message(usage: Usage) -> str:
     return (
-        f"Your quota is {usage.max_tokens:,} tokens of text ({usage.max_kv_bytes / 1024**3:.1f} GB "
-        f"of KV cache) and you use {usage.tokens:,}; delete documents to make room."
+        f"Your quota is {usage.max_tokens:,} tokens of text and you use {usage.tokens:,}; "
+        "delete documents to make room."
     )

@@ -3,6 +3,8 @@ what is used and what is allowed; shown on the documents page and in the API."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.webapp.api.conftest import bearer
@@ -51,13 +53,20 @@ def test_usage_is_shown_on_the_documents_page_and_in_the_api(
     assert usage.max_kv_bytes == 1000 * settings.KV_BYTES_PER_TOKEN  # priced at fp16's
 
     client.force_login(user)
-    page = client.get("/documents/").content.decode()
-    assert "1 of 10 documents" in page and "300 of 1000 tokens" in page
+    line = client.get("/documents/").content.decode().split('id="usage"')[1].split("</p>")[0]
+    assert "1 of 10 documents" in line and "300 of 1,000 tokens" in line
 
     mine = client.get("/api/v1/documents/usage", **bearer(user)).json()
     assert mine["tokens"] == 300 and mine["max_kv_bytes"] == 1000 * settings.KV_BYTES_PER_TOKEN
     theirs = client.get("/api/v1/documents/usage", **bearer(other_user)).json()
     assert theirs["documents"] == 0 and theirs["tokens"] == 0
+
+    # The quota is in tokens: no limit in bytes, which changed with the KV stored (21.5 GB
+    # with nothing stored, 5.3 GB after an upload).
+    Chunk.objects.filter(document=document).update(kv_key="k/a", kv_bytes=300 * 5_000)
+    line = client.get("/documents/").content.decode().split('id="usage"')[1].split("</p>")[0]
+    assert "1.4\xa0MB of answer cache" in line  # filesizeformat's no-break space
+    assert not re.search(r"of [\d.,]+\s?(?:bytes|KB|MB|GB)", line), line
 
 
 def test_usage_counts_the_kv_bytes_actually_stored_each_object_once(user, client) -> None:
