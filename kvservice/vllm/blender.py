@@ -112,8 +112,9 @@ class VllmBlock(Block):
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [B, S, dim]`` -> rotated q ``[B, H, S, D]``, pre-RoPE k and v ``[B, H_kv, S, D]``."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, S, dim]`` -> rotated q ``[B, H, S, D]``, rotated k, v and pre-RoPE k
+        ``[B, H_kv, S, D]`` (``kvservice.model.Block.project``'s)."""
         bsz, seqlen, dim = x.shape
         layer = self.vllm_layer
         h = layer.input_layernorm(x.reshape(bsz * seqlen, dim))  # vLLM ops take [N, dim]
@@ -129,7 +130,7 @@ class VllmBlock(Block):
         q = apply_rope(q, cos[:, None], sin[:, None])
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        return q, k, v  # k, v: [B, H_kv, S, D]
+        return q, apply_rope(k, cos[:, None], sin[:, None]), v, k  # k, v: [B, H_kv, S, D]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection of ``attn [B, H, S, D]``, residual, then the MLP and residual."""
