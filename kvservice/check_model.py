@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvservice.model import UnsupportedModelError
+from kvservice.families import UnsupportedModelError
 
 PASSAGES = (
     "The Amazon river flows through Peru, Colombia and Brazil before reaching the Atlantic "
@@ -182,7 +182,7 @@ def transformers_gguf_differences(gguf_path: Path, checkpoint: Path) -> list[str
     (``kvservice.gguf_checkpoint``): the engine config fields that differ (empty: none)."""
     from transformers import AutoConfig
 
-    from kvservice.model import ModelConfig
+    from kvservice.families import ModelConfig
 
     ours = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
     try:
@@ -304,7 +304,7 @@ def check(path: str | Path, device: str | None = None) -> Report:
         check_tokenizer,
         gguf_checkpoint,
     )
-    from kvservice.model import ModelConfig
+    from kvservice.families import ModelConfig
 
     given = Path(path).expanduser()
     gguf_path = check_gguf_file(given) if given.suffix.lower() == ".gguf" else None

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvservice.model import UnsupportedModelError
+from kvservice.families import UnsupportedModelError
 
 # float32 weights per safetensors file: bounds the memory a conversion holds
 SHARD_BYTES = 2 * 2**30
@@ -476,7 +476,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     gguf = read_gguf(gguf_path)
     config = hf_config(gguf)
-    from kvservice.model import ModelConfig
+    from kvservice.families import ModelConfig
 
     ModelConfig.from_hf_config(config)  # refuses what the engine would run wrongly, early
     write_weights(hf_tensors(gguf, config), out_dir)

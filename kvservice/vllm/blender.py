@@ -52,15 +52,15 @@ at ratio 1.0 gives vLLM's full tokens, reuse and blend read the native engine's 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from kvservice.model import Block, ModelConfig, Transformer, apply_rope, set_rope_buffers
+from kvservice.checkpoint import checkpoint_config, checkpoint_fingerprint
+from kvservice.families import ModelConfig
+from kvservice.model import Block, Transformer, apply_rope, set_rope_buffers
 
 _REQUIRED_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _REQUIRED_ATTENTION_PARTS = ("qkv_proj", "o_proj")
@@ -188,32 +188,6 @@ class VllmBackedTransformer(Transformer):
         flat = x.reshape(-1, x.shape[-1])
         logits = self._vllm[0].compute_logits(self.norm(flat))  # [N, V]
         return logits.reshape(*x.shape[:-1], -1).float()
-
-
-def checkpoint_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
-
-
-def checkpoint_fingerprint(path: str | Path) -> str:
-    """The fingerprint ``Transformer.from_pretrained(path)`` gives, without loading a model
-    (chunk cache keys carry it). Reads each tensor through safetensors' mmap, one at a time.
-    The recipe must stay the same as ``from_pretrained``'s: a test compares the two."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    config = checkpoint_config(path)
-    digest = hashlib.sha256(json.dumps(config.identity(), sort_keys=True).encode())
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensor = f.get_tensor(name)
-                flat = tensor.reshape(-1)
-                digest.update(name.encode() + str(tuple(tensor.shape)).encode())
-                digest.update(flat[:: max(1, flat.numel() // 64)].float().numpy().tobytes())
-    return digest.hexdigest()[:32]
 
 
 def wrap_vllm_model(vllm_model: nn.Module, model_path: str | Path) -> VllmBackedTransformer:

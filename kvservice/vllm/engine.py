@@ -323,8 +323,8 @@ def _served_model_len(model_path: str, requested: int) -> int:
     (``Phi3LongRoPEScaledRotaryEmbedding``), while the blender and the native engine keep the
     short ones (``kvservice.model._longrope_fields``): the KV the connector wrote would not
     be the KV vLLM's own layers expect."""
-    from kvservice.model import UnsupportedModelError
-    from kvservice.vllm.blender import checkpoint_config
+    from kvservice.checkpoint import checkpoint_config
+    from kvservice.families import UnsupportedModelError
 
     config = json.loads((Path(model_path) / "config.json").read_text())
     declared = config.get("max_position_embeddings") or config.get("text_config", {}).get(
@@ -345,6 +345,6 @@ def _served_model_len(model_path: str, requested: int) -> int:
 
 
 def _fingerprint(model_path: str) -> str:
-    from kvservice.vllm.blender import checkpoint_fingerprint
+    from kvservice.checkpoint import checkpoint_fingerprint
 
     return checkpoint_fingerprint(model_path)

@@ -45,9 +45,9 @@ class VllmRuntime:
 
     def load(self, cfg: Any) -> None:
         from kvservice.bundled import resolve_llm_path
+        from kvservice.checkpoint import checkpoint_config
         from kvservice.controller import LoadingController
         from kvservice.store import StoreConfig, TieredStore
-        from kvservice.vllm.blender import checkpoint_config
 
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
         store_config = StoreConfig.from_env()

@@ -9,7 +9,8 @@ import torch
 from bench.prefill import main
 from bench.staging import StoreBench
 from kvservice.blend import blend_prefill
-from kvservice.model import ModelConfig, Transformer, precompute_chunks, precompute_head
+from kvservice.families import ModelConfig
+from kvservice.model import Transformer, precompute_chunks, precompute_head
 from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model
 
 from .conftest import TINY_COMMON

@@ -255,7 +255,7 @@ def test_multimodal_gemma3_runs_its_language_model(tmp_path):
 
 def test_a_sparse_multimodal_gemma3_config_gets_gemma3s_defaults():
     """Gemma 3 4B's ``text_config`` names six fields; the rest are Gemma3TextConfig's."""
-    from kvservice.model import ModelConfig
+    from kvservice.families import ModelConfig
 
     text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
             "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},

@@ -435,7 +435,7 @@ def test_conversion_is_keyed_by_the_files_identity(gguf_files, tmp_path):
 
 
 def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
-    from kvservice.model import UnsupportedModelError
+    from kvservice.families import UnsupportedModelError
 
     path = tmp_path / "tiny-gpt2.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")

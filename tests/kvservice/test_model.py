@@ -5,15 +5,8 @@ import json
 import pytest
 import torch
 
-from kvservice.model import (
-    KVCache,
-    ModelConfig,
-    Transformer,
-    UnsupportedModelError,
-    apply_rope,
-    precompute_chunks,
-    rope_inv_freq,
-)
+from kvservice.families import ModelConfig, UnsupportedModelError
+from kvservice.model import KVCache, Transformer, apply_rope, precompute_chunks, rope_inv_freq
 
 from .conftest import tiny_hf_model
 

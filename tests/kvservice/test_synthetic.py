@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.model import ModelConfig, RMSNorm, Transformer, rope_inv_freq
+from kvservice.families import ModelConfig
+from kvservice.model import RMSNorm, Transformer, rope_inv_freq
 from kvservice.synthetic import INIT_STD, LLAMA3_8B, random_model, synthetic_config
 
 from .conftest import TINY_COMMON

@@ -3,27 +3,6 @@
 from __future__ import annotations
 
 
-def test_checkpoint_fingerprint_is_the_native_models(smollm2, smollm2_dir):
-    from kvservice.vllm.blender import checkpoint_fingerprint
-
-    # Chunk cache keys carry the fingerprint: vLLM-side keys must name the same objects.
-    assert checkpoint_fingerprint(smollm2_dir) == smollm2.fingerprint
-
-
-def test_checkpoint_fingerprint_is_the_native_models_for_the_new_families(tmp_path):
-    """Gemma 3 and Phi-3 (fused weights split at load) too: the recipe reads every tensor
-    by its checkpoint name, and the config's family fields."""
-    from kvservice.model import Transformer
-    from kvservice.vllm.blender import checkpoint_fingerprint
-
-    from ..test_families import tiny_family_model
-
-    for kind in ("gemma3", "phi3"):
-        tiny_family_model(kind).save_pretrained(tmp_path / kind)
-        native = Transformer.from_pretrained(tmp_path / kind).fingerprint
-        assert checkpoint_fingerprint(tmp_path / kind) == native
-
-
 def test_a_vllm_model_without_its_familys_modules_is_refused_by_name(tmp_path):
     """A Qwen3 config over a model whose attention has no q/k norms (what an older vLLM's
     Llama layer would give) is refused at attach time, the missing modules named."""
@@ -31,7 +10,8 @@ def test_a_vllm_model_without_its_familys_modules_is_refused_by_name(tmp_path):
     import torch
     from torch import nn
 
-    from kvservice.vllm.blender import VllmBackedTransformer, checkpoint_config
+    from kvservice.checkpoint import checkpoint_config
+    from kvservice.vllm.blender import VllmBackedTransformer
 
     from ..test_families import tiny_family_model
 

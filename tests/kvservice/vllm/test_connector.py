@@ -130,9 +130,9 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     import redis
 
     from kvservice.answer import answer_request
+    from kvservice.checkpoint import checkpoint_config
     from kvservice.controller import LoadingController
     from kvservice.protocol import ChunkRef, GenerateRequest, answer_stream
-    from kvservice.vllm.blender import checkpoint_config
     from kvservice.vllm.runtime import VllmRuntime
 
     runtime = VllmRuntime()
