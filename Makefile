@@ -41,12 +41,15 @@ vllm:
 dev: $(STAMP)
 	$(BIN)/python -m deploy.devstack
 
-## test: install, then run the whole suite (starts its own services and workers)
+## test: install, check the layers' import contracts (pyproject's [tool.importlinter]), then
+## run the whole suite (starts its own services and workers)
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-## test-fast: the suite without the slow end-to-end tests
+## test-fast: the same without the slow end-to-end tests
 test-fast: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
