@@ -1,10 +1,38 @@
-// Every page: a button with data-toggles="ID" opens and closes element ID (the nav behind
-// Menu, the conversation list on a phone), data-closes="ID" closes it, and Escape closes
-// whatever is open. On the chat page a citation opens its passage in the citation panel,
-// an overlay on small screens (responsive.css), moves focus to it and scrolls it to the
-// cited sentence.
+// Every page: a Copy button copies its text; a button with data-toggles="ID" opens and
+// closes element ID (the nav behind Menu, the conversation list on a phone), data-closes="ID"
+// closes it, and Escape closes whatever is open. On the chat page a citation opens its
+// passage in the citation panel, an overlay on small screens (responsive.css), moves focus
+// to it and scrolls it to the cited sentence.
 (function () {
   "use strict";
+
+  // Copy: a button.copy puts its data-copy on the clipboard (an answer as written, with its
+  // [n] markers; a new API key; an invite link); where the page is not a secure context
+  // (plain HTTP to a host name) through a selected text area.
+  function copyText(text) {
+    if (navigator.clipboard && window.isSecureContext) return navigator.clipboard.writeText(text);
+    const area = document.createElement("textarea");
+    area.value = text;
+    area.setAttribute("readonly", "");
+    area.style.position = "fixed";
+    area.style.opacity = "0";
+    document.body.appendChild(area);
+    area.select();
+    const copied = document.execCommand("copy");
+    area.remove();
+    return copied ? Promise.resolve() : Promise.reject(new Error("copy refused"));
+  }
+
+  document.addEventListener("click", function (event) {
+    const button = event.target.closest("button.copy");
+    if (!button) return;
+    const label = button.dataset.label || (button.dataset.label = button.textContent);
+    copyText(button.dataset.copy).then(
+      function () { button.textContent = "Copied"; },
+      function () { button.textContent = "Copy failed"; }
+    );
+    setTimeout(function () { button.textContent = label; }, 2000);
+  });
 
   function setOpen(target, open) {
     target.classList.toggle("open", open);

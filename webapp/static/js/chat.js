@@ -1,5 +1,5 @@
 // The chat page: Enter sends (Shift+Enter: a new line), Ask waits while an answer streams,
-// the page follows a streaming answer unless the reader scrolled up, Copy copies an answer.
+// the page follows a streaming answer unless the reader scrolled up (Copy: app.js).
 (function () {
   "use strict";
 
@@ -27,32 +27,6 @@
       event.preventDefault();
       if (!streaming() && box.value.trim()) box.form.requestSubmit();
     }
-  });
-
-  // Copy: the answer's text as written (Markdown, [n] markers), to the clipboard; where the
-  // page is not a secure context (plain HTTP to a host name) through a selected text area.
-  function copyText(text) {
-    if (navigator.clipboard && window.isSecureContext) return navigator.clipboard.writeText(text);
-    const area = document.createElement("textarea");
-    area.value = text;
-    area.setAttribute("readonly", "");
-    area.style.position = "fixed";
-    area.style.opacity = "0";
-    document.body.appendChild(area);
-    area.select();
-    const copied = document.execCommand("copy");
-    area.remove();
-    return copied ? Promise.resolve() : Promise.reject(new Error("copy refused"));
-  }
-
-  document.addEventListener("click", function (event) {
-    const button = event.target.closest("button.copy");
-    if (!button) return;
-    copyText(button.dataset.copy).then(
-      function () { button.textContent = "Copied"; },
-      function () { button.textContent = "Copy failed"; }
-    );
-    setTimeout(function () { button.textContent = "Copy"; }, 2000);
   });
 
   let follow = true;
