@@ -76,3 +76,33 @@ def test_the_api_docs_fit_a_phone_with_every_operation_open(phone, live_server) 
     )
     screenshot(phone, "mobile-api-docs.png")
     assert widths == [390, 390], f"laid out at {widths[1]} px, {widths[0]} px wide"
+
+
+def test_the_api_docs_lead_back_to_the_product_and_follow_dark_mode(
+    logging_browser, live_server
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    luminance = (  # of the body's background, 0 (black) to 1 (white)
+        "const [r, g, b] = getComputedStyle(document.body).backgroundColor.match(/\\d+/g)"
+        ".map(Number); return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255;"
+    )
+    logging_browser.get(f"{live_server.url}/api/v1/docs")
+    back = logging_browser.find_element(By.CSS_SELECTOR, "#api-docs-bar a[href='/']")
+    assert "Back to Ragblend" in back.text and back.is_displayed()
+    assert logging_browser.find_element(By.CSS_SELECTOR, "#api-docs-bar a[href$='/api-keys/']")
+    assert logging_browser.execute_script(luminance) > 0.9  # light while the system is
+
+    logging_browser.execute_cdp_cmd(
+        "Emulation.setEmulatedMedia",
+        {"features": [{"name": "prefers-color-scheme", "value": "dark"}]},
+    )
+    logging_browser.get(f"{live_server.url}/api/v1/docs")
+    wait_for(
+        lambda: logging_browser.find_elements(By.CSS_SELECTOR, ".opblock"), timeout=30,
+        what="Swagger UI's operations",
+    )  # fmt: skip
+    assert logging_browser.execute_script(luminance) < 0.15
+    swagger = logging_browser.find_element(By.ID, "swagger-ui")
+    assert "invert" in swagger.value_of_css_property("filter")  # its light page, inverted
+    screenshot(logging_browser, "api-docs-dark.png")
