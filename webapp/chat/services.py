@@ -38,7 +38,7 @@ from webapp.dashboard.selectors import request_ratios
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
 from webapp.documents.kv import kv_scope_for
-from webapp.documents.models import Chunk
+from webapp.documents.models import Chunk, Document
 from webapp.documents.parsing import CONTROL_CHARS
 from webapp.documents.selectors import (
     EVERYTHING,
@@ -76,6 +76,11 @@ class AnswerServiceUnavailable(ChatError):
 NOTHING_FOUND = (
     "I found nothing to answer from: you have no ready documents yet. Upload some on the "
     "Documents page (or wait until they are Ready), then ask again."
+)
+NOTHING_OF_YOUR_OWN = (
+    "I found nothing to answer from: you have no ready documents of your own, and a "
+    "conversation searches only those until you choose a collection shared with you under "
+    "“Search in”. Choose one there (or upload your own), then ask again."
 )
 NOTHING_IN_SCOPE = (
     "I found nothing to answer from: the collections and documents this conversation searches "
@@ -264,8 +269,9 @@ def _nothing_found_text(user, conversation: Conversation) -> str:
     scope = conversation.scope
     if has_ready_chunks(user, scope):
         return NOT_IN_DOCUMENTS
-    if scope.is_everything:
-        return NOTHING_FOUND
+    if scope.is_everything:  # the user's own documents: are others' shared with them?
+        shared = documents_readable(user=user).filter(status=Document.Status.READY).exists()
+        return NOTHING_OF_YOUR_OWN if shared else NOTHING_FOUND
     return SCOPE_GONE if scope_is_gone(user=user, scope=scope) else NOTHING_IN_SCOPE
 
 

@@ -99,6 +99,21 @@ def test_another_user_can_neither_scope_to_nor_retrieve_from_an_unshared_collect
     assert _titles(bob, "Europa ocean Jupiter", Scope.of([library.pk], [space.pk])) == []
 
 
+def test_a_user_whose_only_documents_are_shared_with_them_is_told_where_they_are(
+    alice, bob, library, queue
+) -> None:
+    conversation = services.conversation_create(owner=bob)
+    answer = _ask(bob, conversation, "Which moon has an ocean under its ice?")
+    answer.refresh_from_db()
+    assert answer.content == services.NOTHING_FOUND  # nothing of his, nothing shared
+
+    documents.collection_share(collection=library, usernames=["bob"])
+    answer = _ask(bob, services.conversation_create(owner=bob), "Which moon has an ocean?")
+    answer.refresh_from_db()  # not "you have no ready documents yet": he has some to read
+    assert answer.content == services.NOTHING_OF_YOUR_OWN and "Search in" in answer.content
+    assert answer.citations.count() == 0 and queue.llen(INFERENCE_QUEUE) == 0
+
+
 def test_a_shared_collection_is_searched_in_its_owners_kv_scope(
     client, alice, bob, library, queue
 ) -> None:
