@@ -169,7 +169,9 @@ def new_generator(seed: int | None, device: torch.device) -> torch.Generator | N
 
 
 REPEAT_WORDS = 6  # a run of this many words said a second time ends the answer
+REPEAT_LINES = 3  # a line said this many times ends the answer before it
 _ANSWER_WORD = re.compile(r"\w+", re.UNICODE)
+_LINE = re.compile(r"[^\n]*\n")
 _SENTENCE_END = re.compile(r"[.!?](?=[\s\"'”’)\]]|$)")
 
 
@@ -177,9 +179,12 @@ class AnswerText:
     """What of an answer's streamed text is shown, and when, the same for every engine.
 
     - Repetition is suppressed: the answer ends before a run of ``REPEAT_WORDS`` words it has
-      already said, or a sentence (three words or more) it has already said. Greedy answers of
-      the bundled SmolLM2 repeated a sentence up to the token cap even with the frequency
-      penalty (issue #36: "... the Gannet and the Sk [3]" after the same sentence twice).
+      already said, or a sentence (three words or more) it has already said, or a line it
+      has said twice (``REPEAT_LINES``: a short line, "Yes" or "12:30", is below the other
+      two). Greedy answers of the bundled SmolLM2 repeated a sentence up to the token cap even
+      with the frequency penalty (issue #36: "... the Gannet and the Sk [3]" after the same
+      sentence twice). It ends at the start of the repeat's line where only a list marker
+      ("- ", "2. ") comes before it there, not after a dangling "-".
     - An answer cut at the token cap ends at a sentence end within its last words, or else at
       the last whole word followed by "…", never inside a word.
 
@@ -225,15 +230,32 @@ class AnswerText:
         lowered = [word.group().lower() for word in words]
         size = self.repeat_words
         if len(lowered) > size:
-            last = lowered[-size:]
-            if any(lowered[at : at + size] == last for at in range(len(lowered) - size)):
-                return words[-size].start()
+            last, first = lowered[-size:], len(lowered) - size
+            earlier = next((at for at in range(first) if lowered[at : at + size] == last), None)
+            if earlier is not None:
+                # back to where the repeat begins: the run found may start mid-sentence
+                while earlier > 0 and lowered[earlier - 1] == lowered[first - 1]:
+                    earlier, first = earlier - 1, first - 1
+                return _with_its_marker(self.text, words[first].start())
         sentences = _sentence_words(self.text, words)
         if len(sentences) > 1 and len(sentences[-1][1]) >= 3:
             start, said = sentences[-1]
             if any(said == earlier for _, earlier in sentences[:-1]):
+                return _with_its_marker(self.text, start)
+        lines = [(line.start(), _ANSWER_WORD.findall(line.group().lower()))
+                 for line in _LINE.finditer(self.text)]  # fmt: skip
+        lines = [(start, said) for start, said in lines if said]
+        if lines:
+            start, said = lines[-1]
+            if sum(said == earlier for _, earlier in lines[:-1]) >= REPEAT_LINES - 1:
                 return start
         return None
+
+
+def _with_its_marker(text: str, at: int) -> int:
+    """``at``, or the start of its line where no word comes before it there (a list marker)."""
+    line_start = text.rfind("\n", 0, at) + 1
+    return at if _ANSWER_WORD.search(text, line_start, at) else line_start
 
 
 def _sentence_words(text: str, words: list[re.Match]) -> list[tuple[int, list[str]]]:

@@ -56,6 +56,23 @@ def test_a_run_of_words_said_again_ends_the_answer() -> None:
     assert text.text == "Boats stay in when the wind speed is above 25 knots and"
 
 
+def test_a_short_line_said_a_third_time_ends_the_answer() -> None:
+    # Too short for a run of six words or a sentence of three: "12:30" five times passed.
+    text, _ = stream(["The", " ferry", " leaves", " at", ":\n"] + ["12:30\n"] * 5, cut=False)
+    assert text.repeated and text.text == "The ferry leaves at:\n12:30\n12:30"
+    text, _ = stream(["Yes\n"] * 5, cut=False)
+    assert text.repeated and text.text == "Yes\nYes"
+    different = "Opening: 12:30\nLast boat: 12:30\nClosing: 12:30\n"  # lines, not repeats
+    text, _ = stream([line + "\n" for line in different.splitlines()], cut=False)
+    assert not text.repeated and text.text == different
+
+
+def test_a_repeated_list_item_is_cut_with_its_marker() -> None:
+    looping = "- The gate shuts at 12:30 [1].\n" * 3
+    text, _ = stream(words(looping), cut=False)
+    assert text.repeated and text.text == "- The gate shuts at 12:30 [1]."  # no dangling "-"
+
+
 def test_a_cut_answer_ends_at_its_last_sentence_within_the_held_words() -> None:
     text, _ = stream(words("It seats six. The Osprey and the Sk"), cut=True)
     assert text.text == "It seats six."
