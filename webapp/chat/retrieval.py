@@ -15,8 +15,8 @@ scores high even where MiniLM's cosine to a 512-token chunk is 0.2.
 
 Measured with bench/retrieval.py on tests/data/kestrel, held-out questions (docs/retrieval.md,
 2026-11-27): the rule before (cosine + 0.5 x ``ts_rank`` normalized to 0..1, from 0.3) gave
-the answering passage within 6 for 24 of 36 questions and said "not found" to 6 of 12 that
-no document answers, and 5 times to a question it could have answered; this one gives 31 of
+the answering passage within 6 for 25 of 36 questions and said "not found" to 6 of 12 that
+no document answers, and 4 times to a question it could have answered; this one gives 31 of
 36, 6 of 12, and 2. ``ts_rank`` knows no word's rarity and gave a verbatim match 0.03-0.07:
 too little to lift a long chunk's cosine over the bar. The share and the threshold
 (``RETRIEVAL_MIN_SCORE``) were chosen on the tuning questions only (``--tune``)."""

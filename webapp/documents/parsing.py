@@ -24,6 +24,7 @@ MARKDOWN = "markdown"
 TEXT = "text"
 
 _MARKDOWN_SUFFIXES = (".md", ".markdown", ".mdown", ".mkd")
+_TEXT_SUFFIXES = (".txt", ".text")
 _HTML_START = re.compile(rb"^\s*(<!--.*?-->\s*)*<(!doctype\s+html|html|head|body)\b", re.I | re.S)
 _HTML_TAGS = re.compile(r"</?(p|div|h[1-6]|body|table|ul|ol|li|span|a|br)\b[^>]*>", re.I)
 _MARKDOWN_HINTS = re.compile(
@@ -79,12 +80,12 @@ def detect_type(data: bytes, filename: str = "") -> str:
     text = decode_text(data)  # raises for binary content
     if _HTML_START.search(data[:4096]) or len(_HTML_TAGS.findall(text[:20000])) >= 3:
         return HTML
-    if (
-        filename.lower().endswith(_MARKDOWN_SUFFIXES)
-        or len(_MARKDOWN_HINTS.findall(text[:20000])) >= 3
-    ):
+    name = filename.lower()
+    if name.endswith(_MARKDOWN_SUFFIXES):
         return MARKDOWN
-    return TEXT
+    if name.endswith(_TEXT_SUFFIXES):  # its writer said plain text: "1." stays a number
+        return TEXT
+    return MARKDOWN if len(_MARKDOWN_HINTS.findall(text[:20000])) >= 3 else TEXT
 
 
 def _detect_zip(data: bytes) -> str:
@@ -376,6 +377,12 @@ def _html_to_text(html: str) -> tuple[str, str]:
     if soup.head is not None:
         soup.head.decompose()
     strip_boilerplate(soup)
+    # A numbered list keeps its numbers ("3. Lock the gate"), which the text refers to.
+    for ordered in soup.find_all("ol"):
+        start = str(ordered.get("start") or "1")
+        first = int(start) if start.isdigit() else 1
+        for number, item in enumerate(ordered.find_all("li", recursive=False), start=first):
+            item.insert(0, f"{number}. ")
     # Block elements end a line, so sentences of separate paragraphs never run together.
     for block in soup.find_all(_BLOCK_TAGS):
         block.append("\n\n")

@@ -75,6 +75,27 @@ def test_markdown_is_rendered_to_plain_text() -> None:
     assert parsed.title == "Skerryvore markdown"
 
 
+def test_a_txt_file_is_plain_text_and_keeps_its_numbered_steps() -> None:
+    steps = (
+        "Closing the yard\n\n1. Lock the gate.\n2. Switch off the lights.\n3. Call the warden.\n"
+    )
+    data = steps.encode()
+    assert parsing.detect_type(data, "closing.txt") == parsing.TEXT  # not "Markdown"
+    assert parsing.detect_type(data, "closing") == parsing.MARKDOWN  # no name: the content
+    text = parsing.parse(data, parsing.detect_type(data, "closing.txt")).text
+    assert "1. Lock the gate." in text and "3. Call the warden." in text
+
+
+def test_a_numbered_list_keeps_its_numbers_in_markdown_and_html() -> None:
+    markdown = parsing.parse(
+        b"# Yard\n\n3. Lock the gate.\n4. Call the warden.\n", parsing.MARKDOWN
+    )
+    assert "3. Lock the gate." in markdown.text and "4. Call the warden." in markdown.text
+    html = b"<html><body><ol><li>Lock the gate.</li><li>Call the warden.</li></ol></body></html>"
+    page = parsing.parse(html, parsing.HTML).text
+    assert "1. Lock the gate." in page and "2. Call the warden." in page
+
+
 def test_latin1_text_is_decoded_not_failed() -> None:
     parsed = parsing.parse(files.latin1_bytes(), parsing.detect_type(files.latin1_bytes()))
     assert files.LATIN1_PROBE in parsed.text
