@@ -145,6 +145,18 @@ class Message(models.Model):
         return self.ttft_seen_s + max(self.total_s - self.ttft_s, 0.0)
 
     @property
+    def earlier_attempts(self) -> list[Message]:
+        """The answers Regenerate replaced with this one, the latest first: kept, and shown
+        under it, so that asking again never loses an answer."""
+        earlier, current = [], self
+        while True:
+            try:
+                current = current.replaces
+            except Message.DoesNotExist:
+                return earlier
+            earlier.append(current)
+
+    @property
     def from_prefix_cache(self) -> bool:
         """Every passage's KV came from the prefix cache: no recompute ratio ran."""
         return bool(self.tiers) and set(self.tiers) == {"prefix"}

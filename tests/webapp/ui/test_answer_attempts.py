@@ -93,4 +93,10 @@ def test_a_cut_answer_says_so_and_regenerate_gives_another_attempt(
     assert sampled["temperature"] == recorded.temperature == REGENERATE_TEMPERATURE
     assert sampled["seed"] == recorded.seed is not None
     assert str(recorded.seed) in attempt.get_attribute("title")
+    # The first answer is not lost: it is read again under the new one.
+    earlier = again.find_element(By.CSS_SELECTOR, "details.earlier-attempts")
+    assert "Earlier answers to this question (1)" in earlier.text
+    earlier.find_element(By.TAG_NAME, "summary").click()
+    shown = earlier.find_element(By.CSS_SELECTOR, ".earlier-attempt").text
+    assert "Answer 1 of 2" in shown and "Osprey…" in shown
     screenshot(browser, "answer-attempts.png")
