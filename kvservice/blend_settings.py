@@ -59,7 +59,7 @@ ATTENTION_TO_DEPTH = 1.0
 # prompt 0.051 -> 0.743 (at 0.10 0.0385 -> 0.0294, better on 15, worse on 5). Where it fails
 # (library tuning example 1: 0.129 -> 0.350) the moved KV and the attention are closer to
 # full's, and the answer turns at a near tie later on: no guard on the estimate sees that
-# (docs/blend.md, stop 43). ``--blend stale_shift=1.0`` turns it on.
+# (docs/blend.md, 2026-11-26). ``--blend stale_shift=1.0`` turns it on.
 STALE_SHIFT = 0.0
 STALE_SHIFT_MIN_TOKENS = 1
 STALE_SHIFT_POOL = 16
