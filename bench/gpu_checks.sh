@@ -4,7 +4,8 @@
 # the engine's conftest is loaded), then the long-context grid on a random-weight
 # Llama-3-8B shape with the default KV codec and with fp16, chunks from the CPU-memory tier
 # and the GPU tier. Results go to $OUT (or ./gpu-out):
-# checks.txt (environment and tests), grid.txt (the tables) and lc.tar (each run's JSON).
+# checks.txt (environment and tests), grid.txt (the tables), lc.tar (each run's JSON) and
+# decode.txt / decode.json (decode tokens/s at batch 1 and 16 beside the HBM's bound).
 #   bash bench/gpu_checks.sh [PYTHON]      # e.g. PYTHON=.venv/bin/python; LAYERS=2 to smoke-test
 # TESTS=0 skips the tests; GRID and CODECS (below) choose the runs.
 set -u
@@ -51,3 +52,8 @@ CODECS=${CODECS:-kivi4k3v-v4early fp16}
     also=(--also-tiers device)
   done
 } | tee "$OUT/grid.txt"
+
+# Decode beside its limit: batch 1 and 16 over 4,096 cached tokens, bfloat16 (bench/decode.py)
+timeout 200 "$PY" -m bench.decode --synthetic llama3-8b $layers --device "$DEVICE" \
+  --dtype bfloat16 --batch 1,16 --context 4096 --steps 32 --json "$OUT/decode.json" 2>&1 \
+  | tee "$OUT/decode.txt"

@@ -156,6 +156,15 @@ class FusedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_ROWS_HINT)
         self.packed = (packed, None if bias is None else bias.to(dtype))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights and biases one product reads, as they are run."""
+        if self.packed is None:
+            tensors = [p for part in self._parts for p in part.parameters()]
+        else:
+            tensors = [t for t in self.packed if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., in]`` -> each part's output ``[..., out_i]`` (bfloat16 under
         ``onednn-bf16``: the caller widens what it must, fp32 + bf16 promotes to fp32)."""
