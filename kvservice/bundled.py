@@ -130,7 +130,11 @@ def gguf_checkpoint(gguf_path: Path, cache_dir: Path | None = None) -> Path:
             convert_gguf(gguf_path, staging)
             if target.exists():  # an incomplete leftover from older code or a manual copy
                 shutil.rmtree(target)
-            staging.rename(target)
+            try:
+                staging.rename(target)
+            except OSError:  # a process that came after the lock's file was gone was first
+                if not _is_complete(target):
+                    raise
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -140,12 +144,16 @@ def gguf_checkpoint(gguf_path: Path, cache_dir: Path | None = None) -> Path:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock on ``path`` across processes (``flock``: released when the holder
-    exits, however it exits, so a killed conversion never leaves the others waiting)."""
+    exits, however it exits, so a killed conversion never leaves the others waiting). The
+    file is removed by its holder, so the cache keeps no lock files: a process that waited
+    on it then holds a lock nobody else can see, which is why the caller checks for the
+    directory again once it holds the lock, and takes another's rename as done."""
     with path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
+            path.unlink(missing_ok=True)
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 

@@ -104,8 +104,7 @@ def test_conversion_is_atomic_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_checkpoint, "convert_gguf", failing)
     with pytest.raises(KeyboardInterrupt):
         smollm2_checkpoint(tmp_path)
-    # no half directory, no staging leftovers either: only the conversion's lock file
-    assert [p.suffix for p in tmp_path.iterdir()] == [".lock"]
+    assert not any(tmp_path.iterdir())  # no half directory, staging or lock file left
 
     monkeypatch.setattr(gguf_checkpoint, "convert_gguf", lambda g, o: (calls.append(1), real(g, o)))
     path = smollm2_checkpoint(tmp_path)
