@@ -56,7 +56,7 @@ def unavailable(message: str) -> ApiError:
     )
 
 
-def _validation_message(errors: list[dict[str, Any]]) -> str:
+def validation_message(errors: list[dict[str, Any]]) -> str:
     parts = []
     for error in errors[:5]:
         location = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "payload"))
@@ -71,7 +71,7 @@ def normalize(exc: Exception) -> ApiError:
     if isinstance(exc, AuthenticationError):
         return ApiError(401, "unauthorized", AUTH_MESSAGE, {"WWW-Authenticate": "Bearer"})
     if isinstance(exc, ValidationError):
-        return ApiError(422, "invalid_request", _validation_message(exc.errors))
+        return ApiError(422, "invalid_request", validation_message(exc.errors))
     if isinstance(exc, Http404):
         return ApiError(404, "not_found", str(exc) or "Not found.")
     if isinstance(exc, HttpError):

@@ -354,7 +354,7 @@ def _enqueue_precompute(chunk_ids: Sequence[int]) -> None:
 # KV precompute
 
 
-def _lock_kv_key(key: str) -> None:
+def lock_kv_key(key: str) -> None:
     """Serialize everything that decides a KV object's fate (store it and point a chunk at
     it, or find it unreferenced and delete it) on one transaction-scoped advisory lock."""
     with connection.cursor() as cursor:
@@ -408,7 +408,7 @@ def document_precompute_kv(
         for chunk in chunks:
             key = keys[chunk.pk]
             with transaction.atomic():
-                _lock_kv_key(key)
+                lock_kv_key(key)
                 # The row lock orders this against a delete or re-ingest of the document.
                 if not list(
                     Chunk.objects.select_for_update().filter(pk=chunk.pk).values_list("pk")
@@ -441,7 +441,7 @@ def kv_object_reencode(*, key: str, codec: str, write: bool = True):
     from webapp.documents.kv import kv_store
 
     with transaction.atomic():
-        _lock_kv_key(key)
+        lock_kv_key(key)
         if not Chunk.objects.filter(kv_key=key).exists():
             return None
         outcome = kv_store().reencode(key, codec, write=write)
@@ -533,7 +533,7 @@ def purge_orphan_objects(*, keys: Iterable[str] | None = None, limit: int = 500)
         try:
             with transaction.atomic():
                 if orphan.kind == OrphanObject.Kind.KV:
-                    _lock_kv_key(orphan.key)
+                    lock_kv_key(orphan.key)
                     in_use = kv_key_in_use(orphan.key)
                 else:
                     in_use = Document.objects.filter(object_key=orphan.key).exists()

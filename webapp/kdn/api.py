@@ -27,10 +27,10 @@ from kvservice.store.keys import ChunkKey
 from webapp.api.auth import ApiKeyAuth
 from webapp.api.errors import (
     ApiError,
-    _validation_message,
     error_responses,
     install_error_handlers,
     unavailable,
+    validation_message,
 )
 from webapp.documents.kv import KVUnavailable
 from webapp.kdn import services
@@ -82,7 +82,7 @@ install_error_handlers(kdn_api, lambda error: {"code": error.code, "message": er
 @kdn_api.exception_handler(ValidationError)
 def _malformed(request: HttpRequest, exc: ValidationError):
     """A body that is not the call's JSON is the caller's mistake: 400, saying what."""
-    body = {"code": "bad_request", "message": _validation_message(exc.errors)}
+    body = {"code": "bad_request", "message": validation_message(exc.errors)}
     return kdn_api.create_response(request, body, status=400)
 
 

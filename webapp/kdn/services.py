@@ -212,7 +212,7 @@ def kdn_delete(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
     Under the key's advisory lock, as every decision on a KV object's fate
     (``webapp.documents.services``): a precompute storing the same key waits."""
     from webapp.documents.kv import kv_store
-    from webapp.documents.services import _lock_kv_key, kv_key_in_use
+    from webapp.documents.services import kv_key_in_use, lock_kv_key
 
     (tokenized,) = tokenize([text], head)
     sha = token_ids_sha256(tokenized.token_ids)
@@ -221,7 +221,7 @@ def kdn_delete(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
                                         head_hash=tokenized.head_hash).first()  # fmt: skip
         if row is None:
             raise NotYours("You stored no such text (after this head): nothing to delete.")
-        _lock_kv_key(row.kv_key)
+        lock_kv_key(row.kv_key)
         row.delete()
         in_use = kv_key_in_use(row.kv_key)
         if not in_use:  # S3 down: the error rolls the record's delete back, to be retried

@@ -187,7 +187,7 @@ def test_stored_texts_count_in_usage_and_the_quota(alice, alice_auth, mallory, s
     assert "1,200" in quotas.upload_refusal(alice)  # an upload is refused as over the quota
     page = Client()
     page.force_login(alice)
-    assert "1200" in page.get("/documents/").content.decode()
+    assert "1,200" in page.get("/documents/").content.decode()
 
 
 @pytest.mark.django_db(transaction=True)
