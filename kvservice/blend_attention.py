@@ -84,7 +84,7 @@ class QueryGroups:
 MIN_ROWS_PER_CALL = 768
 # On a GPU one call per layer: the launches of the CPU's cut (~12 calls a layer at 16,384
 # tokens) cost more than the masked work they skip. Blend 0.15 of Llama-3-8B's shape on an
-# H200, 12 chunks from CPU memory / the GPU tier (docs/long_context_gpu/h200_s44_ab.txt):
+# H200, 12 chunks from CPU memory / the GPU tier (docs/long_context_gpu/h200_2026-11-26a_ab.txt):
 # 4,096 tokens 0.192 / 0.202 -> 0.171 / 0.186 s, 8,192 0.272 / 0.304 -> 0.237 / 0.254,
 # 16,384 0.373 / 0.348 -> 0.352 / 0.378 (a wash there).
 GPU_ROWS_PER_CALL: int | None = None

@@ -66,7 +66,7 @@ DECODE_LAYERS = 32
 # whole run's read, checksums and copy. With runs of 32 (an H200, 4,096 tokens, 6 chunks),
 # the default codec's 22 MB runs took reuse from disk 0.465 -> 0.126 s, while fp16's 87 MB
 # runs took it 0.199 -> 0.431 s (full prefill 0.12). Measured on an H100 (stop 45,
-# docs/long_context_gpu/h100_s45_disk_cap.txt): against no cap, 16 MiB took fp16 from disk
+# docs/long_context_gpu/h100_2026-11-26b_disk_cap.txt): against no cap, 16 MiB took fp16 from disk
 # 0.457 -> 0.28-0.31 s at 4,096 tokens and 1.72 -> 0.68-0.78 s at 16,384; 4 MiB was better
 # for fp16 (0.23-0.25 / 0.57 s) but worse for the default codec at 16,384 (0.56 s / 0.34 s).
 DISK_RUN_BYTES = 16 << 20
