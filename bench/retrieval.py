@@ -186,16 +186,9 @@ def keep(
 ) -> list[Passage]:
     """The first ``TOP_K`` distinct passages scoring ``threshold`` or more, in ranked order
     (``retrieve_chunks``' loop)."""
-    kept: list[Passage] = []
-    seen: set[str] = set()
-    for passage in ranked:
-        if passage.sha in seen or score(passage) < threshold:
-            continue
-        seen.add(passage.sha)
-        kept.append(passage)
-        if len(kept) == TOP_K:
-            break
-    return kept
+    from webapp.chat.retrieval import first_distinct
+
+    return first_distinct(ranked, lambda p: p.sha, score, threshold, TOP_K)
 
 
 def hybrid_rule(share: float, threshold: float) -> Rule:

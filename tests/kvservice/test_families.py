@@ -28,14 +28,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 STOP_IDS = [2, 7]  # generation_config.json's eos_token_id list (2 is SmolLM2's <|im_end|>)
 
 
-def _tiny_config(kind: str, vocab_size: int):
-    import transformers
-
-    common = dict(
+def tiny_family_common(vocab_size: int) -> dict:
+    """The tiny shape every family's test model shares (here and in test_gguf.py)."""
+    return dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
+
+
+def tiny_family_config(kind: str, vocab_size: int):
+    """``kind``'s tiny HF config, with its distinguishing options on, and its model class."""
+    import transformers
+
+    common = tiny_family_common(vocab_size)
     if kind == "llama3":
         llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
@@ -71,7 +77,7 @@ def tiny_family_model(kind: str, vocab_size: int = 128, **overrides):
     """A tiny random HF model of ``kind``, its norms and biases moved off their init;
     ``overrides``: config fields set on top of the family's (e.g. vLLM's CPU attention needs
     heads of 32 or more)."""
-    config, model_class = _tiny_config(kind, vocab_size)
+    config, model_class = tiny_family_config(kind, vocab_size)
     for name, value in overrides.items():
         setattr(config, name, value)
     torch.manual_seed(FAMILIES.index(kind))
@@ -231,7 +237,7 @@ def test_multimodal_gemma3_runs_its_language_model(tmp_path):
     applies no final soft-capping; real Gemma 3 configs have none.)"""
     import transformers
 
-    text, _ = _tiny_config("gemma3", 128)
+    text, _ = tiny_family_config("gemma3", 128)
     text.final_logit_softcapping = None
     vision = transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,

@@ -22,6 +22,7 @@ from kvservice.model import Transformer
 from kvservice.prompt import PromptFormat, stop_token_ids
 
 from .conftest import perturbed
+from .test_families import tiny_family_common, tiny_family_config
 
 # family -> (GGUF architecture, tokenizer kind, transformers reads the file as we do)
 FAMILIES = {
@@ -126,19 +127,11 @@ def _hf_model(family: str, vocab_size: int):
     """A tiny random HF model of ``family`` with its distinguishing options on."""
     import transformers
 
-    common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+    common = tiny_family_common(vocab_size)
     torch.manual_seed(list(FAMILIES).index(family))
-    if family == "llama3":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                "rope_theta": 50000.0}  # fmt: skip
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=True)
-        )
+    if family in ("llama3", "phi3"):  # Phi-3: long-context LongRoPE, partial rotary
+        config, model_class = tiny_family_config(family, vocab_size)
+        model = model_class(config)
     elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif family == "qwen3":  # 128-wide heads, as every Qwen3 has
@@ -147,15 +140,6 @@ def _hf_model(family: str, vocab_size: int):
         )
     elif family.startswith("gemma3"):
         model = transformers.Gemma3ForCausalLM(_gemma3_config(family, common))
-    elif family == "phi3":  # long-context LongRoPE with partial rotary, as Phi-4-mini
-        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                "original_max_position_embeddings": 512, "factor": 2.0,
-                "short_factor": [1.0, 1.5, 2.0, 3.0],
-                "long_factor": [2.0, 3.0, 4.0, 5.0]}  # fmt: skip
-        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
-            **common, original_max_position_embeddings=512, partial_rotary_factor=0.5,
-            rope_parameters=rope, sliding_window=WINDOW, tie_word_embeddings=False,
-        ))  # fmt: skip
     else:
         raise ValueError(family)
     return perturbed(model)

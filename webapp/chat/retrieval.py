@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from django.contrib.postgres.search import SearchQuery, SearchRank
 from django.db import connection, transaction
@@ -35,6 +36,8 @@ from pgvector.django import CosineDistance
 
 from webapp.documents.models import SEARCH_CONFIG, Chunk, Document
 from webapp.documents.selectors import EVERYTHING, Scope, documents_searchable
+
+T = TypeVar("T")
 
 RRF_K = 60  # the usual constant of reciprocal-rank fusion
 FULL_TEXT_SHARE = 0.75  # chosen on the tuning questions (module doc)
@@ -225,15 +228,28 @@ def retrieve_chunks(
         user=user, question=question, query_embedding=query_embedding,
         limit=max(top_k * 4, 20), scope=scope,
     )  # fmt: skip
-    selected: list[Chunk] = []
+    # the same text in two documents is cited once
+    return first_distinct(candidates, lambda c: c.token_ids_sha256, lambda c: c.score,
+                          min_score, top_k)  # fmt: skip
+
+
+def first_distinct(
+    ranked: Iterable[T],
+    text_of: Callable[[T], str],
+    score_of: Callable[[T], float],
+    min_score: float,
+    limit: int,
+) -> list[T]:
+    """The first ``limit`` of ``ranked`` with distinct texts (``text_of``: an identity of the
+    text) whose score reaches ``min_score``, in ranked order: how retrieval keeps passages,
+    and how ``bench/retrieval.py`` measures a rule."""
+    kept: list[T] = []
     seen: set[str] = set()
-    for chunk in candidates:
-        if chunk.token_ids_sha256 in seen:  # the same text in two documents: cite it once
+    for item in ranked:
+        if text_of(item) in seen or score_of(item) < min_score:
             continue
-        if chunk.score < min_score:
-            continue
-        seen.add(chunk.token_ids_sha256)
-        selected.append(chunk)
-        if len(selected) == top_k:
+        seen.add(text_of(item))
+        kept.append(item)
+        if len(kept) == limit:
             break
-    return selected
+    return kept
