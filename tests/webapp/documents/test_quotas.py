@@ -53,8 +53,10 @@ def test_usage_is_shown_on_the_documents_page_and_in_the_api(
     assert usage.max_kv_bytes == 1000 * settings.KV_BYTES_PER_TOKEN  # priced at fp16's
 
     client.force_login(user)
-    line = client.get("/documents/").content.decode().split('id="usage"')[1].split("</p>")[0]
+    page = client.get("/documents/").content.decode()
+    line = page.split('id="usage"')[1].split("</p>")[0]
     assert "1 of 10 documents" in line and "300 of 1,000 tokens" in line
+    assert "{#" not in page and "The quota is in tokens" not in page  # a comment, not text
 
     mine = client.get("/api/v1/documents/usage", **bearer(user)).json()
     assert mine["tokens"] == 300 and mine["max_kv_bytes"] == 1000 * settings.KV_BYTES_PER_TOKEN
