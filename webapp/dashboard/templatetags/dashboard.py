@@ -25,12 +25,14 @@ BINARY_UNITS = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 @register.filter
 def kib(value: float | None) -> str:
     """Bytes in binary units, three significant digits: '22.5 KiB' (the one unit of bytes on
-    the dashboard; Django's ``filesizeformat`` writes KiB as "KB")."""
+    the dashboard; Django's ``filesizeformat`` writes KiB as "KB"). From 1,000 to 1,023 of a
+    unit, whole with a thousands separator: '1,010 KiB', where three digits read '1.01e+03'."""
     if value is None:
         return DASH
     for factor, unit in BINARY_UNITS:
         if value >= factor:
-            return f"{value / factor:.3g} {unit}"
+            scaled = value / factor
+            return f"{scaled:,.0f} {unit}" if scaled >= 999.5 else f"{scaled:.3g} {unit}"
     return f"{value:.0f} B"
 
 
