@@ -23,12 +23,15 @@ pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 QUEUE = "inference-verdict-test"  # the stand-in's own: a real worker of the session never takes it
 REVENUE = "The cooperative reported revenue of 48.2 million euros in 2024."
 HELPDESK = "Questions about the annual report go to helpdesk@brightwater.coop by e-mail."
+TIMETABLES = "Timetables are at https://brightwater.coop/timetables/summer-winter-2025 in March."
+# A file's name as its title, longer than the desktop panel is wide, as a new user's often is.
+TITLE = "brightwater_ferry_cooperative_annual_report_2025.pdf"
 # One passage, taller than the panel: the cited sentences come after a screenful of others.
 PASSAGE = " ".join(
     [f"The ferry {name} sails from the harbour of Brightwater every morning, on Sundays too."
      for name in ("Gannet", "Osprey", "Skua", "Tern", "Fulmar", "Petrel", "Puffin", "Eider",
                   "Shag", "Gull", "Heron", "Kittiwake")]
-    + [REVENUE, HELPDESK, "The cooperative has members in every harbour town."]
+    + [REVENUE, HELPDESK, "The cooperative has members in every harbour town.", TIMETABLES]
 )  # fmt: skip
 
 
@@ -90,7 +93,7 @@ def test_highlights_whole_sentences_and_one_verdict_per_answer(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    make_document(alice, "Annual report", [PASSAGE])
+    make_document(alice, TITLE, [PASSAGE])
     conversation = Conversation.objects.create(owner=alice, title="Annual report")
     log_in(browser, chat_server, alice)
     browser.get(f"{chat_server}{reverse('chat:conversation', args=[conversation.id])}")
@@ -100,6 +103,10 @@ def test_highlights_whole_sentences_and_one_verdict_per_answer(
     answer = _ask(browser, "What revenue did the cooperative report in 2024?")
     assert _open_citation(browser, answer) == REVENUE  # not "... revenue of 48."
     assert browser.execute_script("return arguments[0].scrollTop", scroller) > 0
+    # the file name and the URL break inside the panel (they ran past its right edge)
+    widths = "return [arguments[0].scrollWidth, arguments[0].clientWidth]"
+    scroll_width, client_width = browser.execute_script(widths, scroller)
+    assert scroll_width <= client_width, (scroll_width, client_width)
     screenshot(browser, "highlight-decimal.png")
 
     worker.words = ("Write", " to", " helpdesk@brightwater.coop.")
@@ -117,3 +124,45 @@ def test_highlights_whole_sentences_and_one_verdict_per_answer(
     assert withheld.text == "The answer is: 4"
     assert "not an answer" in bubble.find_element(By.CSS_SELECTOR, "details.withheld").text
     screenshot(browser, "verdict-not-found.png")
+
+
+@pytest.fixture
+def phone():
+    driver = start_chromium("--hide-scrollbars")
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 390, "height": 844, "deviceScaleFactor": 2, "mobile": False},
+    )
+    yield driver
+    driver.quit()
+
+
+def test_on_a_phone_the_panel_scrolls_to_the_highlight_and_close_stays_in_sight(
+    phone, chat_server, worker, alice
+) -> None:
+    """The panel, an overlay over the bottom of the screen, scrolls to the cited sentence;
+    its Close button stays at its top rather than scroll away with the passage's start."""
+    from selenium.webdriver.common.by import By
+
+    make_document(alice, TITLE, [PASSAGE])
+    conversation = Conversation.objects.create(owner=alice, title="Annual report")
+    log_in(phone, chat_server, alice)
+    phone.get(f"{chat_server}{reverse('chat:conversation', args=[conversation.id])}")
+    overlay = phone.find_element(By.ID, "citation-overlay")
+
+    worker.words = ("Write", " to", " helpdesk@brightwater.coop.")
+    answer = _ask(phone, "Which e-mail address takes questions about the annual report?")
+    assert _open_citation(phone, answer) == HELPDESK
+    assert phone.execute_script("return arguments[0].scrollTop", overlay) > 0  # scrolled
+    close = overlay.find_element(By.CSS_SELECTOR, ".panel-close")
+    in_sight = phone.execute_script(
+        "const c = arguments[0].getBoundingClientRect(), p = arguments[1].getBoundingClientRect();"
+        "return c.top >= p.top - 1 && c.bottom <= p.bottom + 1",
+        close, overlay,
+    )  # fmt: skip
+    screenshot(phone, "highlight-phone.png")
+    assert in_sight
+    assert phone.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth",
+                                overlay)  # fmt: skip
+    close.click()
+    assert not overlay.is_displayed()
