@@ -268,6 +268,12 @@ def test_the_dashboard_reads_at_desktop_and_phone_width(
             )
             assert overflow == [], (name, overflow)
             assert len(driver.find_elements(By.CSS_SELECTOR, "dl.meanings")) >= 5
+            if name == "phone":  # each chart at its drawn size (11 px labels), not squeezed
+                scales = driver.execute_script(
+                    "return [...document.querySelectorAll('svg.chart')].map(s =>"
+                    " s.getBoundingClientRect().width / s.viewBox.baseVal.width)"
+                )
+                assert len(scales) >= 5 and min(scales) >= 0.99, scales
             scroll_width, inner = driver.execute_script(
                 "return [document.scrollingElement.scrollWidth, window.innerWidth]"
             )
