@@ -10,6 +10,7 @@ import pytest
 from django.urls import reverse
 
 from tests.webapp.dashboard.factories import make_answers, make_document
+from webapp.chat.models import Message
 from webapp.documents.models import Chunk, Document
 
 pytestmark = pytest.mark.django_db
@@ -27,6 +28,22 @@ def test_users_read_plain_timing_and_staff_the_engine_terms(client, alice, staff
             assert "First words after 0.1 s" not in page
             assert "TTFT" not in page and "r=0.15" not in page and "cpu×" not in page
             assert "worker" not in page
+
+
+def test_an_answer_the_model_never_ran_for_has_no_timing_line(client, staff) -> None:
+    """"Not found" at retrieval: no model ran, so there is no time to show; staff once read a
+    line saying "blend" alone under it."""
+    answer = make_answers(staff)[0]
+    Message.objects.filter(pk=answer.pk).update(
+        content="I could not find this in your documents: no passage is close enough.",
+        ttft_s=None, ttft_seen_s=None, total_s=None, recompute_ratio=None, tiers={},
+    )  # fmt: skip
+    client.force_login(staff)
+    page = client.get(reverse("chat:conversation", args=[answer.conversation_id])).content
+    bubble = page.decode().split(f'id="message-{answer.id}"')[1].split('class="msg ')[0]
+    assert "could not find" in bubble
+    assert 'class="metrics"' not in bubble and "blend" not in bubble
+    assert page.decode().count('class="metrics"') == 5  # the other answers keep theirs
 
 
 # "KV" as a word: the page's random CSRF token may hold the letters (it did, once in CI).
