@@ -31,8 +31,8 @@ def test_users_read_plain_timing_and_staff_the_engine_terms(client, alice, staff
 
 
 def test_an_answer_the_model_never_ran_for_has_no_timing_line(client, staff) -> None:
-    """"Not found" at retrieval: no model ran, so there is no time to show; staff once read a
-    line saying "blend" alone under it."""
+    """An answer of "not found" at retrieval: no model ran, so there is no time to show;
+    staff once read a line saying "blend" alone under it."""
     answer = make_answers(staff)[0]
     Message.objects.filter(pk=answer.pk).update(
         content="I could not find this in your documents: no passage is close enough.",
@@ -44,6 +44,23 @@ def test_an_answer_the_model_never_ran_for_has_no_timing_line(client, staff) -> 
     assert "could not find" in bubble
     assert 'class="metrics"' not in bubble and "blend" not in bubble
     assert page.decode().count('class="metrics"') == 5  # the other answers keep theirs
+
+
+def test_an_earlier_attempt_that_failed_says_so(client, alice) -> None:
+    """Regenerate keeps the answers it replaced; one that failed showed as "Answer 2 of 3"
+    with nothing under it."""
+    first, failed, latest = make_answers(alice)[:3]
+    Message.objects.filter(pk=failed.pk).update(
+        status="failed", content="", error_message="The model did not finish this answer in time."
+    )
+    Message.objects.filter(pk=first.pk).update(replaced_by=failed)
+    Message.objects.filter(pk=failed.pk).update(replaced_by=latest)
+    client.force_login(alice)
+    page = client.get(reverse("chat:conversation", args=[latest.conversation_id])).content
+    earlier = page.decode().split('class="earlier-attempts"')[1].split("</details>")[0]
+    second, first_shown = earlier.split("Answer 2 of 3")[1].split("Answer 1 of 3")
+    assert "The answer failed: The model did not finish this answer in time." in second
+    assert "Answer 0" in first_shown
 
 
 # "KV" as a word: the page's random CSRF token may hold the letters (it did, once in CI).
