@@ -193,10 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from kvservice.answer import FREQUENCY_PENALTY, REPETITION_PENALTY
     from kvservice.bundled import resolve_llm_path
     from kvservice.engine import Engine
     from kvservice.model import Transformer
+    from kvservice.planning import FREQUENCY_PENALTY, REPETITION_PENALTY
     from kvservice.prompt import TURN_MARKERS, PromptFormat
     from kvservice.sampling import SamplingParams
 

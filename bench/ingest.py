@@ -70,13 +70,13 @@ def bench_kv(chunks_ids: list[list[int]], batch: int) -> dict:
     from kvservice.store.format import encode_chunk
     from webapp.documents import kv
 
-    precomputer = kv.kv_precomputer()
-    precomputer.compute(chunks_ids[:2])  # warm-up
+    producer = kv.kv_producer()
+    producer.compute(chunks_ids[:2])  # warm-up
     compute_s = encode_s = 0.0
     nbytes = 0
     for start in range(0, len(chunks_ids), batch):
         t0 = time.perf_counter()
-        kvs = precomputer.compute(chunks_ids[start : start + batch])
+        kvs = producer.compute(chunks_ids[start : start + batch])
         t1 = time.perf_counter()
         for chunk_kv in kvs:
             nbytes += len(encode_chunk(chunk_kv))
@@ -86,7 +86,7 @@ def bench_kv(chunks_ids: list[list[int]], batch: int) -> dict:
     return {
         "chunks": len(chunks_ids),
         "batch": batch,
-        "head_tokens": len(precomputer.head_ids),
+        "head_tokens": len(producer.head_ids),
         "seconds": round(total, 3),
         "seconds_by_step": {"forward": round(compute_s, 3), "encode": round(encode_s, 3)},
         "chunks_per_s": round(len(chunks_ids) / total, 2),
@@ -102,9 +102,9 @@ def bench_twenty(passages: list[str], chunk_tokens: int, batch: int) -> dict:
     from webapp.documents import parsing
     from webapp.documents.chunking import chunk_text, llm_tokenizer
     from webapp.documents.embeddings import embed_texts
-    from webapp.documents.kv import kv_precomputer
+    from webapp.documents.kv import kv_producer
 
-    tokenizer, precomputer = llm_tokenizer(), kv_precomputer()
+    tokenizer, producer = llm_tokenizer(), kv_producer()
     start = time.perf_counter()
     chunks = 0
     for text in passages[:20]:
@@ -113,7 +113,7 @@ def bench_twenty(passages: list[str], chunk_tokens: int, batch: int) -> dict:
         doc_chunks = chunk_text(parsed.text, tokenizer=tokenizer, max_tokens=chunk_tokens)
         embed_texts([c.text for c in doc_chunks])
         for i in range(0, len(doc_chunks), batch):
-            precomputer.compute([c.token_ids for c in doc_chunks[i : i + batch]])
+            producer.compute([c.token_ids for c in doc_chunks[i : i + batch]])
         chunks += len(doc_chunks)
     return {"documents": len(passages[:20]), "chunks": chunks,
             "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip

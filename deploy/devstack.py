@@ -215,7 +215,7 @@ def start_app(children: list[Supervised], env: dict[str, str], data: Path, port:
     celery = str(Path(sys.executable).parent / "celery")
     # The Celery worker also runs beat (-B): the periodic reaper of answers nobody will
     # finish. One beat per deployment; production runs it as its own process.
-    argv = [celery, "-A", "worker", "worker", "-Q", "ingest,kv",
+    argv = [celery, "-A", "worker", "worker", "-Q", "answers,ingest,kv",
             "--concurrency", os.environ.get("CELERY_CONCURRENCY", "2"),
             "--hostname", "ingest@%h", "--loglevel", "INFO",
             "-B", "--schedule", str(data / "celerybeat-schedule")]  # fmt: skip

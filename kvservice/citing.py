@@ -10,6 +10,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvservice.protocol import PassageUse
+
 CITATION_MARK = re.compile(r"\[(\d{1,2})\]")
 _WORD = re.compile(r"\w+", re.UNICODE)
 # Where a sentence may end: a line break, or . ! ? … (closing quotes and brackets after
@@ -139,6 +141,25 @@ def highlights(answer: str, passages: Sequence[str]) -> dict[int, tuple[int, int
         if span is not None:
             spans[rank] = span
     return spans
+
+
+def passage_uses(
+    text: str, passages: Sequence[str], chunk_ids: Sequence[int], chunk_tiers: dict[str, str]
+) -> list[PassageUse]:
+    """Per passage of the prompt, in rank order: whether the answer ``text`` cites it, the
+    sentence of it that supports the answer, and the tier its KV came from."""
+    cited = set(cited_ranks(text, len(passages)))
+    spans = highlights(text, passages)
+    return [
+        PassageUse(
+            rank=rank,
+            chunk_id=chunk_id,
+            tier=chunk_tiers.get(str(chunk_id), ""),
+            cited=rank in cited,
+            highlight=spans.get(rank),
+        )  # fmt: skip
+        for rank, chunk_id in enumerate(chunk_ids, start=1)
+    ]
 
 
 # How an answer says the documents do not hold the answer: the product's own words

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from kvservice.batcher import ContinuousBatcher, Job
 from kvservice.blend import BlendResult, Mode, blend_prefill, can_refresh, refresh
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.model import Transformer, precompute_head
+from kvservice.producer import KVProducer
 from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
+from kvservice.protocol import TokenEvent
 from kvservice.sampling import SamplingParams
 
 
@@ -59,16 +61,6 @@ def refresh_ratio_from_env(environ: Mapping[str, str]) -> float | None:
 
 
 @dataclass
-class TokenEvent:
-    token_id: int
-    text: str  # the text this token adds (may be "" while a multi-byte character is open)
-    index: int
-    ttft_s: float | None = None  # on the first event only
-    # "stop", "length" or "stopped" on the last event (the native engine's carries no token)
-    finish_reason: str | None = None
-
-
-@dataclass
 class Completion:
     token_ids: list[int]
     text: str
@@ -101,14 +93,17 @@ class Engine:
         self.device = model.device
         self.stop_ids = stop_token_ids(tokenizer)
         self.batcher = ContinuousBatcher(model, tokenizer, max_batch=max_batch, threads=threads)
+        # Stored chunks' KV, after what they are stored after (PromptFormat.storage_ids)
+        self.producer = KVProducer(model, self.format.storage_ids)
         self._head_kv: ChunkKV | None = None
-        self._storage_kv: ChunkKV | None = None
         self._start_lock = threading.Lock()
         self._started = False
 
     @property
     def head_kv(self) -> ChunkKV:
         """The prompt head's KV, computed once (it is the same for every request)."""
+        if self.format.head_ids == self.format.storage_ids:
+            return self.producer.head_kv  # one computation for both
         if self._head_kv is None:
             self._head_kv = precompute_head(self.model, self.format.head_ids)
         return self._head_kv
@@ -117,15 +112,12 @@ class Engine:
     def storage_kv(self) -> ChunkKV:
         """The KV of what chunks are computed after (``PromptFormat.storage_ids``: the head,
         or the head and the retrieval preamble), computed once."""
-        if self.format.storage_ids == self.format.head_ids:
-            return self.head_kv
-        if self._storage_kv is None:
-            self._storage_kv = precompute_head(self.model, self.format.storage_ids)
-        return self._storage_kv
+        return self.producer.head_kv
 
     def precompute(self, chunk_ids) -> list[ChunkKV]:
-        storage = self.format.storage_ids
-        return precompute_chunks(self.model, storage, chunk_ids, head_kv=self.storage_kv)
+        """Chunks' KV as the store holds it (``kvservice.producer``): a chunk whose stored
+        KV is missing, recomputed for this request."""
+        return self.producer.compute(chunk_ids)
 
     def prefill(self, request: Request, extra_capacity: int = 0) -> BlendResult:
         prompt = request.prompt

@@ -17,10 +17,9 @@ Memory is bounded by ``PREFIX_CACHE_BYTES`` (least recently used first out; 0 tu
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +30,9 @@ from kvservice.store.config import parse_size
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
 
-def capacity_from_env() -> int:
-    raw = os.environ.get("PREFIX_CACHE_BYTES", "")
+def capacity_from_env(environ: Mapping[str, str]) -> int:
+    """``PREFIX_CACHE_BYTES`` (read with the worker's configuration, kvservice.config)."""
+    raw = environ.get("PREFIX_CACHE_BYTES", "")
     try:
         return parse_size(raw) if raw.strip() else DEFAULT_CAPACITY_BYTES
     except ValueError as err:

@@ -14,13 +14,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvservice.answer import FittedContext, answer_sampling, choose_ratio, chunk_keys
 from kvservice.blend import BlendResult
+from kvservice.config import WorkerConfig
 from kvservice.controller import ChunkLoad, LoadingController
-from kvservice.engine import Engine, Request, TokenEvent
+from kvservice.engine import Engine, Request
+from kvservice.planning import PlannedRequest
 from kvservice.prefix import PrefixKV, boundaries
 from kvservice.prompt import Prompt
-from kvservice.protocol import GenerateRequest
+from kvservice.protocol import GenerateRequest, TokenEvent
 from kvservice.routing import chunk_digest
 
 
@@ -31,7 +32,7 @@ class NativeRuntime:
         self.tokenizer = None
         self.kdn = None  # the KdnTier when KV_SOURCE=kdn
 
-    def load(self, cfg: Any) -> None:
+    def load(self, cfg: WorkerConfig) -> None:
         """Load the model and warm up in a thread that ends, so that the engine's batcher
         thread is left the one thread with an OpenMP team; this thread and every thread
         started after it (Celery's, the KV loader's) then run torch on one core
@@ -41,21 +42,19 @@ class NativeRuntime:
         run_in_passing_thread(lambda: self._load(cfg), name="model-load")
         single_threaded()
 
-    def _load(self, cfg: Any) -> None:
+    def _load(self, cfg: WorkerConfig) -> None:
         import torch
         from transformers import AutoTokenizer
 
         from kvservice.bundled import resolve_llm_path
-        from kvservice.engine import Engine, refresh_ratio_from_env
-        from kvservice.kdn_client import KdnTier, KvSource, kdn_store
+        from kvservice.engine import Engine
+        from kvservice.kdn_client import KdnTier, kdn_store
         from kvservice.model import Transformer
         from kvservice.prefix import PrefixCache
-        from kvservice.prefix import capacity_from_env as prefix_capacity_from_env
         from kvservice.prompt import PromptFormat
         from kvservice.store import KVLoader, StoreConfig, TieredStore
 
-        kv_source = KvSource.from_env(os.environ)  # a bad KV_SOURCE fails before the model loads
-        refresh_ratio = refresh_ratio_from_env(os.environ)  # and a bad BLEND_REFRESH_RATIO
+        kv_source, refresh_ratio = cfg.kv_source, cfg.refresh_ratio
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -67,8 +66,9 @@ class NativeRuntime:
             self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency,
             refresh_ratio=refresh_ratio,
         )  # fmt: skip
+        self.refresh_ratio = refresh_ratio  # the planner's, where a request sets none
         self.engine.head_kv  # computed now, not on the first question  # noqa: B018
-        store_config = StoreConfig.from_env()
+        store_config = cfg.store or StoreConfig.from_env()
         if kv_source.kind == "kdn":  # the API in S3's place, behind the worker's own tiers
             self.store = kdn_store(store_config, kv_source)
             self.kdn = next(t for t in self.store.tiers if isinstance(t, KdnTier))
@@ -76,7 +76,7 @@ class NativeRuntime:
             self.store = TieredStore.from_config(store_config)
         # decoded where it runs, as what its cache holds
         self.loader = KVLoader(self.store, device=self.model.device, dtype=self.model.cache_dtype)
-        self.prefix_cache = PrefixCache(prefix_capacity_from_env())
+        self.prefix_cache = PrefixCache(cfg.prefix_cache_bytes)
         self.controller = LoadingController()
         calibrate(self.engine, self.controller)
         hf_config = json.loads((path / "config.json").read_text())
@@ -123,10 +123,10 @@ class NativeRuntime:
     def recompute_chunk(self, token_ids):
         return self.engine.precompute([list(token_ids)])[0]
 
-    def plan(self, request: GenerateRequest, fitted: FittedContext) -> NativePlan:
+    def plan(self, planned: PlannedRequest) -> NativePlan:
         if self.kdn is not None:
-            self.kdn.expect(self.kdn_reads(request))
-        return NativePlan(self, request, fitted)
+            self.kdn.expect(self.kdn_reads(planned.request))
+        return NativePlan(self, planned)
 
     def kdn_reads(self, request: GenerateRequest) -> dict:
         """What the KDN tier may fetch for ``request``: each chunk's key, with its text and
@@ -190,8 +190,9 @@ class NativePlan:
     reference) and loads only the passages after it; ``finish`` keeps this prompt's context
     KV for the next one."""
 
-    def __init__(self, runtime: NativeRuntime, request: GenerateRequest, fitted: FittedContext):
-        self.runtime, self.fitted = runtime, fitted
+    def __init__(self, runtime: NativeRuntime, planned: PlannedRequest):
+        request, fitted = planned.request, planned.fitted
+        self.runtime, self.fitted, self.policy = runtime, fitted, planned.ratio
         self._deadline_s = request.timeout_s
         self.prefix, reused = None, 0
         kept = request.chunks[: len(fitted.chunks_tokens)]
@@ -209,14 +210,13 @@ class NativePlan:
         sources: list = [None] * len(fitted.chunks_tokens)  # full: every chunk computed
         if request.mode != "full":
             self.batch = runtime.loader.open(
-                chunk_keys(runtime, request, fitted)[reused:],
+                planned.chunk_keys[reused:],
                 token_ids=fitted.chunks_tokens[reused:],
                 recompute_fn=runtime.recompute_chunk,
-                choose=lambda located: self._choose_loads(request, prompt, located),
+                choose=lambda located: self._choose_loads(prompt, located),
             )
             sources = [None] * reused + [None if s.skipped else s for s in self.batch]
-        self.ratio, self.decision = choose_ratio(
-            runtime, request,
+        self.ratio, self.decision = planned.ratio.choose(
             num_tokens=sum(map(len, fitted.chunks_tokens[reused:])),
             num_layers=runtime.model.config.n_layers,
             load_bytes=self.batch.tier_bytes() if self.batch is not None else {},
@@ -224,15 +224,15 @@ class NativePlan:
         self.request = Request(
             prompt,
             [part for source in sources for part in (None, source)],  # markers: computed
-            mode=request.mode, recompute_ratio=self.ratio, sampling=answer_sampling(request),
-            cached_prefix=self.prefix, refresh_ratio=request.refresh_ratio,
+            mode=request.mode, recompute_ratio=self.ratio, sampling=planned.sampling,
+            cached_prefix=self.prefix, refresh_ratio=planned.ratio.refresh_ratio,
         )  # fmt: skip
         self.prompt_tokens = len(self.request.prompt.token_ids)
         self._result: BlendResult | None = None
         self._prefill_s: float | None = None
         self._refreshed: tuple[float, float] | None = None  # progressive: (ratio, seconds)
 
-    def _choose_loads(self, request: GenerateRequest, prompt: Prompt, located) -> list[bool]:
+    def _choose_loads(self, prompt: Prompt, located) -> list[bool]:
         """The loading controller's per-chunk choice over the located chunks: a chunk whose
         KV would take longer to arrive than to recompute is recomputed whole
         (``kvservice.controller.choose_loads``)."""
@@ -243,14 +243,11 @@ class NativePlan:
             for ids, source in zip(tokens, located, strict=True)
         ]
         covered = self.prefix.num_tokens if self.prefix is not None else len(prompt.head_ids)
-        ratio = request.recompute_ratio
-        if ratio is None and request.mode == "blend":
-            ratio = request.target_ratio or runtime.controller.target_ratio
         self.load_plan = runtime.controller.choose_loads(
             chunks=chunks,
             question_tokens=len(prompt.token_ids) - covered - sum(map(len, tokens)),
             num_layers=runtime.model.config.n_layers,
-            recompute_ratio=ratio or 0.0,  # reuse recomputes none of a read chunk
+            recompute_ratio=self.policy.expected(),  # reuse recomputes none of a read chunk
         )
         return list(self.load_plan.load)
 

@@ -18,22 +18,18 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 
-from kvservice.bundled import default_cache_dir
+from kvservice.config import WorkerConfig
 from kvservice.deadlines import celery_options, redis_from_url
 from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
-from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.protocol import (
     ALIVE_INTERVAL_S,
     EVICT_TASK,
     GENERATE_TASK,
-    INFERENCE_QUEUE,
     RECORD_QUEUE,
     RECORD_TASK,
     WARM_TASK,
@@ -48,60 +44,13 @@ from kvservice.routing import advertise_hot, worker_queue
 log = logging.getLogger("kvservice.server")
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    redis_url: str
-    model_path: str | None
-    model_cache_dir: Path
-    concurrency: int
-    queue: str  # the shared queue; this worker also serves routing.worker_queue(WORKER_ID)
-    engine: str  # "native" (kvservice's engine) or "vllm" (kvservice.vllm)
-    node_name: str  # Celery's name for this worker; several on one host need their own
-    precision: str = DEFAULT_PRECISION  # the native engine's products (kvservice.kernels)
-    kernel: str | None = None  # ENGINE_KERNEL: one kernel instead of the fastest measured
-
-    @classmethod
-    def from_env(cls) -> ServerConfig:
-        redis_url = os.environ.get("REDIS_URL", "")
-        if not redis_url:
-            raise SystemExit(
-                "REDIS_URL is not set (make dev sets it, and the other service addresses, for "
-                "the workers it starts; by hand, export what DATA_DIR/stack.json lists)."
-            )
-        engine = os.environ.get("ENGINE", "native").strip().lower() or "native"
-        if engine not in ("native", "vllm"):
-            raise SystemExit(f"ENGINE must be 'native' or 'vllm', not {engine!r}")
-        if engine == "vllm" and (os.environ.get("KV_SOURCE") or "s3").strip().lower() != "s3":
-            raise SystemExit(
-                "KV_SOURCE=kdn works with ENGINE=native only: ENGINE=vllm's KV connector reads "
-                "the store itself (unset KV_SOURCE and give the worker S3 credentials)"
-            )
-        precision = os.environ.get("ENGINE_PRECISION", "").strip() or DEFAULT_PRECISION
-        if precision not in PRECISIONS:
-            raise SystemExit(f"ENGINE_PRECISION must be one of {PRECISIONS}, not {precision!r}")
-        kernel = os.environ.get("ENGINE_KERNEL", "").strip() or None
-        if kernel is not None and kernel not in KERNELS:
-            raise SystemExit(f"ENGINE_KERNEL must be one of {KERNELS}, not {kernel!r}")
-        return cls(
-            redis_url=redis_url,
-            model_path=os.environ.get("MODEL_PATH") or None,
-            model_cache_dir=default_cache_dir(),
-            concurrency=int(os.environ.get("INFERENCE_CONCURRENCY", "8")),
-            queue=os.environ.get("INFERENCE_QUEUE", INFERENCE_QUEUE),
-            engine=engine,
-            node_name=os.environ.get("INFERENCE_NODE_NAME", "inference@%h"),
-            precision=precision,
-            kernel=kernel,
-        )
-
-
 # This process (a restarted worker is another one): names the answers it has in flight.
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 # Importing this module does nothing else: ``main`` reads the configuration, connects and
 # loads the model (``configure``); the tasks below use what it set.
 app = Celery("ragblend-inference")
-config: ServerConfig
+config: WorkerConfig
 runtime: Any
 _redis: redis.Redis
 
@@ -120,7 +69,7 @@ def _make_runtime(engine: str):
     return NativeRuntime()
 
 
-def configure(cfg: ServerConfig) -> None:
+def configure(cfg: WorkerConfig) -> None:
     """Point the Celery app and the Redis client at ``cfg`` and make the runtime (not loaded)."""
     global config, runtime, _redis
     config = cfg
@@ -152,16 +101,16 @@ def generate(request_data: dict) -> dict:
     inflight_add(redis_client(), WORKER_ID, request)
     reported = False
     try:
-        result = answer_request(runtime, request, redis_client())
+        outcome = answer_request(runtime, request, redis_client())
         # Reported while still in flight: an answer out of flight is one whose report is
         # queued, so the reaper never takes a finished answer for one nobody took.
-        report = {**result, "audit_of": request.audit_of}
+        report = outcome.to_dict()
         app.send_task(RECORD_TASK, args=[request.message_id, report], queue=RECORD_QUEUE)
         reported = True
     finally:
         _leave_flight(redis_client(), request, reported=reported)
     _advertise_hot(redis_client())  # the chunks just loaded: routable to here at once
-    return {"status": result["status"], "request_id": request.request_id}
+    return {"status": outcome.status, "request_id": request.request_id}
 
 
 # In-flight entries Redis did not take when their request ended (it stopped answering): the
@@ -247,7 +196,11 @@ def main() -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    configure(ServerConfig.from_env())
+    try:
+        configure(WorkerConfig.from_env())
+    except ValueError as err:
+        print(f"inference worker: {err}", file=sys.stderr)
+        return 2
     try:
         runtime.load(config)
     except Exception as err:

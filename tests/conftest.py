@@ -28,7 +28,7 @@ TEST_S3_BUCKETS = ("documents", "kvcache")
 # what lands on the default ``inference`` queue while the worker (a session fixture) runs.
 LIVE_INFERENCE_QUEUE = "inference-live"
 LIVE_HEARTBEAT_KEY = "ragblend:inference:heartbeat:live"  # likewise for its heartbeat
-CELERY_QUEUES = ("ingest", "kv")  # what the test Celery worker serves (answers' reports too)
+CELERY_QUEUES = ("answers", "ingest", "kv")  # what the test Celery worker serves
 ROOT = Path(__file__).resolve().parent.parent
 
 _started: list[services.RunningService] = []

@@ -34,11 +34,10 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from kvservice.heartbeat import read_heartbeat
+from webapp import dispatch
 from webapp.documents.embeddings import embedder_loaded
 from webapp.redis import redis_client
 from webapp.storage import object_store
-from worker.celery import app as celery_app
-from worker.celery import warm_key
 
 
 def _database() -> dict[str, Any]:
@@ -77,8 +76,14 @@ def _broker() -> dict[str, Any]:
     return {}
 
 
+def warm_key(node_name: str) -> str:
+    """Set in Redis by Celery worker ``node_name`` once a pool process of it has its models
+    loaded (worker/celery.py); /healthz reports an ingest worker up only then."""
+    return f"ragblend:ingest:warm:{node_name}"
+
+
 def _celery_worker() -> dict[str, Any]:
-    replies = celery_app.control.ping(timeout=settings.HEALTH_PING_TIMEOUT_S)
+    replies = dispatch.celery_app.control.ping(timeout=settings.HEALTH_PING_TIMEOUT_S)
     names = sorted(name for reply in replies for name in reply)
     # The inference workers answer pings too (inference@host, inference2@host, ...); this
     # entry is about the ingest/kv workers.

@@ -1,8 +1,9 @@
-"""The Celery app for the web side's background work (queues ``ingest`` and ``kv``).
+"""The Celery app for the web side's background work (queues ``answers``, ``ingest``, ``kv``).
 
-Run: ``celery -A worker worker -Q ingest,kv``. The inference worker is a separate process
-with its own app on the ``inference`` queue (kvservice/server.py), so the model is loaded
-once, away from Django.
+Run: ``celery -A worker worker -Q answers,ingest,kv`` (``answers``: the inference worker's
+reports of finished answers, ``kvservice.protocol.RECORD_QUEUE``). The inference worker is a
+separate process with its own app on the ``inference`` queue (kvservice/server.py), so the
+model is loaded once, away from Django.
 """
 
 from __future__ import annotations
@@ -33,12 +34,6 @@ _node_name = ""  # this worker's Celery name (what a ping answers with), likewis
 WARM_KEY_TTL_S = 7 * 24 * 3600  # a stale mark of a worker gone for a week is forgotten
 
 
-def warm_key(node_name: str) -> str:
-    """Set in Redis once a pool process of worker ``node_name`` has its models loaded;
-    /healthz reports an ingest worker up only then (webapp/health.py)."""
-    return f"ragblend:ingest:warm:{node_name}"
-
-
 @celeryd_init.connect
 def remember_pool_size(sender: str = "", options: dict | None = None, **_kwargs) -> None:
     global _pool_size, _node_name
@@ -51,6 +46,7 @@ def _mark_warm(warm: bool) -> None:
     if not _node_name:
         return
     try:
+        from webapp.health import warm_key
         from webapp.redis import redis_client
 
         if warm:
@@ -113,9 +109,9 @@ def warm_up(**_kwargs) -> None:
 def _load_models() -> None:
     try:
         from webapp.documents.embeddings import embedder
-        from webapp.documents.kv import kv_precomputer
+        from webapp.documents.kv import kv_producer
 
-        kv_precomputer()
+        kv_producer()
         embedder()
         _mark_warm(True)
     except Exception:  # the first task loads (and reports) it again

@@ -11,10 +11,12 @@ from kvservice.protocol import RECORD_TASK
 
 
 @shared_task(name=RECORD_TASK, autoretry_for=(Exception,), retry_backoff=2, max_retries=5)
-def record_answer(message_id: int, result: dict[str, Any]) -> None:
-    from webapp.chat.services import chat_record_answer
+def record_answer(message_id: int | None, outcome: dict[str, Any]) -> None:
+    """The worker's report of an answer (``AnswerOutcome.to_dict()``), on its own queue."""
+    from kvservice.protocol import AnswerOutcome
+    from webapp.chat.services import record_outcome
 
-    chat_record_answer(message_id=message_id, result=result)
+    record_outcome(message_id=message_id, outcome=AnswerOutcome.from_dict(outcome))
 
 
 @shared_task(name="worker.chat.reap_stale_answers", ignore_result=True)

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.blend import MODES
-from kvservice.engine import Completion, TokenEvent
+from kvservice.engine import Completion
 from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
+from kvservice.protocol import TokenEvent
 from kvservice.sampling import SamplingParams
 from kvservice.store import StoreConfig
 

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvservice.answer import FittedContext, answer_sampling, choose_ratio, chunk_keys
-from kvservice.engine import TokenEvent
+from kvservice.config import WorkerConfig
+from kvservice.planning import PlannedRequest
 from kvservice.prompt import Prompt
-from kvservice.protocol import GenerateRequest
+from kvservice.protocol import TokenEvent
 from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
 
 
@@ -30,6 +30,7 @@ class VllmRuntime:
     def __init__(self) -> None:
         self.model_name: str | None = None
         self.engine: VllmEngine | None = None
+        self.refresh_ratio: float | None = None  # no progressive blend through vLLM
         self.active = 0  # requests in flight (the heartbeat's batch size)
         self._active_lock = threading.Lock()
 
@@ -43,14 +44,14 @@ class VllmRuntime:
             with self._active_lock:
                 self.active -= 1
 
-    def load(self, cfg: Any) -> None:
+    def load(self, cfg: WorkerConfig) -> None:
         from kvservice.bundled import resolve_llm_path
         from kvservice.checkpoint import checkpoint_config
         from kvservice.controller import LoadingController
         from kvservice.store import StoreConfig, TieredStore
 
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
-        store_config = StoreConfig.from_env()
+        store_config = cfg.store or StoreConfig.from_env()
         self.store = TieredStore.from_config(store_config)
         self.controller = LoadingController()
         self.config = checkpoint_config(path)  # refuses what the blender cannot run
@@ -77,8 +78,8 @@ class VllmRuntime:
         config = self.config
         return 2 * config.n_layers * config.n_kv_heads * config.head_dim * element_size
 
-    def plan(self, request: GenerateRequest, fitted: FittedContext) -> VllmPlan:
-        return VllmPlan(self, request, fitted)
+    def plan(self, planned: PlannedRequest) -> VllmPlan:
+        return VllmPlan(self, planned)
 
     def close(self) -> None:
         if self.engine is not None:
@@ -105,17 +106,17 @@ class VllmPlan:
     connector, which loads and blends in vLLM's processes. Each passage is behind its number
     ("[1]"), a marker in no store: vLLM prefills it itself."""
 
-    def __init__(self, runtime: VllmRuntime, request: GenerateRequest, fitted: FittedContext):
+    def __init__(self, runtime: VllmRuntime, planned: PlannedRequest):
+        request, fitted, keys = planned.request, planned.fitted, planned.chunk_keys
         self.runtime, self.fitted = runtime, fitted
-        keys = chunk_keys(runtime, request, fitted)
         self.tiers = [runtime.store.where(key) or "missing" for key in keys]
         per_token = runtime.kv_bytes_per_token(element_size=2)  # stored as 16-bit
         load_bytes: dict[str, int] = {}
         for tier, ids in zip(self.tiers, fitted.chunks_tokens, strict=True):
             if tier != "missing":
                 load_bytes[tier] = load_bytes.get(tier, 0) + per_token * len(ids)
-        self.ratio, self.decision = choose_ratio(
-            runtime, request, num_tokens=sum(map(len, fitted.chunks_tokens)),
+        self.ratio, self.decision = planned.ratio.choose(
+            num_tokens=sum(map(len, fitted.chunks_tokens)),
             num_layers=runtime.config.n_layers, load_bytes=load_bytes,
         )  # fmt: skip
         segment_keys = [
@@ -126,7 +127,7 @@ class VllmPlan:
         self.request = VllmRequest(
             Prompt(list(runtime.prompt.head_ids), fitted.segments, fitted.suffix_ids),
             mode=request.mode, chunk_keys=segment_keys, recompute_ratio=self.ratio,
-            sampling=answer_sampling(request),
+            sampling=planned.sampling,
         )  # fmt: skip
         self.prompt_tokens = len(self.request.prompt.token_ids)
 

@@ -202,7 +202,7 @@ def test_each_role_runs_as_a_deployment_of_the_one_image(rendered) -> None:
         assert container["resources"]["requests"], deployment["metadata"]["name"]
         assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"]
     joined = "\n".join(_command(d) for d in deployments)
-    for role in ("webapp.asgi:application", "-Q ingest,kv", "beat", "kvservice.server"):
+    for role in ("webapp.asgi:application", "-Q answers,ingest,kv", "beat", "kvservice.server"):
         assert role in joined, role
     beats = [d for d in deployments if "worker beat" in _command(d)]
     assert len(beats) == 1 and beats[0]["spec"]["replicas"] == 1  # exactly one beat

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import TestCase
 
-from kvservice.protocol import read_events
+from kvservice.protocol import answer_stream, decode_events
 from tests.conftest import wait_for
 from webapp.chat import services as chat
 from webapp.chat.models import Message
@@ -50,7 +50,8 @@ def collect_stream(request_id: str, timeout_s: float = 240) -> tuple[list[str], 
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for entry_id, kind, payload in read_events(client, request_id, last_id, block_ms=2000):
+        reply = client.xread({answer_stream(request_id): last_id}, block=2000, count=256)
+        for entry_id, kind, payload in decode_events(reply):
             last_id = entry_id
             if kind == "token":
                 tokens.append(payload["text"])

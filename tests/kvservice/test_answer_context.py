@@ -3,21 +3,18 @@ counted in the context budget."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from kvservice.answer import HISTORY_MAX_TOKENS, fit_context
+from kvservice.planning import HISTORY_MAX_TOKENS, fit_context
 from kvservice.prompt import PromptFormat
 from kvservice.protocol import ChunkRef, GenerateRequest, Turn
 
 
 def test_history_is_capped_in_tokens_keeping_the_newest_turns(smollm2_tokenizer) -> None:
     prompt = PromptFormat.for_tokenizer(smollm2_tokenizer)
-    runtime = SimpleNamespace(prompt=prompt, context_len=2048)
     history = [Turn("user", f"Question number {i} about the leave policy, asked at length?")
                for i in range(40)]  # fmt: skip
     request = GenerateRequest(request_id="r", question="And sick leave?", chunks=[],
                               history=history, max_new_tokens=160)  # fmt: skip
-    suffix = fit_context(runtime, request).suffix_ids
+    suffix = fit_context(prompt, 2048, request).suffix_ids
     bare = prompt.question_ids("And sick leave?")
     assert 0 < len(suffix) - len(bare) <= HISTORY_MAX_TOKENS
     text = smollm2_tokenizer.decode(suffix)
@@ -34,10 +31,9 @@ def test_a_passage_counts_with_its_number_marker_in_the_context_budget(
     assert numbered > len(chunk.token_ids)  # "[1]" and a new line
 
     def kept(context_len: int) -> list[int]:
-        runtime = SimpleNamespace(prompt=prompt, context_len=context_len)
         request = GenerateRequest(request_id="r", question="Why?", max_new_tokens=10,
                                   chunks=[chunk])  # fmt: skip
-        return fit_context(runtime, request).chunk_ids
+        return fit_context(prompt, context_len, request).chunk_ids
 
     assert kept(fixed + numbered) == [1]
     assert kept(fixed + numbered - 1) == []  # room for the passage, not for its marker

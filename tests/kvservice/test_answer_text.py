@@ -14,9 +14,15 @@ import redis
 
 from kvservice.answer import answer_request
 from kvservice.citing import UNSUPPORTED, WITHDRAWN
-from kvservice.engine import TokenEvent
 from kvservice.prompt import PromptFormat
-from kvservice.protocol import ChunkRef, GenerateRequest, answer_stream
+from kvservice.protocol import (
+    AnswerOutcome,
+    ChunkRef,
+    GenerateRequest,
+    PassageUse,
+    TokenEvent,
+    answer_stream,
+)
 from kvservice.sampling import AnswerText
 
 
@@ -113,13 +119,14 @@ class ScriptedPlan:
 
 
 def answer_through_the_worker(smollm2_tokenizer, redis_service, plan: ScriptedPlan):
-    """``answer_request`` on ``plan``, with the real prompt format and valkey: its report,
-    and the text its stream's token events add up to."""
+    """``answer_request`` on ``plan``, with the real prompt format and valkey: its outcome,
+    checked against the text its stream's token events add up to and its ``done`` event."""
     client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
     runtime = SimpleNamespace(
         prompt=PromptFormat.for_tokenizer(smollm2_tokenizer), context_len=2048,
         tokenizer=smollm2_tokenizer, engine=SimpleNamespace(stop_ids=set()),
-        plan=lambda request, fitted: plan,
+        plan=lambda planned: plan, controller=None, refresh_ratio=None,
+        chunk_key=lambda token_ids, scope="": (scope, tuple(token_ids)),
     )  # fmt: skip
     passage = "The Gannet seats six people. The Osprey seats four."
     request = GenerateRequest(
@@ -130,12 +137,12 @@ def answer_through_the_worker(smollm2_tokenizer, redis_service, plan: ScriptedPl
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
               for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
     streamed = "".join(data["text"] for kind, data in events if kind == "token")
-    assert events[-1][1]["text"] == result["text"]  # the stream's end is the record
-    if not result["withheld"]:  # the words streamed are the answer
-        assert streamed == result["text"]
+    assert events[-1][0] == "done" and AnswerOutcome.from_dict(events[-1][1]) == result
+    if not result.withheld:  # the words streamed are the answer
+        assert streamed == result.text
     else:  # the words streamed, then withdrawn; the answer is "not found"
-        assert streamed == result["withheld"] + WITHDRAWN
-        assert events[-1][1]["withheld"] == result["withheld"]
+        assert streamed == result.withheld + WITHDRAWN
+        assert events[-1][1]["withheld"] == result.withheld
     return result
 
 
@@ -144,9 +151,9 @@ def test_the_worker_ends_a_looping_answer_and_stops_the_engine(
 ) -> None:
     plan = ScriptedPlan(words("The Gannet seats six [1]. " * 20), finish_reason="length")
     result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
-    assert result["text"] == "The Gannet seats six [1]."
+    assert result.text == "The Gannet seats six [1]."
     assert plan.taken < len(plan.pieces)  # the engine was stopped at the repeat
-    metrics = result["metrics"]
+    metrics = result.metrics
     assert metrics["repeat_suppressed"] and metrics["finish_reason"] == "stop"
 
 
@@ -158,9 +165,9 @@ def test_the_worker_cuts_an_answer_at_the_cap_at_a_word_and_says_so(
         smollm2_tokenizer, redis_service, ScriptedPlan(pieces, finish_reason="length")
     )
     cut = "The boats are the Gannet which carries the winch and the Osprey and the…"
-    assert result["text"] == cut + " [1]"  # the citation the worker completes comes after
-    assert result["metrics"]["finish_reason"] == "length"
-    assert not result["metrics"]["repeat_suppressed"]
+    assert result.text == cut + " [1]"  # the citation the worker completes comes after
+    assert result.metrics["finish_reason"] == "length"
+    assert not result.metrics["repeat_suppressed"]
 
 
 def test_the_worker_withholds_an_answer_no_passage_supports(smollm2_tokenizer, redis_service):
@@ -168,16 +175,20 @@ def test_the_worker_withholds_an_answer_no_passage_supports(smollm2_tokenizer, r
     rather than an answer followed by a note that nothing supports it."""
     plan = ScriptedPlan(words("The answer is: 4"), finish_reason="stop")
     result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
-    assert result["text"] == UNSUPPORTED and "4" not in result["text"]
-    assert result["withheld"] == "The answer is: 4"
-    assert result["metrics"]["citation"] == "unsupported"
+    assert result.text == UNSUPPORTED and "4" not in result.text
+    assert result.withheld == "The answer is: 4"
+    assert result.metrics["citation"] == "unsupported"
 
 
 def test_a_supported_answer_carries_no_not_found_note(smollm2_tokenizer, redis_service):
     plan = ScriptedPlan(words("The Gannet seats six people."), finish_reason="stop")
     result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
-    assert result["text"] == "The Gannet seats six people. [1]" and not result["withheld"]
-    assert "could not find" not in result["text"]
+    assert result.text == "The Gannet seats six people. [1]" and not result.withheld
+    assert "could not find" not in result.text
+    passage = "The Gannet seats six people. The Osprey seats four."
+    highlight = (0, len("The Gannet seats six people."))  # its first sentence, not the other
+    assert result.passages == [PassageUse(1, 1, "", cited=True, highlight=highlight)]
+    assert passage[slice(*highlight)] == "The Gannet seats six people."
 
 
 def test_an_answer_served_whole_from_the_prefix_cache_records_no_ratio(
@@ -185,8 +196,8 @@ def test_an_answer_served_whole_from_the_prefix_cache_records_no_ratio(
 ) -> None:
     """Every passage from the prefix cache: the plan's ratio (the deployment's) never ran."""
     whole = ScriptedPlan(words("Six [1]."), "stop", {"chunk_tiers": {"1": "prefix"}})
-    metrics = answer_through_the_worker(smollm2_tokenizer, redis_service, whole)["metrics"]
+    metrics = answer_through_the_worker(smollm2_tokenizer, redis_service, whole).metrics
     assert metrics["prefix_cache"] is True and metrics["recompute_ratio"] is None
     loaded = ScriptedPlan(words("Six [1]."), "stop", {"chunk_tiers": {"1": "cpu"}})
-    metrics = answer_through_the_worker(smollm2_tokenizer, redis_service, loaded)["metrics"]
+    metrics = answer_through_the_worker(smollm2_tokenizer, redis_service, loaded).metrics
     assert metrics["prefix_cache"] is False and metrics["recompute_ratio"] == 0.15

@@ -121,19 +121,19 @@ def test_bfloat16_products_stay_close_to_float32(tiny_checkpoints):
 
 
 def test_the_worker_reads_and_checks_engine_precision_and_kernel(monkeypatch):
-    from kvservice.server import ServerConfig
+    from kvservice.config import WorkerConfig
 
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
     monkeypatch.delenv("ENGINE_PRECISION", raising=False)
-    assert ServerConfig.from_env().precision == kernels.DEFAULT_PRECISION
+    assert WorkerConfig.from_env().precision == kernels.DEFAULT_PRECISION
     monkeypatch.setenv("ENGINE_PRECISION", "float32")
-    assert ServerConfig.from_env().precision == "float32"
+    assert WorkerConfig.from_env().precision == "float32"
     monkeypatch.setenv("ENGINE_PRECISION", "int4")
-    with pytest.raises(SystemExit, match="ENGINE_PRECISION must be one of"):
-        ServerConfig.from_env()
+    with pytest.raises(ValueError, match="ENGINE_PRECISION must be one of"):
+        WorkerConfig.from_env()
     monkeypatch.setenv("ENGINE_PRECISION", "auto")
     monkeypatch.setenv("ENGINE_KERNEL", "onednn")
-    assert ServerConfig.from_env().kernel == "onednn"
+    assert WorkerConfig.from_env().kernel == "onednn"
     monkeypatch.setenv("ENGINE_KERNEL", "cublas-int8")
-    with pytest.raises(SystemExit, match="ENGINE_KERNEL must be one of"):
-        ServerConfig.from_env()
+    with pytest.raises(ValueError, match="ENGINE_KERNEL must be one of"):
+        WorkerConfig.from_env()

@@ -41,11 +41,11 @@ from tests.conftest import ROOT, TEST_S3_BUCKETS, wait_for
 from tests.webapp.chat.test_reaper import wait_until_reaped
 from webapp.chat.models import Conversation, Message
 from webapp.chat.reaper import WORKER_LOST, reap_stale_answers
+from webapp.dispatch import celery_app
 from webapp.documents.models import Document, OrphanObject
 from webapp.outages import is_outage
 from webapp.redis import redis_client
 from webapp.storage import S3_CONNECT_TIMEOUT_S, S3_READ_TIMEOUT_S, object_store
-from worker.celery import app as celery_app
 
 # What a request may take with a frozen S3: one read timeout (not retried), its connection,
 # and room for a busy machine; it took 90.5 s before the deadlines.

@@ -18,8 +18,8 @@ from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services as chat
 from webapp.chat.models import Conversation, Message
 from webapp.chat.views import _event_stream
+from webapp.dispatch import celery_app
 from webapp.redis import redis_client
-from worker.celery import app as celery_app
 
 PASSWORD = "vk-pass-that-must-not-leak"
 

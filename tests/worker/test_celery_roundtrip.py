@@ -6,8 +6,8 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from tests.conftest import wait_for, wait_until_the_workers_are_idle
+from webapp.health import warm_key
 from webapp.redis import redis_client
-from worker.celery import warm_key
 from worker.tasks import ingest_echo
 
 

@@ -16,13 +16,13 @@ import django
 django.setup()
 from worker import celery, tasks
 from webapp.documents.embeddings import _load_embedder
-from webapp.documents.kv import _build_precomputer
+from webapp.documents.kv import _build_producer
 celery.warm_up()
 print("loading", not celery._warm_up_done.is_set(), flush=True)
 started = time.monotonic()
 assert celery.wait_for_warm_up(600)
 print("waited", round(time.monotonic() - started, 1))
-print("loaded", _build_precomputer.cache_info().currsize, _load_embedder.cache_info().currsize)
+print("loaded", _build_producer.cache_info().currsize, _load_embedder.cache_info().currsize)
 """
 
 

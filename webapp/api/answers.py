@@ -8,27 +8,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import async_to_sync
 from django.conf import settings
 
-from kvservice.citing import cited_ranks, highlights
+from kvservice.protocol import AnswerOutcome
 from webapp.answer_stream import AnswerTimeout, stream_events, ttft_seen_s
 from webapp.chat.models import Message
 
 # Ratios are reported to 3 decimals: 0.20041213932375773 says no more than 0.2.
 RATIO_DECIMALS = 3
-
-
-@dataclass(frozen=True)
-class FinishedAnswer:
-    ok: bool
-    text: str  # the answer as recorded: "not found" for one no passage supports
-    error: str
-    metrics: dict[str, Any]
-    withheld: str = ""  # that answer's words (kvservice.citing.verdict)
 
 
 async def answer_events(
@@ -43,22 +33,14 @@ async def answer_events(
             yield event[1], event[2]
 
 
-def finished(kind: str, payload: dict[str, Any]) -> FinishedAnswer:
-    ok = kind == "done" and payload.get("status", "done") != "error"
-    error = "" if ok else (payload.get("error") or payload.get("message") or "The model failed.")
-    return FinishedAnswer(ok=ok, text=payload.get("text", ""), error=str(error),
-                          metrics=payload.get("metrics") or {},
-                          withheld=payload.get("withheld") or "")  # fmt: skip
-
-
-async def _wait(request_id: str, timeout_s: float | None) -> FinishedAnswer:
+async def _wait(request_id: str, timeout_s: float | None) -> AnswerOutcome:
     async for kind, payload in answer_events(request_id, timeout_s=timeout_s):
         if kind in ("done", "error"):
-            return finished(kind, payload)
+            return AnswerOutcome.from_event(kind, payload)
     raise AnswerTimeout("The answer stream ended without a result.")  # pragma: no cover
 
 
-def wait_for_answer(answer: Message, *, timeout_s: float | None = None) -> FinishedAnswer:
+def wait_for_answer(answer: Message, *, timeout_s: float | None = None) -> AnswerOutcome:
     """The whole answer (a sync view's wait; it blocks only its own thread)."""
     return async_to_sync(_wait)(str(answer.request_id), timeout_s)
 
@@ -109,17 +91,17 @@ def metrics_of(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def citations_of(answer: Message, text: str | None = None) -> list[dict[str, Any]]:
-    """Every passage given to the model; with the answer's ``text``, which ones it cites
-    and the sentence of each that supports it (else as recorded with the answer)."""
+def citations_of(answer: Message, outcome: AnswerOutcome | None = None) -> list[dict[str, Any]]:
+    """Every passage given to the model: which ones the answer cites and the sentence of
+    each that supports it, from the worker's ``outcome`` (else as recorded with the answer)."""
     citations = list(answer.citations.all())
-    if text is None:
+    if outcome is None:
         cited = {c.rank for c in citations if c.cited}
         spans = {c.rank: (c.highlight_start, c.highlight_end) for c in citations
                  if c.highlight_start is not None}  # fmt: skip
     else:
-        cited = set(cited_ranks(text, len(citations)))
-        spans = highlights(text, [c.text for c in citations])
+        cited = {use.rank for use in outcome.passages if use.cited}
+        spans = {use.rank: use.highlight for use in outcome.passages if use.highlight}
     out = []
     for c in citations:
         span = spans.get(c.rank)
@@ -131,9 +113,11 @@ def citations_of(answer: Message, text: str | None = None) -> list[dict[str, Any
     return out
 
 
-def sources_of(answer: Message, text: str | None = None) -> dict[str, list[dict[str, Any]]]:
+def sources_of(
+    answer: Message, outcome: AnswerOutcome | None = None
+) -> dict[str, list[dict[str, Any]]]:
     """``citations`` (the passages the answer cites) and ``also_retrieved`` (the rest)."""
-    every = citations_of(answer, text)
+    every = citations_of(answer, outcome)
     return {
         "citations": [c for c in every if c["cited"]],
         "also_retrieved": [c for c in every if not c["cited"]],

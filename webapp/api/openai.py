@@ -16,6 +16,7 @@ from django.http import HttpRequest
 from ninja import NinjaAPI, Schema
 from pydantic import ConfigDict, Field
 
+from kvservice.protocol import AnswerOutcome
 from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
 from webapp.api.auth import API_AUTH
@@ -109,12 +110,12 @@ def _usage(metrics: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def _extras(answer: Message, result: answers.FinishedAnswer) -> dict[str, Any]:
+def _extras(answer: Message, result: AnswerOutcome) -> dict[str, Any]:
     """``citations`` (what the answer cites), ``also_retrieved`` and ``ragblend`` (with
     ``withheld``: the words of an answer no passage supports, whose content is "not found";
     a stream sent them, then marked them withdrawn)."""
     return {
-        **answers.sources_of(answer, result.text),
+        **answers.sources_of(answer, result),
         "ragblend": {
             "conversation_id": answer.conversation_id,
             "message_id": answer.pk,
@@ -137,7 +138,7 @@ async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
             if kind == "token":
                 yield sse(None, _chunk(answer, model, {"content": payload.get("text", "")}))
                 continue
-            result = answers.finished(kind, payload)
+            result = AnswerOutcome.from_event(kind, payload)
             if not result.ok:
                 error = ApiError(502, "generation_failed", result.error)
                 yield sse(None, _openai_error(error))

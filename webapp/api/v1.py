@@ -18,6 +18,7 @@ from ninja import File, NinjaAPI, Query, Router, Schema, UploadedFile
 from ninja.responses import Status
 
 from kvservice.heartbeat import read_heartbeat
+from kvservice.protocol import AnswerOutcome
 from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
 from webapp.api.auth import API_AUTH
@@ -216,11 +217,11 @@ def ask(
         raise ApiError(422, "invalid_request", str(err)) from err
 
 
-def _query_out(answer: Message, result: answers.FinishedAnswer) -> dict:
+def _query_out(answer: Message, result: AnswerOutcome) -> dict:
     return {
         "answer": result.text,
         "withheld": result.withheld,
-        **answers.sources_of(answer, result.text),
+        **answers.sources_of(answer, result),
         "metrics": answers.metrics_of(answer, result.metrics),
         "conversation_id": answer.conversation_id,
         "message_id": answer.pk,
@@ -235,7 +236,7 @@ async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator
             if kind == "token":
                 yield sse("token", {"text": payload.get("text", "")})
             elif kind in ("done", "error"):
-                result = answers.finished(kind, payload)
+                result = AnswerOutcome.from_event(kind, payload)
                 if result.ok:
                     out = await sync_to_async(_query_out)(answer, result)  # reads citations
                     yield sse("done", out)

@@ -127,9 +127,11 @@ class Message(models.Model):
     def __str__(self) -> str:
         return f"{self.role}: {self.content[:40]}"
 
+    OPEN = (Status.PENDING, Status.STREAMING)  # an answer not written to its end yet
+
     @property
     def is_open(self) -> bool:
-        return self.status in (self.Status.PENDING, self.Status.STREAMING)
+        return self.status in self.OPEN
 
     @property
     def was_cut(self) -> bool:

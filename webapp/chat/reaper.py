@@ -26,10 +26,12 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from kvservice.protocol import (
     INFLIGHT_GRACE_S,
+    AnswerOutcome,
     GenerateRequest,
     answer_stream,
     decode_events,
@@ -54,31 +56,30 @@ OVERDUE = "The model did not finish this answer in time. Ask again in a moment."
 NOBODY_ANSWERED = "No model worker took this question in time. Ask again in a moment."
 
 
-def _stream_so_far(client: Any, request_id: str) -> tuple[str, dict[str, Any] | None]:
+def _stream_so_far(client: Any, request_id: str) -> tuple[str, tuple[str, dict[str, Any]] | None]:
     """The text streamed so far, and the final event's (type, payload) if there is one."""
     text, final, name = [], None, answer_stream(request_id)
     for _id, kind, payload in decode_events([(name, client.xrange(name))]):
         if kind == "token":
             text.append(payload.get("text", ""))
         elif kind in ("done", "error"):
-            final = {"kind": kind, **payload}
+            final = (kind, payload)
     return "".join(text), final
 
 
 def _end(client: Any, request_id: str, message_id: int | None, reason: str) -> None:
-    from webapp.chat.services import chat_record_answer
+    from webapp.chat.services import record_outcome
 
     text, final = _stream_so_far(client, request_id)
-    if final is not None and final["kind"] == "done":
-        result = {"status": final.get("status", "done"), "text": final.get("text", ""),
-                  "error": "", "metrics": final.get("metrics") or {}}  # fmt: skip
+    if final is not None and final[0] == "done":
+        outcome = AnswerOutcome.from_event(*final)
     else:
-        result = {"status": "error", "text": text, "error": reason, "metrics": {}}
+        outcome = AnswerOutcome.failed(reason, text)
         if final is None:  # readers of the stream learn it now
             publish_event(client, request_id, "error", error=reason, message=reason, text=text)
     request_stop(client, request_id)
     if message_id is not None:
-        chat_record_answer(message_id=message_id, result=result)
+        record_outcome(message_id=message_id, outcome=outcome)
 
 
 def hard_limit_s() -> float:
@@ -114,8 +115,13 @@ def _reap_pending(client: Any, inflight: dict[str, dict[str, Any]]) -> int:
     now = timezone.now()
     cutoff = now - timedelta(seconds=settings.ANSWER_PENDING_LIMIT_S)
     hard_cutoff = now - timedelta(seconds=hard_limit_s())
-    stale = Message.objects.filter(status=Message.Status.PENDING, created_at__lt=cutoff)
-    stale = stale.exclude(request_id__in=list(inflight), created_at__gte=hard_cutoff)
+    # Pending since it was asked: an answer asked again (Regenerate) keeps its first
+    # creation time, and would otherwise be ended before its first token.
+    pending = Message.objects.filter(status=Message.Status.PENDING).annotate(
+        since=Coalesce("asked_at", "created_at")
+    )
+    stale = pending.filter(since__lt=cutoff)
+    stale = stale.exclude(request_id__in=list(inflight), since__gte=hard_cutoff)
     ended = 0
     for answer in stale.only("id", "request_id"):
         request_id = str(answer.request_id)

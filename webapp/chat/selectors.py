@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
-from webapp.chat.models import Conversation, Message
+from webapp.chat.models import Citation, Conversation, Message
 
 
 def conversations_of(user) -> QuerySet[Conversation]:
@@ -14,3 +14,8 @@ def conversations_of(user) -> QuerySet[Conversation]:
 
 def answers_of(user) -> QuerySet[Message]:
     return Message.objects.filter(role=Message.Role.ASSISTANT, conversation__owner=user)
+
+
+def citations_of(user) -> QuerySet[Citation]:
+    """The passages of the user's own answers."""
+    return Citation.objects.filter(message__in=answers_of(user))

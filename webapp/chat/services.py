@@ -15,16 +15,15 @@ from django.utils import timezone
 
 from kvservice import routing
 from kvservice.chunk import token_ids_sha256
-from kvservice.citing import cited_ranks, highlights
 from kvservice.protocol import (
-    GENERATE_TASK,
-    WARM_TASK,
+    AnswerOutcome,
+    PassageUse,
     Turn,
     inflight_has,
     publish_event,
     request_stop,
 )
-from webapp import outages
+from webapp import dispatch, outages
 from webapp.answer_stream import ttft_seen_s
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.requests import (
@@ -34,6 +33,7 @@ from webapp.chat.requests import (
     mode_allowed,
 )
 from webapp.chat.retrieval import has_ready_chunks, retrieve_chunks
+from webapp.chat.selectors import answers_of
 from webapp.dashboard.selectors import request_ratios
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
 from webapp.documents.embeddings import embed_texts
@@ -48,7 +48,6 @@ from webapp.documents.selectors import (
     scope_is_gone,
 )
 from webapp.redis import redis_client
-from worker.celery import app as celery_app
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +193,7 @@ def _send(answer: Message, question: str, history: list[Turn], citations: list[C
     try:
         # To the worker that holds most of the chunks hot, or to whichever is free first.
         route = routing.choose_queue(redis_client(), request.chunks, settings.INFERENCE_QUEUE)
-        celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=route.queue)
+        dispatch.ask(request, route.queue)
     except outages.SERVICE_ERRORS as err:  # the broker is down: say so, leave nothing pending
         Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
             status=Message.Status.FAILED, error_message=SEND_FAILED
@@ -279,17 +278,12 @@ def _answer_nothing_found(answer: Message, text: str = NOTHING_FOUND) -> None:
     """The answer when nothing relevant was retrieved (no ready document, or none close
     enough to the question): recorded, and put on its stream like a model's answer, so the
     browser and the API read it the same way. No generation over zero sources."""
-    Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
-        status=Message.Status.DONE, content=text, completed_at=timezone.now(),
-        prompt_tokens=0, completion_tokens=0,
-    )  # fmt: skip
+    outcome = AnswerOutcome.nothing_retrieved(text, answer.mode)
+    record_outcome(message_id=answer.pk, outcome=outcome)
     request_id = str(answer.request_id)
-    metrics = {"mode": answer.mode, "ttft_s": None, "total_s": None, "chunk_tiers": {},
-               "prompt_tokens": 0, "completion_tokens": 0, "finish_reason": "stop",
-               "nothing_retrieved": True, "citation": "not_found"}  # fmt: skip
     try:
         publish_event(redis_client(), request_id, "token", text=text)
-        publish_event(redis_client(), request_id, "done", text=text, metrics=metrics)
+        publish_event(redis_client(), request_id, "done", **outcome.to_dict())
     except outages.SERVICE_ERRORS as err:  # recorded already: a reload shows it
         raise AnswerServiceUnavailable(SEND_FAILED) from err
 
@@ -383,11 +377,9 @@ def chat_stop(*, answer: Message) -> None:
     client, request_id = redis_client(), str(answer.request_id)
     request_stop(client, request_id)  # a worker that takes it later drops it
     if not inflight_has(client, request_id):
-        stopped = Message.objects.filter(pk=answer.pk, status=Message.Status.PENDING).update(
-            status=Message.Status.STOPPED, completed_at=timezone.now()
-        )
-        if stopped:
-            publish_event(client, request_id, "done", text="", status="stopped", metrics={})
+        outcome = AnswerOutcome.stopped_unstarted()
+        if record_outcome(message_id=answer.pk, outcome=outcome):
+            publish_event(client, request_id, "done", **outcome.to_dict())
 
 
 def chat_feedback(*, answer: Message, value: int) -> Message:
@@ -398,31 +390,32 @@ def chat_feedback(*, answer: Message, value: int) -> Message:
     return answer
 
 
-def chat_record_answer(*, message_id: int | None, result: dict[str, Any]) -> None:
-    """Store a finished (or failed/stopped) answer reported by the inference worker.
-    Idempotent: a repeated report changes nothing once the answer is closed."""
-    if result.get("audit_of"):  # a fidelity re-run in full prefill, not an answer of its own
-        fidelity_record(audit_of=result["audit_of"], result=result)
-        return
-    metrics = result.get("metrics") or {}
-    if not metrics.get("temperature"):  # a sampled attempt differs from full prefill by chance
-        fidelity_maybe_audit(message_id=message_id, result=result)  # a share of blend answers
+def record_outcome(*, message_id: int | None, outcome: AnswerOutcome) -> bool:
+    """Store how an answer ended: the worker's report, the reaper's end of an answer no
+    worker will finish, an answer with nothing to read, or one stopped before it started.
+    The one place an outcome is recorded. Idempotent: once the answer is closed, a repeated
+    outcome changes nothing (returns False)."""
+    if outcome.audit_of:  # a fidelity re-run in full prefill, not an answer of its own
+        fidelity_record(audit_of=outcome.audit_of, outcome=outcome)
+        return False
+    if not outcome.metrics.get("temperature"):  # a sampled attempt differs by chance
+        fidelity_maybe_audit(message_id=message_id, outcome=outcome)  # a share of blend answers
     with transaction.atomic():
         answer = Message.objects.select_for_update().filter(id=message_id).first()
         if answer is None or not answer.is_open:
-            return
-        status = result.get("status", "done")
+            return False
         answer.status = {
             "done": Message.Status.DONE,
             "stopped": Message.Status.STOPPED,
-        }.get(status, Message.Status.FAILED)
-        answer.content = result.get("text", "")
-        answer.withheld_text = result.get("withheld") or ""
-        answer.error_message = result.get("error", "")
-        _record_metrics(answer, metrics)
+        }.get(outcome.status, Message.Status.FAILED)
+        answer.content = outcome.text
+        answer.withheld_text = outcome.withheld
+        answer.error_message = outcome.error
+        _record_metrics(answer, outcome.metrics)
         answer.completed_at = timezone.now()
         answer.save()
-        _record_citations(answer, metrics.get("chunk_tiers") or {})
+        _record_passages(answer, outcome.passages)
+    return True
 
 
 def _record_metrics(answer: Message, metrics: dict[str, Any]) -> None:
@@ -442,16 +435,17 @@ def _record_metrics(answer: Message, metrics: dict[str, Any]) -> None:
     answer.tiers = dict(Counter((metrics.get("chunk_tiers") or {}).values()))
 
 
-def _record_citations(answer: Message, chunk_tiers: dict[str, str]) -> None:
-    """Which passages the recorded answer cites, the tier that served each, and the sentence
-    of each that supports it."""
-    citations = list(answer.citations.all())
-    spans = highlights(answer.content, [c.text for c in citations])
-    cited = set(cited_ranks(answer.content, len(citations)))
-    for citation in citations:
-        citation.tier = chunk_tiers.get(str(citation.chunk_id)) or citation.tier
-        citation.cited = citation.rank in cited
-        citation.highlight_start, citation.highlight_end = spans.get(citation.rank, (None, None))
+def _record_passages(answer: Message, passages: list[PassageUse]) -> None:
+    """What the worker made of each passage: cited or not, the sentence that supports the
+    answer, the tier its KV came from (a passage the prompt had no room for keeps none)."""
+    by_rank = {use.rank: use for use in passages}
+    for citation in answer.citations.all():
+        use = by_rank.get(citation.rank)
+        if use is None:
+            continue
+        citation.tier = use.tier or citation.tier
+        citation.cited = use.cited
+        citation.highlight_start, citation.highlight_end = use.highlight or (None, None)
         citation.save(update_fields=["tier", "cited", "highlight_start", "highlight_end"])
 
 
@@ -462,7 +456,7 @@ def chat_warm_recent(*, user) -> list[str]:
     S3. At most once per user per ``WARM_EVERY_S``; returns the keys sent (none when
     throttled or nothing is cached). Best effort: it only saves time, so a broker or Redis
     fault is logged, never raised."""
-    answers = Message.objects.filter(conversation__owner=user, role=Message.Role.ASSISTANT)
+    answers = answers_of(user)
     recent = answers.order_by("-id")[:WARM_RECENT_ANSWERS]
     chunks = list(
         Chunk.objects.filter(
@@ -484,7 +478,7 @@ def chat_warm_recent(*, user) -> list[str]:
         ]
         queue = routing.home_queue(client, digests, settings.INFERENCE_QUEUE)
         keys = sorted({key for key, _, _ in chunks})
-        celery_app.send_task(WARM_TASK, args=[keys, "cpu"], queue=queue)
+        dispatch.warm(keys, "cpu", queue)
     except outages.SERVICE_ERRORS as err:
         log.warning("could not warm user %s's recent passages: %s", user.pk, err)
         return []

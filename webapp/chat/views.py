@@ -33,13 +33,17 @@ from webapp.chat.conversations import (
     get_conversation_for_user,
     scope_context,
 )
-from webapp.chat.models import Citation, Message
-from webapp.chat.selectors import answers_of
+from webapp.chat.models import Message
+from webapp.chat.selectors import answers_of, citations_of
 from webapp.documents.selectors import document_get_readable
 from webapp.redis import STREAM_BLOCK_MS
 
 logger = logging.getLogger(__name__)
 
+# How long the stream waits for an ended answer's record before relaying the end anyway
+# (the page then shows the answer as the stream had it, and the record follows).
+RECORD_WAIT_S = 10.0
+RECORD_POLL_S = 0.05
 STREAM_IDLE_LIMIT_S = 330  # a bit over the worker's request timeout: never hang forever
 STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as SSE ``id:`` sends it
 
@@ -167,9 +171,7 @@ def citation_detail(request: HttpRequest, citation_id: int) -> HttpResponse:
     """The passage as it was given to the model, and a link to its document while the user
     may still read it (their own, or shared with them)."""
     citation = get_object_or_404(
-        Citation.objects.select_related("message__conversation"),
-        id=citation_id,
-        message__conversation__owner=request.user,
+        citations_of(request.user).select_related("message__conversation"), id=citation_id
     )
     document = None
     if citation.document_id is not None:
@@ -177,19 +179,18 @@ def citation_detail(request: HttpRequest, citation_id: int) -> HttpResponse:
     return render(request, "chat/_citation.html", {"citation": citation, "document": document})
 
 
-def _record_finished(answer_id: int, kind: str, payload: dict) -> None:
-    """Record the answer as its stream ends, before the browser hears of it: the page fetches
-    the message again on ``done``, and the worker's own report (``RECORD_TASK``) may still
-    wait on the Celery queue behind long ingest tasks. Idempotent: whichever comes first
-    closes the answer, and the other changes nothing."""
-    if kind == "done":
-        result = {"status": payload.get("status", "done"), "text": payload.get("text", ""),
-                  "withheld": payload.get("withheld") or "", "error": "",
-                  "metrics": payload.get("metrics") or {}}  # fmt: skip
-    else:
-        result = {"status": "error", "text": payload.get("text", ""),
-                  "error": payload.get("message", ""), "metrics": {}}  # fmt: skip
-    services.chat_record_answer(message_id=answer_id, result=result)
+async def _recorded(answer_id: int, wait_s: float) -> bool:
+    """Whether the answer's record has landed, waiting up to ``wait_s`` for it: the page
+    fetches the message again on ``done``, and the worker reports the answer (on the
+    ``answers`` queue, ``kvservice.protocol.RECORD_QUEUE``) just after it ends the stream."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + wait_s
+    while True:
+        if not await Message.objects.filter(id=answer_id, status__in=Message.OPEN).aexists():
+            return True
+        if loop.time() >= until:
+            return False
+        await asyncio.sleep(RECORD_POLL_S)
 
 
 async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[str]:
@@ -212,7 +213,8 @@ async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[st
             if kind == "token":
                 yield sse("token", escape(payload["text"]), entry_id)
             elif kind in ("done", "error"):
-                await sync_to_async(_record_finished)(answer.id, kind, payload)
+                if not await _recorded(answer.id, RECORD_WAIT_S):  # relayed all the same
+                    logger.warning("answer %s ended but is not recorded yet", answer.id)
                 yield sse(kind, json.dumps(payload), entry_id)
     except asyncio.CancelledError:  # the browser went away; the answer is still recorded
         raise

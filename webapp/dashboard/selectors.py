@@ -29,7 +29,7 @@ from webapp.dashboard.models import DashboardSettings, FidelityAudit
 from webapp.documents.models import Chunk, Document
 from webapp.redis import redis_client
 
-QUEUES = ("ingest", "kv", "inference")
+QUEUES = ("answers", "ingest", "kv", "inference")
 # fastest first, as the store lists them; a worker with KV_SOURCE=kdn has the knowledge
 # delivery API in S3's place
 TIER_ORDER = ("device", "cpu", "disk", "s3", "kdn")

@@ -4,15 +4,14 @@
 Fidelity audit: when a blend answer is recorded, ``fidelity_maybe_audit`` re-sends the same
 request (question, history, chunks) in mode ``full`` with ``audit_of`` set, for a sampled
 share of answers; the worker reports that run through RECORD_TASK with ``message_id=None``,
-and ``chat_record_answer`` hands it to ``fidelity_record``, which scores the two answers'
-agreement (token F1, as in SQuAD)."""
+and ``record_outcome`` (webapp.chat.services) hands it to ``fidelity_record``, which scores
+the two answers' agreement (token F1, as in SQuAD)."""
 
 from __future__ import annotations
 
 import logging
 import random
 from collections.abc import Callable
-from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -20,12 +19,8 @@ from django.utils import timezone
 
 from kvservice import routing
 from kvservice.chunk import token_ids_sha256
-from kvservice.protocol import (
-    EVICT_TASK,
-    GENERATE_TASK,
-    WARM_TASK,
-    GenerateRequest,
-)
+from kvservice.protocol import AnswerOutcome, GenerateRequest
+from webapp import dispatch
 from webapp.chat.models import Message
 from webapp.chat.requests import conversation_history, generate_request
 from webapp.dashboard import selectors
@@ -34,21 +29,12 @@ from webapp.dashboard.models import DashboardSettings, FidelityAudit
 from webapp.documents.kv import kv_scope_for
 from webapp.documents.models import Chunk, Document
 from webapp.redis import redis_client
-from worker.celery import app as celery_app
 
 log = logging.getLogger(__name__)
 
 
 class DashboardError(ValueError):
     """An operator input that cannot be applied (shown to them as is)."""
-
-
-def _send_inference(task: str, args: list[Any], queues: list[str]) -> None:
-    def send() -> None:
-        for queue in queues:
-            celery_app.send_task(task, args=args, queue=queue)
-
-    transaction.on_commit(send, robust=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,8 +115,8 @@ def document_evict(*, document: Document) -> list[str]:
     if not keys:
         raise DashboardError(f"“{document.title}” has no cached chunks to evict.")
     # Every inference worker drops its copies (each holds its own memory tiers).
-    _send_inference(
-        EVICT_TASK, [keys], routing.every_worker_queue(redis_client(), settings.INFERENCE_QUEUE)
+    dispatch.evict_on_commit(
+        keys, routing.every_worker_queue(redis_client(), settings.INFERENCE_QUEUE)
     )
     return keys
 
@@ -149,7 +135,7 @@ def document_warm(*, document: Document, tier: str) -> list[str]:
         for token_ids in document.chunks.values_list("token_ids", flat=True)
     ]
     queue = routing.home_queue(redis_client(), digests, settings.INFERENCE_QUEUE)
-    _send_inference(WARM_TASK, [keys, tier], [queue])
+    dispatch.warm(keys, tier, queue, when_committed=True)
     return keys
 
 
@@ -158,7 +144,6 @@ def document_precompute_again(*, document: Document) -> int:
     pending and through ``precompute_kv``, which computes whatever KV is missing from the
     store (e.g. after an eviction) and marks the document ready again. Returns chunks queued.
     """
-    from worker.tasks import precompute_kv
 
     if document.is_active:
         raise DashboardError(f"“{document.title}” is still being processed.")
@@ -174,9 +159,7 @@ def document_precompute_again(*, document: Document) -> int:
             status=Document.Status.PROCESSING, stage=Document.Stage.KV, progress=70,
             error_message="", updated_at=timezone.now(),
         )  # fmt: skip
-        batch = settings.KV_PRECOMPUTE_BATCH
-        batches = [chunk_ids[i : i + batch] for i in range(0, len(chunk_ids), batch)]
-        transaction.on_commit(lambda: [precompute_kv.delay(ids) for ids in batches], robust=True)
+        dispatch.precompute_on_commit(chunk_ids)
     return len(chunk_ids)
 
 
@@ -203,21 +186,23 @@ def _audit_request(answer: Message) -> GenerateRequest | None:
     )  # fmt: skip
 
 
-def _model_words(result: dict[str, Any]) -> str:
+def _model_words(outcome: AnswerOutcome) -> str:
     """What the model wrote: an answer's text, or its words withheld for want of a passage
     supporting them (the same "not found" in place of two different answers hides a
     difference)."""
-    return result.get("withheld") or result.get("text", "")
+    return outcome.withheld or outcome.text
 
 
 def fidelity_maybe_audit(
-    *, message_id: int | None, result: dict[str, Any], draw: Callable[[], float] = random.random
+    *, message_id: int | None, outcome: AnswerOutcome, draw: Callable[[], float] = random.random
 ) -> FidelityAudit | None:
     """Called as a blend answer is reported: with the configured probability, queue the same
     request in ``full`` prefill to audit it. Idempotent (one audit per answer at most)."""
-    if message_id is None or result.get("audit_of") or result.get("status", "done") != "done":
+    if message_id is None or outcome.audit_of or outcome.status != "done":
         return None
-    metrics = result.get("metrics") or {}
+    if outcome.metrics.get("nothing_retrieved"):  # no model ran: nothing to compare
+        return None
+    metrics = outcome.metrics
     rate = selectors.audit_sample_rate()
     if rate <= 0.0 or draw() >= rate:
         return None
@@ -232,24 +217,18 @@ def fidelity_maybe_audit(
             audit = FidelityAudit.objects.create(
                 message=answer,
                 request=request.to_dict(),
-                blend_text=_model_words(result),
+                blend_text=_model_words(outcome),
                 blend_recompute_ratio=metrics.get("recompute_ratio"),
                 blend_refresh_ratio=metrics.get("refresh_ratio"),
                 blend_ttft_s=metrics.get("ttft_s"),
             )
-            payload = request.to_dict()
-            transaction.on_commit(
-                lambda: celery_app.send_task(
-                    GENERATE_TASK, args=[payload], queue=settings.INFERENCE_QUEUE
-                ),
-                robust=True,
-            )
+            dispatch.ask_on_commit(request)
     except IntegrityError:
         return None  # a repeated report: that answer is audited already
     return audit
 
 
-def fidelity_record(*, audit_of: int, result: dict[str, Any]) -> FidelityAudit | None:
+def fidelity_record(*, audit_of: int, outcome: AnswerOutcome) -> FidelityAudit | None:
     """Store the full-prefill re-run of answer ``audit_of`` and its token F1 against the blend
     answer. Idempotent: a repeated report changes nothing once the audit is closed."""
     with transaction.atomic():
@@ -259,15 +238,14 @@ def fidelity_record(*, audit_of: int, result: dict[str, Any]) -> FidelityAudit |
             return None
         if audit.status != FidelityAudit.Status.PENDING:
             return audit
-        metrics = result.get("metrics") or {}
-        audit.full_text = _model_words(result)
-        audit.full_ttft_s = metrics.get("ttft_s")
-        if result.get("status", "done") == "done":
+        audit.full_text = _model_words(outcome)
+        audit.full_ttft_s = outcome.metrics.get("ttft_s")
+        if outcome.status == "done":
             audit.status = FidelityAudit.Status.DONE
             audit.token_f1 = token_f1(audit.blend_text, audit.full_text)
         else:
             audit.status = FidelityAudit.Status.FAILED
-            audit.error_message = result.get("error", "") or f"status {result.get('status')}"
+            audit.error_message = outcome.error or f"status {outcome.status}"
         audit.completed_at = timezone.now()
         audit.save()
     return audit

@@ -1,6 +1,6 @@
 """The web side's adapter onto the KV engine and the KV store (kvservice).
 
-One object per worker process (``kv_precomputer()``, created lazily on the first KV task):
+One object per worker process (``kv_producer()``, created lazily on the first KV task):
 the LLM loaded once, the deployment's fixed prompt head, and the store's S3 tier. Services
 talk to it in keys and token ids only, so the Celery and Django code never touches tensors.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -145,78 +144,41 @@ def prompt_head_ids(tokenizer: Any) -> list[int]:
     return list(PromptFormat.for_tokenizer(tokenizer).storage_ids)
 
 
-class KVPrecomputer:
-    """The LLM (loaded once per process) plus the prompt head: token ids -> ChunkKV."""
+def _load_producer() -> Any:
+    """The deployment's LLM (``MODEL_PATH``, else the bundled one) and its prompt head, as
+    ``kvservice.producer.KVProducer``: token ids -> ChunkKV."""
+    import torch
+    from django.conf import settings
 
-    def __init__(self) -> None:
-        import torch
-        from django.conf import settings
+    from kvservice.bundled import resolve_llm_path
+    from kvservice.kernels import DEFAULT_PRECISION
+    from kvservice.model import Transformer
+    from kvservice.producer import KVProducer
+    from webapp.documents.chunking import llm_tokenizer
 
-        from kvservice.bundled import resolve_llm_path
-        from kvservice.kernels import DEFAULT_PRECISION
-        from kvservice.model import Transformer, head_hash
-        from webapp.documents.chunking import llm_tokenizer
-
-        path = resolve_llm_path(settings.MODEL_PATH or None)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        precision = settings.ENGINE_PRECISION or DEFAULT_PRECISION
-        self.model = Transformer.from_pretrained(path, device=device, precision=precision)
-        self.tokenizer = llm_tokenizer()
-        self.head_ids = prompt_head_ids(self.tokenizer)
-        self.head_hash = head_hash(self.head_ids)
-        self._head_kv = None  # computed at the first chunks, then kept (it may be long)
-        self.fingerprint: str = self.model.fingerprint
-        log.info("KV precompute: model %s (%s), head of %d tokens", path, self.fingerprint,
-                 len(self.head_ids))  # fmt: skip
-
-    def key_for(self, token_ids: Sequence[int], scope: str = "") -> str:
-        from kvservice.store.keys import ChunkKey
-
-        return ChunkKey.for_tokens(self.fingerprint, self.head_hash, token_ids, scope).to_string()
-
-    def compute(self, chunks_ids: Sequence[Sequence[int]]) -> list[Any]:
-        """Each chunk's KV (``ChunkKV``) computed after the prompt head, in order."""
-        from kvservice.model import precompute_chunks, precompute_head
-
-        if self._head_kv is None:
-            self._head_kv = precompute_head(self.model, self.head_ids)
-        out: list[Any] = [None] * len(chunks_ids)
-        for group in length_groups([len(ids) for ids in chunks_ids]):
-            group_ids = [chunks_ids[i] for i in group]
-            kvs = precompute_chunks(self.model, self.head_ids, group_ids, head_kv=self._head_kv)
-            for index, kv in zip(group, kvs, strict=True):
-                out[index] = kv
-        return out
+    path = resolve_llm_path(settings.MODEL_PATH or None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    precision = settings.ENGINE_PRECISION or DEFAULT_PRECISION
+    model = Transformer.from_pretrained(path, device=device, precision=precision)
+    producer = KVProducer(model, prompt_head_ids(llm_tokenizer()))
+    log.info("KV precompute: model %s (%s), head of %d tokens", path, producer.fingerprint,
+             len(producer.head_ids))  # fmt: skip
+    return producer
 
 
-def length_groups(lengths: Sequence[int], *, min_fill: float = 0.8) -> list[list[int]]:
-    """Indices grouped so each group's chunks are within ``min_fill`` of its longest.
-
-    One forward pads every chunk of a batch to the longest; a document's last chunk is
-    often short, and padding it to 512 tokens would waste most of its compute."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    groups: list[list[int]] = []
-    for index in order:
-        if groups and lengths[index] >= min_fill * lengths[groups[-1][0]]:
-            groups[-1].append(index)
-        else:
-            groups.append([index])
-    return groups
+_producer_lock = threading.Lock()
 
 
-_precomputer_lock = threading.Lock()
-
-
-def kv_precomputer() -> KVPrecomputer:
-    """The process's precomputer, built on first use (a worker's warm-up thread and its
+def kv_producer() -> Any:
+    """The process's ``KVProducer``, built on first use (a worker's warm-up thread and its
     first task may ask at once: one builds, the other waits)."""
-    with _precomputer_lock:
-        return _build_precomputer()
+    with _producer_lock:
+        return _build_producer()
 
 
 @cache
-def _build_precomputer() -> KVPrecomputer:
+def _build_producer() -> Any:
     try:
-        return KVPrecomputer()
+        return _load_producer()
     except (ImportError, AttributeError) as err:
         raise KVUnavailable(f"the KV engine is not available: {err}") from err

@@ -26,6 +26,7 @@ from django.db.models import F
 from django.utils import timezone
 from minio.error import S3Error
 
+from webapp import dispatch
 from webapp.documents import parsing, quotas
 from webapp.documents.models import SEARCH_CONFIG, Chunk, Collection, Document, OrphanObject
 from webapp.documents.sandbox import SandboxLimits, parse_isolated
@@ -162,9 +163,7 @@ def document_upload_result(*, owner: AbstractBaseUser, uploaded_file: UploadedFi
 
 
 def _enqueue_ingest(document_id: int) -> None:
-    from worker.tasks import ingest_document
-
-    _on_commit(lambda: ingest_document.delay(document_id))
+    dispatch.ingest_on_commit(document_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,11 +342,7 @@ def document_ingest(*, document_id: int) -> None:
 
 
 def _enqueue_precompute(chunk_ids: Sequence[int]) -> None:
-    from worker.tasks import precompute_kv
-
-    batch = settings.KV_PRECOMPUTE_BATCH
-    batches = [list(chunk_ids[i : i + batch]) for i in range(0, len(chunk_ids), batch)]
-    _on_commit(lambda: [precompute_kv.delay(ids) for ids in batches])
+    dispatch.precompute_on_commit(chunk_ids)
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,7 +362,7 @@ def document_precompute_kv(
     """Compute and store the KV of these chunks (or of all of a document's chunks), skipping
     any the store already holds; mark them ready and finish their documents. Store outages
     raise ``TransientError``."""
-    from webapp.documents.kv import kv_precomputer, kv_scope_for, kv_store
+    from webapp.documents.kv import kv_producer, kv_scope_for, kv_store
 
     if (chunk_ids is None) == (document_id is None):
         raise ValueError("pass exactly one of chunk_ids and document_id")
@@ -387,7 +382,7 @@ def document_precompute_kv(
             set(Chunk.objects.filter(pk__in=chunk_ids).values_list("document_id", flat=True))
         )
         return
-    precomputer = kv_precomputer()
+    producer = kv_producer()
     store = kv_store()
     owners = dict(
         Document.objects.filter(pk__in={c.document_id for c in chunks}).values_list(
@@ -395,13 +390,13 @@ def document_precompute_kv(
         )
     )
     scopes = {chunk.pk: kv_scope_for(owners[chunk.document_id]) for chunk in chunks}
-    keys = {chunk.pk: precomputer.key_for(chunk.token_ids, scopes[chunk.pk]) for chunk in chunks}
+    keys = {c.pk: producer.key(c.token_ids, scopes[c.pk]).to_string() for c in chunks}
     try:
         missing = [chunk for chunk in chunks if not store.contains(keys[chunk.pk])]
         computed = dict(
             zip(
                 (c.pk for c in missing),
-                precomputer.compute([c.token_ids for c in missing]),
+                producer.compute([c.token_ids for c in missing]),
                 strict=True,
             )
         )
@@ -416,7 +411,7 @@ def document_precompute_kv(
                     continue  # its document was deleted or re-ingested meanwhile
                 kv = computed.get(chunk.pk)
                 if kv is None and not store.contains(key):  # deleted since we looked
-                    kv = precomputer.compute([chunk.token_ids])[0]
+                    kv = producer.compute([chunk.token_ids])[0]
                 if kv is not None:
                     stored_key = store.put(kv, scopes[chunk.pk])
                     assert stored_key == key, (stored_key, key)

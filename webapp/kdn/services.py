@@ -23,6 +23,7 @@ from django.db.models import Case, When
 from kvservice.chunk import token_ids_sha256
 from kvservice.prompt import chunk_token_ids
 from kvservice.store.keys import ChunkKey
+from webapp import dispatch
 from webapp.documents import quotas
 from webapp.documents.chunking import llm_tokenizer
 from webapp.documents.embeddings import embedder
@@ -125,12 +126,11 @@ def kdn_put(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
     """Store ``text``'s KV in ``owner``'s scope: a KV worker finds or computes it
     (``precompute_kdn_text``, the ``kv`` queue); waits up to ``KDN_PUT_WAIT_S``, then
     raises :class:`StillComputing` (the task goes on; a PUT again finds it stored)."""
-    from worker.tasks import precompute_kdn_text
-
     (tokenized,) = tokenize([text], head)
     _check_quota(owner, tokenized)
-    result = precompute_kdn_text.delay(tokenized.token_ids, tokenized.head_ids,
-                                       kv_scope_for(owner.pk))  # fmt: skip
+    result = dispatch.precompute_text(
+        tokenized.token_ids, tokenized.head_ids, kv_scope_for(owner.pk)
+    )
     try:
         stored = result.get(timeout=settings.KDN_PUT_WAIT_S)
     except CeleryTimeout as err:
@@ -147,18 +147,14 @@ def kdn_put(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
 def kdn_compute(*, token_ids: list[int], head_ids: list[int], scope: str) -> dict[str, Any]:
     """In a KV worker: the object of these tokens after this head, in ``scope``, computed
     and stored unless S3 holds it already. Idempotent."""
-    from kvservice.model import head_hash, precompute_chunks
-    from webapp.documents.kv import kv_precomputer, kv_store
+    from webapp.documents.kv import kv_producer, kv_store
 
-    precomputer, store = kv_precomputer(), kv_store()
-    key = ChunkKey.for_tokens(precomputer.fingerprint, head_hash(head_ids), token_ids, scope)
+    producer, store = kv_producer().after(head_ids), kv_store()
+    key = producer.key(token_ids, scope)
     stored_bytes = store.object_bytes(key.to_string())
     computed = stored_bytes is None
     if computed:
-        if head_ids == precomputer.head_ids:  # the deployment's: its context's KV is kept
-            (chunk,) = precomputer.compute([token_ids])
-        else:
-            (chunk,) = precompute_chunks(precomputer.model, head_ids, [token_ids])
+        (chunk,) = producer.compute([token_ids])
         store.put(chunk, scope=scope)
         stored_bytes = store.object_bytes(key.to_string()) or 0
     return {"key": key.to_string(), "tokens": len(token_ids), "stored_bytes": stored_bytes,

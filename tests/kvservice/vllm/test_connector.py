@@ -152,8 +152,8 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     result = answer_request(runtime, request, client)
 
     # The same request by hand: numbered passages, the product's decoding, the citation.
-    from kvservice.answer import answer_sampling
     from kvservice.citing import verdict
+    from kvservice.planning import answer_sampling
     from kvservice.prompt import Prompt
     from kvservice.sampling import AnswerText
     from kvservice.vllm.engine import VllmRequest
@@ -174,8 +174,8 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     shown.finish(cut=event.finish_reason == "length" and not shown.repeated)
     passages = [vllm_engine.tokenizer.decode(c.token_ids) for c in chunks]
     judged = verdict(shown.text, passages, request.question)
-    assert result["status"] == "done", result
-    assert result["text"] == judged.text and result["metrics"]["citation"] == judged.citation
+    assert result.status == "done", result
+    assert result.text == judged.text and result.metrics["citation"] == judged.citation
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
               for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
     streamed = "".join(data["text"] for kind, data in events if kind == "token")

@@ -9,20 +9,20 @@ import json
 import threading
 import time
 
-from kvservice.citing import verdict
-from kvservice.protocol import INFERENCE_QUEUE, publish_event
+from kvservice.citing import passage_uses, verdict
+from kvservice.protocol import INFERENCE_QUEUE, AnswerOutcome, publish_event
 
 
 class FakeInferenceWorker:
     """``queue``: the one it takes requests from; ``token_delay_s``: a pause before each token
     (a slow model, for the browser to see an answer stream); ``record``: report each answer to
-    the web app as the real worker's record task does (``chat_record_answer``); ``judged``:
+    the web app as the real worker's record task does (``record_outcome``); ``judged``:
     the real worker's verdict on the words over the request's passages (its [n], or "not
     found" with the words withheld); ``metrics``: measurements to report over the canned."""
 
     def __init__(self, client, *, words=("Arborio", " rice", " [1]."), fail: bool = False,
                  finish_reason: str = "stop", queue: str = INFERENCE_QUEUE,
-                 token_delay_s: float = 0.0, record: bool = False, judged: bool = False,
+                 token_delay_s: float = 0.0, record: bool = True, judged: bool = False,
                  metrics: dict | None = None):  # fmt: skip
         self.client, self.words, self.fail = client, words, fail
         self.finish_reason, self.judged, self.metrics = finish_reason, judged, metrics or {}
@@ -52,8 +52,12 @@ class FakeInferenceWorker:
             self._answer(request)
 
     def _answer(self, request: dict) -> None:
+        """Stream the words and end as the real worker does: ``done`` with the outcome (or
+        ``error``), reported to the web app (``record``) as its record task would."""
         request_id = request["request_id"]
         if self.fail:
+            outcome = AnswerOutcome.failed("model exploded")
+            self._report(request, outcome)
             publish_event(self.client, request_id, "error", error="model exploded", text="")
             return
         for word in self.words:
@@ -65,17 +69,24 @@ class FakeInferenceWorker:
                    "completion_tokens": len(self.words),
                    "finish_reason": self.finish_reason, **self.metrics}  # fmt: skip
         text, withheld = self._judge(request, metrics)
-        if self.record:  # before "done" (the real worker's record task comes just after it)
-            from django.db import connection
+        passages = [chunk["text"] for chunk in request["chunks"]]
+        chunk_ids = [chunk["chunk_id"] for chunk in request["chunks"]]
+        outcome = AnswerOutcome.answered(
+            "done", text=text, withheld=withheld, metrics=metrics,
+            passages=passage_uses(text, passages, chunk_ids, tiers),
+        )  # fmt: skip
+        self._report(request, outcome)
+        publish_event(self.client, request_id, "done", **outcome.to_dict())
 
-            from webapp.chat.services import chat_record_answer
+    def _report(self, request: dict, outcome: AnswerOutcome) -> None:
+        if not self.record or request.get("message_id") is None:
+            return
+        from django.db import connection
 
-            result = {"status": "done", "text": text, "withheld": withheld, "metrics": metrics}
-            chat_record_answer(message_id=request["message_id"], result=result)
-            connection.close()  # this thread's own: the test database is dropped after the test
-        publish_event(
-            self.client, request_id, "done", text=text, withheld=withheld, metrics=metrics
-        )
+        from webapp.chat.services import record_outcome
+
+        record_outcome(message_id=request["message_id"], outcome=outcome)
+        connection.close()  # this thread's own: the test database is dropped after the test
 
     def _judge(self, request: dict, metrics: dict) -> tuple[str, str]:
         """(the answer's text, its withheld words), streaming what the verdict adds and

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.contrib.postgres.search import SearchVector
 from django.template import Context, Template
 
-from kvservice.protocol import INFERENCE_QUEUE, request_stop, stop_requested
+from kvservice.protocol import INFERENCE_QUEUE, AnswerOutcome, request_stop, stop_requested
 from webapp.chat import services
 from webapp.chat.models import Citation, Message
 from webapp.chat.retrieval import reciprocal_rank_fusion, retrieve_chunks
@@ -141,7 +141,7 @@ def test_record_answer_stores_metrics_and_is_idempotent(alice) -> None:
               "metrics": {"ttft_s": 0.12, "total_s": 1.5, "mode": "blend", "recompute_ratio": 0.15,
                           "chunk_tiers": {"7": "s3", "8": "cpu"}, "refresh_ratio": 0.25,
                           "second_token_s": 0.4}}  # fmt: skip
-    services.chat_record_answer(message_id=answer.id, result=result)
+    services.record_outcome(message_id=answer.id, outcome=AnswerOutcome.from_dict(result))
     answer.refresh_from_db()
     assert (answer.status, answer.content, answer.ttft_s, answer.tiers) == (
         "done",
@@ -150,7 +150,9 @@ def test_record_answer_stores_metrics_and_is_idempotent(alice) -> None:
         {"s3": 1, "cpu": 1},
     )
     assert (answer.refresh_ratio, answer.second_token_s) == (0.25, 0.4)  # progressive blend
-    services.chat_record_answer(message_id=answer.id, result={"status": "error", "error": "late"})
+    services.record_outcome(
+        message_id=answer.id, outcome=AnswerOutcome.from_dict({"status": "error", "error": "late"})
+    )
     answer.refresh_from_db()
     assert answer.status == "done" and answer.error_message == ""
 

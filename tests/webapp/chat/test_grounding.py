@@ -9,7 +9,8 @@ import redis
 from django.conf import settings
 from django.test import TestCase
 
-from kvservice.protocol import INFERENCE_QUEUE, read_events
+from kvservice.citing import passage_uses
+from kvservice.protocol import INFERENCE_QUEUE, AnswerOutcome, answer_stream, decode_events
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Citation, Message
@@ -67,7 +68,8 @@ def test_a_question_nothing_relevant_answers_gets_not_found_without_the_model(al
     answer.refresh_from_db()
     assert answer.status == Message.Status.DONE and answer.content == services.NOT_IN_DOCUMENTS
     assert answer.citations.count() == 0 and queue.llen(INFERENCE_QUEUE) == 0
-    events = list(read_events(redis_client(), str(answer.request_id), block_ms=100))
+    stream = answer_stream(str(answer.request_id))
+    events = list(decode_events([(stream, redis_client().xrange(stream))]))
     kind, payload = events[-1][1], events[-1][2]
     assert kind == "done" and payload["metrics"]["nothing_retrieved"] is True
 
@@ -115,8 +117,9 @@ def test_a_follow_up_is_retrieved_with_the_previous_question(alice, queue) -> No
     make_document(alice, "notes", list(PASSAGES.values()))
     conversation = services.conversation_create(owner=alice)
     first = _ask(alice, conversation, "Which moon of Jupiter hides a salty ocean?")
-    services.chat_record_answer(
-        message_id=first.id, result={"status": "done", "text": "Europa [1].", "metrics": {}}
+    services.record_outcome(
+        message_id=first.id,
+        outcome=AnswerOutcome.from_dict({"status": "done", "text": "Europa [1].", "metrics": {}}),
     )
     alone = _ask(alice, services.conversation_create(owner=alice), "And how big is it?")
     assert alone.citations.count() == 0  # on its own the follow-up matches nothing
@@ -125,6 +128,8 @@ def test_a_follow_up_is_retrieved_with_the_previous_question(alice, queue) -> No
 
 
 def test_recording_marks_cited_passages_and_highlights_the_cited_sentence(alice, client) -> None:
+    """What the worker made of each passage (``citing.passage_uses``, in its outcome) is
+    what the record keeps and the page shows."""
     conversation = services.conversation_create(owner=alice)
     answer = Message.objects.create(
         conversation=conversation, role="assistant", status="pending", mode="blend"
@@ -133,11 +138,14 @@ def test_recording_marks_cited_passages_and_highlights_the_cited_sentence(alice,
     Citation.objects.create(message=answer, rank=1, document_title="Danube", text="Rivers.")
     Citation.objects.create(message=answer, rank=2, document_title="Cooking", text=passage)
     text = "Use arborio rice [2]."
-    services.chat_record_answer(
-        message_id=answer.id, result={"status": "done", "text": text, "metrics": {}}
+    uses = passage_uses(text, ["Rivers.", passage], [7, 8], {"7": "cpu", "8": "s3"})
+    outcome = AnswerOutcome.answered("done", text=text, passages=uses)
+    services.record_outcome(
+        message_id=answer.id, outcome=AnswerOutcome.from_dict(outcome.to_dict())
     )
     rivers, cooking = answer.citations.order_by("rank")
     assert (rivers.cited, cooking.cited) == (False, True)
+    assert (rivers.tier, cooking.tier) == ("cpu", "s3")
     assert cooking.text[cooking.highlight_start : cooking.highlight_end] == (
         "A risotto needs arborio rice."
     )

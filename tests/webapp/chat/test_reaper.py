@@ -149,6 +149,21 @@ def test_a_question_no_worker_took_fails_after_the_limit(new_answer, settings) -
     assert recent.status == Message.Status.PENDING
 
 
+@pytest.mark.django_db
+def test_an_old_answer_asked_again_is_pending_from_its_asking(new_answer, settings) -> None:
+    """Regenerate asks an answer again: it keeps its creation time, its wait starts anew."""
+    settings.ANSWER_PENDING_LIMIT_S = 60
+    long_ago = timezone.now() - timedelta(hours=1)
+    again = new_answer(asked_at=timezone.now())
+    never_taken = new_answer(asked_at=long_ago + timedelta(seconds=1))
+    Message.objects.filter(pk__in=[again.pk, never_taken.pk]).update(created_at=long_ago)
+    reap_stale_answers()
+    again.refresh_from_db()
+    never_taken.refresh_from_db()
+    assert again.status == Message.Status.PENDING
+    assert never_taken.status == Message.Status.FAILED
+
+
 @pytest.fixture
 def live_worker() -> Iterator[str]:
     """A worker id whose alive key is set: the reaper must not take it for dead."""

@@ -14,7 +14,7 @@ from django.conf import settings
 from django.test import TestCase
 from django.urls import reverse
 
-from kvservice.protocol import INFERENCE_QUEUE
+from kvservice.protocol import INFERENCE_QUEUE, AnswerOutcome
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Message
@@ -34,7 +34,7 @@ def _ask_and_answer(user, conversation, question: str) -> Message:
     with TestCase.captureOnCommitCallbacks(execute=True):
         answer = services.chat_ask(user=user, conversation=conversation, question=question)
     result = {"status": "done", "text": f"An answer to {question} [1].", "metrics": {}}
-    services.chat_record_answer(message_id=answer.id, result=result)
+    services.record_outcome(message_id=answer.id, outcome=AnswerOutcome.from_dict(result))
     answer.refresh_from_db()
     return answer
 
@@ -85,7 +85,9 @@ def test_a_follow_up_history_leaves_out_a_replaced_answer(alice) -> None:
     answer = _ask_and_answer(alice, conversation, "Risotto rice?")
     services.chat_feedback(answer=answer, value=1)  # a helpful answer goes into the history
     again = _regenerate(alice, answer)
-    services.chat_record_answer(message_id=again.id, result={"status": "done", "text": "Arborio."})
+    services.record_outcome(
+        message_id=again.id, outcome=AnswerOutcome.from_dict({"status": "done", "text": "Arborio."})
+    )
     services.chat_feedback(answer=Message.objects.get(pk=again.pk), value=1)
     follow_up = Message.objects.create(conversation=conversation, role="user", content="And why?")
     history = conversation_history(conversation, before=follow_up)
@@ -119,7 +121,9 @@ def test_export_and_search_leave_out_a_replaced_answer(client, alice) -> None:
     conversation = services.conversation_create(owner=alice)
     answer = _ask_and_answer(alice, conversation, "Risotto rice?")
     again = _regenerate(alice, answer)
-    services.chat_record_answer(message_id=again.id, result={"status": "done", "text": "Arborio."})
+    services.record_outcome(
+        message_id=again.id, outcome=AnswerOutcome.from_dict({"status": "done", "text": "Arborio."})
+    )
     client.force_login(alice)
     exported = client.get(reverse("chat:export", args=[conversation.id, "json"])).json()
     assert [m["content"] for m in exported["messages"]] == ["Risotto rice?", "Arborio."]
@@ -141,8 +145,9 @@ def test_an_answer_asked_again_is_sampled_with_a_seed_of_its_own(client, alice) 
     conversation = services.conversation_create(owner=alice)
     first = _ask_and_answer(alice, conversation, "Risotto rice?")
     again = _regenerate(alice, first)
-    services.chat_record_answer(
-        message_id=again.id, result={"status": "done", "text": "Arborio, or carnaroli [1]."}
+    services.record_outcome(
+        message_id=again.id,
+        outcome=AnswerOutcome.from_dict({"status": "done", "text": "Arborio, or carnaroli [1]."}),
     )
     third = _regenerate(alice, Message.objects.get(pk=again.pk))
 
@@ -154,7 +159,9 @@ def test_an_answer_asked_again_is_sampled_with_a_seed_of_its_own(client, alice) 
         assert request["temperature"] == answer.temperature == REGENERATE_TEMPERATURE
         assert request["top_p"] == REGENERATE_TOP_P and request["seed"] == answer.seed
     assert again.seed != third.seed  # each attempt its own draw
-    services.chat_record_answer(message_id=third.id, result={"status": "done", "text": "Rice."})
+    services.record_outcome(
+        message_id=third.id, outcome=AnswerOutcome.from_dict({"status": "done", "text": "Rice."})
+    )
     client.force_login(alice)
     page = client.get(f"/chat/{conversation.id}/").content.decode()
     assert "another attempt" in page and "a different attempt" in page  # and the button says so
@@ -170,8 +177,11 @@ def test_a_sampled_attempt_is_not_audited_against_full_prefill(alice, monkeypatc
     again = _regenerate(alice, first)
     metrics = {"mode": "blend", "temperature": REGENERATE_TEMPERATURE, "seed": again.seed}
     with TestCase.captureOnCommitCallbacks(execute=True):
-        services.chat_record_answer(
-            message_id=again.id, result={"status": "done", "text": "Arborio.", "metrics": metrics}
+        services.record_outcome(
+            message_id=again.id,
+            outcome=AnswerOutcome.from_dict(
+                {"status": "done", "text": "Arborio.", "metrics": metrics}
+            ),
         )
     assert not dashboard.FidelityAudit.objects.filter(message_id=again.id).exists()
     assert dashboard.FidelityAudit.objects.filter(message_id=first.id).exists()  # greedy: audited

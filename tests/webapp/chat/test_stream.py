@@ -12,10 +12,18 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections
 
-from kvservice.protocol import publish_event
+from kvservice.protocol import AnswerOutcome, publish_event
+from webapp.chat import views
 from webapp.chat.models import Conversation, Message
+from webapp.chat.services import record_outcome
 from webapp.chat.views import _event_stream
 from webapp.redis import STREAM_SOCKET_TIMEOUT_S
+
+
+@pytest.fixture(autouse=True)
+def short_record_wait(monkeypatch) -> None:
+    """Nobody records these answers but where a test does: the end comes after 1 s."""
+    monkeypatch.setattr(views, "RECORD_WAIT_S", 1.0)
 
 
 @pytest.fixture
@@ -105,14 +113,22 @@ def test_a_reconnect_resumes_after_the_last_event_id(answer, publisher, client) 
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_answer_is_recorded_before_the_browser_hears_it_is_done(answer, publisher) -> None:
-    """No Celery worker here to record the worker's report: the stream records the answer
-    from its done event before relaying it, so the page's re-fetch on done finds it."""
+def test_the_browser_hears_done_once_the_workers_report_is_recorded(answer, publisher) -> None:
+    """The worker ends the stream, then reports the answer (the record task): the stream
+    only reads, and relays ``done`` once the record is there, so the page's re-fetch on
+    done finds the answer."""
     request_id = str(answer.request_id)
     publish_event(publisher, request_id, "token", text="Vienna")
-    metrics = {"mode": "blend", "ttft_s": 0.25, "chunk_tiers": {}}
-    publish_event(publisher, request_id, "done", text="Vienna", metrics=metrics, status="done")
+    outcome = AnswerOutcome.answered(
+        "done", text="Vienna", metrics={"mode": "blend", "ttft_s": 0.25, "chunk_tiers": {}}
+    )
+    publish_event(publisher, request_id, "done", **outcome.to_dict())
     seen_open = []
+
+    def report_later() -> None:  # the record task, a moment after the stream's end
+        time.sleep(0.3)
+        record_outcome(message_id=answer.id, outcome=outcome)
+        connections.close_all()
 
     async def run() -> None:
         async for frame in _event_stream(answer):
@@ -121,8 +137,27 @@ def test_the_answer_is_recorded_before_the_browser_hears_it_is_done(answer, publ
                 seen_open.append(stored.is_open)
         await sync_to_async(connections.close_all)()  # the executor thread's connection
 
+    reporter = threading.Thread(target=report_later)
+    reporter.start()
     asyncio.run(run())
+    reporter.join()
     assert seen_open == [False]
     answer.refresh_from_db()
     assert answer.status == Message.Status.DONE and answer.content == "Vienna"
     assert answer.ttft_s == 0.25
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_end_is_relayed_when_no_record_comes(answer, publisher, monkeypatch) -> None:
+    """No report within ``RECORD_WAIT_S`` (the Celery worker down): the browser still hears
+    the end, and the stream view writes nothing (the report is recorded when it comes)."""
+    monkeypatch.setattr(views, "RECORD_WAIT_S", 0.3)
+    request_id = str(answer.request_id)
+    outcome = AnswerOutcome.answered("done", text="Vienna")
+    publish_event(publisher, request_id, "done", **outcome.to_dict())
+    started = time.monotonic()
+    frames = _collect(answer)
+    assert any("event: done" in frame for frame in frames)
+    assert time.monotonic() - started >= 0.3
+    answer.refresh_from_db()
+    assert answer.is_open  # the view only read

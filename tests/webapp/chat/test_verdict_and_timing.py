@@ -14,8 +14,8 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from kvservice.citing import UNSUPPORTED, verdict
-from kvservice.protocol import publish_event
+from kvservice.citing import UNSUPPORTED, passage_uses, verdict
+from kvservice.protocol import AnswerOutcome, publish_event
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Citation, Conversation, Message
@@ -45,13 +45,15 @@ def _pending_answer(owner, *, asked_at=None) -> Message:
 def _record(answer: Message, words: str, **metrics) -> Message:
     """The worker's report of ``words``, judged as the worker judges them."""
     judged = verdict(words, [PASSAGES["cooking"]], QUESTION)
-    chunk_id = str(answer.citations.get().chunk_id)
-    result = {
-        "status": "done", "text": judged.text, "withheld": judged.withheld,
-        "metrics": {"ttft_s": 0.05, "total_s": 0.3, "mode": "blend", "recompute_ratio": 0.15,
-                    "chunk_tiers": {chunk_id: "cpu"}, "citation": judged.citation, **metrics},
-    }  # fmt: skip
-    services.chat_record_answer(message_id=answer.id, result=result)
+    chunk_id = answer.citations.get().chunk_id
+    tiers = {str(chunk_id): "cpu"}
+    outcome = AnswerOutcome.answered(
+        "done", text=judged.text, withheld=judged.withheld,
+        metrics={"ttft_s": 0.05, "total_s": 0.3, "mode": "blend", "recompute_ratio": 0.15,
+                 "chunk_tiers": tiers, "citation": judged.citation, **metrics},
+        passages=passage_uses(judged.text, [PASSAGES["cooking"]], [chunk_id], tiers),
+    )  # fmt: skip
+    services.record_outcome(message_id=answer.id, outcome=outcome)
     answer.refresh_from_db()
     return answer
 

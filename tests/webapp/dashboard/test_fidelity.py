@@ -9,7 +9,7 @@ import json
 import pytest
 from django.urls import reverse
 
-from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE, GenerateRequest
+from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE, AnswerOutcome, GenerateRequest
 from tests.webapp.dashboard.factories import make_document
 from webapp.chat import services as chat
 from webapp.chat.models import Citation, Conversation, Message
@@ -77,8 +77,10 @@ def test_a_sampled_blend_answer_is_re_run_in_full_with_the_same_context(
     _set_rate(1.0)
     redis_client().delete(INFERENCE_QUEUE)
     with django_capture_on_commit_callbacks(execute=True):
-        chat.chat_record_answer(message_id=answer.id, result=BLEND_RESULT)
-        chat.chat_record_answer(message_id=answer.id, result=BLEND_RESULT)  # a repeated report
+        chat.record_outcome(message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT))
+        chat.record_outcome(
+            message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT)
+        )  # a repeated report
     [request] = _take_inference_requests()
     assert (request.mode, request.audit_of, request.message_id) == ("full", answer.id, None)
     assert request.question == "Where does it flow?"
@@ -103,18 +105,20 @@ def test_the_workers_report_of_the_re_run_is_scored_and_not_stored_as_an_answer(
     answer = _pending_blend_answer(alice)
     _set_rate(1.0)
     with django_capture_on_commit_callbacks(execute=True):
-        chat.chat_record_answer(message_id=answer.id, result=BLEND_RESULT)
+        chat.record_outcome(message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT))
     _take_inference_requests()
     messages_before = Message.objects.count()
     full = {"status": "done", "text": "The Danube flows through Vienna, Budapest and Belgrade.",
             "audit_of": answer.id, "metrics": {"mode": "full", "ttft_s": 0.4}}  # fmt: skip
-    chat.chat_record_answer(message_id=None, result=full)
+    chat.record_outcome(message_id=None, outcome=AnswerOutcome.from_dict(full))
     audit = FidelityAudit.objects.get(message=answer)
     expected = fidelity.token_f1(BLEND_RESULT["text"], full["text"])
     assert 0 < expected < 1
     assert (audit.status, audit.token_f1, audit.full_ttft_s) == ("done", expected, 0.4)
     assert Message.objects.count() == messages_before
-    chat.chat_record_answer(message_id=None, result={**full, "text": "other"})  # repeated
+    chat.record_outcome(
+        message_id=None, outcome=AnswerOutcome.from_dict({**full, "text": "other"})
+    )  # repeated
     audit.refresh_from_db()
     assert audit.token_f1 == expected
 
@@ -125,17 +129,22 @@ def test_no_audit_at_rate_zero_nor_for_other_modes_nor_failures(
     redis_client().delete(INFERENCE_QUEUE)
     answer = _pending_blend_answer(alice)
     with django_capture_on_commit_callbacks(execute=True):
-        chat.chat_record_answer(message_id=answer.id, result=BLEND_RESULT)  # default rate 0
+        chat.record_outcome(
+            message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT)
+        )  # default rate 0
     _set_rate(1.0)
     full_mode = _pending_blend_answer(alice)
     Message.objects.filter(pk=full_mode.pk).update(mode="full")
     failed = Message.objects.create(conversation=full_mode.conversation, role="assistant",
                                     status="pending", mode="blend")  # fmt: skip
     with django_capture_on_commit_callbacks(execute=True):
-        chat.chat_record_answer(
-            message_id=full_mode.id, result={**BLEND_RESULT, "metrics": {"mode": "full"}}
+        chat.record_outcome(
+            message_id=full_mode.id,
+            outcome=AnswerOutcome.from_dict({**BLEND_RESULT, "metrics": {"mode": "full"}}),
         )
-        chat.chat_record_answer(message_id=failed.id, result={"status": "error", "error": "x"})
+        chat.record_outcome(
+            message_id=failed.id, outcome=AnswerOutcome.from_dict({"status": "error", "error": "x"})
+        )
     assert FidelityAudit.objects.count() == 0
     assert _take_inference_requests() == []
 
@@ -143,9 +152,9 @@ def test_no_audit_at_rate_zero_nor_for_other_modes_nor_failures(
 def test_the_sample_rate_draws(alice) -> None:
     answer = _pending_blend_answer(alice)
     _set_rate(0.3)
-    assert services.fidelity_maybe_audit(message_id=answer.id, result=BLEND_RESULT,
+    assert services.fidelity_maybe_audit(message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT),
                                          draw=lambda: 0.31) is None  # fmt: skip
-    assert services.fidelity_maybe_audit(message_id=answer.id, result=BLEND_RESULT,
+    assert services.fidelity_maybe_audit(message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT),
                                          draw=lambda: 0.29) is not None  # fmt: skip
     redis_client().delete(INFERENCE_QUEUE)
 

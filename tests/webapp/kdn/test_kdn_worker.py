@@ -232,15 +232,15 @@ def test_kv_source_is_checked_when_read() -> None:
 
 
 def test_the_vllm_engine_refuses_kdn_as_its_kv_source(monkeypatch) -> None:
-    from kvservice.server import ServerConfig
+    from kvservice.config import WorkerConfig
 
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
     monkeypatch.setenv("ENGINE", "vllm")
     monkeypatch.setenv("KV_SOURCE", "s3")
-    assert ServerConfig.from_env().engine == "vllm"
+    assert WorkerConfig.from_env().engine == "vllm"
     monkeypatch.setenv("KV_SOURCE", "kdn")
-    with pytest.raises(SystemExit, match="KV_SOURCE=kdn works with ENGINE=native only"):
-        ServerConfig.from_env()
+    with pytest.raises(ValueError, match="KV_SOURCE=kdn works with ENGINE=native only"):
+        WorkerConfig.from_env()
 
 
 def test_the_worker_refuses_to_start_with_kdn_and_no_kdn_url(redis_service) -> None:

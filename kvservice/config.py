@@ -1,0 +1,91 @@
+"""The inference worker's configuration, read from the environment once, at its start
+(``WorkerConfig.from_env``): a bad value stops the worker with a message naming the variable,
+before the model loads. Nothing else in the worker reads the environment for these.
+
+| variable | what |
+|---|---|
+| ``REDIS_URL`` | the broker and the answer streams (required) |
+| ``MODEL_PATH`` | a model directory or ``.gguf`` file (default: the bundled SmolLM2-135M) |
+| ``ENGINE`` | ``native`` (default) or ``vllm`` |
+| ``ENGINE_PRECISION``, ``ENGINE_KERNEL`` | the native engine's products (kvservice.kernels) |
+| ``INFERENCE_CONCURRENCY``, ``INFERENCE_QUEUE``, ``INFERENCE_NODE_NAME`` | serving |
+| ``KV_SOURCE``, ``KDN_URL`` | chunk KV from S3 (default) or the knowledge delivery API |
+| ``BLEND_REFRESH_RATIO`` | progressive blend's ratio after the first token (unset: off) |
+| ``PREFIX_CACHE_BYTES`` | the prefix cache's capacity (default 1 GiB) |
+| the store's | kvservice/store/config.py (``StoreConfig``) |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvservice.bundled import default_cache_dir
+from kvservice.engine import refresh_ratio_from_env
+from kvservice.kdn_client import KvSource
+from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
+from kvservice.prefix import capacity_from_env
+from kvservice.protocol import INFERENCE_QUEUE
+from kvservice.store import StoreConfig
+
+ENGINES = ("native", "vllm")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    redis_url: str
+    model_path: str | None
+    model_cache_dir: Path
+    concurrency: int
+    queue: str  # the shared queue; this worker also serves routing.worker_queue(WORKER_ID)
+    engine: str  # "native" (kvservice's engine) or "vllm" (kvservice.vllm)
+    node_name: str  # Celery's name for this worker; several on one host need their own
+    precision: str = DEFAULT_PRECISION  # the native engine's products (kvservice.kernels)
+    kernel: str | None = None  # ENGINE_KERNEL: one kernel instead of the fastest measured
+    kv_source: KvSource = KvSource()
+    refresh_ratio: float | None = None
+    prefix_cache_bytes: int = 1 << 30
+    store: StoreConfig | None = None  # None: StoreConfig.from_env() where it is needed
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerConfig:
+        """The configuration; a ``ValueError`` saying what to set for a bad or missing one
+        (the worker then exits with status 2, as when its model cannot load)."""
+        env = os.environ if environ is None else environ
+        redis_url = env.get("REDIS_URL", "")
+        if not redis_url:
+            raise ValueError(
+                "REDIS_URL is not set (make dev sets it, and the other service addresses, for "
+                "the workers it starts; by hand, export what DATA_DIR/stack.json lists)."
+            )
+        engine = env.get("ENGINE", "native").strip().lower() or "native"
+        if engine not in ENGINES:
+            raise ValueError(f"ENGINE must be 'native' or 'vllm', not {engine!r}")
+        if engine == "vllm" and (env.get("KV_SOURCE") or "s3").strip().lower() != "s3":
+            raise ValueError(
+                "KV_SOURCE=kdn works with ENGINE=native only: ENGINE=vllm's KV connector reads "
+                "the store itself (unset KV_SOURCE and give the worker S3 credentials)"
+            )
+        precision = env.get("ENGINE_PRECISION", "").strip() or DEFAULT_PRECISION
+        if precision not in PRECISIONS:
+            raise ValueError(f"ENGINE_PRECISION must be one of {PRECISIONS}, not {precision!r}")
+        kernel = env.get("ENGINE_KERNEL", "").strip() or None
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"ENGINE_KERNEL must be one of {KERNELS}, not {kernel!r}")
+        return cls(
+            redis_url=redis_url,
+            model_path=env.get("MODEL_PATH") or None,
+            model_cache_dir=default_cache_dir(),
+            concurrency=int(env.get("INFERENCE_CONCURRENCY", "8")),
+            queue=env.get("INFERENCE_QUEUE", INFERENCE_QUEUE),
+            engine=engine,
+            node_name=env.get("INFERENCE_NODE_NAME", "inference@%h"),
+            precision=precision,
+            kernel=kernel,
+            kv_source=KvSource.from_env(env),
+            refresh_ratio=refresh_ratio_from_env(env),
+            prefix_cache_bytes=capacity_from_env(env),
+            store=StoreConfig.from_env(env),
+        )

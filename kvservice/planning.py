@@ -1,0 +1,168 @@
+"""How one request will run, decided in one place for either engine (``plan_request``): what
+of it fits the context, its chunks' store keys, how the answer is decoded, and the recompute
+ratio's policy. A runtime is handed the result (``Runtime.plan(request, planned)``) and never
+calls back here.
+
+The ratio, in this order (``RatioPolicy``): the request's own (where the web app puts the
+admin's fixed ratio, ``webapp.dashboard.selectors.request_ratios``), a fixed mode's, then
+the loading controller's choice for a blend, from the fidelity target's floor; progressive
+blend's refresh ratio: the request's, else the worker's ``BLEND_REFRESH_RATIO``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvservice.controller import LoadingController, RatioDecision
+from kvservice.prompt import TURN_MARKERS, PromptFormat
+from kvservice.protocol import GenerateRequest
+from kvservice.sampling import SamplingParams
+
+FIXED_RATIOS = {"full": 1.0, "prefix": None, "reuse": 0.0}
+
+# The product's decoding, the same for both engines (kvservice.sampling.apply_penalties is
+# vLLM's). Measured with the bundled SmolLM2-135M, greedy, on the 19 handbook questions
+# (bench/answers.py): with no penalty 3 of 19 answers repeated a sentence to the
+# 256-token cap, and in one conversation 4 of 7 answers went on with "User:"/"Question:"
+# turns; with the turn markers as stop strings and a frequency penalty of 0.5 (on generated
+# tokens only) none loops, 8.5 tokens on average. vLLM's repetition penalty also counts the
+# prompt's tokens: at 1.2 it kept the answers from copying the passages ("27 days" became
+# "69 days", 7 of 8 answers invented), so it stays off.
+REPETITION_PENALTY = 1.0
+FREQUENCY_PENALTY = 0.5
+# Earlier questions carried into a follow-up's prompt, at most this many tokens (the oldest
+# go first): history made the first token 1.6-5x slower and was copied into answers.
+HISTORY_MAX_TOKENS = 192
+
+
+class Plannable(Protocol):
+    """What the planner reads of a runtime (``kvservice.answer.Runtime``)."""
+
+    prompt: PromptFormat
+    context_len: int
+    controller: LoadingController
+    refresh_ratio: float | None  # the worker's BLEND_REFRESH_RATIO (None: off)
+
+    def chunk_key(self, token_ids: list[int], scope: str = ""): ...
+
+
+@dataclass(frozen=True)
+class FittedContext:
+    """What of a request goes into the prompt (``fit_context``)."""
+
+    chunk_ids: list[int]  # the passages kept, most relevant first
+    chunks_tokens: list[list[int]]  # their token ids
+    segments: list[list[int]]  # between head and question: "[1]", passage 1, "[2]", ...
+    suffix_ids: list[int]  # the question part (earlier questions included)
+    dropped: list[int]  # passages left out for room
+
+
+@dataclass(frozen=True)
+class RatioPolicy:
+    """The recompute ratio of one request (the order is the module's docstring's)."""
+
+    request: GenerateRequest
+    controller: LoadingController
+    worker_refresh_ratio: float | None = None
+
+    @property
+    def preset(self) -> float | None:
+        """The ratio set before any measurement (the request's or a fixed mode's); None for
+        a blend the controller decides."""
+        if self.request.recompute_ratio is not None:
+            return self.request.recompute_ratio
+        if self.request.mode != "blend":
+            return FIXED_RATIOS.get(self.request.mode) or 0.0
+        return None
+
+    def expected(self) -> float:
+        """The ratio to plan loads for before the controller's choice: the preset, else the
+        floor the controller starts from (the fidelity target's, else its own)."""
+        preset = self.preset
+        if preset is not None:
+            return preset
+        return self.request.target_ratio or self.controller.target_ratio
+
+    def choose(
+        self, *, num_tokens: int, num_layers: int, load_bytes: dict[str, int]
+    ) -> tuple[float, RatioDecision | None]:
+        """The ratio to run at, and the controller's decision when it made one: over the
+        chunk tokens it would recompute and the bytes to load per tier."""
+        if self.preset is not None:
+            return self.preset, None
+        decision = self.controller.choose(
+            num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes,
+            target_ratio=self.request.target_ratio,
+        )  # fmt: skip
+        return decision.recompute_ratio, decision
+
+    @property
+    def refresh_ratio(self) -> float | None:
+        """Progressive blend's ratio after the first token (None or 0: not upgraded)."""
+        requested = self.request.refresh_ratio
+        return self.worker_refresh_ratio if requested is None else requested
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """A request as ``plan_request`` prepared it for a runtime."""
+
+    request: GenerateRequest
+    fitted: FittedContext
+    chunk_keys: list[Any]  # the kept chunks' store keys (kvservice.store.ChunkKey)
+    sampling: SamplingParams
+    ratio: RatioPolicy
+
+
+def plan_request(runtime: Plannable, request: GenerateRequest) -> PlannedRequest:
+    fitted = fit_context(runtime.prompt, runtime.context_len, request)
+    kept = request.chunks[: len(fitted.chunks_tokens)]
+    keys = [
+        runtime.chunk_key(ids, ref.kv_scope)
+        for ids, ref in zip(fitted.chunks_tokens, kept, strict=True)
+    ]  # each in the scope the web side stored it in
+    policy = RatioPolicy(request, runtime.controller, runtime.refresh_ratio)
+    return PlannedRequest(request, fitted, keys, answer_sampling(request), policy)
+
+
+def answer_sampling(request: GenerateRequest) -> SamplingParams:
+    """How an answer is decoded, for either engine: the request's length, temperature and
+    seed, the repetition penalty, and the prompt's turn markers as stop strings."""
+    return SamplingParams(
+        max_tokens=request.max_new_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        repetition_penalty=REPETITION_PENALTY,
+        frequency_penalty=FREQUENCY_PENALTY,
+        stop=TURN_MARKERS,
+    )
+
+
+def fit_context(prompt: PromptFormat, context_len: int, request: GenerateRequest) -> FittedContext:
+    """Keep the newest turns that fit ``HISTORY_MAX_TOKENS``, then drop the least relevant
+    (last) chunks until the prompt (passage markers included) and the answer fit the
+    context."""
+    budget = context_len - request.max_new_tokens - len(prompt.head_ids)
+    history = [(turn.role, turn.content) for turn in request.history]
+    bare = len(prompt.question_ids(request.question))
+    suffix = prompt.question_ids(request.question, history)
+    while history and len(suffix) - bare > HISTORY_MAX_TOKENS:
+        history = history[1:]
+        suffix = prompt.question_ids(request.question, history)
+    chunks = list(request.chunks)
+
+    def length(kept: list) -> int:
+        return sum(map(len, prompt.numbered([c.token_ids for c in kept])))
+
+    while chunks and length(chunks) + len(suffix) > budget:
+        chunks.pop()
+    if len(suffix) > budget:
+        raise ValueError("the question is too long for the model's context")
+    tokens = [list(c.token_ids) for c in chunks]
+    return FittedContext(
+        chunk_ids=[c.chunk_id for c in chunks], chunks_tokens=tokens,
+        segments=prompt.numbered(tokens), suffix_ids=suffix,
+        dropped=[c.chunk_id for c in request.chunks[len(chunks) :]],
+    )  # fmt: skip
