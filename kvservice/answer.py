@@ -76,6 +76,10 @@ class Streamed:
     completion_tokens: int = 0
     first_token_at: float | None = None
     second_token_at: float | None = None  # progressive blend's upgrade comes before it
+    last_words_at: float | None = None  # the last text put on the stream
+    cut: bool = False  # at the token cap, at a word
+    text: str = ""  # the answer as recorded (``_last_words``)
+    judged: citing.Verdict | None = None
 
 
 def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> AnswerOutcome:
@@ -88,6 +92,8 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> An
         planned = plan_request(runtime, request)
         plan = runtime.plan(planned)
         _stream(plan.events(), runtime.engine.stop_ids, request, redis, streamed)
+        passages = passage_texts(runtime, request, planned.fitted)
+        _last_words(request, passages, streamed, redis)  # before the engine's bookkeeping
         engine_metrics = plan.finish()
     except Exception as err:
         log.exception("request %s failed", request.request_id)
@@ -95,7 +101,7 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> An
         text = streamed.answer.text
         publish_event(redis, request.request_id, "error", message=message, text=text)
         return AnswerOutcome.failed(message, text, audit_of=request.audit_of)
-    outcome = _outcome(runtime, planned, plan, streamed, engine_metrics, started, redis)
+    outcome = _outcome(runtime, planned, plan, streamed, passages, engine_metrics, started)
     publish_event(redis, request.request_id, "done", **outcome.to_dict())
     return outcome
 
@@ -115,6 +121,7 @@ def _stream(
             out.finish_reason = event.finish_reason or out.finish_reason
             if shown := out.answer.push(event.text):
                 publish_event(redis, request.request_id, "token", text=shown)
+                out.last_words_at = time.perf_counter()
             if out.answer.repeated:
                 break  # the rest would say it again
             if stop_requested(redis, request.request_id):
@@ -126,30 +133,50 @@ def _stream(
         events.close()  # stops the request in the engine when we left early
 
 
+def _last_words(
+    request: GenerateRequest, passages: list[str], streamed: Streamed, redis: Any
+) -> None:
+    """Stream the answer's end: what the repeat guard held back (or the "…" of an answer cut
+    at the cap), then what the verdict adds (a citation, or the withdrawal of words no
+    passage supports); the verdict is kept in ``streamed``."""
+    answer = streamed.answer
+    streamed.cut = (
+        streamed.status == "done" and streamed.finish_reason == "length" and not answer.repeated
+    )
+    words = [answer.finish(cut=streamed.cut)]
+    streamed.text = answer.text
+    if streamed.status == "done":
+        streamed.judged = citing.verdict(answer.text, passages, request.question)
+        words.append(streamed.judged.streamed)
+        streamed.text = streamed.judged.text
+    for text in filter(None, words):
+        publish_event(redis, request.request_id, "token", text=text)
+        streamed.last_words_at = time.perf_counter()
+
+
 def _outcome(
     runtime: Runtime, planned: PlannedRequest, plan: AnswerPlan, streamed: Streamed,
-    engine_metrics: dict[str, Any], started: float, redis: Any,
+    passages: list[str], engine_metrics: dict[str, Any], started: float,
 ) -> AnswerOutcome:  # fmt: skip
-    """The answer's verdict (its last words streamed), what it made of each passage, and
-    its metrics."""
-    request, fitted, answer = planned.request, planned.fitted, streamed.answer
-    cut = streamed.status == "done" and streamed.finish_reason == "length" and not answer.repeated
-    if rest := answer.finish(cut=cut):
-        publish_event(redis, request.request_id, "token", text=rest)
-    text, citation, withheld = answer.text, None, ""
-    passages = passage_texts(runtime, request, fitted)
-    if streamed.status == "done":
-        judged = citing.verdict(text, passages, request.question)
-        if judged.streamed:
-            publish_event(redis, request.request_id, "token", text=judged.streamed)
-        text, citation, withheld = judged.text, judged.citation, judged.withheld
+    """The answer's outcome: its verdict, what it made of each passage, its metrics."""
+    request, fitted, answer, judged = (
+        planned.request,
+        planned.fitted,
+        streamed.answer,
+        streamed.judged,
+    )
+    text = streamed.text
+    citation = judged.citation if judged is not None else None
+    withheld = judged.withheld if judged is not None else ""
     whole_prefix = served_from_prefix(fitted, engine_metrics)
     metrics: dict[str, Any] = {
         "mode": request.mode,
         "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
         "ttft_s": _seconds_since(started, streamed.first_token_at),
         "second_token_s": _seconds_since(started, streamed.second_token_at),
-        "total_s": round(time.perf_counter() - started, 4),
+        # To the last words streamed: what comes after them (keeping this prompt's KV for a
+        # follow-up, the loading controller's bookkeeping) is not the user's wait.
+        "total_s": _seconds_since(started, streamed.last_words_at or time.perf_counter()),
         # No ratio ran over passages the prefix cache served whole: none is recorded.
         "recompute_ratio": None if whole_prefix else plan.ratio,
         "prefix_cache": whole_prefix,
@@ -157,7 +184,7 @@ def _outcome(
         "completion_tokens": streamed.completion_tokens,
         # OpenAI's words: "length" when cut at max_new_tokens, "stop" otherwise (an answer
         # ended before a repeat stopped, whatever the cap).
-        "finish_reason": "length" if cut else "stop",
+        "finish_reason": "length" if streamed.cut else "stop",
         "repeat_suppressed": answer.repeated,
         "temperature": request.temperature,
         "seed": request.seed,

@@ -6,6 +6,7 @@ records answers through it."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -201,3 +202,21 @@ def test_an_answer_served_whole_from_the_prefix_cache_records_no_ratio(
     loaded = ScriptedPlan(words("Six [1]."), "stop", {"chunk_tiers": {"1": "cpu"}})
     metrics = answer_through_the_worker(smollm2_tokenizer, redis_service, loaded).metrics
     assert metrics["prefix_cache"] is False and metrics["recompute_ratio"] == 0.15
+
+
+class SlowFinishPlan(ScriptedPlan):
+    """A plan whose bookkeeping after the last token takes a while (keeping the prompt's KV
+    for a follow-up)."""
+
+    def finish(self) -> dict:
+        time.sleep(0.6)
+        return super().finish()
+
+
+def test_the_answers_total_time_ends_with_its_last_words_not_the_bookkeeping(
+    smollm2_tokenizer, redis_service
+) -> None:
+    plan = SlowFinishPlan(words("The Gannet seats six [1]."), finish_reason="stop")
+    result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
+    assert result.text == "The Gannet seats six [1]."
+    assert result.metrics["total_s"] < 0.5  # the words were all out before the 0.6 s
