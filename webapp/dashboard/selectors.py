@@ -315,6 +315,7 @@ def answered_messages(*, since: datetime, limit: int = 2000) -> list[Message]:
             "id",
             "mode",
             "ttft_s",
+            "ttft_seen_s",
             "total_s",
             "recompute_ratio",
             "refresh_ratio",
@@ -345,7 +346,8 @@ def questions_per_hour(
 
 
 def metrics_summary(messages: list[Message]) -> list[dict[str, Any]]:
-    """Per mode: answers, median and p90 TTFT, mean recompute ratio, tier mix, and of the
+    """Per mode: answers, median and p90 TTFT (the users' and the worker's), mean recompute
+    ratio, tier mix, and of the
     answers progressive blend upgraded, how many and their second token's median time."""
     by_mode: dict[str, list[Message]] = {}
     for message in messages:
@@ -353,6 +355,7 @@ def metrics_summary(messages: list[Message]) -> list[dict[str, Any]]:
     rows = []
     for mode, items in sorted(by_mode.items()):
         ttfts = sorted(m.ttft_s for m in items if m.ttft_s is not None)
+        seen = sorted(m.ttft_seen_s for m in items if m.ttft_seen_s is not None)
         ratios = [m.recompute_ratio for m in items if m.recompute_ratio is not None]
         upgraded = [m for m in items if m.refresh_ratio is not None]
         seconds = sorted(m.second_token_s for m in upgraded if m.second_token_s is not None)
@@ -365,6 +368,8 @@ def metrics_summary(messages: list[Message]) -> list[dict[str, Any]]:
                 "answers": len(items),
                 "ttft_p50": _quantile(ttfts, 0.5),
                 "ttft_p90": _quantile(ttfts, 0.9),
+                "seen_p50": _quantile(seen, 0.5),
+                "seen_p90": _quantile(seen, 0.9),
                 "mean_ratio": sum(ratios) / len(ratios) if ratios else None,
                 "progressive": len(upgraded),
                 "second_token_p50": _quantile(seconds, 0.5),

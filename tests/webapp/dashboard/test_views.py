@@ -6,9 +6,11 @@ import base64
 import json
 import re
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
 from kvservice import routing
 from kvservice.chunk import token_ids_sha256
@@ -418,3 +420,14 @@ def test_a_kdn_workers_tiers_are_listed_fastest_first_with_the_api_last() -> Non
     assert [row["name"] for row in rows] == ["cpu", "kdn"]
     assert rows[1]["label"] == "Knowledge delivery API" and rows[1]["hit_rate"] == 0.75
     assert rows[0]["used_fraction"] == 0.25
+
+
+def test_the_answers_table_gives_the_users_wait_beside_the_workers(alice) -> None:
+    """The users' time to the first words (``ttft_seen_s``) and the worker's own, per mode:
+    the browser walk found only the worker's (0.42 s p50) where users waited 0.8-7.7 s."""
+    make_answers(alice)
+    since = timezone.now() - timedelta(days=7)
+    blend = next(r for r in selectors.metrics_summary(selectors.answered_messages(since=since))
+                 if r["mode"] == "blend")  # fmt: skip
+    assert blend["ttft_p50"] == pytest.approx(0.12) and blend["seen_p50"] == pytest.approx(0.42)
+    assert blend["seen_p90"] >= blend["seen_p50"] > blend["ttft_p90"]
