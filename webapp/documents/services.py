@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
+from typing import Any
 
 import urllib3.exceptions
 from django.conf import settings
@@ -263,50 +264,56 @@ def document_ingest(*, document_id: int) -> None:
     tokens did not change keep their KV key, so their stored KV is found, not recomputed.
     Bad input ends the document in ``failed`` with a message; transient storage errors raise
     ``TransientError`` for the task to retry."""
-    from webapp.documents.chunking import chunk_text, llm_tokenizer
     from webapp.documents.embeddings import embed_texts
 
     document = _claim(document_id)
     if document is None:
         return
     try:
-        data = _read_original(document.object_key)
-        limits = parsing.DocxLimits(
-            max_uncompressed_bytes=settings.DOCX_MAX_UNCOMPRESSED_BYTES,
-            max_compression_ratio=settings.DOCX_MAX_COMPRESSION_RATIO,
-        )
-        parsed = parse_isolated(
-            data, document.detected_type, docx_limits=limits, limits=SandboxLimits(
-                memory_bytes=settings.PARSE_MAX_MEMORY_MB * 1024**2,
-                cpu_seconds=settings.PARSE_TIMEOUT_S,
-            ),
-        )  # fmt: skip
-        _update(document_id, stage=Stage.CHUNKING, progress=PROGRESS[Stage.CHUNKING])
-        chunks = chunk_text(
-            parsed.text, tokenizer=llm_tokenizer(), max_tokens=settings.CHUNK_TOKENS
-        )
-        if not chunks:
-            raise parsing.ParseError("No text found in this file.")
-        over = quotas.tokens_refusal(
-            document.owner_id,
-            document_id=document_id,
-            new_tokens=sum(c.token_count for c in chunks),
-        )
-        if over:
-            raise parsing.ParseError(over)
+        chunks = _parse_and_chunk(document)
     except parsing.ParseError as err:
         document_fail(document_id=document_id, message=str(err))
         return
-    del data
-
     _update(document_id, stage=Stage.EMBEDDING, progress=PROGRESS[Stage.EMBEDDING])
     vectors = embed_texts([c.text for c in chunks])
+    _write_chunks(document_id, chunks, vectors)
 
+
+def _parse_and_chunk(document: Document) -> list[Any]:
+    """The document's text in a sandboxed parser, cut into chunks within the owner's
+    quota; ``ParseError`` for what it cannot read or hold."""
+    from webapp.documents.chunking import chunk_text, llm_tokenizer
+
+    limits = parsing.DocxLimits(
+        max_uncompressed_bytes=settings.DOCX_MAX_UNCOMPRESSED_BYTES,
+        max_compression_ratio=settings.DOCX_MAX_COMPRESSION_RATIO,
+    )
+    parsed = parse_isolated(
+        _read_original(document.object_key), document.detected_type, docx_limits=limits,
+        limits=SandboxLimits(
+            memory_bytes=settings.PARSE_MAX_MEMORY_MB * 1024**2,
+            cpu_seconds=settings.PARSE_TIMEOUT_S,
+        ),
+    )  # fmt: skip
+    _update(document.pk, stage=Stage.CHUNKING, progress=PROGRESS[Stage.CHUNKING])
+    chunks = chunk_text(parsed.text, tokenizer=llm_tokenizer(), max_tokens=settings.CHUNK_TOKENS)
+    if not chunks:
+        raise parsing.ParseError("No text found in this file.")
+    tokens = sum(c.token_count for c in chunks)
+    over = quotas.tokens_refusal(document.owner_id, document_id=document.pk, new_tokens=tokens)
+    if over:
+        raise parsing.ParseError(over)
+    return chunks
+
+
+def _write_chunks(document_id: int, chunks: list[Any], vectors: list[Any]) -> None:
+    """Replace the document's chunks with these, keeping the KV keys of chunks whose tokens
+    are unchanged (a retry, a re-ingest), and queue the KV step; objects no chunk names any
+    more are forgotten and purged."""
     with transaction.atomic():
         locked = Document.objects.select_for_update().filter(pk=document_id).first()
         if locked is None or locked.status != Status.PROCESSING:
             return  # deleted (or reset) while we worked
-        # Keep the KV keys of chunks whose tokens are unchanged (a retry, a re-ingest).
         previous = {
             sha: key
             for sha, key in Chunk.objects.select_for_update()
@@ -317,25 +324,20 @@ def document_ingest(*, document_id: int) -> None:
         Chunk.objects.filter(document_id=document_id).delete()
         rows = Chunk.objects.bulk_create(
             Chunk(
-                document_id=document_id,
-                index=chunk.index,
-                text=chunk.text,
-                token_ids=chunk.token_ids,
-                token_count=chunk.token_count,
-                token_ids_sha256=chunk.token_ids_sha256,
-                embedding=vector,
+                document_id=document_id, index=chunk.index, text=chunk.text,
+                token_ids=chunk.token_ids, token_count=chunk.token_count,
+                token_ids_sha256=chunk.token_ids_sha256, embedding=vector,
                 kv_key=previous.get(chunk.token_ids_sha256, ""),
                 kv_status=Chunk.KVStatus.PENDING,
             )
             for chunk, vector in zip(chunks, vectors, strict=True)
-        )
+        )  # fmt: skip
         Chunk.objects.filter(document_id=document_id).update(
             search_vector=SearchVector("text", config=SEARCH_CONFIG)
         )
         _update(document_id, stage=Stage.KV, progress=PROGRESS[Stage.KV])
-        chunk_ids = [row.pk for row in rows]
         dropped = set(previous.values()) - {row.kv_key for row in rows}
-        _enqueue_precompute(chunk_ids)
+        _enqueue_precompute([row.pk for row in rows])
         forgotten = _forget_objects(kv_keys=dropped)
         if forgotten:
             _on_commit(lambda: purge_orphan_objects(keys=forgotten))
@@ -392,33 +394,7 @@ def document_precompute_kv(
     scopes = {chunk.pk: kv_scope_for(owners[chunk.document_id]) for chunk in chunks}
     keys = {c.pk: producer.key(c.token_ids, scopes[c.pk]).to_string() for c in chunks}
     try:
-        missing = [chunk for chunk in chunks if not store.contains(keys[chunk.pk])]
-        computed = dict(
-            zip(
-                (c.pk for c in missing),
-                producer.compute([c.token_ids for c in missing]),
-                strict=True,
-            )
-        )
-        for chunk in chunks:
-            key = keys[chunk.pk]
-            with transaction.atomic():
-                lock_kv_key(key)
-                # The row lock orders this against a delete or re-ingest of the document.
-                if not list(
-                    Chunk.objects.select_for_update().filter(pk=chunk.pk).values_list("pk")
-                ):
-                    continue  # its document was deleted or re-ingested meanwhile
-                kv = computed.get(chunk.pk)
-                if kv is None and not store.contains(key):  # deleted since we looked
-                    kv = producer.compute([chunk.token_ids])[0]
-                if kv is not None:
-                    stored_key = store.put(kv, scopes[chunk.pk])
-                    assert stored_key == key, (stored_key, key)
-                Chunk.objects.filter(pk=chunk.pk).update(
-                    kv_key=key, kv_status=Chunk.KVStatus.READY, kv_error="",
-                    kv_bytes=store.object_bytes(key) or 0,
-                )  # fmt: skip
+        _store_chunks_kv(chunks, keys, scopes, producer, store)
     except TransientError:
         raise
     except Exception as err:
@@ -426,6 +402,32 @@ def document_precompute_kv(
             raise TransientError(f"KV store unavailable: {err}") from err
         raise
     _finish_documents({chunk.document_id for chunk in chunks})
+
+
+def _store_chunks_kv(chunks, keys: dict, scopes: dict, producer: Any, store: Any) -> None:
+    """Compute what the store lacks, in one batch, then store and mark each chunk under the
+    lock of its key (``lock_kv_key``), skipping a chunk deleted or re-ingested meanwhile."""
+    missing = [chunk for chunk in chunks if not store.contains(keys[chunk.pk])]
+    computed = dict(
+        zip((c.pk for c in missing), producer.compute([c.token_ids for c in missing]), strict=True)
+    )
+    for chunk in chunks:
+        key = keys[chunk.pk]
+        with transaction.atomic():
+            lock_kv_key(key)
+            # The row lock orders this against a delete or re-ingest of the document.
+            if not list(Chunk.objects.select_for_update().filter(pk=chunk.pk).values_list("pk")):
+                continue  # its document was deleted or re-ingested meanwhile
+            kv = computed.get(chunk.pk)
+            if kv is None and not store.contains(key):  # deleted since we looked
+                kv = producer.compute([chunk.token_ids])[0]
+            if kv is not None:
+                stored_key = store.put(kv, scopes[chunk.pk])
+                assert stored_key == key, (stored_key, key)
+            Chunk.objects.filter(pk=chunk.pk).update(
+                kv_key=key, kv_status=Chunk.KVStatus.READY, kv_error="",
+                kv_bytes=store.object_bytes(key) or 0,
+            )  # fmt: skip
 
 
 def kv_object_reencode(*, key: str, codec: str, write: bool = True):
