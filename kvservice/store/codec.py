@@ -470,3 +470,57 @@ def _fp8_decode(
 ) -> torch.Tensor:
     values = codes.view(torch.float8_e4m3fn).view(shape).float()
     return (values * scale.view(torch.float16).view(shape[:2]).float().unsqueeze(-1)).to(dtype)
+
+
+def decode_joined(
+    kind: int, bits: tuple[int, int], sections: list[torch.Tensor], tokens: Sequence[int],
+    heads: int, dim: int, dtype: torch.dtype, *, k_group: int, v_group: int,
+    v_rotated: bool = False, out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """K and V ``[R, D]`` from the sections of several blocks stored alike but for their token
+    counts, each section the blocks' back to back (``tokens``: each block's, in order; ``R``
+    the sum of ``heads * tokens``), decoded by one set of operators: how a request's chunks
+    are decoded together (``format.decode_chunk_runs``). Every row but K's depends on its own
+    (head, token) only, so the rows of all blocks decode as one block of ``R`` rows of one
+    token; K's per-channel minima and steps, one per group of ``k_group`` tokens of a head,
+    are repeated to every token of their group (:func:`_kivi_k_rows`). Each value is the one
+    :func:`decode_sections` gives for its own block."""
+    rows = heads * sum(tokens)
+    flat = (rows, 1, dim)
+    if kind != KIVI:
+        k, v = decode_sections(kind, bits, sections, flat, dtype, k_group=k_group,
+                               v_group=v_group, out_dtype=out_dtype)  # fmt: skip
+        return k.view(rows, dim), v.view(rows, dim)
+    k_bits, v_bits = bits
+    k_packed, k_step, k_low, v_packed, v_step, v_low = sections
+    groups = _k_group_rows(tokens, heads, k_group)
+    k = _kivi_k_rows(k_packed, k_step, k_low, k_bits, groups, (rows, dim), out_dtype or dtype)
+    v = _kivi_v(v_packed, v_step, v_low, v_bits, flat, v_group, v_rotated)
+    return k, v.view(rows, dim).to(out_dtype or dtype)
+
+
+def _k_group_rows(tokens: Sequence[int], heads: int, k_group: int) -> list[int]:
+    """Tokens in each K group of the joined blocks, in stored order (block, head, group):
+    ``k_group`` but for each head's last group, which has what is left."""
+    counts: list[int] = []
+    for n in tokens:
+        whole, rest = divmod(n, k_group)
+        counts += ([k_group] * whole + ([rest] if rest else [])) * heads
+    return counts
+
+
+def _kivi_k_rows(
+    packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int,
+    group_tokens: Sequence[int], shape: tuple[int, int], out: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """K ``[R, D]`` (token rows) in ``out`` from per-channel minima and steps ``[G, D]``, group
+    ``g`` covering ``group_tokens[g]`` rows: each group's row of minima and steps repeated to
+    its tokens by one index (the blocks' token counts differ, so no view broadcasts it), then
+    the same multiply-add as :func:`_kivi_k`'s."""
+    rows, dim = shape
+    codes = unpack_bits(packed, bits, rows * dim).view(rows, dim)
+    counts = torch.tensor(group_tokens, device=packed.device)
+    index = torch.repeat_interleave(counts, output_size=rows)  # [R]: each row's group
+    step = step.view(torch.float16).view(-1, dim).float().index_select(0, index)
+    low = low.view(torch.float16).view(-1, dim).float().index_select(0, index)
+    return torch.addcmul(low, codes.float(), step).to(out)

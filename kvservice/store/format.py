@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -417,6 +418,68 @@ def decode_layers(
         v_rotated=header.v_rotated, out_dtype=dtype,
     )  # fmt: skip
     return k.view(count, heads, tokens, dim), v.view(count, heads, tokens, dim)
+
+
+def joinable(a: ChunkHeader, b: ChunkHeader, layer: int) -> bool:
+    """Whether layer ``layer`` of objects ``a`` and ``b`` decodes in one call
+    (:func:`decode_chunk_runs`): the same codec, bit widths, groups and shape but for the
+    token count."""
+
+    def stored_as(h: ChunkHeader) -> tuple:
+        return (h.codec_kind, h.layer_bits[layer], h.k_group, h.v_group, h.v_rotated,
+                h.dtype, h.num_kv_heads, h.head_dim)  # fmt: skip
+
+    return stored_as(a) == stored_as(b)
+
+
+def decode_chunk_runs(
+    headers: Sequence[ChunkHeader], first: int, count: int, blocks: Sequence[Buffer], *,
+    dtype: torch.dtype | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """K and V ``[count, H_kv, T, D]`` of layers ``first .. first+count`` of several chunks
+    (a :func:`layer_run` of each, :func:`joinable`; ``blocks``: each chunk's layer blocks back
+    to back), decoded by one set of operators for all of them: a request's chunks decoded one
+    by one dispatched ~19 operators a layer on the CPU (SmolLM2, 6 chunks, issue #47), about
+    as many as the rest of a reuse pass. Each section of every layer block is gathered
+    layer-major (layer, then chunk) into one tensor, decoded as one block
+    (``codec.decode_joined``), and each chunk's layers are views of the result. Not verified:
+    for trusted bytes. Each value is the one :func:`decode_layers` gives for its chunk."""
+    header = headers[0]
+    runs = []  # per chunk: its run's layer blocks [count, layer size]
+    for chunk, block in zip(headers, blocks, strict=True):
+        size, raw = chunk.layer_size(first), as_uint8(block)
+        if raw.numel() < count * size:
+            got = f"got {raw.numel()} of {count * size} bytes"
+            raise ChunkTruncated(f"{chunk.key} layers {first}+{count}: {got}")
+        runs.append(raw[: count * size].view(count, size))
+    layouts = [chunk.layout(first).sections for chunk in headers]
+    sections = []  # each: [count, the chunks' section sizes summed], flat
+    for parts in zip(*layouts, strict=True):
+        pieces = [rows[:, at : at + n] for rows, (at, n) in zip(runs, parts, strict=True)]
+        sections.append(torch.cat(pieces, 1).view(-1))
+    heads, dim = header.num_kv_heads, header.head_dim
+    tokens = [chunk.num_tokens for chunk in headers]
+    k, v = codecs.decode_joined(
+        header.codec_kind, header.layer_bits[first], sections, tokens * count, heads, dim,
+        header.dtype, k_group=header.k_group, v_group=header.v_group,
+        v_rotated=header.v_rotated, out_dtype=dtype,
+    )  # fmt: skip
+    return _split_layers(k, v, heads, tokens, dim, count)
+
+
+def _split_layers(
+    k: torch.Tensor, v: torch.Tensor, heads: int, tokens: Sequence[int], dim: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each chunk's ``[count, H_kv, T, D]`` K and V: views of the joined rows (layer, chunk,
+    head, token), no copy."""
+    k, v = k.view(count, -1), v.view(count, -1)  # [count, every chunk's values of a layer]
+    out, at = [], 0
+    for n in tokens:
+        size = heads * n * dim
+        shape = (count, heads, n, dim)
+        out.append((k[:, at : at + size].view(shape), v[:, at : at + size].view(shape)))
+        at += size
+    return out
 
 
 def layer_bytes(

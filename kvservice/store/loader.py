@@ -40,9 +40,11 @@ from kvservice.store.format import (
     Buffer,
     ChunkHeader,
     as_uint8,
+    decode_chunk_runs,
     decode_layer,
     decode_layers,
     decode_token_ids,
+    joinable,
     layer_bytes,
     layer_run,
 )
@@ -128,6 +130,7 @@ class StoreLayeredKV:
         token_ids: Sequence[int] | None,
         recompute_fn: RecomputeFn | None,
         clock: _Clock,
+        joined: _Joined | None = None,
     ) -> None:
         self.key = key
         self.head_hash = key.head_hash  # the blender checks it against its prompt head
@@ -137,7 +140,8 @@ class StoreLayeredKV:
         self._token_ids = None if token_ids is None else list(token_ids)
         self._recompute_fn = recompute_fn
         self._clock = clock
-        self._lock = threading.RLock()  # trusted tiers fetch inline, under it
+        self._joined = _Joined([self]) if joined is None else joined
+        self._lock = threading.RLock()  # the located copy and the futures
         self._ready = threading.Event()  # set once located (or recomputed)
         self._located: Located | None = None
         self._chunk: ChunkKV | None = None  # after a fault: the recomputed chunk
@@ -229,7 +233,13 @@ class StoreLayeredKV:
         if found.tier.streams and not found.tier.trusted:
             self._start_stream(found)
             return
-        depth = self.num_layers if not self._loader.pipeline else 1 + self._loader.prefetch_depth
+        self._schedule_first()
+
+    def _schedule_first(self) -> None:
+        """Schedule the layers wanted as soon as the chunk is located: all of them without
+        pipelining, else the first and those prefetched behind it."""
+        loader = self._loader
+        depth = self.num_layers if not loader.pipeline else 1 + loader.prefetch_depth
         self._schedule(range(min(self.num_layers, depth)))
 
     def _recover(self, err: ChunkUnavailable) -> None:
@@ -267,19 +277,19 @@ class StoreLayeredKV:
             found, generation = self._located, self._generation
             if found is None:
                 return
-            for index in layers:
-                if index in self._futures:
-                    continue
-                if found.tier.trusted:  # memory / device: a view, no thread hop worth paying
-                    run = self._run_futures(found.header, index)
-                    self._futures.update(run)
-                    self._fetch_run(found, run, generation)
-                else:  # disk: read and checked on a fetch thread
-                    run = self._run_futures(found.header, index, DISK_RUN_BYTES)
-                    self._futures.update(run)
-                    self._loader.executor.submit(
-                        _in_task_context, self._fetch_run, found, run, generation
-                    )
+            if not found.tier.trusted:  # disk: read and checked on a fetch thread
+                for index in layers:
+                    if index not in self._futures:
+                        run = self._run_futures(found.header, index, DISK_RUN_BYTES)
+                        self._futures.update(run)
+                        self._loader.executor.submit(
+                            _in_task_context, self._fetch_run, found, run, generation
+                        )
+                return
+        # memory / device: a view, no thread hop worth paying; read inline with the other
+        # chunks of the request (outside this chunk's lock: the group takes each in turn)
+        for index in layers:
+            self._joined.fetch(self, index)
 
     def _start_stream(self, found: Located) -> None:
         """Every layer's future now, resolved in order by one sequential read that a stream
@@ -380,31 +390,26 @@ class StoreLayeredKV:
     def _fetch_run(
         self, found: Located, futures: dict[int, Future[LayerKV]], generation: int
     ) -> None:
-        """A run of layers (``_run_futures``): one read, one copy to the device, one decode,
-        each future then resolved. A trusted tier (memory, device) gives a view of bytes
-        checked when they entered it, read inline; an untrusted one (disk) is read on a fetch
+        """A run of layers (``_run_futures``) of an untrusted tier (disk): one read on a fetch
         thread (``_read_into``), each layer's checksum checked where the bytes arrived (the
-        host). On a GPU disk's layers read and decoded one by one were 3.9x full prefill's
-        time (Llama-3-8B's shape, 4,096 tokens, 6 chunks, an H200): a layer's decode is kernel
-        launches, and the fetch threads' contend with the prefill's for the GIL."""
+        host), one copy to the device, one decode, each future then resolved (a trusted
+        tier's runs are decoded with the request's other chunks: :class:`_Joined`). On a GPU
+        disk's layers read and decoded one by one were 3.9x full prefill's time (Llama-3-8B's
+        shape, 4,096 tokens, 6 chunks, an H200): a layer's decode is kernel launches, and the
+        fetch threads' contend with the prefill's for the GIL."""
         header, tier = found.header, found.tier
         first, last = min(futures), max(futures)
         start = header.layer_offset(first)
-        stop = header.layer_offset(last) + header.layer_size(last)
         self._clock.fetch.start()
         got = 0
         try:
-            if tier.trusted:
-                block = tier.read_range(self.key, start, stop - start)
-                got = 0 if block is None else stop - start
-            else:
-                block, got = self._read_into(found, first, last)
-                if block is not None:  # checked where the bytes arrived
-                    for index in futures:
-                        layer_bytes(header, index, block[header.layer_offset(index) - start :])
-                    if last == header.num_layers - 1 and self._buffer is not None:
-                        tokens = memoryview(self._buffer)[header.tokens_offset :]
-                        decode_token_ids(header, tokens)
+            block, got = self._read_into(found, first, last)
+            if block is not None:  # checked where the bytes arrived
+                for index in futures:
+                    layer_bytes(header, index, block[header.layer_offset(index) - start :])
+                if last == header.num_layers - 1 and self._buffer is not None:
+                    tokens = memoryview(self._buffer)[header.tokens_offset :]
+                    decode_token_ids(header, tokens)
             if block is None:
                 raise ChunkUnavailable(f"{self.key} vanished from the {tier.name} tier")
             raw = as_uint8(block)
@@ -421,6 +426,30 @@ class StoreLayeredKV:
             _settle(future, (k[n], v[n]))
         for _ in futures:
             self._layer_done(found, generation)
+
+    def _claim_run(self, first: int, lead: _Claim | None) -> _Claim | None:
+        """This chunk's run of layers from ``first`` (``_run_futures``), its futures now
+        registered, if a trusted tier serves it, it is not yet scheduled, and, with ``lead``
+        (the run another chunk claimed), it decodes with it: as long a run, stored alike
+        (``joinable``) and quantized (raw layers in the cache's dtype are views, no work to
+        share). Else None."""
+        with self._lock:
+            found = self._located
+            if found is None or not found.tier.trusted or first in self._futures:
+                return None
+            if not 0 <= first < self.num_layers:
+                return None
+            header = found.header
+            futures = self._run_futures(header, first)
+            if lead is not None and not (
+                len(futures) == len(lead.futures)
+                and header.quantized
+                and lead.found.header.quantized
+                and joinable(lead.found.header, header, first)
+            ):
+                return None
+            self._futures.update(futures)
+            return _Claim(self, found, futures, self._generation)
 
     def _read_into(self, found: Located, first: int, last: int) -> tuple[Buffer | None, int]:
         """An untrusted tier's layers ``first..last`` (None if the object vanished) and the
@@ -461,6 +490,105 @@ class StoreLayeredKV:
             self.tier, self.skipped = "recomputed", True
         for future in futures.values():
             future.cancel()
+
+
+@dataclass
+class _Claim:
+    """One chunk's run of layers in a joined decode: its futures, and the copy they read."""
+
+    source: StoreLayeredKV
+    found: Located
+    futures: dict[int, Future[LayerKV]]
+    generation: int
+
+    def read(self) -> torch.Tensor:
+        """The run's stored bytes on the loader's device: a view of a trusted tier's copy
+        (checked when it entered the tier), copied once where the tier is the host's."""
+        header, source = self.found.header, self.source
+        first, last = min(self.futures), max(self.futures)
+        start = header.layer_offset(first)
+        size = header.layer_offset(last) + header.layer_size(last) - start
+        block = self.found.tier.read_range(source.key, start, size)
+        if block is None:
+            raise ChunkUnavailable(f"{source.key} vanished from the {self.found.tier.name} tier")
+        raw = as_uint8(block)
+        device = source._loader.device
+        return raw if raw.device == device else raw.to(device, non_blocking=True)
+
+    def settle(self, layers: Sequence[LayerKV] | None, error: BaseException | None = None) -> None:
+        """Resolve each future with its layer, or every one with ``error``."""
+        for n, future in enumerate(self.futures.values()):
+            _settle(future, None if layers is None else layers[n], error)
+        if error is None:
+            for _ in self.futures:
+                self.source._layer_done(self.found, self.generation)
+
+
+class _Joined:
+    """The chunks of one request (``KVLoader.open``): a run of layers that a trusted tier
+    (memory, GPU) serves is decoded for every chunk that can join it in one call
+    (``format.decode_chunk_runs``). On a 2-core CPU (SmolLM2, validation example 20, 6
+    passages) decoding each chunk's runs apart was ~19 of reuse's 64 operators a layer.
+    Until ``start``, while the chunks are still being located, nothing is decoded, so that
+    the first runs find every chunk."""
+
+    def __init__(self, sources: list[StoreLayeredKV], started: bool = True) -> None:
+        self.sources = sources
+        self.started = started
+        self._lock = threading.Lock()  # one joined decode at a time; chunk locks taken inside
+
+    def start(self) -> None:
+        """Every chunk located: decode the first layers of each (``_schedule_first``)."""
+        self.started = True
+        for source in self.sources:
+            source._schedule_first()
+
+    def fetch(self, asker: StoreLayeredKV, first: int) -> None:
+        """Decode the run of layers from ``first`` of ``asker`` and of every chunk that can
+        join it (``StoreLayeredKV._claim_run``); nothing if ``asker``'s is scheduled."""
+        if not self.started:
+            return
+        with self._lock:
+            lead = asker._claim_run(first, None)
+            if lead is None:
+                return
+            claims = [lead]
+            for source in self.sources:
+                claim = None if source is asker else source._claim_run(first, lead)
+                if claim is not None:
+                    claims.append(claim)
+            _decode_claims(claims, first, asker._clock)
+
+
+def _decode_claims(claims: list[_Claim], first: int, clock: _Clock) -> None:
+    """Read each claim's run (one that fails gets its error) and decode them together."""
+    read, blocks, got = [], [], 0
+    clock.fetch.start()
+    try:
+        for claim in claims:
+            try:
+                blocks.append(claim.read())
+            except BaseException as err:
+                claim.settle(None, err)
+                continue
+            read.append(claim)
+            got += blocks[-1].numel()
+        if not read:
+            return
+        count, dtype = len(read[0].futures), read[0].source._loader.dtype
+        headers = [claim.found.header for claim in read]
+        if len(read) == 1:  # alone (raw layers: views of the tier's copy)
+            runs = [decode_layers(headers[0], first, count, blocks[0], dtype=dtype)]
+        else:
+            runs = decode_chunk_runs(headers, first, count, blocks, dtype=dtype)
+    except BaseException as err:
+        for claim in read:
+            claim.settle(None, err)
+        return
+    finally:
+        clock.fetch.stop(got)
+    for claim, (k, v) in zip(read, runs, strict=True):
+        claim.settle([(k[n], v[n]) for n in range(count)])
 
 
 def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -612,12 +740,15 @@ class KVLoader:
         if token_ids is not None and len(token_ids) != len(keys):
             raise ValueError("token_ids must have one entry per key")
         clock = _Clock()
-        sources = [
+        joined = _Joined([], started=False)
+        joined.sources += [
             StoreLayeredKV(
-                self, key, None if token_ids is None else token_ids[i], recompute_fn, clock
+                self, key, None if token_ids is None else token_ids[i], recompute_fn, clock,
+                joined,
             )
             for i, key in enumerate(keys)
-        ]
+        ]  # fmt: skip
+        sources = joined.sources
         started = time.perf_counter()
         located = [self.executor.submit(_in_task_context, source._locate) for source in sources]
         for future in located:
@@ -627,6 +758,7 @@ class KVLoader:
                 if not read:
                     source.skip()
         self.read_streams(sources)
+        joined.start()
         if not self.pipeline:  # load-then-compute: every layer of every chunk, now
             for source in sources:
                 for future in list(source._futures.values()):

@@ -22,10 +22,12 @@ from kvservice.store.codec import (
 from kvservice.store.config import StoreConfig
 from kvservice.store.format import (
     decode_chunk,
+    decode_chunk_runs,
     decode_header,
     decode_layer,
     decode_layers,
     encode_chunk,
+    joinable,
     layer_run,
     verify_object,
 )
@@ -324,6 +326,38 @@ def test_layers_decoded_together_equal_layers_decoded_one_by_one(name):
     stretches = {"mixed": [15, 15], DEFAULT_CODEC: [4, 26]}.get(name, [30])
     assert sum(runs) == header.num_layers == 30
     assert len(runs) == sum(-(-n // 8) for n in stretches)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "fp8", "kivi4k2v", DEFAULT_CODEC, "mixed"])
+def test_chunks_decoded_together_equal_each_chunk_decoded_alone(name):
+    """A request's chunks (token counts that end K's groups anywhere: 90, 150, 37 and 8
+    tokens against groups of 16, 64 or 128) decoded in one call per run of layers give each
+    chunk's values bit for bit as its own decode does, in each cache dtype: the cache, and
+    so the logits, are unchanged."""
+    codec = MIXED if name == "mixed" else codec_by_name(name)
+    datas = [encode_chunk(smol_like_chunk(tokens=n, seed=n), codec=codec, narrow_to=torch.float16)
+             for n in (90, 150, 37, 8)]  # fmt: skip
+    headers = [decode_header(data) for data in datas]
+    for dtype, first in ((d, f) for d in (None, torch.float32, torch.bfloat16) for f in (0, 4, 20)):
+        count = layer_run(headers[0], first, 32)
+        assert all(joinable(headers[0], header, first) for header in headers)
+        blocks = [
+            data[header.layer_offset(first) :] for data, header in zip(datas, headers, strict=True)
+        ]
+        runs = decode_chunk_runs(headers, first, count, blocks, dtype=dtype)
+        for header, block, (k, v) in zip(headers, blocks, runs, strict=True):
+            alone_k, alone_v = decode_layers(header, first, count, block, dtype=dtype)
+            assert k.dtype == alone_k.dtype and v.dtype == alone_v.dtype
+            assert torch.equal(k, alone_k) and torch.equal(v, alone_v), (header.num_tokens, first)
+
+
+def test_objects_stored_otherwise_are_not_joined():
+    chunk = smol_like_chunk(tokens=40)
+    default = decode_header(encode_chunk(chunk, codec=codec_by_name(DEFAULT_CODEC)))
+    other = decode_header(encode_chunk(chunk, codec=codec_by_name("kivi4k3v")))
+    assert joinable(default, other, 10)  # both K at 4 bits and V at 3 there
+    assert not joinable(default, other, 0)  # V at 4 bits in the default's first eighth
+    assert not joinable(default, decode_header(encode_chunk(chunk, codec=FP16)), 10)
 
 
 def test_layers_whose_codes_end_mid_byte_run_are_decoded_one_by_one():

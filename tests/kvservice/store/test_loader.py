@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from kvservice.store.codec import codec_by_name, kivi
 from kvservice.store.config import StoreConfig
 from kvservice.store.disk import DiskTier
 from kvservice.store.errors import ChunkMissing
@@ -347,3 +348,62 @@ def test_fetch_threads_run_single_threaded_at_the_configured_lower_priority(tmp_
         torch.set_num_threads(own_threads)  # threads started later take this count again
     with pytest.raises(ValueError, match="KV_LOAD_NICE"):
         StoreConfig.from_env({"KV_LOAD_NICE": "25"})
+
+
+JOINED = kivi("joined", ((0.5, 4), (1.0, 2)), 3, k_group=16, v_group=4)  # two runs of layers
+
+
+def _memory_store() -> TieredStore:
+    return TieredStore([MemoryTier(1 << 30)], config=StoreConfig(store_dtype="float32"))
+
+
+def test_a_requests_chunks_in_memory_are_decoded_together(monkeypatch):
+    """Chunks of one request that the memory tier serves: each run of layers is decoded for
+    every chunk stored alike in one call (``decode_chunk_runs``), a chunk stored otherwise
+    on its own, and every layer served is exactly its chunk's."""
+    from kvservice.store import loader as loader_module
+
+    calls = []
+    real = loader_module.decode_chunk_runs
+
+    def recording(headers, first, count, *args, **kwargs):
+        calls.append(([h.num_tokens for h in headers], first, count))
+        return real(headers, first, count, *args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "decode_chunk_runs", recording)
+    store = _memory_store()
+    chunks = [make_chunk(90 + i, tokens=n) for i, n in enumerate((17, 40, 23, 31))]
+    codecs = [JOINED, JOINED, codec_by_name("kivi4"), JOINED]
+    keys = [store.put(chunk, codec=codec) for chunk, codec in zip(chunks, codecs, strict=True)]
+    expected = [
+        decode_chunk(encode_chunk(c, codec=codec)) for c, codec in zip(chunks, codecs, strict=True)
+    ]
+    with KVLoader(store) as loader:
+        batch = loader.open(keys)
+        for i in range(L):
+            for source, chunk in zip(batch, expected, strict=True):
+                k, v = source.layer(i)
+                assert torch.equal(k, chunk.k[i]) and torch.equal(v, chunk.v[i]), i
+    # K at 4 bits in layers 0-1, at 2 in 2-3: two runs, each of the three chunks stored alike
+    assert calls == [([17, 40, 31], 0, 2), ([17, 40, 31], 2, 2)]
+
+
+def test_decoding_a_request_dispatches_as_many_operators_for_six_chunks_as_for_two():
+    from bench.opcount import count_ops
+
+    store = _memory_store()
+
+    def operators(chunks: int) -> int:
+        keys = [store.put(make_chunk(60 + i, tokens=17 + 5 * i), codec=JOINED)
+                for i in range(chunks)]  # fmt: skip
+        with KVLoader(store) as loader:
+
+            def run() -> None:
+                batch = loader.open(keys)
+                for i in range(L):
+                    for source in batch:
+                        source.layer(i)
+
+            return count_ops(run, L).total
+
+    assert operators(6) == operators(2) > 0
