@@ -73,6 +73,15 @@ DECODE_LAYERS = 32
 # for fp16 (0.23-0.25 / 0.57 s) but worse for the default codec at 16,384 (0.56 s / 0.34 s).
 DISK_RUN_BYTES = 16 << 20
 
+# Whether the chunks of a request are decoded together (``_Joined``) where the layers are decoded
+# on the host. Their operators fall, but on the CPU the time rises: one call over every
+# chunk streams its tensors through memory where a chunk's fit in the cache (2-core AMD EPYC,
+# 32 MiB L3, 6 chunks of ~630 tokens of SmolLM2, the default codec, bfloat16, 2 threads,
+# quiet: layers 4-29 in 276 ms joined against 80 ms chunk by chunk, layers 0-3 12.6 against
+# 6.6 ms; reuse's operators a layer 67.2 -> 50.5 with the same logits). On a GPU a decode's
+# operators are launches and its time (issue #47): there they are joined.
+JOIN_ON_CPU = False
+
 # What every fetch task runs inside, when set (None: nothing): how a bench counts the operators
 # a request dispatches on the loader's threads as well as its own (bench.opcount; a dispatch
 # mode or the profiler sees only the thread it was entered on).
@@ -527,10 +536,11 @@ class _Claim:
 class _Joined:
     """The chunks of one request (``KVLoader.open``): a run of layers that a trusted tier
     (memory, GPU) serves is decoded for every chunk that can join it in one call
-    (``format.decode_chunk_runs``). On a 2-core CPU (SmolLM2, validation example 20, 6
-    passages) decoding each chunk's runs apart was ~19 of reuse's 64 operators a layer.
-    Until ``start``, while the chunks are still being located, nothing is decoded, so that
-    the first runs find every chunk."""
+    (``format.decode_chunk_runs``) where ``KVLoader.join_chunks`` (on a GPU; see
+    :data:`JOIN_ON_CPU`), else chunk by chunk. On a 2-core CPU (SmolLM2, validation example
+    20, 6 passages) decoding each chunk's runs apart was ~19 of reuse's 64 operators a
+    layer. Until ``start``, while the chunks are still being located, nothing is decoded, so
+    that the first runs find every chunk."""
 
     def __init__(self, sources: list[StoreLayeredKV], started: bool = True) -> None:
         self.sources = sources
@@ -553,7 +563,7 @@ class _Joined:
             if lead is None:
                 return
             claims = [lead]
-            for source in self.sources:
+            for source in self.sources if asker._loader.join_chunks else ():
                 claim = None if source is asker else source._claim_run(first, lead)
                 if claim is not None:
                     claims.append(claim)
@@ -577,7 +587,7 @@ def _decode_claims(claims: list[_Claim], first: int, clock: _Clock) -> None:
             return
         count, dtype = len(read[0].futures), read[0].source._loader.dtype
         headers = [claim.found.header for claim in read]
-        if len(read) == 1:  # alone (raw layers: views of the tier's copy)
+        if len(read) == 1:  # one chunk (not joined; raw layers: views of the tier's copy)
             runs = [decode_layers(headers[0], first, count, blocks[0], dtype=dtype)]
         else:
             runs = decode_chunk_runs(headers, first, count, blocks, dtype=dtype)
@@ -683,6 +693,7 @@ class KVLoader:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         decode_layers: int | None = None,
+        join_chunks: bool | None = None,
     ) -> None:
         """``device`` and ``dtype``: where and as what the layers are decoded, the consumer's
         KV cache's (default: the host, in each object's own 16-bit dtype).
@@ -690,7 +701,9 @@ class KVLoader:
         and decoded in one call (default :data:`DECODE_LAYERS`: on a GPU a layer's decoding
         is mostly kernel launches, and on the CPU each call's ~50 operators were most of the
         operators a reuse dispatched; S3's layers come in one sequential stream, decoded as
-        they arrive)."""
+        they arrive). ``join_chunks``: decode a run of layers for all of a request's chunks
+        from those tiers in one call (:class:`_Joined`; default: where the layers are decoded
+        on a GPU, :data:`JOIN_ON_CPU` on the host)."""
         self.store = store
         self.prefetch_depth = (
             store.config.prefetch_depth if prefetch_depth is None else prefetch_depth
@@ -700,6 +713,8 @@ class KVLoader:
         self.device = torch.device(device)
         self.dtype = dtype
         self.decode_layers = DECODE_LAYERS if decode_layers is None else decode_layers
+        on_cpu = self.device.type == "cpu"
+        self.join_chunks = (JOIN_ON_CPU or not on_cpu) if join_chunks is None else join_chunks
         workers = store.config.load_workers if workers is None else workers
         nice = (store.config.load_nice,)
         self.executor = ThreadPoolExecutor(

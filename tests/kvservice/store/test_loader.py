@@ -358,9 +358,9 @@ def _memory_store() -> TieredStore:
 
 
 def test_a_requests_chunks_in_memory_are_decoded_together(monkeypatch):
-    """Chunks of one request that the memory tier serves: each run of layers is decoded for
-    every chunk stored alike in one call (``decode_chunk_runs``), a chunk stored otherwise
-    on its own, and every layer served is exactly its chunk's."""
+    """Chunks of one request that the memory tier serves, joined: each run of layers is
+    decoded for every chunk stored alike in one call (``decode_chunk_runs``), a chunk
+    stored otherwise on its own, and every layer served is exactly its chunk's."""
     from kvservice.store import loader as loader_module
 
     calls = []
@@ -378,7 +378,7 @@ def test_a_requests_chunks_in_memory_are_decoded_together(monkeypatch):
     expected = [
         decode_chunk(encode_chunk(c, codec=codec)) for c, codec in zip(chunks, codecs, strict=True)
     ]
-    with KVLoader(store) as loader:
+    with KVLoader(store, join_chunks=True) as loader:
         batch = loader.open(keys)
         for i in range(L):
             for source, chunk in zip(batch, expected, strict=True):
@@ -396,7 +396,7 @@ def test_decoding_a_request_dispatches_as_many_operators_for_six_chunks_as_for_t
     def operators(chunks: int) -> int:
         keys = [store.put(make_chunk(60 + i, tokens=17 + 5 * i), codec=JOINED)
                 for i in range(chunks)]  # fmt: skip
-        with KVLoader(store) as loader:
+        with KVLoader(store, join_chunks=True) as loader:
 
             def run() -> None:
                 batch = loader.open(keys)
@@ -407,3 +407,5 @@ def test_decoding_a_request_dispatches_as_many_operators_for_six_chunks_as_for_t
             return count_ops(run, L).total
 
     assert operators(6) == operators(2) > 0
+    with KVLoader(store) as loader:  # on the host chunk by chunk unless asked (JOIN_ON_CPU)
+        assert not loader.join_chunks
