@@ -1,5 +1,5 @@
 """What the user reads, measured: loops, inline citations and honest "not found", with the
-product's prompt (numbered passages) and decoding (``kvservice.answer``), on the bundled
+product's prompt (numbered passages) and decoding (``kvservice.serve.answer``), on the bundled
 model in full prefill (what the answer says, not how fast; blending changes little of it).
 
 Two question sets:
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.data import passage_texts
-from kvservice.citing import cited_ranks, says_not_found, verdict
+from kvservice.serve.citing import cited_ranks, says_not_found, verdict
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 LOOP_NGRAM, LOOP_REPEATS = 6, 3
@@ -66,7 +66,7 @@ class Outcome:
     seconds: float
     loops: bool
     model_cited: bool  # the model wrote a valid [n] itself
-    citation: str  # kvservice.citing.verdict's "model", "attributed", ...
+    citation: str  # kvservice.serve.citing.verdict's "model", "attributed", ...
     cited: list[int]
     cites_fact: bool
     not_found: bool
@@ -113,8 +113,8 @@ def musique_cases(path: Path, examples: int, passages: int) -> list[Case]:
 
 
 def run(cases: list[Case], engine: Any, sampling: Any) -> list[Outcome]:
-    from kvservice.engine import Request
     from kvservice.prompt import Prompt
+    from kvservice.serve.engine import Request
 
     fmt, outcomes = engine.format, []
     for case in cases:
@@ -193,12 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from kvservice.bundled import resolve_llm_path
-    from kvservice.engine import Engine
-    from kvservice.model import Transformer
-    from kvservice.planning import FREQUENCY_PENALTY, REPETITION_PENALTY
+    from kvservice.model.bundled import resolve_llm_path
+    from kvservice.model.transformer import Transformer
     from kvservice.prompt import TURN_MARKERS, PromptFormat
-    from kvservice.sampling import SamplingParams
+    from kvservice.serve.engine import Engine
+    from kvservice.serve.planning import FREQUENCY_PENALTY, REPETITION_PENALTY
+    from kvservice.serve.sampling import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from bench.data import shared_data
 from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT, example_prompt
 from bench.timing import cpu_name, timed
-from kvservice.blend import blend_prefill
-from kvservice.bundled import default_cache_dir, resolve_llm_path
-from kvservice.kernels import DEFAULT_PRECISION, PRECISIONS
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat
 
 

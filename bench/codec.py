@@ -57,12 +57,12 @@ from bench.prefill import (
     example_prompt,
 )
 from bench.stats import quantile
-from kvservice.blend import blend_prefill
-from kvservice.bundled import default_cache_dir, resolve_llm_path
+from kvservice.blend.prefill import blend_prefill
 from kvservice.chunk import ChunkKV
-from kvservice.engine import stop_token_ids
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat, preamble_from_env, preamble_passages
+from kvservice.serve.engine import stop_token_ids
 from kvservice.store import codec as codecs
 from kvservice.store.codec import KIVI, Codec, codec_by_name, kivi
 from kvservice.store.format import (

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kvservice.kernels import DEFAULT_PRECISION, PRECISIONS, FusedLinear
-from kvservice.model import KVCache, RMSNorm, Transformer
-from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
+from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS, FusedLinear
+from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
+from kvservice.model.transformer import KVCache, RMSNorm, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -125,7 +125,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument(
         "--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-        help="the products' kernels as the worker prepares them (kvservice.kernels)",
+        help="the products' kernels as the worker prepares them (kvservice.model.kernels)",
     )  # fmt: skip
     parser.add_argument("--batch", default="1,16", help="batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=4096, help="tokens already cached")

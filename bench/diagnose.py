@@ -40,13 +40,13 @@ from bench.prefill import (
     TF_TOKENS,
     example_prompt,
 )
-from kvservice.blend import BlendResult, BlendSettings, blend_prefill
-from kvservice.blend_selection import attention_importance, select_recompute
-from kvservice.bundled import default_cache_dir, resolve_llm_path
+from kvservice.blend.prefill import BlendResult, BlendSettings, blend_prefill
+from kvservice.blend.selection import attention_importance, select_recompute
 from kvservice.chunk import ChunkKV
-from kvservice.engine import stop_token_ids
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat
+from kvservice.serve.engine import stop_token_ids
 
 
 def with_true_kv(

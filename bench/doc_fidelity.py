@@ -46,9 +46,9 @@ from bench.fidelity import (
 from bench.neighbours import keep_neighbours_together, precompute_after_previous
 from bench.prefill import GAP_TOKENS, TF_TOKENS, blend_settings
 from bench.stats import quantile
-from kvservice.blend import BlendSettings, blend_prefill
-from kvservice.kernels import DEFAULT_PRECISION
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.blend.prefill import BlendSettings, blend_prefill
+from kvservice.model.kernels import DEFAULT_PRECISION
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat, stop_token_ids
 
 MAX_NEW_TOKENS = 48  # the answer checked for the fact: a sentence or two
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from kvservice.bundled import resolve_llm_path
+    from kvservice.model.bundled import resolve_llm_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

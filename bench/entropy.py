@@ -56,7 +56,7 @@ from bench.codec import (
     write_json,
 )
 from bench.prefill import example_prompt
-from kvservice.model import precompute_chunks
+from kvservice.model.transformer import precompute_chunks
 from kvservice.store import codec as codecs
 from kvservice.store.codec import KIVI, Codec
 from kvservice.store.format import ChunkHeader, decode_header, encode_chunk

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvservice.blend import BlendResult, refresh
-from kvservice.model import Transformer
+from kvservice.blend.prefill import BlendResult, refresh
+from kvservice.model.transformer import Transformer
 
 
 def teacher_forced_fidelity(
@@ -76,7 +76,7 @@ def progressive_logits(
 ) -> torch.Tensor:
     """Teacher-forced logits of progressive blend (``--refresh``): the first position's from
     the prefill, the later ones over its cache refreshed to ``ratio`` with the first answer
-    token (``kvservice.blend.refresh``)."""
+    token (``kvservice.blend.prefill.refresh``)."""
     result = prefill()
     if len(answer) < 2:
         return result.logits[None]

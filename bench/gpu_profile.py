@@ -18,9 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.long_context import synthetic_prompt
 from bench.staging import StoreBench
-from kvservice.blend import blend_prefill
-from kvservice.model import precompute_chunks, precompute_head
-from kvservice.synthetic import random_model, synthetic_config
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.synthetic import random_model, synthetic_config
+from kvservice.model.transformer import precompute_chunks, precompute_head
 
 
 def main(argv: list[str] | None = None) -> None:

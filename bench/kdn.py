@@ -1,7 +1,7 @@
 """The knowledge delivery API as a bench tier (``--tier kdn``) and the stack it needs.
 
 ``--tier kdn --kdn-url URL --kdn-key KEY`` reads chunk KV from a running server through
-``kvservice.kdn_client``: before timing, each passage is stored with ``PUT /kdn/v1/kv``
+``kvservice.kdn.client``: before timing, each passage is stored with ``PUT /kdn/v1/kv``
 (computed by the server's KV worker after the bench's own prompt head, so the keys are the
 bench's: same model fingerprint, head hash and tokens, checked); inside the timed prefill
 the blender reads the ``POST /kdn/v1/fetch`` stream layer by layer. Without ``--kdn-url``
@@ -34,7 +34,7 @@ import torch
 from deploy import services
 from deploy.devstack import manage, start_services, stop_all
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.kdn_client import KdnClient, KdnError, KdnFetch
+from kvservice.kdn.client import KdnClient, KdnError, KdnFetch
 from kvservice.store.keys import ChunkKey
 
 BENCH_USER = "bench"

@@ -1,5 +1,5 @@
 """The long-context benchmark: TTFT, memory and loading of the prefill modes on a random-weight
-model of a real model's shape (``kvservice.synthetic``), at any context length.
+model of a real model's shape (``kvservice.model.synthetic``), at any context length.
 
     python -m kvservice.bench --synthetic llama3-8b [--layers N] --context 16384 --chunks 12 \\
         --modes full,reuse,blend --ratio 0.15 [--device cuda] [--dtype bfloat16] --json out.json
@@ -45,14 +45,14 @@ from bench.opcount import count_ops
 from bench.prefill import chunk_sources
 from bench.staging import bench_of, on_device
 from bench.timing import cpu_name, synchronize, timed
-from kvservice.blend import BlendSettings, Mode, blend_prefill
+from kvservice.blend.prefill import BlendSettings, Mode, blend_prefill
 from kvservice.chunk import ChunkKV
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.store.codec import codec_by_name
 from kvservice.store.config import StoreConfig
 from kvservice.store.format import encode_chunk
 from kvservice.store.loader import DECODE_LAYERS
-from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 
 HEAD_TOKENS = 32  # the system prompt's stand-in, before the chunks
 QUESTION_TOKENS = 32

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvservice.chunk import ChunkKV, token_ids_sha256
-from kvservice.model import Transformer, precompute_chunks
+from kvservice.model.transformer import Transformer, precompute_chunks
 
 
 def keep_neighbours_together(positions: Sequence[tuple[object, int]]) -> list[int]:

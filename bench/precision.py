@@ -1,4 +1,4 @@
-"""What bfloat16 products (``ENGINE_PRECISION=auto``, ``kvservice.kernels``) change against
+"""What bfloat16 products (``ENGINE_PRECISION=auto``, ``kvservice.model.kernels``) change against
 float32, per prompt: full prefill in each precision, both fed float32 full's greedy answer.
 
     python -m bench.precision --data ../shared/data/musique_dev.json --first 20 --examples 20
@@ -35,11 +35,11 @@ from bench.prefill import (
     example_prompt,
 )
 from bench.stats import quantile
-from kvservice.blend import blend_prefill
-from kvservice.bundled import default_cache_dir, resolve_llm_path
-from kvservice.engine import stop_token_ids
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat
+from kvservice.serve.engine import stop_token_ids
 
 
 def _example(model, fmt, example, args, stop_ids) -> dict:

@@ -21,7 +21,7 @@ on the same prompt: a mean can hide a few prompts that blend gets badly wrong.
 
 ``--ratios 0.05,0.10,...`` also runs blend at each ratio (run keys ``blend@0.05``) and adds
 the ``curve`` users choose a ratio from: TTFT relative to full against fidelity, for full,
-reuse and each blend ratio; ``--plot curve.svg`` draws it (``kvservice.curve``, which the
+reuse and each blend ratio; ``--plot curve.svg`` draws it (``kvservice.blend.curve``, which the
 dashboard draws it with too).
 
 ``--first``/``--examples`` pick the examples: the blend defaults were tuned on 0-19 and are
@@ -63,16 +63,16 @@ from bench.opcount import count_ops
 from bench.staging import TIERS, after_full, bench_of, parse_link_rate
 from bench.stats import bootstrap_ci, quantile
 from bench.timing import cpu_name, timed
-from kvservice.blend import MODES, BlendResult, BlendSettings, Mode, blend_prefill, refresh
-from kvservice.bundled import default_cache_dir, resolve_llm_path
+from kvservice.blend.curve import ratio_curve_svg
+from kvservice.blend.prefill import MODES, BlendResult, BlendSettings, Mode, blend_prefill, refresh
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.curve import ratio_curve_svg
-from kvservice.engine import stop_token_ids
-from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
-from kvservice.model import Transformer, precompute_chunks, precompute_head
+from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
+from kvservice.model.synthetic import SYNTHETIC_CONFIGS
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import Prompt, PromptFormat, preamble_from_env, preamble_passages
+from kvservice.serve.engine import stop_token_ids
 from kvservice.store.config import StoreConfig
-from kvservice.synthetic import SYNTHETIC_CONFIGS
 from webapp.dashboard.fidelity import token_f1
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions using the given passages."
@@ -362,7 +362,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-        help="the linear layers' products (kvservice.kernels): auto takes bfloat16 where native",
+        help="the linear layers' products (kvservice.model.kernels): auto takes bfloat16 "
+        "where native",
     )  # fmt: skip
     parser.add_argument("--kernel", choices=KERNELS, default=None, help="force a linear kernel")
     parser.add_argument(
@@ -372,7 +373,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--refresh", type=float, default=None, metavar="R",
         help="also run progressive blend: each blend run below R again (run key blend>R, "
-        "blend@0.05>R), its cache upgraded to R after the first token (kvservice.blend.refresh)",
+        "blend@0.05>R), its cache upgraded to R after the first token "
+        "(kvservice.blend.prefill.refresh)",
     )  # fmt: skip
     parser.add_argument(
         "--blend", action="append", default=[], metavar="NAME=VALUE",

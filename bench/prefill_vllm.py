@@ -21,7 +21,7 @@ engines agree token for token, and each engine's decode rate on it (tokens after
 per second after the first). TTFT ratios are to vLLM's own ``full`` of the same prompt,
 for both engines: what a user who would otherwise run vLLM waits for (issue #30: blend at
 least 3x lower, native full within 1.25x of it). ``--precision``/``--kernel`` set the native
-engine's products (``kvservice.kernels``); vLLM runs its own (float32 on CPU).
+engine's products (``kvservice.model.kernels``); vLLM runs its own (float32 on CPU).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ import torch
 from bench.data import passage_texts
 from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT
 from bench.timing import cpu_name
-from kvservice.bundled import default_cache_dir, resolve_llm_path
-from kvservice.compute_threads import run_in_passing_thread, single_threaded
-from kvservice.engine import Engine, Request
-from kvservice.model import Transformer, precompute_chunks
+from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.transformer import Transformer, precompute_chunks
 from kvservice.prompt import Prompt, PromptFormat, preamble_passages
-from kvservice.sampling import SamplingParams
+from kvservice.serve.compute_threads import run_in_passing_thread, single_threaded
+from kvservice.serve.engine import Engine, Request
+from kvservice.serve.sampling import SamplingParams
 from kvservice.store import ChunkKey, StoreConfig, TieredStore
 
 

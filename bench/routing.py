@@ -5,11 +5,11 @@
 
 Two users' document sets (each the passages of ``--per-set`` Musique examples, a scope each)
 have their KV precomputed into S3 first, so every miss is a load from S3, never a recompute.
-Two real inference workers (``python -m kvservice.server``) then answer the same questions,
+Two real inference workers (``python -m kvservice.serve.server``) then answer the same questions,
 the two sets' examples alternating, ``--rounds`` times over, one at a time, under each policy
 in turn, each policy with freshly started workers (cold memory tiers):
 
-* ``cache-aware``: the queue ``kvservice.routing.choose_queue`` picks, as the web app does;
+* ``cache-aware``: the queue ``kvservice.serve.routing.choose_queue`` picks, as the web app does;
 * ``random``: one of the two workers' own queues, uniformly.
 
 Each worker's memory tier holds about one set (``KV_CPU_CAPACITY_BYTES``; no disk tier), the
@@ -60,7 +60,7 @@ def _precompute_into_s3(sets: list[list[dict]], scopes: list[str], model_dir: Pa
     load."""
     from transformers import AutoTokenizer
 
-    from kvservice.model import Transformer, precompute_chunks
+    from kvservice.model.transformer import Transformer, precompute_chunks
     from kvservice.prompt import PromptFormat
     from kvservice.store import StoreConfig, TieredStore
 
@@ -88,7 +88,8 @@ def _start_workers(shared: str, env: dict[str, str], logs: Path) -> list[subproc
         }
         log = open(logs / f"{shared}-{index}.log", "wb")  # noqa: SIM115 - the child keeps it
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", "kvservice.server"], cwd=REPO_ROOT, env=worker_env, stdout=log,
+            [sys.executable, "-m", "kvservice.serve.server"], cwd=REPO_ROOT, env=worker_env,
+            stdout=log,
             stderr=subprocess.STDOUT, preexec_fn=services.die_with_parent(),
         ))  # fmt: skip
         log.close()
@@ -109,7 +110,6 @@ def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any
     import redis
     from celery import Celery
 
-    from kvservice import routing
     from kvservice.protocol import (
         GENERATE_TASK,
         ChunkRef,
@@ -118,6 +118,7 @@ def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any
         decode_events,
         worker_alive,
     )
+    from kvservice.serve import routing
 
     client = redis.Redis.from_url(env["REDIS_URL"])
     sender = Celery("routebench", broker=env["REDIS_URL"])
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from transformers import AutoTokenizer
 
-    from kvservice.bundled import default_cache_dir, resolve_llm_path
+    from kvservice.model.bundled import default_cache_dir, resolve_llm_path
 
     model_dir = resolve_llm_path(None, default_cache_dir())
     sets = _documents(args.data, args.first, args.per_set, AutoTokenizer.from_pretrained(model_dir))

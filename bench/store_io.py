@@ -24,7 +24,7 @@ import torch
 
 from bench.s3 import gateway_unless_configured
 from kvservice.chunk import ChunkKV
-from kvservice.controller import LoadingController
+from kvservice.serve.controller import LoadingController
 from kvservice.store.config import StoreConfig
 from kvservice.store.loader import KVLoader
 from kvservice.store.tiered import TieredStore

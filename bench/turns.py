@@ -1,10 +1,10 @@
 """Follow-up questions: TTFT and fidelity of turns 2-5 when the previous turn's context KV is
-read as it stands (``kvservice.prefix``), against blending the chunks again and full prefill.
+read as it stands (``kvservice.serve.prefix``), against blending the chunks again and full prefill.
 
     python -m bench.turns --data ../shared/data/musique_dev.json --first 20 --conversations 4
 
 A conversation is the product's prompt (``PromptFormat.for_tokenizer``: numbered passages,
-earlier questions in the question part, as ``kvservice.answer`` builds it) over one Musique
+earlier questions in the question part, as ``kvservice.serve.answer`` builds it) over one Musique
 example's passages, asked ``--turns`` questions in a row: the example's own, then the next
 examples' (a follow-up retrieves the same passages; whether they answer it does not matter to
 the prefill's fidelity). Each turn is prefilled four ways, interleaved, from chunk KV in CPU
@@ -33,12 +33,12 @@ from bench.fidelity import (
 from bench.prefill import GAP_TOKENS, TF_TOKENS
 from bench.stats import quantile
 from bench.timing import cpu_name, timed
-from kvservice.blend import blend_prefill
-from kvservice.bundled import default_cache_dir, resolve_llm_path
-from kvservice.engine import stop_token_ids
-from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.prefix import PrefixKV
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat
+from kvservice.serve.engine import stop_token_ids
+from kvservice.serve.prefix import PrefixKV
 
 RUNS = ("full", "blend", "reuse", "turn_kv")
 

@@ -222,9 +222,9 @@ def start_app(children: list[Supervised], env: dict[str, str], data: Path, port:
     children.append(Supervised(partial(run_child, "celery worker", argv, env, logs / "celery.log")))
     # INFERENCE_WORKERS=2: two inference workers sharing the S3 tier, each with its own
     # memory and disk tiers; questions go to the one that holds their chunks
-    # (kvservice.routing).
+    # (kvservice.serve.routing).
     for name, worker_env, log in inference_workers(env, data, logs):
-        argv = [sys.executable, "-m", "kvservice.server"]
+        argv = [sys.executable, "-m", "kvservice.serve.server"]
         children.append(Supervised(partial(run_child, name, argv, worker_env, log)))
     children.append(Supervised(partial(run_child, "web server", web_server_argv(port), env, None)))
 

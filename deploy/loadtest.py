@@ -41,7 +41,7 @@ QUESTIONS = [
     "When did the railway reach the town?",
     "What does the museum hold?",
 ]
-ROLES = {"uvicorn": "web", "kvservice.server": "inference", "inference@": "inference",
+ROLES = {"uvicorn": "web", "kvservice.serve.server": "inference", "inference@": "inference",
          "celery": "celery", "postgres": "postgres", "weed": "s3", "valkey": "valkey"}  # fmt: skip
 
 

@@ -5,7 +5,7 @@ store (which serializes, tiers and loads it). Both sides import it; neither defi
 
 Layout: K and V are ``[L, H_kv, T, D]`` tensors (layers, KV heads, tokens, head dim).
 K is stored *before* RoPE, so a cached chunk can be placed at any position of a new prompt
-by rotating it there (``kvservice.model.apply_rope`` at the new positions).
+by rotating it there (``kvservice.model.transformer.apply_rope`` at the new positions).
 
 A chunk is precomputed *after* the deployment's fixed prompt head (BOS, chat-template
 opening, system prompt): the chunk's tokens attend to the head as they will in the real

@@ -7,7 +7,7 @@ before the model loads. Nothing else in the worker reads the environment for the
 | ``REDIS_URL`` | the broker and the answer streams (required) |
 | ``MODEL_PATH`` | a model directory or ``.gguf`` file (default: the bundled SmolLM2-135M) |
 | ``ENGINE`` | ``native`` (default) or ``vllm`` |
-| ``ENGINE_PRECISION``, ``ENGINE_KERNEL`` | the native engine's products (kvservice.kernels) |
+| ``ENGINE_PRECISION``, ``ENGINE_KERNEL`` | the native engine's products (kvservice.model.kernels) |
 | ``INFERENCE_CONCURRENCY``, ``INFERENCE_QUEUE``, ``INFERENCE_NODE_NAME`` | serving |
 | ``KV_SOURCE``, ``KDN_URL`` | chunk KV from S3 (default) or the knowledge delivery API |
 | ``BLEND_REFRESH_RATIO`` | progressive blend's ratio after the first token (unset: off) |
@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvservice.bundled import default_cache_dir
-from kvservice.engine import refresh_ratio_from_env
-from kvservice.kdn_client import KvSource
-from kvservice.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
-from kvservice.prefix import capacity_from_env
+from kvservice.kdn.client import KvSource
+from kvservice.model.bundled import default_cache_dir
+from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.protocol import INFERENCE_QUEUE
+from kvservice.serve.engine import refresh_ratio_from_env
+from kvservice.serve.prefix import capacity_from_env
 from kvservice.store import StoreConfig
 
 ENGINES = ("native", "vllm")
@@ -42,7 +42,7 @@ class WorkerConfig:
     queue: str  # the shared queue; this worker also serves routing.worker_queue(WORKER_ID)
     engine: str  # "native" (kvservice's engine) or "vllm" (kvservice.vllm)
     node_name: str  # Celery's name for this worker; several on one host need their own
-    precision: str = DEFAULT_PRECISION  # the native engine's products (kvservice.kernels)
+    precision: str = DEFAULT_PRECISION  # the native engine's products (kvservice.model.kernels)
     kernel: str | None = None  # ENGINE_KERNEL: one kernel instead of the fastest measured
     kv_source: KvSource = KvSource()
     refresh_ratio: float | None = None

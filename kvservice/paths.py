@@ -9,7 +9,8 @@ the KV store, the dev stack (``deploy.stack``) and the web settings take these d
 The disk tier sits under ``DATA_DIR`` because that is where a deployment gives local state its
 room: the dev stack's data directory, and the sized ``/data`` volume of the Compose and
 Kubernetes inference workers. (The model cache, ``RAGBLEND_MODEL_CACHE``, is another matter:
-converted weights shared by every stack of a machine; ``kvservice.bundled.default_cache_dir``.)
+converted weights shared by every stack of a machine:
+``kvservice.model.bundled.default_cache_dir``.)
 """
 
 from __future__ import annotations

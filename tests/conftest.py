@@ -176,14 +176,14 @@ def celery_worker_process(
 def inference_worker_process(
     redis_service, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[subprocess.Popen]:
-    """The real inference worker (``python -m kvservice.server``) with the bundled model."""
+    """The real inference worker (``python -m kvservice.serve.server``) with the bundled model."""
     from webapp.redis import redis_client
 
     log_path = tmp_path_factory.mktemp("logs") / "inference.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_CONCURRENCY": "4",
            "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE,
            "HEARTBEAT_KEY": LIVE_HEARTBEAT_KEY}  # fmt: skip
-    process = _spawn_worker([sys.executable, "-m", "kvservice.server"], log_path, env)
+    process = _spawn_worker([sys.executable, "-m", "kvservice.serve.server"], log_path, env)
     try:
         wait_for(
             lambda: (
@@ -222,7 +222,7 @@ def _work_left(client) -> dict[str, int]:
     """What the live workers still have to do: tasks queued for either worker, tasks a Celery
     worker took and has not finished (they are acknowledged late), answers being generated."""
     from kvservice.protocol import INFLIGHT_KEY
-    from kvservice.routing import backlog
+    from kvservice.serve.routing import backlog
 
     work = {
         "queued for the Celery worker": sum(client.llen(queue) for queue in CELERY_QUEUES),

@@ -12,7 +12,7 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 from deploy.stack import apply_stack_env, data_dir
-from kvservice import deadlines
+from kvservice.serve import deadlines
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = data_dir()
@@ -174,10 +174,10 @@ S3_DOCUMENTS_BUCKET = env.str("S3_DOCUMENTS_BUCKET", default="documents")
 # side creates and checks the bucket the workers write to.
 S3_KV_BUCKET = env.str("KV_S3_BUCKET", default="kvcache")
 # The LLM whose tokenizer chunks documents and whose KV is precomputed: a local HF checkpoint
-# directory, or "" for the bundled SmolLM2 (kvservice.bundled.resolve_llm_path).
+# directory, or "" for the bundled SmolLM2 (kvservice.model.bundled.resolve_llm_path).
 MODEL_PATH = env.str("MODEL_PATH", default="")
 # The native engine's products, in ingest's KV precompute as in the inference worker
-# (kvservice.kernels): auto (the default: bfloat16 where the CPU has it natively), or float32.
+# (kvservice.model.kernels): auto (the default: bfloat16 where the CPU has it natively), or float32.
 ENGINE_PRECISION = env.str("ENGINE_PRECISION", default="") or None
 for _name, _value in [("REDIS_URL", REDIS_URL), ("S3_ENDPOINT", S3_ENDPOINT)]:
     if not _value:
@@ -189,7 +189,7 @@ CACHES = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "ragblend:cache",
-        # The web app's Redis deadlines (kvservice/deadlines.py), not redis-py's defaults.
+        # The web app's Redis deadlines (kvservice/serve/deadlines.py), not redis-py's defaults.
         "OPTIONS": deadlines.redis_options(),
     }
 }
@@ -206,7 +206,7 @@ CELERY_TASK_ROUTES = {
 }
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600, **deadlines.BROKER_TRANSPORT_OPTIONS}
 # Deadlines on the result backend and on publishing, as the inference worker's app has them
-# (kvservice.deadlines.celery_options): a frozen broker fails a send in seconds.
+# (kvservice.serve.deadlines.celery_options): a frozen broker fails a send in seconds.
 CELERY_REDIS_SOCKET_TIMEOUT = deadlines.REDIS_COMMAND_TIMEOUT_S
 CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = deadlines.REDIS_CONNECT_TIMEOUT_S
 CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"retry_policy": deadlines.CELERY_RETRY_POLICY}
@@ -240,7 +240,7 @@ KDN_PUT_WAIT_S = env.float("KDN_PUT_WAIT_S", default=120.0)
 # of English are about 1.2 MB of JSON. Keep it within Django's DATA_UPLOAD_MAX_MEMORY_SIZE
 # (2.5 MB), past which Django refuses to read a body (also a 413, webapp/api/errors.py).
 KDN_MAX_BODY_BYTES = env.int("KDN_MAX_BODY_BYTES", default=2 * 1024 * 1024)
-# Where the inference worker reads chunk KV (kvservice.kdn_client.KvSource reads the same
+# Where the inference worker reads chunk KV (kvservice.kdn.client.KvSource reads the same
 # variable): "s3", or "kdn" through /kdn/v1, with a token the web app signs for each passage
 # of a question (webapp/kdn/tokens.py), at most KDN_TOKEN_TTL_S and the request's timeout.
 # With "s3" no token is signed: none is needed, so none travels in the task messages.
@@ -275,9 +275,9 @@ MAX_REQUEST_BYTES = env.int("MAX_REQUEST_BYTES", default=4 * MAX_UPLOAD_BYTES)
 
 # --- chat -------------------------------------------------------------------------------------
 
-# The Celery queue the inference worker serves (kvservice.server reads the same variable).
+# The Celery queue the inference worker serves (kvservice.serve.server reads the same variable).
 INFERENCE_QUEUE = env.str("INFERENCE_QUEUE", default="inference")
-# The inference worker's serving engine (kvservice.server reads the same variable): "native"
+# The inference worker's serving engine (kvservice.serve.server reads the same variable): "native"
 # (kvservice's own engine) or "vllm" (vLLM, with cached/blended KV through kvservice.vllm).
 ENGINE = env.str("ENGINE", default="native").strip().lower()
 if ENGINE not in ("native", "vllm"):

@@ -2,7 +2,7 @@
 
 Run: ``celery -A worker worker -Q answers,ingest,kv`` (``answers``: the inference worker's
 reports of finished answers, ``kvservice.protocol.RECORD_QUEUE``). The inference worker is a
-separate process with its own app on the ``inference`` queue (kvservice/server.py), so the
+separate process with its own app on the ``inference`` queue (kvservice/serve/server.py), so the
 model is loaded once, away from Django.
 """
 

@@ -13,7 +13,7 @@ no torch (the web app reads it without loading the engine).
   is watching the stream.
 - ``inflight``: which worker is writing which answer, and whether it still lives; the web
   side's reaper ends the answers of dead, lost or stuck workers.
-- The heartbeat (kvservice/heartbeat.py) carries the worker's live state for the dashboard.
+- The heartbeat (kvservice/serve/heartbeat.py) carries the worker's live state for the dashboard.
 
 The names below are the package's whole surface: import them from ``kvservice.protocol``.
 """

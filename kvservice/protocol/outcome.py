@@ -37,7 +37,7 @@ class AnswerOutcome:
 
     ``text`` is the answer as recorded: the model's words, except for an answer no passage
     supports, whose words are ``withheld`` and whose text says "not found"
-    (``kvservice.citing.verdict``). ``metrics`` is what the worker measured (its keys are
+    (``kvservice.serve.citing.verdict``). ``metrics`` is what the worker measured (its keys are
     listed in docs/architecture.md, "What an answer records"); ``passages`` the passages the
     prompt kept, in rank order; ``audit_of`` is set on a fidelity re-run of another answer.
     """

@@ -50,7 +50,7 @@ class GenerateRequest:
     # controller's floor for this request in r_min's place (loading may raise it).
     target_ratio: float | None = None
     # Progressive blend: the ratio a blend's cache is upgraded to after the first token
-    # (kvservice.blend.refresh); None: the worker's BLEND_REFRESH_RATIO, 0: not upgraded.
+    # (kvservice.blend.prefill.refresh); None: the worker's BLEND_REFRESH_RATIO, 0: not upgraded.
     refresh_ratio: float | None = None
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0: greedy (a first answer); above: sampled (an answer again)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvservice.chunk import ChunkKV
-from kvservice.compute_threads import single_threaded
+from kvservice.serve.compute_threads import single_threaded
 from kvservice.store.base import ReadMeter, read_fully
 from kvservice.store.errors import ChunkCorrupt, ChunkMissing, ChunkTruncated, ChunkUnavailable
 from kvservice.store.format import (
@@ -613,7 +613,7 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
 
 
 def _start_fetch_thread(nice: int) -> None:
-    """A fetch thread runs torch on one core (``kvservice.compute_threads``) and below the
+    """A fetch thread runs torch on one core (``kvservice.serve.compute_threads``) and below the
     prefill's priority by ``nice`` (Linux schedules threads on their own: a thread id is a
     process id to ``setpriority``), so that on shared cores the prefill's threads go first;
     elsewhere, or without the right, its priority stays as it is."""

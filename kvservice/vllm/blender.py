@@ -2,7 +2,7 @@
 
 How the blender reaches the weights
 -----------------------------------
-``kvservice.blend.blend_prefill`` needs a model with our layer halves (``Block.project``
+``kvservice.blend.prefill.blend_prefill`` needs a model with our layer halves (``Block.project``
 then ``Block.attend_and_mlp``/``finish``), an embedding, a final norm and the logits. Two
 ways to give it one inside a vLLM deployment:
 
@@ -58,9 +58,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvservice.checkpoint import checkpoint_config, checkpoint_fingerprint
-from kvservice.families import ModelConfig
-from kvservice.model import Block, Transformer, apply_rope, set_rope_buffers
+from kvservice.model.checkpoint import checkpoint_config, checkpoint_fingerprint
+from kvservice.model.families import ModelConfig
+from kvservice.model.transformer import Block, Transformer, apply_rope, set_rope_buffers
 
 _REQUIRED_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _REQUIRED_ATTENTION_PARTS = ("qkv_proj", "o_proj")
@@ -103,7 +103,8 @@ class VllmBlock(Block):
             config.head_dim,
         )
         self.qk_norm, self.sandwich = config.qk_norm, config.sandwich_norms
-        scale = config.attention_scale  # folded into q, as in ``kvservice.model.Attention``
+        # folded into q, as in ``kvservice.model.transformer.Attention``
+        scale = config.attention_scale
         self.q_scale = 1.0 if scale is None else scale * config.head_dim**0.5
 
     @property
@@ -114,7 +115,7 @@ class VllmBlock(Block):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, S, dim]`` -> rotated q ``[B, H, S, D]``, rotated k, v and pre-RoPE k
-        ``[B, H_kv, S, D]`` (``kvservice.model.Block.project``'s)."""
+        ``[B, H_kv, S, D]`` (``kvservice.model.transformer.Block.project``'s)."""
         bsz, seqlen, dim = x.shape
         layer = self.vllm_layer
         h = layer.input_layernorm(x.reshape(bsz * seqlen, dim))  # vLLM ops take [N, dim]

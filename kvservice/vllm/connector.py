@@ -21,7 +21,7 @@ Scheduler side
 
 Worker side
   ``start_load_kv`` runs before that step's forward. For each request it loads the chunks'
-  KV from the store and runs ``kvservice.blend.blend_prefill`` over vLLM's own model (see
+  KV from the store and runs ``kvservice.blend.prefill.blend_prefill`` over vLLM's own model (see
   ``kvservice.vllm.blender``): ``reuse`` rotates the cached K to the chunks' positions,
   ``blend`` also recomputes the high-deviation tokens. The context's K (rotated) and V are
   written into each attention layer's paged cache through the attention backend's own
@@ -303,8 +303,8 @@ class RagblendConnector(KVConnectorBase_V1):
     def _context_kv(self, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated) and V ``[L, H_kv, end - start, D]`` of the context, by ``blend_prefill``
         over the provided chunks; the rest of the prompt plays the question."""
-        from kvservice.blend import blend_prefill
-        from kvservice.model import precompute_head
+        from kvservice.blend.prefill import blend_prefill
+        from kvservice.model.transformer import precompute_head
         from kvservice.store import ChunkKey
 
         plan, model = spec.plan, self.blender_model

@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvservice.blend import MODES
-from kvservice.engine import Completion
+from kvservice.blend.prefill import MODES
 from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
 from kvservice.protocol import TokenEvent
-from kvservice.sampling import SamplingParams
+from kvservice.serve.engine import Completion
+from kvservice.serve.sampling import SamplingParams
 from kvservice.store import StoreConfig
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class VllmEngine:
             top_p=sampling.top_p,
             seed=sampling.seed,
             stop_token_ids=sorted(self.stop_ids | set(sampling.stop_token_ids)),
-            # The same decoding as the native engine (kvservice.sampling.apply_penalties and
+            # The same decoding as the native engine (kvservice.serve.sampling.apply_penalties and
             # StopStrings follow vLLM's definitions).
             repetition_penalty=sampling.repetition_penalty,
             frequency_penalty=sampling.frequency_penalty,
@@ -322,10 +322,10 @@ def _served_model_len(model_path: str, requested: int) -> int:
     to start past it) and capped at the context the blender turns as vLLM does: LongRoPE's
     original context (Phi-3/Phi-4). Past it vLLM turns *every* position by the long factors
     (``Phi3LongRoPEScaledRotaryEmbedding``), while the blender and the native engine keep the
-    short ones (``kvservice.model._longrope_fields``): the KV the connector wrote would not
-    be the KV vLLM's own layers expect."""
-    from kvservice.checkpoint import checkpoint_config
-    from kvservice.families import UnsupportedModelError
+    short ones (``kvservice.model.families``): the KV the connector
+    wrote would not be the KV vLLM's own layers expect."""
+    from kvservice.model.checkpoint import checkpoint_config
+    from kvservice.model.families import UnsupportedModelError
 
     config = json.loads((Path(model_path) / "config.json").read_text())
     declared = config.get("max_position_embeddings") or config.get("text_config", {}).get(
@@ -346,6 +346,6 @@ def _served_model_len(model_path: str, requested: int) -> int:
 
 
 def _fingerprint(model_path: str) -> str:
-    from kvservice.checkpoint import checkpoint_fingerprint
+    from kvservice.model.checkpoint import checkpoint_fingerprint
 
     return checkpoint_fingerprint(model_path)

@@ -1,4 +1,4 @@
-"""The inference worker's runtime with ``ENGINE=vllm``: what ``kvservice.server`` holds for
+"""The inference worker's runtime with ``ENGINE=vllm``: what ``kvservice.serve.server`` holds for
 its lifetime when vLLM serves every mode (see ``kvservice.vllm.engine``).
 
 It offers what the server and the answer path use from the native ``Runtime``: the prompt
@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvservice.config import WorkerConfig
-from kvservice.planning import PlannedRequest
 from kvservice.prompt import Prompt
 from kvservice.protocol import TokenEvent
+from kvservice.serve.planning import PlannedRequest
 from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
 
 
@@ -45,9 +45,9 @@ class VllmRuntime:
                 self.active -= 1
 
     def load(self, cfg: WorkerConfig) -> None:
-        from kvservice.bundled import resolve_llm_path
-        from kvservice.checkpoint import checkpoint_config
-        from kvservice.controller import LoadingController
+        from kvservice.model.bundled import resolve_llm_path
+        from kvservice.model.checkpoint import checkpoint_config
+        from kvservice.serve.controller import LoadingController
         from kvservice.store import StoreConfig, TieredStore
 
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)

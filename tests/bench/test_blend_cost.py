@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.blend_cost import metered_attention, visible_pairs
-from kvservice.blend import blend_prefill
-from kvservice.model import precompute_chunks
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.transformer import precompute_chunks
 
 
 def test_visible_pairs_counts_what_each_kind_of_call_lets_a_query_see():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bench.decode import copy_bandwidth, main, parse_args, weight_bytes
-from kvservice.kernels import candidates
-from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
+from kvservice.model.kernels import candidates
+from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 from tests.kvservice.conftest import TINY_COMMON
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 
 from bench.diagnose import with_true_kv
-from kvservice.blend import blend_prefill
-from kvservice.model import precompute_chunks
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.transformer import precompute_chunks
 
 
 def test_reuse_over_true_kv_is_full_and_partial_true_kv_is_between(tiny_llama):

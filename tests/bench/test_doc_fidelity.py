@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.doc_fidelity import plan_runs, summary
-from kvservice.blend import BlendSettings
+from kvservice.blend.prefill import BlendSettings
 
 
 def test_runs_cover_both_stored_forms_each_ratio_and_each_temperature():

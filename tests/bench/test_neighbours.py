@@ -6,7 +6,7 @@ import torch
 
 from bench.neighbours import keep_neighbours_together, precompute_after_previous
 from kvservice.chunk import token_ids_sha256
-from kvservice.model import precompute_chunks, precompute_head
+from kvservice.model.transformer import precompute_chunks, precompute_head
 
 
 def test_consecutive_chunks_of_a_document_go_together_in_its_order():

@@ -29,8 +29,8 @@ from bench.prefill import (
     summarize,
 )
 from bench.stats import bootstrap_ci, quantile
-from kvservice.blend import blend_prefill
-from kvservice.model import precompute_chunks
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.transformer import precompute_chunks
 
 
 def test_blend_settings_are_read_as_literals_or_text():

@@ -163,7 +163,7 @@ def test_a_follow_up_over_the_same_passages_reads_the_previous_turns_kv(
     celery_worker_process, inference_worker_process, django_user_model
 ) -> None:
     """The second question of a conversation retrieves the passage of the first: the worker
-    reads the first turn's context KV as it stands (kvservice.prefix) instead of loading and
+    reads the first turn's context KV as it stands (kvservice.serve.prefix) instead of loading and
     blending the chunk again."""
     user = django_user_model.objects.create_user(username="follower", password="follow-pass")
     upload_ready(user, TEXT.replace("Zorbian", "Tessel"), "tessel.txt")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from django.test import TestCase
 
-from kvservice.citing import cited_ranks, says_not_found
+from kvservice.serve.citing import cited_ranks, says_not_found
 from tests.e2e.test_chat_e2e import collect_stream, upload_ready, wait_recorded
 from tests.e2e.test_handbook import ask
 from webapp.chat import services as chat

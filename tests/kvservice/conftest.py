@@ -83,7 +83,7 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_checkpoints):
-    from kvservice.model import Transformer
+    from kvservice.model.transformer import Transformer
 
     return Transformer.from_pretrained(tiny_checkpoints["llama"], device="cpu")
 
@@ -91,14 +91,14 @@ def tiny_llama(tiny_checkpoints):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     # The product's own cache dir: converted once per machine, then reused (fast).
-    from kvservice.bundled import default_cache_dir, smollm2_checkpoint
+    from kvservice.model.bundled import default_cache_dir, smollm2_checkpoint
 
     return smollm2_checkpoint(default_cache_dir())
 
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir):
-    from kvservice.model import Transformer
+    from kvservice.model.transformer import Transformer
 
     return Transformer.from_pretrained(smollm2_dir, device="cpu")
 

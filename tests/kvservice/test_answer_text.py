@@ -1,6 +1,6 @@
-"""What of a streamed answer is shown (kvservice.sampling.AnswerText): a repeat ends the
+"""What of a streamed answer is shown (kvservice.serve.sampling.AnswerText): a repeat ends the
 answer before it is shown, an answer cut at the token cap ends at a sentence or a whole word,
-and what was shown is never taken back; the inference worker (kvservice.answer) streams and
+and what was shown is never taken back; the inference worker (kvservice.serve.answer) streams and
 records answers through it."""
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from types import SimpleNamespace
 
 import redis
 
-from kvservice.answer import answer_request
-from kvservice.citing import UNSUPPORTED, WITHDRAWN
 from kvservice.prompt import PromptFormat
 from kvservice.protocol import (
     AnswerOutcome,
@@ -24,7 +22,9 @@ from kvservice.protocol import (
     TokenEvent,
     answer_stream,
 )
-from kvservice.sampling import AnswerText
+from kvservice.serve.answer import answer_request
+from kvservice.serve.citing import UNSUPPORTED, WITHDRAWN
+from kvservice.serve.sampling import AnswerText
 
 
 def stream(pieces: list[str], *, cut: bool) -> tuple[AnswerText, list[str]]:

@@ -7,17 +7,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvservice.blend import BlendSettings, blend_prefill, refresh
-from kvservice.blend_attention import attend_and_weigh, attend_grouped, group_queries
-from kvservice.blend_placing import rotate_into
-from kvservice.blend_selection import (
+from kvservice.blend.attention import attend_and_weigh, attend_grouped, group_queries
+from kvservice.blend.placing import rotate_into
+from kvservice.blend.prefill import BlendSettings, blend_prefill, refresh
+from kvservice.blend.selection import (
     attention_importance,
     select_recompute,
     selection_layers,
     smooth_scores,
 )
 from kvservice.chunk import ChunkKV
-from kvservice.model import (
+from kvservice.model.transformer import (
     KVCache,
     apply_rope,
     attend,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.blend import BlendSettings, blend_prefill
-from kvservice.blend_attention import attend_and_weigh, attend_grouped, group_queries
-from kvservice.blend_placing import stale_shift
-from kvservice.blend_plan import StaleReading
-from kvservice.blend_selection import round_budgets
-from kvservice.model import attend, position_mask, precompute_chunks
+from kvservice.blend.attention import attend_and_weigh, attend_grouped, group_queries
+from kvservice.blend.placing import stale_shift
+from kvservice.blend.plan import StaleReading
+from kvservice.blend.prefill import BlendSettings, blend_prefill
+from kvservice.blend.selection import round_budgets
+from kvservice.model.transformer import attend, position_mask, precompute_chunks
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_the_stale_corrections_leave_reuse_as_stored(tiny_blend):
 
 
 def test_the_stale_temperature_ramps_with_the_cached_tokens_a_chunk_never_saw():
-    from kvservice.blend_plan import Segment, stale_reading
+    from kvservice.blend.plan import Segment, stale_reading
 
     cached = object()  # any source: only whether a segment is read from cache matters here
     segments = [
@@ -238,7 +238,7 @@ def test_local_layer_weight_weighs_the_sliding_layers_in_selection():
     """Gemma 3's sliding layers read only the last window: at weight 0 selection reads the
     global layers alone, at 1 every layer alike (the default), and a model with no sliding
     layers, or only sliding ones (Phi-3), is read alike whatever the weight."""
-    from kvservice.blend_selection import attention_importance, local_layer_weights
+    from kvservice.blend.selection import attention_importance, local_layer_weights
 
     windows = [4, 4, None, 4, 4, None]
     assert local_layer_weights(windows, 1.0) is None
@@ -265,7 +265,7 @@ def test_local_layer_weight_changes_what_gemma3_blend_recomputes(tmp_path):
     the same first pass, another selection, so another result."""
     import transformers
 
-    from kvservice.model import Transformer
+    from kvservice.model.transformer import Transformer
 
     from .conftest import perturbed
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from kvservice.bundled import (
+from kvservice.model.bundled import (
     ModelPathError,
     default_cache_dir,
     minilm_path,
@@ -61,9 +61,9 @@ def test_minilm_dir_loads_offline():
 def test_bundled_dir_answers_a_prompt_like_our_engine(smollm2_dir, smollm2, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvservice.engine import Engine, Request
     from kvservice.prompt import PromptFormat
-    from kvservice.sampling import SamplingParams
+    from kvservice.serve.engine import Engine, Request
+    from kvservice.serve.sampling import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -89,10 +89,10 @@ def test_bundled_dir_answers_a_prompt_like_our_engine(smollm2_dir, smollm2, smol
 @pytest.mark.slow
 def test_conversion_is_atomic_and_reused(tmp_path, monkeypatch):
     """Converts the GGUF from scratch (about 30 s); a second call reuses the directory. The
-    conversion (``kvservice.gguf_checkpoint``) gives the weights and config the earlier
+    conversion (``kvservice.model.gguf``) gives the weights and config the earlier
     conversion through transformers gave: the same model fingerprint, so stored chunk KV
     keys stay valid."""
-    import kvservice.gguf_checkpoint as gguf_checkpoint
+    import kvservice.model.gguf as gguf_checkpoint
 
     calls = []
     real = gguf_checkpoint.convert_gguf
@@ -114,7 +114,7 @@ def test_conversion_is_atomic_and_reused(tmp_path, monkeypatch):
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in path.iterdir()
     }
-    from kvservice.model import Transformer
+    from kvservice.model.transformer import Transformer
 
     model = Transformer.from_pretrained(path)
     assert model.config.n_layers == 30
@@ -129,8 +129,8 @@ def test_processes_starting_at_once_convert_once(tmp_path, monkeypatch):
     import threading
     import time
 
-    import kvservice.gguf_checkpoint as gguf_checkpoint
-    from kvservice.bundled import gguf_checkpoint as checkpoint_of
+    import kvservice.model.gguf as gguf_checkpoint
+    from kvservice.model.bundled import gguf_checkpoint as checkpoint_of
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)

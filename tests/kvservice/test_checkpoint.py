@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvservice.checkpoint import checkpoint_fingerprint
-from kvservice.model import Transformer
+from kvservice.model.checkpoint import checkpoint_fingerprint
+from kvservice.model.transformer import Transformer
 
 from .test_families import tiny_family_model
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvservice.citing import (
+from kvservice.serve.citing import (
     UNSUPPORTED,
     attribute,
     cited_ranks,

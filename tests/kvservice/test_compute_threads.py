@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from kvservice.compute_threads import run_in_passing_thread, single_threaded
-from kvservice.engine import Engine, Request
 from kvservice.prompt import PromptFormat
-from kvservice.sampling import SamplingParams
+from kvservice.serve.compute_threads import run_in_passing_thread, single_threaded
+from kvservice.serve.engine import Engine, Request
+from kvservice.serve.sampling import SamplingParams
 
 
 @pytest.fixture

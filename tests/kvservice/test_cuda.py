@@ -8,10 +8,10 @@ import torch
 
 from bench.prefill import main
 from bench.staging import StoreBench
-from kvservice.blend import blend_prefill
-from kvservice.families import ModelConfig
-from kvservice.model import Transformer, precompute_chunks, precompute_head
-from kvservice.synthetic import SYNTHETIC_CONFIGS, random_model
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.families import ModelConfig
+from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model
+from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 
 from .conftest import TINY_COMMON
 

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from kvservice.curve import (
+from kvservice.blend.curve import (
     FULL_COLOR,
     SERIES_COLORS,
     UNRECORDED_CODEC,

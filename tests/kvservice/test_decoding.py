@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from kvservice.batcher import ContinuousBatcher, Job
-from kvservice.engine import Engine, Request
 from kvservice.prompt import TURN_MARKERS, PromptFormat
-from kvservice.sampling import (
+from kvservice.serve.batcher import ContinuousBatcher, Job
+from kvservice.serve.engine import Engine, Request
+from kvservice.serve.sampling import (
     SamplingParams,
     StopStrings,
     TokenHistory,

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvservice.blend import refresh
-from kvservice.engine import Engine, Request, refresh_ratio_from_env
+from kvservice.blend.prefill import refresh
 from kvservice.prompt import PromptFormat
-from kvservice.sampling import SamplingParams, sample_next
+from kvservice.serve.engine import Engine, Request, refresh_ratio_from_env
+from kvservice.serve.sampling import SamplingParams, sample_next
 
 PASSAGES = [
     "Paris is the capital and largest city of France.",
@@ -137,8 +137,8 @@ def test_batched_decode_equals_one_by_one(engine, request_parts):
 
 
 def test_calibration_at_load_measures_what_the_loading_controller_weighs(engine):
-    from kvservice.controller import ChunkLoad, LoadingController
-    from kvservice.runtime import calibrate
+    from kvservice.serve.controller import ChunkLoad, LoadingController
+    from kvservice.serve.runtime import calibrate
 
     controller = LoadingController()
     calibrate(engine, controller, chunks=2, chunk_tokens=64)
@@ -168,7 +168,7 @@ def test_progressive_blend_takes_the_tokens_after_the_first_from_the_refreshed_c
         calls.append((list(answer), ratio))
         return refresh(model, result, answer, ratio)
 
-    monkeypatch.setattr("kvservice.engine.refresh", spy)
+    monkeypatch.setattr("kvservice.serve.engine.refresh", spy)
     try:
         request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=4))
         got = progressive.generate(request).token_ids
@@ -208,7 +208,7 @@ def test_a_token_reaches_the_reader_before_the_next_is_computed(
         seen.append((read_first.wait(timeout=60), ratio))
         return refresh(model, result, answer, ratio)
 
-    monkeypatch.setattr("kvservice.engine.refresh", waiting)
+    monkeypatch.setattr("kvservice.serve.engine.refresh", waiting)
     refreshed = []
     try:
         request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3),

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvservice.blend import blend_prefill
-from kvservice.check_model import check
-from kvservice.kernels import candidates
-from kvservice.model import KVCache, Transformer, precompute_chunks
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.check import check
+from kvservice.model.kernels import candidates
+from kvservice.model.transformer import KVCache, Transformer, precompute_chunks
 from kvservice.prompt import PromptFormat, stop_token_ids
 
 from .conftest import perturbed
@@ -212,7 +212,7 @@ def test_check_model_command_passes_gemma3_and_refuses_gpt2_by_name(family_dirs,
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)
     )
     gpt2.save_pretrained(tmp_path / "gpt2")
-    command = [sys.executable, "-m", "kvservice.check_model"]
+    command = [sys.executable, "-m", "kvservice.model.check"]
     refused = subprocess.run(
         [*command, str(tmp_path / "gpt2")], capture_output=True, text=True, timeout=300
     )
@@ -261,7 +261,7 @@ def test_multimodal_gemma3_runs_its_language_model(tmp_path):
 
 def test_a_sparse_multimodal_gemma3_config_gets_gemma3s_defaults():
     """Gemma 3 4B's ``text_config`` names six fields; the rest are Gemma3TextConfig's."""
-    from kvservice.families import ModelConfig
+    from kvservice.model.families import ModelConfig
 
     text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
             "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},

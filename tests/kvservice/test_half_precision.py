@@ -29,8 +29,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.blend import blend_prefill
-from kvservice.model import (
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.transformer import (
     Transformer,
     apply_rope,
     precompute_chunks,

@@ -1,4 +1,4 @@
-"""The linear layers' kernels (kvservice.kernels): each computes the same products as
+"""The linear layers' kernels (kvservice.model.kernels): each computes the same products as
 ``F.linear``, the choice is made among the candidates the device allows, and packing leaves
 the checkpoint's parameters as they were."""
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvservice import kernels
-from kvservice.kernels import FusedLinear, UnknownPrecisionError, candidates, prepare
-from kvservice.model import Transformer
+from kvservice.model import kernels
+from kvservice.model.kernels import FusedLinear, UnknownPrecisionError, candidates, prepare
+from kvservice.model.transformer import Transformer
 
 ONEDNN = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"

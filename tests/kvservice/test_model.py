@@ -5,8 +5,14 @@ import json
 import pytest
 import torch
 
-from kvservice.families import ModelConfig, UnsupportedModelError
-from kvservice.model import KVCache, Transformer, apply_rope, precompute_chunks, rope_inv_freq
+from kvservice.model.families import ModelConfig, UnsupportedModelError
+from kvservice.model.transformer import (
+    KVCache,
+    Transformer,
+    apply_rope,
+    precompute_chunks,
+    rope_inv_freq,
+)
 
 from .conftest import tiny_hf_model
 
@@ -79,7 +85,7 @@ def test_rope_is_relative():
         intermediate_size=8, norm_eps=1e-5, rope_theta=10000.0,
     )  # fmt: skip
     inv_freq = rope_inv_freq(config)
-    from kvservice.model import rope_cos_sin
+    from kvservice.model.transformer import rope_cos_sin
 
     q, k = torch.randn(16), torch.randn(16)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.blend import blend_prefill
-from kvservice.engine import Engine
-from kvservice.model import head_hash, precompute_chunks, precompute_head
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.transformer import head_hash, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat, preamble_from_env, preamble_passages
+from kvservice.serve.engine import Engine
 
 PASSAGES = ["Paris is the capital of France.", "The Eiffel Tower was completed in 1889."]
 

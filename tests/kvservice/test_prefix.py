@@ -1,13 +1,13 @@
-"""A follow-up reads the previous prompt's KV as it stands (kvservice.prefix)."""
+"""A follow-up reads the previous prompt's KV as it stands (kvservice.serve.prefix)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvservice.blend import blend_prefill
-from kvservice.model import precompute_chunks
-from kvservice.prefix import PrefixCache, PrefixKV, boundaries
+from kvservice.blend.prefill import blend_prefill
+from kvservice.model.transformer import precompute_chunks
+from kvservice.serve.prefix import PrefixCache, PrefixKV, boundaries
 
 ATOL = 1e-4
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvservice.model import precompute_chunks
-from kvservice.producer import KVProducer
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import precompute_chunks
 from kvservice.store.keys import ChunkKey
 
 

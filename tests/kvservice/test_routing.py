@@ -9,7 +9,6 @@ import uuid
 import pytest
 import redis
 
-from kvservice import routing
 from kvservice.protocol import (
     INFLIGHT_KEY,
     WORKERS_KEY,
@@ -17,6 +16,7 @@ from kvservice.protocol import (
     mark_alive,
     worker_alive_key,
 )
+from kvservice.serve import routing
 
 
 @pytest.fixture

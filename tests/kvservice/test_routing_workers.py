@@ -17,7 +17,6 @@ import redis
 from celery import Celery
 
 from deploy.devstack import stop_all
-from kvservice import routing
 from kvservice.protocol import (
     GENERATE_TASK,
     ChunkRef,
@@ -26,6 +25,7 @@ from kvservice.protocol import (
     decode_events,
     worker_alive,
 )
+from kvservice.serve import routing
 from tests.conftest import ROOT, wait_for
 
 PASSAGES = json.loads((ROOT / "tests" / "data" / "musique_passages.json").read_text())["passages"]
@@ -38,7 +38,7 @@ def _start_worker(shared: str, index: int, tmp_path: Path) -> subprocess.Popen:
            "HEARTBEAT_KEY": f"ragblend:inference:heartbeat:{shared}-{index}"}  # fmt: skip
     log = open(tmp_path / f"inference{index}.log", "wb")  # noqa: SIM115 - the child keeps it
     try:
-        return subprocess.Popen([sys.executable, "-m", "kvservice.server"], cwd=ROOT, env=env,
+        return subprocess.Popen([sys.executable, "-m", "kvservice.serve.server"], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     finally:
         log.close()

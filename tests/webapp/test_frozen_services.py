@@ -1,7 +1,7 @@
 """Services that stop answering without closing their connections: a private valkey or S3
 gateway is started, then frozen with SIGSTOP (the kernel still accepts connections and
 takes requests; nothing replies), and thawed with SIGCONT. Every call has a deadline
-(kvservice/deadlines.py, webapp/storage.py): /healthz and /readyz answer within
+(kvservice/serve/deadlines.py, webapp/storage.py): /healthz and /readyz answer within
 ``HEALTH_TIMEOUT_S`` naming the component, an upload is a 503 and a delete goes through within
 seconds, and an answer whose worker lost its broker is ended once the broker is back.
 The figures printed here are those of docs/reliability.md, "Frozen services"."""
@@ -26,7 +26,6 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 
 from deploy import services
-from kvservice.deadlines import CELERY_RETRY_POLICY, REDIS_COMMAND_TIMEOUT_S, redis_from_url
 from kvservice.protocol import (
     GENERATE_TASK,
     GenerateRequest,
@@ -37,6 +36,7 @@ from kvservice.protocol import (
     mark_alive,
     publish_event,
 )
+from kvservice.serve.deadlines import CELERY_RETRY_POLICY, REDIS_COMMAND_TIMEOUT_S, redis_from_url
 from tests.conftest import ROOT, TEST_S3_BUCKETS, wait_for
 from tests.webapp.chat.test_reaper import wait_until_reaped
 from webapp.chat.models import Conversation, Message
@@ -216,9 +216,9 @@ def _events(client: redis.Redis, request_id: str) -> list[tuple[str, dict]]:
 
 @pytest.fixture
 def inference_server():
-    """kvservice.server's functions in this process. Importing it makes its own Celery app
+    """kvservice.serve.server's functions in this process. Importing it makes its own Celery app
     the current one: the web app's is made current again."""
-    from kvservice import server
+    from kvservice.serve import server
 
     celery_app.set_current()
     yield server
@@ -274,7 +274,8 @@ def test_a_real_worker_whose_broker_freezes_mid_answer_has_its_answer_failed_onc
            "INFERENCE_QUEUE": queue, "INFERENCE_CONCURRENCY": "1"}  # fmt: skip
     log_path = tmp_path / "inference.log"
     with open(log_path, "wb") as log:
-        worker = subprocess.Popen([sys.executable, "-m", "kvservice.server"], cwd=ROOT, env=env,
+        argv = [sys.executable, "-m", "kvservice.serve.server"]
+        worker = subprocess.Popen(argv, cwd=ROOT, env=env,
                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         _freeze_mid_answer(worker, private_valkey, pending_answer, queue, log_path)

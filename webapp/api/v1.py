@@ -17,8 +17,8 @@ from ninja import Field as SchemaField
 from ninja import File, NinjaAPI, Query, Router, Schema, UploadedFile
 from ninja.responses import Status
 
-from kvservice.heartbeat import read_heartbeat
 from kvservice.protocol import AnswerOutcome
+from kvservice.serve.heartbeat import read_heartbeat
 from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
 from webapp.api.auth import API_AUTH

@@ -78,7 +78,7 @@ class Message(models.Model):
     role = models.CharField(max_length=16, choices=Role.choices)
     content = models.TextField(blank=True)
     # The model's words when no passage supports them: the answer is then "not found"
-    # (``content``, kvservice.citing.UNSUPPORTED), and these are kept apart, marked as such.
+    # (``content``, kvservice.serve.citing.UNSUPPORTED), and these are kept apart, marked as such.
     withheld_text = models.TextField(blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.DONE)
     error_message = models.TextField(blank=True)

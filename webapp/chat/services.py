@@ -13,7 +13,6 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from kvservice import routing
 from kvservice.chunk import token_ids_sha256
 from kvservice.protocol import (
     AnswerOutcome,
@@ -23,6 +22,7 @@ from kvservice.protocol import (
     publish_event,
     request_stop,
 )
+from kvservice.serve import routing
 from webapp import dispatch, outages
 from webapp.answer_stream import ttft_seen_s
 from webapp.chat.models import Citation, Conversation, Message

@@ -13,7 +13,7 @@ from datetime import datetime
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
-from kvservice.curve import CurveSeries, ratio_curves_svg
+from kvservice.blend.curve import CurveSeries, ratio_curves_svg
 
 WIDTH, HEIGHT = 520, 220
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 52, 16, 30, 42
@@ -116,7 +116,7 @@ class _Frame:
 
 def ratio_curve(series: Sequence[CurveSeries], *, current: str | None = None) -> SafeString:
     """The bench's quality/speed curves, one series per codec, ``current`` (the store's)
-    marked (drawn by ``kvservice.curve``, as ``--plot`` draws one)."""
+    marked (drawn by ``kvservice.blend.curve``, as ``--plot`` draws one)."""
     svg = ratio_curves_svg(
         series, "Teacher-forced KL to full against TTFT, per recompute ratio", current=current
     )

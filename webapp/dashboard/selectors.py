@@ -15,7 +15,7 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from kvservice.curve import (
+from kvservice.blend.curve import (
     CurveSeries,
     bench_command,
     load_series,
@@ -23,7 +23,7 @@ from kvservice.curve import (
     series_path,
     series_paths,
 )
-from kvservice.heartbeat import read_heartbeat
+from kvservice.serve.heartbeat import read_heartbeat
 from webapp.chat.models import Message
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
 from webapp.documents.models import Chunk, Document
@@ -74,7 +74,7 @@ def target_plan(
     given) on the measured curve of the codec the store writes (``points``, else
     ``ratio_curve()["points"]``): the least first-token ratio that reaches it, by plain blend
     or by progressive blend upgrading to the operator's progressive setting (None where plain
-    blend is cheaper or nothing upgrades, ``kvservice.curve.plan_for_target``); (None, None)
+    blend is cheaper or nothing upgrades, ``kvservice.blend.curve.plan_for_target``); (None, None)
     without a target or that codec's curve, when the worker's controller decides as in
     auto."""
     row = dashboard_settings()

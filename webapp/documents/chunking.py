@@ -45,7 +45,7 @@ def llm_tokenizer(model_path: str | None = None) -> Any:
     from django.conf import settings
     from transformers import AutoTokenizer
 
-    from kvservice.bundled import resolve_llm_path
+    from kvservice.model.bundled import resolve_llm_path
 
     path = resolve_llm_path(model_path if model_path is not None else settings.MODEL_PATH or None)
     return AutoTokenizer.from_pretrained(str(path))

@@ -146,14 +146,14 @@ def prompt_head_ids(tokenizer: Any) -> list[int]:
 
 def _load_producer() -> Any:
     """The deployment's LLM (``MODEL_PATH``, else the bundled one) and its prompt head, as
-    ``kvservice.producer.KVProducer``: token ids -> ChunkKV."""
+    ``kvservice.model.producer.KVProducer``: token ids -> ChunkKV."""
     import torch
     from django.conf import settings
 
-    from kvservice.bundled import resolve_llm_path
-    from kvservice.kernels import DEFAULT_PRECISION
-    from kvservice.model import Transformer
-    from kvservice.producer import KVProducer
+    from kvservice.model.bundled import resolve_llm_path
+    from kvservice.model.kernels import DEFAULT_PRECISION
+    from kvservice.model.producer import KVProducer
+    from kvservice.model.transformer import Transformer
     from webapp.documents.chunking import llm_tokenizer
 
     path = resolve_llm_path(settings.MODEL_PATH or None)

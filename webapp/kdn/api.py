@@ -21,7 +21,7 @@ from ninja.security import HttpBearer
 from pydantic import AfterValidator, BeforeValidator
 from pydantic_core import PydanticCustomError
 
-from kvservice.kdn_stream import ObjectStreams, StreamMissing
+from kvservice.kdn.stream import ObjectStreams, StreamMissing
 from kvservice.store.errors import StoreUnavailable
 from kvservice.store.keys import ChunkKey
 from webapp.api.auth import ApiKeyAuth
@@ -42,7 +42,7 @@ def check_token_rate_limit(request: HttpRequest, user) -> None:
     (``API_RATE_LIMIT_REQUESTS`` per ``API_RATE_LIMIT_WINDOW_S``) in a bucket of its own.
     Not the keys' bucket: a question's worker fetches each passage, and counting those there
     would cut a user's questions to a seventh of their limit; over this one the worker
-    recomputes (``kvservice.kdn_client.KdnTier``). 429 with ``Retry-After``, as a key's."""
+    recomputes (``kvservice.kdn.client.KdnTier``). 429 with ``Retry-After``, as a key's."""
     rate = f"{settings.API_RATE_LIMIT_REQUESTS}/{settings.API_RATE_LIMIT_WINDOW_S}s"
     usage = get_usage(
         request, group="kdn-token", key=lambda _group, _request: str(user.pk), rate=rate,
@@ -157,7 +157,7 @@ _STREAM_DOC = {
     "responses": {
         200: {
             "description": "The texts' KV as one binary stream (docs/kdn.md, "
-            "kvservice/kdn_stream.py): a preamble, every chunk's header, layer 0 of every "
+            "kvservice/kdn/stream.py): a preamble, every chunk's header, layer 0 of every "
             "chunk, layer 1 ..., then the token ids. Header X-KV-Tokens: total tokens.",
             "content": {"application/octet-stream": {"schema": {"type": "string",
                                                                 "format": "binary"}}},

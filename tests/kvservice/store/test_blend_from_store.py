@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.model import precompute_chunks
+from kvservice.model.transformer import precompute_chunks
 from kvservice.store.format import decode_header, encode_chunk
 from kvservice.store.loader import KVLoader
 
-blend_prefill = pytest.importorskip("kvservice.blend").blend_prefill  # the engine's, in progress
+# the engine's, in progress
+blend_prefill = pytest.importorskip("kvservice.blend.prefill").blend_prefill
 
 HEAD = [1, 5, 9, 2]
 QUESTION = [7, 8, 9, 10, 11]

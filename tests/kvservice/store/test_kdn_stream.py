@@ -1,4 +1,4 @@
-"""The knowledge delivery stream (kvservice.kdn_stream): objects read from the real S3
+"""The knowledge delivery stream (kvservice.kdn.stream): objects read from the real S3
 gateway a layer at a time, written as one stream, and read back to the stored tensors."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from kvservice.kdn_stream import (
+from kvservice.kdn.stream import (
     MAGIC,
     PREAMBLE,
     ObjectStreams,

@@ -10,7 +10,7 @@ def test_a_vllm_model_without_its_familys_modules_is_refused_by_name(tmp_path):
     import torch
     from torch import nn
 
-    from kvservice.checkpoint import checkpoint_config
+    from kvservice.model.checkpoint import checkpoint_config
     from kvservice.vllm.blender import VllmBackedTransformer
 
     from ..test_families import tiny_family_model

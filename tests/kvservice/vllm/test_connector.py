@@ -18,7 +18,7 @@ pytestmark = [
 
 
 def _request(setup, question, mode, keys=None, passages=PASSAGES):
-    from kvservice.sampling import SamplingParams
+    from kvservice.serve.sampling import SamplingParams
     from kvservice.vllm.engine import VllmRequest
 
     prompt = setup["format"].build(passages, question)
@@ -31,8 +31,8 @@ def _request(setup, question, mode, keys=None, passages=PASSAGES):
 
 def _native(setup, question, mode):
     """The native engine's greedy answer, reading the same stored (fp16) chunk KV."""
-    from kvservice.engine import Engine, Request
-    from kvservice.sampling import SamplingParams
+    from kvservice.serve.engine import Engine, Request
+    from kvservice.serve.sampling import SamplingParams
     from kvservice.store import ChunkKey
 
     fmt = setup["format"]
@@ -121,7 +121,7 @@ def test_blend_plan_round_trips_through_kv_transfer_params():
 def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     vllm_setup, vllm_engine, redis_service
 ):
-    """``ENGINE=vllm``'s answer path (kvservice.answer over ``VllmRuntime.plan``) on the
+    """``ENGINE=vllm``'s answer path (kvservice.serve.answer over ``VllmRuntime.plan``) on the
     session's engine and the real valkey: tokens and the done event reach the request's
     Redis stream."""
     import json
@@ -129,10 +129,10 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
 
     import redis
 
-    from kvservice.answer import answer_request
-    from kvservice.checkpoint import checkpoint_config
-    from kvservice.controller import LoadingController
+    from kvservice.model.checkpoint import checkpoint_config
     from kvservice.protocol import ChunkRef, GenerateRequest, answer_stream
+    from kvservice.serve.answer import answer_request
+    from kvservice.serve.controller import LoadingController
     from kvservice.vllm.runtime import VllmRuntime
 
     runtime = VllmRuntime()
@@ -152,10 +152,10 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     result = answer_request(runtime, request, client)
 
     # The same request by hand: numbered passages, the product's decoding, the citation.
-    from kvservice.citing import verdict
-    from kvservice.planning import answer_sampling
     from kvservice.prompt import Prompt
-    from kvservice.sampling import AnswerText
+    from kvservice.serve.citing import verdict
+    from kvservice.serve.planning import answer_sampling
+    from kvservice.serve.sampling import AnswerText
     from kvservice.vllm.engine import VllmRequest
 
     segments = fmt.numbered([c.token_ids for c in chunks])

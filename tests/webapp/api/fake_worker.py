@@ -9,8 +9,8 @@ import json
 import threading
 import time
 
-from kvservice.citing import passage_uses, verdict
 from kvservice.protocol import INFERENCE_QUEUE, AnswerOutcome, publish_event
+from kvservice.serve.citing import passage_uses, verdict
 
 
 class FakeInferenceWorker:

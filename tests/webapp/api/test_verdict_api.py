@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvservice.citing import UNSUPPORTED
+from kvservice.serve.citing import UNSUPPORTED
 from tests.webapp.api.conftest import bearer
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import PASSAGES, make_document

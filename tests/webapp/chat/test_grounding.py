@@ -9,8 +9,8 @@ import redis
 from django.conf import settings
 from django.test import TestCase
 
-from kvservice.citing import passage_uses
 from kvservice.protocol import INFERENCE_QUEUE, AnswerOutcome, answer_stream, decode_events
+from kvservice.serve.citing import passage_uses
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Citation, Message

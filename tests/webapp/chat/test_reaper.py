@@ -270,7 +270,7 @@ def test_killing_the_inference_worker_mid_answer_fails_the_answer_within_seconds
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_QUEUE": queue,
            "HEARTBEAT_KEY": f"ragblend:inference:heartbeat:{queue}"}  # fmt: skip
     log = open(tmp_path / "inference.log", "wb")  # noqa: SIM115
-    worker = subprocess.Popen([sys.executable, "-m", "kvservice.server"], cwd=ROOT, env=env,
+    worker = subprocess.Popen([sys.executable, "-m", "kvservice.serve.server"], cwd=ROOT, env=env,
                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         answer = new_answer()

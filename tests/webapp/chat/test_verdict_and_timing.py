@@ -14,8 +14,8 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from kvservice.citing import UNSUPPORTED, passage_uses, verdict
 from kvservice.protocol import AnswerOutcome, publish_event
+from kvservice.serve.citing import UNSUPPORTED, passage_uses, verdict
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
 from webapp.chat.models import Citation, Conversation, Message

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvservice.chunk import ChunkKV
-from kvservice.controller import LoadingController
-from kvservice.heartbeat import heartbeat_key, write_heartbeat
+from kvservice.serve.controller import LoadingController
+from kvservice.serve.heartbeat import heartbeat_key, write_heartbeat
 from kvservice.store.disk import DiskTier
 from kvservice.store.memory import MemoryTier
 from kvservice.store.tiered import TieredStore

@@ -90,7 +90,7 @@ def test_dashboard_with_the_real_workers_evict_warm_and_screenshot(
     from django.test import TestCase
     from django.urls import reverse
 
-    from kvservice.heartbeat import read_heartbeat
+    from kvservice.serve.heartbeat import read_heartbeat
     from tests.conftest import wait_for
     from tests.e2e.test_chat_e2e import collect_stream, upload_ready
     from webapp.chat import services as chat

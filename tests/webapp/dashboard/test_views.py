@@ -12,10 +12,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from kvservice import routing
 from kvservice.chunk import token_ids_sha256
-from kvservice.controller import LoadingController
-from kvservice.heartbeat import heartbeat_key, write_heartbeat
 from kvservice.protocol import (
     EVICT_TASK,
     INFERENCE_QUEUE,
@@ -23,6 +20,9 @@ from kvservice.protocol import (
     mark_alive,
     worker_alive_key,
 )
+from kvservice.serve import routing
+from kvservice.serve.controller import LoadingController
+from kvservice.serve.heartbeat import heartbeat_key, write_heartbeat
 from kvservice.store.codec import DEFAULT_CODEC
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.dashboard import selectors

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvservice.producer import length_groups
+from kvservice.model.producer import length_groups
 
 
 def test_length_groups_keep_padding_small_and_cover_every_chunk() -> None:

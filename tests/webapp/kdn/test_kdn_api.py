@@ -1,6 +1,6 @@
 """The knowledge delivery API (/kdn/v1) against the running stack: the real Celery worker
 computes a PUT's KV with the bundled model into the S3 gateway, and the client
-(kvservice.kdn_client) reads it back through a live server."""
+(kvservice.kdn.client) reads it back through a live server."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from django.test import Client
 
-from kvservice.kdn_client import KdnClient, KdnNotFound
-from kvservice.kdn_stream import MAGIC, PREAMBLE
+from kvservice.kdn.client import KdnClient, KdnNotFound
+from kvservice.kdn.stream import MAGIC, PREAMBLE
 from kvservice.store.format import decode_chunk, decode_header
 from kvservice.store.keys import ChunkKey
 from tests.webapp.api.conftest import bearer

@@ -17,7 +17,7 @@ import pytest
 from django.core import signing
 from django.test import Client
 
-from kvservice.kdn_client import KdnClient, KdnRead, KdnTier
+from kvservice.kdn.client import KdnClient, KdnRead, KdnTier
 from kvservice.store.keys import ChunkKey
 from tests.conftest import ROOT
 from tests.webapp.kdn.test_kdn_api import OTHER, PASSAGE, _put

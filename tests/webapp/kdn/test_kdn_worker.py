@@ -16,7 +16,7 @@ import torch
 from django.core import signing
 from django.test import Client
 
-from kvservice.kdn_client import KdnClient, KdnRead, KdnTier, KvSource, kdn_store
+from kvservice.kdn.client import KdnClient, KdnRead, KdnTier, KvSource, kdn_store
 from kvservice.protocol import ChunkRef, GenerateRequest
 from kvservice.store import KVLoader, StoreConfig
 from kvservice.store.format import decode_chunk
@@ -247,7 +247,7 @@ def test_the_worker_refuses_to_start_with_kdn_and_no_kdn_url(redis_service) -> N
     env = {k: v for k, v in os.environ.items() if not k.startswith(("S3_", "KDN_"))}
     env |= {"KV_SOURCE": "kdn", "INFERENCE_QUEUE": "inference-never"}
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "kvservice.server"], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-m", "kvservice.serve.server"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert "KV_SOURCE=kdn needs KDN_URL" in result.stderr

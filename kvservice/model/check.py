@@ -1,22 +1,22 @@
-"""``python -m kvservice.check_model PATH``: does this engine run a checkpoint as it should?
+"""``python -m kvservice.model.check PATH``: does this engine run a checkpoint as it should?
 
-Loads the checkpoint as the inference worker does (``kvservice.runtime.NativeRuntime``: its
+Loads the checkpoint as the inference worker does (``kvservice.serve.runtime.NativeRuntime``: its
 tokenizer, ``PromptFormat.for_tokenizer``, ``Transformer.from_pretrained``; float32 here, so
 that the engine can be held to HF transformers' own float32 result), builds the product's
 prompt for a fixed question over three fixed passages, and checks:
 
 * **logits**: the engine's logits for every prompt token against HF transformers' for the
   same ids (``AutoModelForCausalLM``; it loads the weights a second time). A ``.gguf`` file is
-  converted into the model cache as the worker converts it (``kvservice.bundled``), and the
+  converted into the model cache as the worker converts it (``kvservice.model.bundled``), and the
   reference is transformers' own reading of the GGUF file, so the conversion is checked too;
   where transformers reads the file's model differently from the conversion (RoPE scaling
   its GGUF reader ignores, say), the reference is transformers loading the converted
   directory, and the report names the differences;
-* **blend at ratio 1.0** equals full prefill (``kvservice.blend.blend_prefill``): every
+* **blend at ratio 1.0** equals full prefill (``kvservice.blend.prefill.blend_prefill``): every
   chunk token recomputed over the chunks' stored KV gives full's logits and cache;
 * **stored chunk KV**: the first passage's KV as precomputed and stored (K before RoPE,
-  ``kvservice.model.precompute_chunks``), turned to its place, is full prefill's KV there,
-  and prefix caching, which reads it, gives full's logits.
+  ``kvservice.model.transformer.precompute_chunks``), turned to its place, is full
+  prefill's KV there, and prefix caching, which reads it, gives full's logits.
 
 It prints what a user needs to decide (supported or not, the largest logit difference, KV
 bytes per token in fp16 and in the store's default codec, weight memory, the chat template
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvservice.families import UnsupportedModelError
+from kvservice.model.families import UnsupportedModelError
 
 PASSAGES = (
     "The Amazon river flows through Peru, Colombia and Brazil before reaching the Atlantic "
@@ -179,10 +179,10 @@ def _hf_gguf_model(gguf_path: Path):
 
 def transformers_gguf_differences(gguf_path: Path, checkpoint: Path) -> list[str]:
     """Where transformers' GGUF reader makes another model of the file than the conversion
-    (``kvservice.gguf_checkpoint``): the engine config fields that differ (empty: none)."""
+    (``kvservice.model.gguf``): the engine config fields that differ (empty: none)."""
     from transformers import AutoConfig
 
-    from kvservice.families import ModelConfig
+    from kvservice.model.families import ModelConfig
 
     ours = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
     try:
@@ -215,7 +215,7 @@ def _reference(report: Report, path: Path, gguf_path: Path | None) -> Callable[[
 def _chunk_kv_diff(model, full_cache, chunk, start: int) -> float:
     """Largest difference between a stored chunk's KV, turned to its place at ``start``,
     and full prefill's cache there (every layer; K rotated in the cache)."""
-    from kvservice.model import apply_rope
+    from kvservice.model.transformer import apply_rope
 
     positions = torch.arange(start, start + chunk.num_tokens, device=model.device)
     ropes = model.ropes(positions)
@@ -231,8 +231,8 @@ def _chunk_kv_diff(model, full_cache, chunk, start: int) -> float:
 
 def _engine_checks(report: Report, model, prompt) -> None:
     """Blend at 1.0 and prefix caching against full; the first chunk's stored KV."""
-    from kvservice.blend import blend_prefill
-    from kvservice.model import precompute_chunks
+    from kvservice.blend.prefill import blend_prefill
+    from kvservice.model.transformer import precompute_chunks
 
     head, chunk_ids, question = prompt.head_ids, prompt.chunk_ids, prompt.question_ids
     chunks = precompute_chunks(model, head, chunk_ids)
@@ -253,7 +253,7 @@ def _measure(report: Report, path: Path, device: str, gguf_path: Path | None = N
     """Everything but the verdict: load as the worker does, compare, size."""
     from transformers import AutoTokenizer
 
-    from kvservice.model import Transformer
+    from kvservice.model.transformer import Transformer
     from kvservice.prompt import PromptFormat, stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -298,13 +298,13 @@ def check(path: str | Path, device: str | None = None) -> Report:
     """The report for the checkpoint directory or GGUF file ``path`` (``ModelPathError`` when
     it is neither). An unsupported model type or layout is a report with ``supported`` False,
     not an error."""
-    from kvservice.bundled import (
+    from kvservice.model.bundled import (
         check_checkpoint_dir,
         check_gguf_file,
         check_tokenizer,
         gguf_checkpoint,
     )
-    from kvservice.families import ModelConfig
+    from kvservice.model.families import ModelConfig
 
     given = Path(path).expanduser()
     gguf_path = check_gguf_file(given) if given.suffix.lower() == ".gguf" else None
@@ -333,16 +333,16 @@ def check(path: str | Path, device: str | None = None) -> Report:
 
 
 def _gguf_architecture(gguf_path: Path) -> str:
-    from kvservice.gguf_checkpoint import read_gguf
+    from kvservice.model.gguf import read_gguf
 
     return read_gguf(gguf_path).architecture
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvservice.bundled import ModelPathError
+    from kvservice.model.bundled import ModelPathError
 
     parser = argparse.ArgumentParser(
-        prog="python -m kvservice.check_model", description=__doc__.split("\n\n")[0]
+        prog="python -m kvservice.model.check", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "path", help="an HF checkpoint directory (config.json, *.safetensors) or a .gguf file"

@@ -1,9 +1,9 @@
 """A decoder of the Llama family and its relatives (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3,
 Phi-3/Phi-4) over explicit positions. Where the families differ is in ``ModelConfig``
-(``kvservice.families``: read from the checkpoint's config, one small function per family) and
+(``kvservice.model.families``: read from the checkpoint's config, one small function per family) and
 a few switches in the modules: q/k norms, (1 + weight) norms around attention and MLP,
 sliding-window layers with their own RoPE, LongRoPE and partial rotary. Reading a checkpoint
-(fused weights split, the fingerprint) is ``kvservice.checkpoint``.
+(fused weights split, the fingerprint) is ``kvservice.model.checkpoint``.
 
 Read top to bottom: RoPE (pure functions), the masked attention helper, the small modules, the
 KV cache, the model, chunk precompute.
@@ -17,7 +17,7 @@ Two things differ from a textbook implementation, both for KV blending:
   Q (rotated) and K (pre-RoPE) and V for the tokens being computed; the caller writes them
   wherever its KV lives (our ``KVCache``, or another engine's paged cache) and then calls
   ``Block.attend_and_mlp`` with the layer's full K and V. ``Transformer.forward`` is the plain
-  driver of that loop; ``kvservice.blend`` is the selective one.
+  driver of that loop; ``kvservice.blend.prefill`` is the selective one.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvservice.checkpoint import checkpoint_config, checkpoint_state
 from kvservice.chunk import ChunkKV, token_ids_sha256
-from kvservice.families import ModelConfig, UnsupportedModelError
-from kvservice.kernels import FusedLinear, KernelChoice, prepare
+from kvservice.model.checkpoint import checkpoint_config, checkpoint_state
+from kvservice.model.families import ModelConfig, UnsupportedModelError
+from kvservice.model.kernels import FusedLinear, KernelChoice, prepare
 
 # --------------------------------------------------------------------------------------------
 # RoPE: pure functions. Rotate-half layout (HF's), so HF weights need no permutation.
@@ -151,7 +151,7 @@ def attend(
     mask ``[B, S, T]`` or ``[S, T]`` bool, or None for the plain causal triangle (S == T).
     Returns ``[B, H, S, D]``."""
     gqa = q.shape[1] != k.shape[1]
-    q = q.to(k.dtype)  # the cache's dtype (bfloat16 attention: kvservice.kernels)
+    q = q.to(k.dtype)  # the cache's dtype (bfloat16 attention: kvservice.model.kernels)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask.dim() == 3:
@@ -196,7 +196,7 @@ class Attention(nn.Module):
             config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
-        # The products as run: q, k and v in one (kvservice.kernels), o alone.
+        # The products as run: q, k and v in one (kvservice.model.kernels), o alone.
         self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
         self.out = FusedLinear(self.o_proj)
         if config.qk_norm:  # each head's q and k normed before RoPE (Qwen3, Gemma 3)
@@ -416,7 +416,7 @@ class Transformer(nn.Module):
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """The KV cache's dtype, which attention runs in (``kvservice.kernels``)."""
+        """The KV cache's dtype, which attention runs in (``kvservice.model.kernels``)."""
         if self.kernel_choice is not None:
             return self.kernel_choice.attention_dtype
         return self.embed_tokens.weight.dtype
@@ -430,7 +430,7 @@ class Transformer(nn.Module):
         self, precision: str = "float32", kernel: str | None = None
     ) -> KernelChoice:
         """Pack the linear layers for the fastest kernel this device has at ``precision``
-        (``kvservice.kernels``); call again after changing weights."""
+        (``kvservice.model.kernels``); call again after changing weights."""
         self.kernel_choice = prepare(self, precision, kernel)
         return self.kernel_choice
 
@@ -492,7 +492,7 @@ class Transformer(nn.Module):
     ) -> Transformer:
         """Load an HF checkpoint directory (config.json + *.safetensors, mmapped), its linear
         layers packed for the fastest kernel allowed at ``precision`` (``float32``; ``auto``:
-        bfloat16 products where the CPU has them natively; ``kvservice.kernels``), or for
+        bfloat16 products where the CPU has them natively; ``kvservice.model.kernels``), or for
         ``kernel`` when given (benches)."""
         config = checkpoint_config(path)
         with torch.device("meta"):

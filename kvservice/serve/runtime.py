@@ -1,9 +1,9 @@
 """What the inference worker holds for its lifetime with the native engine (model, prompt
 format, store and loader, prefix cache, controller, the engine and its batch), and how it
 plans one request (``NativePlan``): the context KV a previous prompt left
-(``kvservice.prefix``), the other chunks loaded through the store's tiers, the recompute
-ratio, and the engine's request. ``kvservice.answer`` drives the plan; ``kvservice.server``
-serves it over Celery.
+(``kvservice.serve.prefix``), the other chunks loaded through the store's tiers, the recompute
+ratio, and the engine's request. ``kvservice.serve.answer`` drives the plan;
+``kvservice.serve.server`` serves it over Celery.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvservice.blend import BlendResult
+from kvservice.blend.prefill import BlendResult
 from kvservice.config import WorkerConfig
-from kvservice.controller import ChunkLoad, LoadingController
-from kvservice.engine import Engine, Request
-from kvservice.planning import PlannedRequest
-from kvservice.prefix import PrefixKV, boundaries
 from kvservice.prompt import Prompt
 from kvservice.protocol import GenerateRequest, TokenEvent
-from kvservice.routing import chunk_digest
+from kvservice.serve.controller import ChunkLoad, LoadingController
+from kvservice.serve.engine import Engine, Request
+from kvservice.serve.planning import PlannedRequest
+from kvservice.serve.prefix import PrefixKV, boundaries
+from kvservice.serve.routing import chunk_digest
 
 
 class NativeRuntime:
@@ -36,8 +36,8 @@ class NativeRuntime:
         """Load the model and warm up in a thread that ends, so that the engine's batcher
         thread is left the one thread with an OpenMP team; this thread and every thread
         started after it (Celery's, the KV loader's) then run torch on one core
-        (``kvservice.compute_threads``)."""
-        from kvservice.compute_threads import run_in_passing_thread, single_threaded
+        (``kvservice.serve.compute_threads``)."""
+        from kvservice.serve.compute_threads import run_in_passing_thread, single_threaded
 
         run_in_passing_thread(lambda: self._load(cfg), name="model-load")
         single_threaded()
@@ -46,12 +46,12 @@ class NativeRuntime:
         import torch
         from transformers import AutoTokenizer
 
-        from kvservice.bundled import resolve_llm_path
-        from kvservice.engine import Engine
-        from kvservice.kdn_client import KdnTier, kdn_store
-        from kvservice.model import Transformer
-        from kvservice.prefix import PrefixCache
+        from kvservice.kdn.client import KdnTier, kdn_store
+        from kvservice.model.bundled import resolve_llm_path
+        from kvservice.model.transformer import Transformer
         from kvservice.prompt import PromptFormat
+        from kvservice.serve.engine import Engine
+        from kvservice.serve.prefix import PrefixCache
         from kvservice.store import KVLoader, StoreConfig, TieredStore
 
         kv_source, refresh_ratio = cfg.kv_source, cfg.refresh_ratio
@@ -131,7 +131,7 @@ class NativeRuntime:
     def kdn_reads(self, request: GenerateRequest) -> dict:
         """What the KDN tier may fetch for ``request``: each chunk's key, with its text and
         the request's token, until the request's timeout (a chunk without them is recomputed)."""
-        from kvservice.kdn_client import KdnRead
+        from kvservice.kdn.client import KdnRead
 
         until = time.monotonic() + request.timeout_s
         return {
@@ -186,7 +186,7 @@ def calibrate(
 
 class NativePlan:
     """One request on the native engine. A follow-up whose prompt starts like an earlier one
-    reads that prompt's context KV as it stands (``kvservice.prefix``; not in ``full``, the
+    reads that prompt's context KV as it stands (``kvservice.serve.prefix``; not in ``full``, the
     reference) and loads only the passages after it; ``finish`` keeps this prompt's context
     KV for the next one."""
 
@@ -235,7 +235,7 @@ class NativePlan:
     def _choose_loads(self, prompt: Prompt, located) -> list[bool]:
         """The loading controller's per-chunk choice over the located chunks: a chunk whose
         KV would take longer to arrive than to recompute is recomputed whole
-        (``kvservice.controller.choose_loads``)."""
+        (``kvservice.serve.controller.choose_loads``)."""
         runtime = self.runtime
         tokens = self.fitted.chunks_tokens[self.reused :]
         chunks = [

@@ -23,7 +23,7 @@ before the first layer is sent (the HTTP ``Content-Length``).
 
 The server side (:class:`ObjectStreams`) reads each object with one streamed GET from the
 store's S3 tier, a layer at a time, and never holds more than one layer of one chunk. The
-client side is :class:`StreamReader` (``kvservice.kdn_client`` drives it over HTTP).
+client side is :class:`StreamReader` (``kvservice.kdn.client`` drives it over HTTP).
 """
 
 from __future__ import annotations

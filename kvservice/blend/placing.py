@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvservice.blend_plan import Segment, StaleReading
-from kvservice.blend_settings import BlendSettings
-from kvservice.model import apply_rope
+from kvservice.blend.plan import Segment, StaleReading
+from kvservice.blend.settings import BlendSettings
+from kvservice.model.transformer import apply_rope
 
 
 def rotate_into(

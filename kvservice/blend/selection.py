@@ -1,5 +1,5 @@
 """Which cached chunk tokens blend recomputes: the question's attention in the reuse pass
-(``kvservice.blend_attention.attend_and_weigh``) read per layer, normalized over the
+(``kvservice.blend.attention.attend_and_weigh``) read per layer, normalized over the
 candidates, weighed and ranked. Pure tensor functions, each testable on CPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kvservice.blend_settings import ATTENTION_FROM_DEPTH
+from kvservice.blend.settings import ATTENTION_FROM_DEPTH
 
 
 def attention_importance(

@@ -17,7 +17,7 @@ For a request whose cached chunks hold ``N`` tokens over ``L`` layers:
 
 Per chunk, load or recompute (the paper's loading controller; :func:`choose_loads`): a chunk
 is either read (its KV arrives over its tier's link) or recomputed whole, like a cache miss.
-Blend runs in two passes (``kvservice.blend``): the first computes the misses and the
+Blend runs in two passes (``kvservice.blend.prefill``): the first computes the misses and the
 question layer by layer as the read chunks' layers arrive, the second the selected tokens
 of the read chunks and the question again, once everything is there. A request so takes
 about ``max(load_s, first_pass_s) + second_pass_s``. On a link so slow that a chunk takes
@@ -77,7 +77,7 @@ def choose_ratio(
     ``load_bytes_by_tier``: bytes of layer KV each tier must deliver for this request;
     ``tier_bandwidth``: measured read bandwidth in bytes/s (None or absent: not measured).
     ``target_ratio``: the lowest ratio the measured curve says reaches the operator's
-    fidelity target (``kvservice.curve.ratio_for_target``); it is the floor in ``r_min``'s
+    fidelity target (``kvservice.blend.curve.ratio_for_target``); it is the floor in ``r_min``'s
     place, which loading may raise (recomputing while the load runs is free) but not lower.
     """
     limits = (("r_min", r_min), ("target ratio", target_ratio))

@@ -1,7 +1,7 @@
 """What one blend prefill computes: the prompt's layout (``Segment``s: head, cached or missed
 chunks, question, a cached prefix), the chunk tokens that may be recomputed, the budget, and
 how the stale cached KV is read (``StaleReading``); ``plan_prefill`` puts them in one
-``RecomputePlan`` that the driver (``kvservice.blend``) runs."""
+``RecomputePlan`` that the driver (``kvservice.blend.prefill``) runs."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Literal
 
 import torch
 
-from kvservice.blend_selection import round_budgets
-from kvservice.blend_settings import BlendSettings
+from kvservice.blend.selection import round_budgets
+from kvservice.blend.settings import BlendSettings
 from kvservice.chunk import LayeredKV
-from kvservice.model import head_hash
+from kvservice.model.transformer import head_hash
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[Mode, ...] = ("full", "prefix", "reuse", "blend")
@@ -75,7 +75,7 @@ def layout_segments(
 
 def with_cached_prefix(segments: list[Segment], prefix: LayeredKV | None) -> list[Segment]:
     """The segments that end within ``prefix`` (a previous prompt's KV, K rotated at its
-    positions: ``kvservice.prefix.PrefixKV``) replaced by one segment read from it as is."""
+    positions: ``kvservice.serve.prefix.PrefixKV``) replaced by one segment read from it as is."""
     if prefix is None:
         return segments
     covered = [seg for seg in segments if seg.stop <= prefix.num_tokens]

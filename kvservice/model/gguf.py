@@ -17,7 +17,7 @@ models in) written out as the HF checkpoint directory the engine loads.
 
 A file this engine would run wrongly (another architecture, RoPE scaling it cannot read)
 is refused with ``UnsupportedModelError`` before anything is written. What this module writes
-is cached by ``kvservice.bundled.gguf_checkpoint``: bump ``CONVERTER_VERSION`` there when it
+is cached by ``kvservice.model.bundled.gguf_checkpoint``: bump ``CONVERTER_VERSION`` there when it
 changes.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvservice.families import UnsupportedModelError
+from kvservice.model.families import UnsupportedModelError
 
 # float32 weights per safetensors file: bounds the memory a conversion holds
 SHARD_BYTES = 2 * 2**30
@@ -476,7 +476,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     gguf = read_gguf(gguf_path)
     config = hf_config(gguf)
-    from kvservice.families import ModelConfig
+    from kvservice.model.families import ModelConfig
 
     ModelConfig.from_hf_config(config)  # refuses what the engine would run wrongly, early
     write_weights(hf_tensors(gguf, config), out_dir)

@@ -1,11 +1,11 @@
 """One request, start to finish, inside the inference worker, for either engine: plan it
-(``kvservice.planning``: what fits the context, chunk keys, sampling, the ratio's policy), let
+(``kvservice.serve.planning``: what fits the context, chunk keys, sampling, the ratio's policy), let
 the runtime run the plan (``Runtime.plan``: where its chunks' KV comes from, the engine's
 request), stream each token to Redis, and end with the answer's outcome
 (``kvservice.protocol.AnswerOutcome``): its verdict, what it made of each passage, its metrics.
 
-The engines differ only behind ``Runtime``: the native one (``kvservice.runtime``) loads the
-chunks through the store's tiers and blends in ``kvservice.engine``; the vLLM one
+The engines differ only behind ``Runtime``: the native one (``kvservice.serve.runtime``) loads the
+chunks through the store's tiers and blends in ``kvservice.serve.engine``; the vLLM one
 (``kvservice.vllm.runtime``) hands chunk keys to vLLM's KV connector.
 """
 
@@ -17,9 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvservice import citing
-from kvservice.controller import LoadingController, RatioDecision
-from kvservice.planning import FittedContext, PlannedRequest, plan_request
 from kvservice.prompt import PromptFormat
 from kvservice.protocol import (
     AnswerOutcome,
@@ -28,7 +25,10 @@ from kvservice.protocol import (
     publish_event,
     stop_requested,
 )
-from kvservice.sampling import AnswerText
+from kvservice.serve import citing
+from kvservice.serve.controller import LoadingController, RatioDecision
+from kvservice.serve.planning import FittedContext, PlannedRequest, plan_request
+from kvservice.serve.sampling import AnswerText
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class AnswerPlan(Protocol):
 
 class Runtime(Protocol):
     """What the inference worker holds for its lifetime, whichever the engine; the planner
-    reads the first four and ``chunk_key`` (``kvservice.planning.Plannable``)."""
+    reads the first four and ``chunk_key`` (``kvservice.serve.planning.Plannable``)."""
 
     prompt: PromptFormat
     context_len: int
@@ -217,7 +217,7 @@ def passage_texts(runtime: Runtime, request: GenerateRequest, fitted: FittedCont
 
 
 def served_from_prefix(fitted: FittedContext, engine_metrics: dict[str, Any]) -> bool:
-    """Whether every passage's KV came from the prefix cache (``kvservice.prefix``): the
+    """Whether every passage's KV came from the prefix cache (``kvservice.serve.prefix``): the
     whole context was read as the previous turn left it, so no recompute ratio ran."""
     tiers = engine_metrics.get("chunk_tiers") or {}
     kept = [str(chunk_id) for chunk_id in fitted.chunk_ids]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvservice.model import KVCache
+from kvservice.model.transformer import KVCache
 from kvservice.store.config import parse_size
 
 DEFAULT_CAPACITY_BYTES = 1 << 30

@@ -1,11 +1,11 @@
 """The inference worker: one process that loads the model once and serves the ``inference``
-queue and a queue of its own. Run: ``python -m kvservice.server`` (``make dev`` starts it;
+queue and a queue of its own. Run: ``python -m kvservice.serve.server`` (``make dev`` starts it;
 ``INFERENCE_WORKERS=2 make dev`` starts two).
 
 It is a Celery worker with a thread pool: each task thread hands its request to the shared
 runtime and streams the result; a heartbeat thread tells /healthz and the dashboard that the
 worker is alive and which model it holds, and tells the web side which chunks it holds hot
-(``kvservice.routing``: questions over them are sent to this worker's own queue). No Django
+(``kvservice.serve.routing``: questions over them are sent to this worker's own queue). No Django
 here: configuration comes from the environment only (``make dev`` passes the dev stack's
 addresses to the workers it starts).
 """
@@ -24,8 +24,6 @@ import redis
 from celery import Celery
 
 from kvservice.config import WorkerConfig
-from kvservice.deadlines import celery_options, redis_from_url
-from kvservice.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 from kvservice.protocol import (
     ALIVE_INTERVAL_S,
     EVICT_TASK,
@@ -39,9 +37,11 @@ from kvservice.protocol import (
     inflight_remove,
     mark_alive,
 )
-from kvservice.routing import advertise_hot, worker_queue
+from kvservice.serve.deadlines import celery_options, redis_from_url
+from kvservice.serve.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
+from kvservice.serve.routing import advertise_hot, worker_queue
 
-log = logging.getLogger("kvservice.server")
+log = logging.getLogger("kvservice.serve.server")
 
 
 # This process (a restarted worker is another one): names the answers it has in flight.
@@ -64,7 +64,7 @@ def _make_runtime(engine: str):
         from kvservice.vllm.runtime import VllmRuntime
 
         return VllmRuntime()
-    from kvservice.runtime import NativeRuntime
+    from kvservice.serve.runtime import NativeRuntime
 
     return NativeRuntime()
 
@@ -75,7 +75,8 @@ def configure(cfg: WorkerConfig) -> None:
     config = cfg
     _redis = redis_from_url(cfg.redis_url)
     app.conf.update(
-        **celery_options(),  # deadlines on the broker, results and reports (kvservice.deadlines)
+        # deadlines on the broker, results and reports (kvservice.serve.deadlines)
+        **celery_options(),
         broker_url=cfg.redis_url,
         result_backend=cfg.redis_url,
         task_default_queue=cfg.queue,
@@ -95,7 +96,7 @@ def ping() -> dict[str, object]:
 @app.task(name=GENERATE_TASK)
 def generate(request_data: dict) -> dict:
     """Answer one request: load its chunks' KV, blend, stream tokens, report the answer."""
-    from kvservice.answer import answer_request
+    from kvservice.serve.answer import answer_request
 
     request = GenerateRequest.from_dict(request_data)
     inflight_add(redis_client(), WORKER_ID, request)
@@ -167,7 +168,7 @@ def warm(keys: list[str], tier: str) -> int:
 
 
 def _advertise_hot(client: redis.Redis) -> None:
-    """Tell the web side which chunks this worker holds in memory (``kvservice.routing``)."""
+    """Tell the web side which chunks this worker holds in memory (``kvservice.serve.routing``)."""
     hot = getattr(runtime, "hot_digests", None)  # the vLLM runtime has no store of its own
     try:
         advertise_hot(client, WORKER_ID, hot() if hot else [], config.queue)

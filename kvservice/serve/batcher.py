@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvservice.blend import BlendResult
-from kvservice.compute_threads import use_threads
-from kvservice.model import KVCache, Transformer
-from kvservice.sampling import (
+from kvservice.blend.prefill import BlendResult
+from kvservice.model.transformer import KVCache, Transformer
+from kvservice.serve.compute_threads import use_threads
+from kvservice.serve.sampling import (
     Detokenizer,
     SamplingParams,
     StopStrings,
@@ -99,7 +99,8 @@ class ContinuousBatcher:
     # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        use_threads(self.threads)  # the one thread with an OpenMP team (kvservice.compute_threads)
+        # the one thread with an OpenMP team (kvservice.serve.compute_threads)
+        use_threads(self.threads)
         while not self._stop.is_set():
             try:
                 if len(self._jobs) < self.max_batch:

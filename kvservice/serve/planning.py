@@ -14,14 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvservice.controller import LoadingController, RatioDecision
 from kvservice.prompt import TURN_MARKERS, PromptFormat
 from kvservice.protocol import GenerateRequest
-from kvservice.sampling import SamplingParams
+from kvservice.serve.controller import LoadingController, RatioDecision
+from kvservice.serve.sampling import SamplingParams
 
 FIXED_RATIOS = {"full": 1.0, "prefix": None, "reuse": 0.0}
 
-# The product's decoding, the same for both engines (kvservice.sampling.apply_penalties is
+# The product's decoding, the same for both engines (kvservice.serve.sampling.apply_penalties is
 # vLLM's). Measured with the bundled SmolLM2-135M, greedy, on the 19 handbook questions
 # (bench/answers.py): with no penalty 3 of 19 answers repeated a sentence to the
 # 256-token cap, and in one conversation 4 of 7 answers went on with "User:"/"Question:"
@@ -37,7 +37,7 @@ HISTORY_MAX_TOKENS = 192
 
 
 class Plannable(Protocol):
-    """What the planner reads of a runtime (``kvservice.answer.Runtime``)."""
+    """What the planner reads of a runtime (``kvservice.serve.answer.Runtime``)."""
 
     prompt: PromptFormat
     context_len: int

@@ -1,5 +1,6 @@
-"""The native engine: a request's prefill in any mode (``kvservice.blend``), then its decode in
-the continuous batch (``kvservice.batcher``) that every request of the worker shares.
+"""The native engine: a request's prefill in any mode (``kvservice.blend.prefill``), then
+its decode in the continuous batch (``kvservice.serve.batcher``) that every request of the
+worker shares.
 
 Prompt format (the same at precompute and at query time, so cached tokens are exactly the
 prompt's tokens): ``[head][chunk 1]...[chunk n][question + assistant opening]``, each part
@@ -8,7 +9,7 @@ the deployment's system prompt and instruction: fixed per deployment, so chunks 
 precomputed after it (``Engine.precompute``) and its hash goes into their keys.
 
 ``kvservice.vllm.engine.VllmEngine`` offers the same ``stream``/``generate`` over vLLM; the
-inference worker's answer path (``kvservice.answer``) drives either.
+inference worker's answer path (``kvservice.serve.answer``) drives either.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from kvservice.batcher import ContinuousBatcher, Job
-from kvservice.blend import BlendResult, Mode, blend_prefill, can_refresh, refresh
+from kvservice.blend.prefill import BlendResult, Mode, blend_prefill, can_refresh, refresh
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.model import Transformer, precompute_head
-from kvservice.producer import KVProducer
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer, precompute_head
 from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
 from kvservice.protocol import TokenEvent
-from kvservice.sampling import SamplingParams
+from kvservice.serve.batcher import ContinuousBatcher, Job
+from kvservice.serve.sampling import SamplingParams
 
 
 @dataclass
@@ -47,7 +48,7 @@ REFRESH_ENV = "BLEND_REFRESH_RATIO"
 
 def refresh_ratio_from_env(environ: Mapping[str, str]) -> float | None:
     """``BLEND_REFRESH_RATIO``: progressive blend, a blend's cache upgraded to that ratio
-    before the second token (``kvservice.blend.refresh``); unset or empty: off."""
+    before the second token (``kvservice.blend.prefill.refresh``); unset or empty: off."""
     text = (environ.get(REFRESH_ENV) or "").strip()
     if not text:
         return None
@@ -72,7 +73,7 @@ class Completion:
 class Engine:
     """Prefill and decode for the native model. The batcher's thread owns the model's compute
     with ``threads`` torch threads (by default the building thread's count; other threads had
-    best run torch on one core, ``kvservice.compute_threads``): it starts with the first
+    best run torch on one core, ``kvservice.serve.compute_threads``): it starts with the first
     request and stops with ``close``."""
 
     def __init__(
@@ -115,7 +116,7 @@ class Engine:
         return self.producer.head_kv
 
     def precompute(self, chunk_ids) -> list[ChunkKV]:
-        """Chunks' KV as the store holds it (``kvservice.producer``): a chunk whose stored
+        """Chunks' KV as the store holds it (``kvservice.model.producer``): a chunk whose stored
         KV is missing, recomputed for this request."""
         return self.producer.compute(chunk_ids)
 
