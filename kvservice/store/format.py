@@ -246,6 +246,17 @@ def encode_chunk(
                      k_group=codec.k_group, v_group=codec.v_group)
         for i in range(num_layers)
     ]  # fmt: skip
+    return _assemble(chunk, codec, dtype, layer_bits, layouts, blocks,
+                     k_storage=k_storage, rope_base_position=rope_base_position)  # fmt: skip
+
+
+def _assemble(
+    chunk: ChunkKV, codec: Codec, dtype: torch.dtype, layer_bits, layouts, blocks, *,
+    k_storage: int, rope_base_position: int,
+) -> bytearray:  # fmt: skip
+    """The object's bytes: the header (fixed fields, fingerprint, head hash, per-layer bits
+    and CRCs), the layers' encoded sections in order, then the token ids."""
+    num_layers, heads, tokens, dim = chunk.k.shape
     fingerprint = chunk.model_fingerprint.encode()
     head_hash = chunk.head_hash.encode()
     if len(fingerprint) > 0xFFFF or len(head_hash) > 0xFFFF:
