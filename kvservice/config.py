@@ -12,6 +12,9 @@ before the model loads. Nothing else in the worker reads the environment for the
 | ``KV_SOURCE``, ``KDN_URL`` | chunk KV from S3 (default) or the knowledge delivery API |
 | ``BLEND_REFRESH_RATIO`` | progressive blend's ratio after the first token (unset: off) |
 | ``PREFIX_CACHE_BYTES`` | the prefix cache's capacity (default 1 GiB) |
+| ``KV_PREAMBLE`` | chunk KV stored after the retrieval preamble (kvservice.prompt) |
+| ``HEARTBEAT_KEY`` | the Redis key of the worker's heartbeat (kvservice.serve.heartbeat) |
+| ``VLLM_*`` | ``ENGINE=vllm``'s settings (kvservice.vllm.engine.VllmSettings) |
 | the store's | kvservice/store/config.py (``StoreConfig``) |
 """
 
@@ -21,12 +24,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvservice.kdn.client import KvSource
 from kvservice.model.bundled import default_cache_dir
 from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
+from kvservice.prompt import preamble_from_env
 from kvservice.protocol import INFERENCE_QUEUE
 from kvservice.serve.engine import refresh_ratio_from_env
+from kvservice.serve.heartbeat import HEARTBEAT_KEY
 from kvservice.serve.prefix import capacity_from_env
 from kvservice.store import StoreConfig
 
@@ -48,6 +54,9 @@ class WorkerConfig:
     refresh_ratio: float | None = None
     prefix_cache_bytes: int = 1 << 30
     store: StoreConfig | None = None  # None: StoreConfig.from_env() where it is needed
+    kv_preamble: bool = False
+    heartbeat_key: str = HEARTBEAT_KEY
+    vllm: Any = None  # VllmSettings with ENGINE=vllm
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerConfig:
@@ -88,4 +97,13 @@ class WorkerConfig:
             refresh_ratio=refresh_ratio_from_env(env),
             prefix_cache_bytes=capacity_from_env(env),
             store=StoreConfig.from_env(env),
+            kv_preamble=preamble_from_env(env),
+            heartbeat_key=env.get("HEARTBEAT_KEY") or HEARTBEAT_KEY,
+            vllm=_vllm_settings(env) if engine == "vllm" else None,
         )
+
+
+def _vllm_settings(env: Mapping[str, str]) -> Any:
+    from kvservice.vllm.engine import VllmSettings  # vLLM's module only where it runs
+
+    return VllmSettings.from_env(env)

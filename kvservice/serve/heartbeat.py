@@ -20,9 +20,10 @@ def heartbeat_key() -> str:
     return os.environ.get("HEARTBEAT_KEY") or HEARTBEAT_KEY
 
 
-def write_heartbeat(client: Any, **status: Any) -> None:
+def write_heartbeat(client: Any, key: str | None = None, **status: Any) -> None:
+    """``key``: the worker's (``WorkerConfig.heartbeat_key``), else ``heartbeat_key()``."""
     payload = {"ts": time.time(), **status}
-    client.set(heartbeat_key(), json.dumps(payload), ex=HEARTBEAT_TTL_S)
+    client.set(key or heartbeat_key(), json.dumps(payload), ex=HEARTBEAT_TTL_S)
 
 
 def read_heartbeat(client: Any) -> dict[str, Any] | None:

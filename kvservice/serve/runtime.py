@@ -61,7 +61,7 @@ class NativeRuntime:
         self.model = Transformer.from_pretrained(
             path, device=device, precision=cfg.precision, kernel=cfg.kernel
         )
-        self.prompt = PromptFormat.for_tokenizer(self.tokenizer)
+        self.prompt = PromptFormat.for_tokenizer(self.tokenizer, preamble=cfg.kv_preamble)
         self.engine = Engine(
             self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency,
             refresh_ratio=refresh_ratio,

@@ -185,7 +185,7 @@ def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
             mark_alive(client, WORKER_ID)
             _settle_left_in_flight(client)
             if time.monotonic() - last_status >= HEARTBEAT_INTERVAL_S:
-                write_heartbeat(client, worker=WORKER_ID, **runtime.status())
+                write_heartbeat(client, config.heartbeat_key, worker=WORKER_ID, **runtime.status())
                 _advertise_hot(client)
                 last_status = time.monotonic()
         except redis.RedisError as err:

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,8 +67,8 @@ class VllmSettings:
     seed: int = 0
 
     @classmethod
-    def from_env(cls) -> VllmSettings:
-        env = os.environ
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> VllmSettings:
+        env = os.environ if environ is None else environ
 
         def flag(name: str) -> bool | None:
             value = env.get(name)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvservice.config import WorkerConfig
-from kvservice.prompt import Prompt
+from kvservice.prompt import Prompt, PromptFormat
 from kvservice.protocol import TokenEvent
 from kvservice.serve.planning import PlannedRequest
 from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
@@ -45,6 +45,8 @@ class VllmRuntime:
                 self.active -= 1
 
     def load(self, cfg: WorkerConfig) -> None:
+        from transformers import AutoTokenizer
+
         from kvservice.model.bundled import resolve_llm_path
         from kvservice.model.checkpoint import checkpoint_config
         from kvservice.serve.controller import LoadingController
@@ -55,7 +57,12 @@ class VllmRuntime:
         self.store = TieredStore.from_config(store_config)
         self.controller = LoadingController()
         self.config = checkpoint_config(path)  # refuses what the blender cannot run
-        self.engine = VllmEngine(path, store_config=store_config, settings=VllmSettings.from_env())
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        fmt = PromptFormat.for_tokenizer(tokenizer, preamble=cfg.kv_preamble)
+        self.engine = VllmEngine(
+            path, store_config=store_config, settings=cfg.vllm or VllmSettings.from_env(),
+            prompt_format=fmt,
+        )  # fmt: skip
         self.tokenizer = self.engine.tokenizer
         self.prompt = self.engine.format
         hf_config = json.loads((path / "config.json").read_text())

@@ -29,3 +29,10 @@ def test_the_worker_reads_its_settings_from_the_mapping_it_is_given() -> None:
 def test_a_bad_value_is_refused_naming_the_variable(variable: str, value: str) -> None:
     with pytest.raises(ValueError, match=variable):
         WorkerConfig.from_env({**BASE, variable: value})
+
+
+def test_the_prompt_heartbeat_and_vllm_settings_come_from_the_same_mapping() -> None:
+    config = WorkerConfig.from_env({**BASE, "KV_PREAMBLE": "on", "HEARTBEAT_KEY": "hb:test"})
+    assert config.kv_preamble is True and config.heartbeat_key == "hb:test"
+    assert config.vllm is None  # only read for ENGINE=vllm
+    assert WorkerConfig.from_env(BASE).kv_preamble is False
