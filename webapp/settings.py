@@ -88,6 +88,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
             ],
+            "builtins": ["webapp.units"],  # number formats (kib, count, seconds) everywhere
         },
     },
 ]

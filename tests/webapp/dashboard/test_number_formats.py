@@ -1,11 +1,11 @@
-"""The dashboard's number formats: bytes in binary units read as numbers at every size (a
-passage's KV of 1,034,000 bytes showed as "1.01e+03 KiB", issue #49)."""
+"""The product's number formats (webapp.units): bytes in binary units read as numbers at
+every size (a passage's KV of 1,034,000 bytes showed as "1.01e+03 KiB", issue #49)."""
 
 from __future__ import annotations
 
 import pytest
 
-from webapp.dashboard.templatetags.dashboard import bandwidth, count, kib
+from webapp.units import bandwidth, count, kib
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def test_usage_is_shown_on_the_documents_page_and_in_the_api(
     # with nothing stored, 5.3 GB after an upload).
     Chunk.objects.filter(document=document).update(kv_key="k/a", kv_bytes=300 * 5_000)
     line = client.get("/documents/").content.decode().split('id="usage"')[1].split("</p>")[0]
-    assert "1.4\xa0MB of answer cache" in line  # filesizeformat's no-break space
+    assert "1.43 MiB of answer cache" in line  # the dashboard's unit: 1,500,000 bytes
     assert not re.search(r"of [\d.,]+\s?(?:bytes|KB|MB|GB)", line), line
 
 
