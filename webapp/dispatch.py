@@ -44,10 +44,8 @@ def ask(request: GenerateRequest, queue: str | None = None) -> None:
 
 
 def ask_on_commit(request: GenerateRequest) -> None:
-    payload = request.to_dict()
-    on_commit(lambda: celery_app.send_task(
-        GENERATE_TASK, args=[payload], queue=settings.INFERENCE_QUEUE
-    ))  # fmt: skip
+    """``ask``, to the shared queue, once the transaction commits (an audit's re-run)."""
+    on_commit(lambda: ask(request))
 
 
 def evict_on_commit(keys: list[str], queues: list[str]) -> None:
@@ -56,12 +54,15 @@ def evict_on_commit(keys: list[str], queues: list[str]) -> None:
 
 
 def warm(keys: list[str], tier: str, queue: str, *, when_committed: bool = False) -> None:
-    """Load these chunks into ``tier`` of the worker serving ``queue``."""
+    """Load these chunks into ``tier`` of the worker serving ``queue`` (best effort)."""
 
     def send() -> None:
         celery_app.send_task(WARM_TASK, args=[keys, tier], queue=queue)
 
-    on_commit(send) if when_committed else send()
+    if when_committed:
+        on_commit(send)
+    else:
+        send()
 
 
 def ingest_on_commit(document_id: int) -> None:
