@@ -82,7 +82,7 @@ def test_bob_opens_a_shared_document_read_only(browser, live_server, alice, bob,
     assert passages == PASSAGES
     assert browser.find_element(By.CSS_SELECTOR, ".badge.ready").text == "Ready"
     details = browser.find_element(By.CSS_SELECTOR, "#shared-notice + p").text
-    assert details.startswith(f"Markdown · {len(ORIGINAL)} bytes")
+    assert details.startswith(f"Markdown · {len(ORIGINAL)} B ·")  # webapp.units, as the dashboard
     assert not browser.find_elements(By.ID, "document-collections")
     assert not browser.find_elements(By.CSS_SELECTOR, "form[action*='/delete']")
     assert not browser.find_elements(By.CSS_SELECTOR, "form[action*='/retry']")
