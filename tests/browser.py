@@ -41,6 +41,19 @@ def start_chromium(*arguments: str, console_log: bool = False) -> Any:
     return driver
 
 
+def start_phone(*, scale: int = 2, mobile: bool = False) -> Any:
+    """A headless Chromium with a fixed 390x844 viewport. ``mobile=False``: a desktop window
+    is at least 500 px wide, and mobile emulation zooms out to fit an overflowing page
+    (innerWidth then grows with it); ``mobile=True`` for a page without a viewport meta tag,
+    laid out 980 px wide and zoomed out as a phone's browser does."""
+    driver = start_chromium("--hide-scrollbars")
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 390, "height": 844, "deviceScaleFactor": scale, "mobile": mobile},
+    )
+    return driver
+
+
 def log_in(driver: Any, base_url: str, user: Any) -> None:
     """``user``'s session cookie in the browser, without the login form."""
     client = Client()

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.browser import needs_chromium, screenshot, start_chromium
+from tests.browser import needs_chromium, screenshot, start_chromium, start_phone
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
@@ -45,13 +45,9 @@ def test_the_api_docs_render_every_operation_without_a_console_error(
 
 @pytest.fixture
 def phone():
-    driver = start_chromium("--hide-scrollbars")
     # A phone's browser: a page without a viewport meta tag is laid out 980 px wide and
     # zoomed out, and one wider than the screen grows the layout viewport to fit it.
-    driver.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": 390, "height": 844, "deviceScaleFactor": 3, "mobile": True},
-    )
+    driver = start_phone(scale=3, mobile=True)
     yield driver
     driver.quit()
 

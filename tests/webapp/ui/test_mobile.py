@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from tests.browser import log_in, needs_chromium, screenshot, start_chromium
+from tests.browser import log_in, needs_chromium, screenshot, start_phone
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.chat.models import Conversation
 from webapp.documents.services import collection_create, collection_set_documents
@@ -19,13 +19,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
 @pytest.fixture
 def phone():
-    driver = start_chromium("--hide-scrollbars")
-    # A desktop window is at least 500 px wide, and mobile emulation zooms out to fit an
-    # overflowing page (innerWidth then grows with it): a fixed 390 px viewport instead.
-    driver.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": 390, "height": 844, "deviceScaleFactor": 2, "mobile": False},
-    )
+    driver = start_phone()
     yield driver
     driver.quit()
 

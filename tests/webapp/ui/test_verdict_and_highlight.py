@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from tests.browser import log_in, needs_chromium, screenshot, start_chromium
+from tests.browser import log_in, needs_chromium, screenshot, start_chromium, start_phone
 from tests.conftest import wait_for
 from tests.e2e.test_browser_chat import running_asgi_server
 from tests.webapp.api.fake_worker import FakeInferenceWorker
@@ -128,11 +128,7 @@ def test_highlights_whole_sentences_and_one_verdict_per_answer(
 
 @pytest.fixture
 def phone():
-    driver = start_chromium("--hide-scrollbars")
-    driver.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": 390, "height": 844, "deviceScaleFactor": 2, "mobile": False},
-    )
+    driver = start_phone()
     yield driver
     driver.quit()
 
