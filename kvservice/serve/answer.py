@@ -78,7 +78,6 @@ class Streamed:
     second_token_at: float | None = None  # progressive blend's upgrade comes before it
     last_words_at: float | None = None  # the last text put on the stream
     cut: bool = False  # at the token cap, at a word
-    text: str = ""  # the answer as recorded (``_last_words``)
     judged: citing.Verdict | None = None
 
 
@@ -144,11 +143,9 @@ def _last_words(
         streamed.status == "done" and streamed.finish_reason == "length" and not answer.repeated
     )
     words = [answer.finish(cut=streamed.cut)]
-    streamed.text = answer.text
     if streamed.status == "done":
         streamed.judged = citing.verdict(answer.text, passages, request.question)
         words.append(streamed.judged.streamed)
-        streamed.text = streamed.judged.text
     for text in filter(None, words):
         publish_event(redis, request.request_id, "token", text=text)
         streamed.last_words_at = time.perf_counter()
@@ -165,7 +162,7 @@ def _outcome(
         streamed.answer,
         streamed.judged,
     )
-    text = streamed.text
+    text = judged.text if judged is not None else answer.text
     citation = judged.citation if judged is not None else None
     withheld = judged.withheld if judged is not None else ""
     whole_prefix = served_from_prefix(fitted, engine_metrics)

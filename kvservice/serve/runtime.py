@@ -17,7 +17,7 @@ from typing import Any
 from kvservice.blend.prefill import BlendResult
 from kvservice.config import WorkerConfig
 from kvservice.prompt import Prompt
-from kvservice.protocol import GenerateRequest, TokenEvent
+from kvservice.protocol import TokenEvent
 from kvservice.serve.controller import ChunkLoad, LoadingController
 from kvservice.serve.engine import Engine, Request
 from kvservice.serve.planning import PlannedRequest
@@ -125,20 +125,21 @@ class NativeRuntime:
 
     def plan(self, planned: PlannedRequest) -> NativePlan:
         if self.kdn is not None:
-            self.kdn.expect(self.kdn_reads(planned.request))
+            self.kdn.expect(self.kdn_reads(planned))
         return NativePlan(self, planned)
 
-    def kdn_reads(self, request: GenerateRequest) -> dict:
-        """What the KDN tier may fetch for ``request``: each chunk's key, with its text and
-        the request's token, until the request's timeout (a chunk without them is recomputed)."""
+    def kdn_reads(self, planned: PlannedRequest) -> dict:
+        """What the KDN tier may fetch for the kept chunks (the keys the planner made): each
+        one's key, with its text and the request's token, until the request's timeout (a
+        chunk without them is recomputed)."""
         from kvservice.kdn.client import KdnRead
 
+        request = planned.request
         until = time.monotonic() + request.timeout_s
+        kept = request.chunks[: len(planned.chunk_keys)]
         return {
-            self.chunk_key(list(ref.token_ids), ref.kv_scope): KdnRead(
-                ref.text, ref.kdn_token, until
-            )
-            for ref in request.chunks
+            key: KdnRead(ref.text, ref.kdn_token, until)
+            for key, ref in zip(planned.chunk_keys, kept, strict=True)
             if ref.text and ref.kdn_token
         }
 
