@@ -15,60 +15,6 @@ import torch.nn.functional as F
 from kvservice.model.transformer import attend, position_mask
 
 
-def attend_and_weigh(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    query_pos: torch.Tensor,
-    key_pos: torch.Tensor,
-    sliding_window: int | None = None,
-    key_bias: torch.Tensor | None = None,
-    hidden: tuple[int, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the question's queries ``q [H, S, D]`` (rotated) over a layer's keys
-    ``k, v [H_kv, T, D]`` (rotated, at sorted positions ``key_pos``), causal by position, and
-    the weights it paid each key.
-
-    Returns the output ``[H, S, D]`` (what SDPA gives) and the weights averaged over heads
-    and queries, ``[T]``, summing to 1. One explicit computation gives both: for the few
-    question tokens it is faster than SDPA plus a second pass for the weights (5 against
-    10-12 ms a layer for 45 queries over 3,700 keys here), and the query heads that share a
-    key head are stacked into one matrix product instead of copying the keys per head.
-    ``hidden``: ``hidden_keys(query_pos, key_pos, sliding_window)``, made once for every
-    layer that shares it."""
-    heads, length, dim = q.shape
-    kv_heads, num_keys = k.shape[0], k.shape[1]
-    group = heads // kv_heads
-    stacked = (q * (1.0 / math.sqrt(dim))).to(k.dtype).reshape(kv_heads, group * length, dim)
-    scores = (stacked @ k.transpose(1, 2)).view(kv_heads, group, length, num_keys)
-    if key_bias is not None:
-        scores += key_bias.to(scores.dtype)
-    seen, masked = hidden_keys(query_pos, key_pos, sliding_window) if hidden is None else hidden
-    scores[..., seen:].masked_fill_(masked, float("-inf"))
-    # In the scores' dtype (softmax accumulates in float32): a bfloat16 cache's weights are
-    # rounded as SDPA rounds them before its second product, and no float32 copy is made.
-    weights = torch.softmax(scores, dim=-1)  # [H_kv, G, S, T]
-    out = (weights.view(kv_heads, group * length, num_keys) @ v.to(weights.dtype)).view(
-        heads, length, dim
-    )
-    return out, weights.sum(dim=(0, 1, 2), dtype=torch.float32) / (kv_heads * group * length)
-
-
-def hidden_keys(
-    query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None = None
-) -> tuple[int, torch.Tensor]:
-    """The keys that queries at ``query_pos`` may not read: ``(seen, hidden [S, T - seen])``,
-    True where key ``seen + t`` is hidden from a query. Keys at or before the first query's
-    position are seen by every query (``key_pos`` sorted), so only the ones after it are
-    masked (the question's own, when it ends the prompt)."""
-    seen = (
-        0
-        if sliding_window is not None
-        else int(torch.searchsorted(key_pos, query_pos.min(), right=True))
-    )
-    return seen, ~position_mask(query_pos, key_pos[seen:], sliding_window=sliding_window)
-
-
 @dataclass(frozen=True)
 class QueryGroups:
     """Selected queries cut into groups by position, each with the keys it may read: built
@@ -141,10 +87,49 @@ def attend_grouped(
     outputs = []
     for span, keys, mask in zip(groups.spans, groups.n_keys, groups.masks, strict=True):
         n = span.stop - span.start
-        rows = q[0, :, span].to(k.dtype).reshape(1, kv_heads, heads // kv_heads * n, dim)
+        rows = q[0, :, span].to(k.dtype).contiguous().view(1, kv_heads, heads // kv_heads * n, dim)
         out = F.scaled_dot_product_attention(rows, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
         outputs.append(out.reshape(1, heads, n, dim))  # CUDA's SDPA may return other strides
-    return torch.cat(outputs, dim=2)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def attend_and_weigh(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    sliding_window: int | None = None,
+    key_bias: torch.Tensor | None = None,
+    groups: QueryGroups | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the question's queries ``q [H, S, D]`` (rotated) over a layer's keys
+    ``k, v [H_kv, T, D]`` (rotated, at sorted positions ``key_pos``), causal by position, and
+    the weights it paid each key.
+
+    Returns the output ``[H, S, D]`` (what SDPA gives) and the weights averaged over heads
+    and queries, ``[T]``, summing to 1. One explicit computation gives both: for the few
+    question tokens it is faster than SDPA plus a second pass for the weights (5 against
+    10-12 ms a layer for 45 queries over 3,700 keys here), and the query heads that share a
+    key head are stacked into one matrix product instead of copying the keys per head. Five
+    operators: the stacking copy, the scaled scores with the mask (and ``key_bias``) added
+    in the same product, softmax, the values' product, the mean. ``groups``: the question as
+    one group (``group_queries(query_pos, key_pos, H // H_kv, sliding_window, None, k.dtype,
+    key_bias)``), made once for every layer that shares it."""
+    heads, length, dim = q.shape
+    kv_heads, num_keys = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    if groups is None:
+        groups = group_queries(query_pos, key_pos, group, sliding_window, None, k.dtype, key_bias)
+    keys, mask = groups.n_keys[0], groups.masks[0]  # mask: [G * S, keys], additive
+    stacked = q.to(k.dtype).contiguous().view(kv_heads, group * length, dim)
+    scores = torch.baddbmm(mask, stacked, k[:, :keys].transpose(1, 2), alpha=1 / math.sqrt(dim))
+    # In the scores' dtype (softmax accumulates in float32): a bfloat16 cache's weights are
+    # rounded as SDPA rounds them before its second product, and no float32 copy is made.
+    weights = torch.softmax(scores, dim=-1)  # [H_kv, G * S, keys]
+    out = torch.bmm(weights, v[:, :keys].to(weights.dtype)).view(heads, length, dim)
+    paid = weights.mean(dim=(0, 1), dtype=torch.float32)  # [keys]
+    return out, paid if keys == num_keys else F.pad(paid, (0, num_keys - keys))
 
 
 @dataclass(frozen=True)
@@ -161,7 +146,7 @@ class AttentionPlan:
     window: int | None
     bias: torch.Tensor | None
     mask: torch.Tensor | None  # ``everything``'s (``Transformer.mask``; None: the triangle)
-    question_hidden: tuple[int, torch.Tensor] | None  # the recorded question's (``hidden_keys``)
+    question: QueryGroups | None  # the recorded question as one group (``attend_and_weigh``)
 
 
 def attention_plan(model, cache, active, num_tokens, question_length, bias, layer) -> AttentionPlan:
@@ -179,9 +164,12 @@ def attention_plan(model, cache, active, num_tokens, question_length, bias, laye
 
     groups = groups_of(active[:grouped]) if grouped and not everything else None
     mask = model.mask(positions, positions, layer=layer) if everything else None
-    hidden = hidden_keys(active[grouped:], positions, window) if question_length else None
+    question = (
+        group_queries(active[grouped:], positions, heads_per_key, window, None, dtype, bias)
+        if question_length else None
+    )  # fmt: skip
     return AttentionPlan(positions, active, grouped, question_length, everything, groups,
-                         groups_of(active[-1:]), window, bias, mask, hidden)  # fmt: skip
+                         groups_of(active[-1:]), window, bias, mask, question)  # fmt: skip
 
 
 def attend_layer(plan: AttentionPlan, q, k_layer, v_layer, last: bool):
@@ -190,7 +178,7 @@ def attend_layer(plan: AttentionPlan, q, k_layer, v_layer, last: bool):
     if plan.question_length:
         out, weights = attend_and_weigh(
             q[0, :, plan.grouped :], k_layer[0], v_layer[0], plan.active[plan.grouped :],
-            plan.positions, plan.window, plan.bias, plan.question_hidden,
+            plan.positions, plan.window, plan.bias, plan.question,
         )  # fmt: skip
         if plan.groups is not None and not last:
             before = attend_grouped(q[:, :, : plan.grouped], k_layer, v_layer, plan.groups)

@@ -6,7 +6,7 @@ measured (``shift_stale``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,34 +21,27 @@ def rotate_into(
     cos: torch.Tensor,
     sin: torch.Tensor,
     scale: float | torch.Tensor = 1.0,
+    *,
+    scaled: bool = False,
 ) -> None:
     """Write pre-RoPE keys ``k_pre [H_kv, n, D]`` into ``dest [H_kv, n, D]`` (a cache slice)
-    rotated by ``cos``/``sin`` ``[n, R]``: ``apply_rope`` computed in place, in float32.
-    One copy (which also widens a float16 store) and four in-place products instead of
-    ``apply_rope``'s seven temporaries and a copy: placing the cached chunks was ~45 % of the
-    reuse pass (3,700 tokens, 30 layers). A bfloat16 cache gets the float32 result rounded
-    once (8 bits of mantissa). The keys are multiplied by ``scale`` on the way (a number, or
-    one per token, ``[n, 1]``: ``StaleReading.key_scale``): a rotation is linear, so scaled tables
-    give it in the same passes. ``k_pre`` may be consecutive segments' keys, ``[H_kv, n_j,
-    D]`` each (``place_sources``): copied in side by side, then rotated as one."""
-    rotary = cos.shape[-1]  # < D with partial rotary: the other dims stay as copied
-    half = rotary // 2
-    work = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, device=dest.device)
-    if isinstance(k_pre, torch.Tensor):
-        work.copy_(k_pre)
-    else:  # one call, widening as it copies
-        torch.cat([part.to(work.device) for part in k_pre], dim=1, out=work)
-    x1, x2 = work[..., :half], work[..., half:rotary]
-    cos_h, sin_h = cos[..., :half].float(), sin[..., :half].float()
-    if isinstance(scale, torch.Tensor) or scale != 1.0:
-        cos_h, sin_h = cos_h * scale, sin_h * scale
-        if rotary < work.shape[-1]:
-            work[..., rotary:] *= scale
-    x1_sin = x1 * sin_h
-    x1.mul_(cos_h).addcmul_(x2, sin_h, value=-1)  # x1 cos - x2 sin
-    x2.mul_(cos_h).add_(x1_sin)  # x2 cos + x1 sin
-    if work is not dest:
-        dest.copy_(work)
+    rotated by ``cos``/``sin`` ``[n, R]``: ``apply_rope`` in float32 (a float16 or bfloat16
+    store is widened inside its operators), rounded once into ``dest``: three operators, no
+    temporary copy. The keys are multiplied by ``scale`` on the way (a number, or one per
+    token, ``[n, 1]``: ``StaleReading.key_scale``): a rotation is linear, so scaled tables give
+    it in the same operators (``scaled``: ``cos``/``sin`` carry the scale already, as
+    ``Placing.tables`` makes them once a pass). ``k_pre`` may be consecutive segments' keys,
+    ``[H_kv, n_j, D]`` each (``place_sources``): joined by one copy, then rotated as one."""
+    if not isinstance(k_pre, torch.Tensor):
+        k_pre = torch.cat([part.to(dest.device) for part in k_pre], dim=1)
+    k_pre = k_pre.to(dest.device)
+    scaling = isinstance(scale, torch.Tensor) or scale != 1.0
+    if scaling and not scaled:
+        cos, sin = cos * scale, sin * scale
+    apply_rope(k_pre, cos, sin, compute=torch.float32, out=dest)
+    rotary = cos.shape[-1]  # < D with partial rotary: the other dims are scaled alone
+    if scaling and rotary < dest.shape[-1]:
+        dest[..., rotary:] = k_pre[..., rotary:].float() * scale
 
 
 @dataclass(frozen=True)
@@ -61,6 +54,18 @@ class Placing:
     span: slice
     scale: float | torch.Tensor
     rotated: bool = False
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def tables(self, cos_all: torch.Tensor, sin_all: torch.Tensor):
+        """cos and sin at the run's slots times its scale (``rotate_into(scaled=True)``):
+        the same for every layer that shares the RoPE tables, so made once a pass."""
+        key = id(cos_all)  # the pass's tables live as long as its placings
+        if key not in self._tables:
+            cos, sin = cos_all[self.span], sin_all[self.span]
+            if isinstance(self.scale, torch.Tensor) or self.scale != 1.0:
+                cos, sin = cos * self.scale, sin * self.scale
+            self._tables[key] = (cos, sin)
+        return self._tables[key]
 
 
 def placing_runs(sources: Sequence[Segment], stale: StaleReading, device) -> list[Placing]:
@@ -97,7 +102,7 @@ def place_sources(cache, i: int, placings: Sequence[Placing], cos_all, sin_all) 
         else:
             keys = [k for k, _ in layers]
             rotate_into(cache.k[i, 0, :, span], keys[0] if len(keys) == 1 else keys,
-                        cos_all[span], sin_all[span], placing.scale)  # fmt: skip
+                        *placing.tables(cos_all, sin_all), placing.scale, scaled=True)  # fmt: skip
         values = [v.to(cache.v.device) for _, v in layers]
         torch.cat(values, dim=1, out=cache.v[i, 0, :, span])
 

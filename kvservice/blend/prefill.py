@@ -157,16 +157,17 @@ def _run_pass(
         plan = plans[window]
         if placings and i >= place_from:
             place_sources(cache, i, placings, cos_all, sin_all)
-        q, k_rot, v, k_pre = layer.project(x, cos_a, sin_a)  # [1, H, S, D]; [1, H_kv, S, D]
+        # q, k and v in the cache's dtype: [1, H, S, D]; [1, H_kv, S, D]
+        q, k_rot, v, k_pre = layer.project(x, cos_a, sin_a, cache.k.dtype)
         if shift is not None:
             shift_stale(cache, i, shift, k_pre, v, active, cos_all, sin_all)
         k_rot = k_rot[0]
-        if span is not None:  # one operator each, converting as it copies
+        if span is not None:
             cache.k[i, 0, :, span].copy_(k_rot)
             cache.v[i, 0, :, span].copy_(v[0])
         else:
-            cache.k[i, 0, :, active] = k_rot.to(cache.k.dtype)  # index_put does not convert
-            cache.v[i, 0, :, active] = v[0].to(cache.v.dtype)
+            cache.k[i, 0, :, active] = k_rot
+            cache.v[i, 0, :, active] = v[0]
         k_layer, v_layer = cache.k[i, :, :, :num_tokens], cache.v[i, :, :, :num_tokens]
         last = i == config.n_layers - 1
         out, weights = attend_layer(plan, q, k_layer, v_layer, last)

@@ -85,28 +85,36 @@ def rope_cos_sin(
     return emb.cos(), emb.sin()
 
 
-# apply_rope computes in place from this many elements on: 2 threads, 9 heads x 64 dims, in
-# microseconds: 1 token 23 (expression) against 55 (in place), 200 tokens 104 / 105, 3,645
-# tokens 2,611 / 2,197.
-IN_PLACE_ROPE_MIN = 9 * 64 * 200
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    compute: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotate ``x [..., T, D]`` by the angles in cos/sin ``[T, R]`` (broadcast over heads);
-    with ``R < D`` (partial rotary) the first ``R`` dims turn and the rest pass."""
-    if cos.shape[-1] < x.shape[-1]:
-        rotary = cos.shape[-1]
-        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
-    half = x.shape[-1] // 2
-    cos, sin = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)  # halves are equal
-    if x.numel() < IN_PLACE_ROPE_MIN:  # decoding: fewer ops beat fewer passes
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    out = x.expand(torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.shape[-1],))).clone()
-    x1, x2 = out[..., :half], out[..., half:]
-    x1_sin = x1 * sin  # then in place: a copy and five half-size passes, no cat
-    x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
-    x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
+    with ``R < D`` (partial rotary) the first ``R`` dims turn and the rest pass.
+
+    Computed in ``compute`` (default ``x``'s dtype; the tables are cast to it, and a narrower
+    ``x`` is widened inside the operators), written into ``out`` when given (a cache slice,
+    or a tensor of the dtype attention runs in: the rounding then happens once, on the
+    store). Three operators whatever the size: ``x cos`` over both halves, then each half's
+    ``+- x_other sin`` as one multiply-add into its half of the result. The same products
+    and sums in the same order as ``x1 cos - x2 sin`` and ``x2 cos + x1 sin``: on a GPU each
+    operator is a kernel launch, and a layer used to spend seven here."""
+    rotary = cos.shape[-1]
+    half = rotary // 2
+    compute = compute or x.dtype
+    cos, sin = cos.to(compute), sin[..., :half].to(compute)  # sin's halves are equal
+    turned = x[..., :rotary] * cos  # [..., T, R]: x cos
+    if out is None:
+        shape = torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.shape[-1],))
+        out = torch.empty(shape, dtype=turned.dtype, device=x.device)
+    torch.addcmul(turned[..., :half], x[..., half:rotary], sin, value=-1, out=out[..., :half])
+    torch.addcmul(turned[..., half:], x[..., :half], sin, out=out[..., half:rotary])
+    if rotary < x.shape[-1]:
+        out[..., rotary:] = x[..., rotary:]
     return out
 
 
@@ -172,12 +180,19 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x`` normed, in ``x``'s dtype; in ``dtype`` when given (what the next product
+        reads: the last multiply rounds into it as it stores, one operator instead of a
+        product and a conversion)."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (x32 * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * x32.to(x.dtype)
+            a, b, into = self.offset + self.weight.float(), x32, dtype or x.dtype
+        else:
+            a, b, into = self.weight, x32.to(x.dtype), dtype
+        if into is None or torch.is_grad_enabled():  # (out= does not differentiate)
+            return a * b if into is None else (a * b).to(into)
+        return torch.mul(a, b, out=torch.empty(x.shape, dtype=into, device=x.device))
 
 
 class Attention(nn.Module):
@@ -207,34 +222,41 @@ class Attention(nn.Module):
         self.q_scale = 1.0 if scale is None else scale * math.sqrt(config.head_dim)
 
     def project(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        dtype: torch.dtype | None = None, compute: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Normed hidden ``h [B, S, dim]`` -> rotated q ``[B, H, S, D]``, rotated k, v and
         pre-RoPE k ``[B, H_kv, S, D]``. cos/sin ``[B, S, D]`` at the tokens' positions.
 
-        q and k sit side by side in the fused product's output, so they are widened and
-        rotated as one tensor of ``H + H_kv`` heads: one set of operators a layer instead of
-        two (each a kernel launch on a GPU)."""
+        RoPE is computed in ``compute`` (the residual stream's dtype; default ``h``'s); q, k
+        and v come back in ``dtype`` (the KV cache's, what attention reads; default
+        ``compute``), pre-RoPE k as the product gave it. q and k sit side by side in the
+        fused product's output, so they are rotated as one tensor of ``H + H_kv`` heads,
+        straight from the product's output: one set of operators a layer and no conversions
+        (each a kernel launch on a GPU)."""
         bsz, seqlen, _ = h.shape
         heads, kv_heads, dim = self.n_heads, self.n_kv_heads, self.head_dim
+        compute = compute or h.dtype
+        dtype = dtype or compute
         y = self.qkv.joined(h)  # [B, S, (H + 2 H_kv) * D]
-        qk = y[..., : (heads + kv_heads) * dim].to(h.dtype)
+        qk = y[..., : (heads + kv_heads) * dim]
         qk = qk.view(bsz, seqlen, heads + kv_heads, dim).transpose(1, 2)  # [B, H + H_kv, S, D]
-        v = y[..., (heads + kv_heads) * dim :].to(h.dtype)
+        v = y[..., (heads + kv_heads) * dim :].to(dtype)
         v = v.view(bsz, seqlen, kv_heads, dim).transpose(1, 2)  # [B, H_kv, S, D]
         if hasattr(self, "q_norm"):  # each head's q and k normed by its own weights
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
-        rotated = apply_rope(qk, cos[:, None], sin[:, None])
+        scaled = self.q_scale != 1.0  # then q is scaled before its one rounding
+        into = torch.empty(qk.shape, dtype=compute if scaled else dtype, device=h.device)
+        rotated = apply_rope(qk, cos[:, None], sin[:, None], compute=compute, out=into)
         q, k = rotated[:, :heads], rotated[:, heads:]
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
+        if scaled:
+            q, k = (q * self.q_scale).to(dtype), k.to(dtype)
         return q, k, v, qk[:, heads:]
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         bsz, _, seqlen, _ = attn.shape
-        attn = attn.transpose(1, 2).reshape(
-            bsz, seqlen, self.n_heads * self.head_dim
-        )  # [B, S, H*D]
+        # [B, S, H*D]: one copy (a reshape of the transposed view copies and views again)
+        attn = attn.transpose(1, 2).contiguous().view(bsz, seqlen, self.n_heads * self.head_dim)
         return self.out(attn)[0]
 
 
@@ -272,10 +294,13 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.dim, config.norm_eps, offset)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """First half of the layer: rotated q and k, v, pre-RoPE k for the tokens in ``x``."""
-        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """First half of the layer: rotated q and k, v (in ``dtype``: the cache's), pre-RoPE
+        k for the tokens in ``x``."""
+        normed = self.input_layernorm(x, self.self_attn.qkv.input_dtype)
+        return self.self_attn.project(normed, cos, sin, dtype, compute=x.dtype)
 
     def attend_and_mlp(
         self,
@@ -295,7 +320,7 @@ class Block(nn.Module):
             x = x + self.post_attention_layernorm(self.self_attn.output(attn))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn.output(attn)  # fp32 residual (+ a bfloat16 product: fp32)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x, self.mlp.gate_up.input_dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,9 +491,10 @@ class Transformer(nn.Module):
             if window not in masks:
                 masks[window] = self.mask(positions, key_pos, key_valid, layer=i)
             cos, sin = ropes[i]
-            q, k, v, k_pre = layer.project(x, cos, sin)  # k: [B, H_kv, T, D], rotated
-            if collected is not None:
-                collected.append((k_pre, v))
+            # k: [B, H_kv, T, D], rotated; q, k and v in the cache's dtype
+            q, k, v, k_pre = layer.project(x, cos, sin, None if cache is None else cache.k.dtype)
+            if collected is not None:  # as the residual stream's dtype holds them
+                collected.append((k_pre.to(x.dtype), v.to(x.dtype)))
             if cache is not None:
                 cache.k[i, :, :, slots] = k
                 cache.v[i, :, :, slots] = v

@@ -167,25 +167,34 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: uint8 -> ``[count]`` codes (uint8 where ``bits``
-    divides 8, else int32). One shift-and-mask by a constant per code slot of a byte run:
-    as fast as torch's elementwise kernels on CPU and CUDA (a broadcast shift by a tensor
-    of shifts was 4x slower here)."""
-    mask = (1 << bits) - 1
-    if 8 % bits == 0:  # whole codes per byte: byte ops only
-        slots = [(packed >> (i * bits)) & mask for i in range(8 // bits)]
-        return torch.stack(slots, -1).reshape(-1)[:count]
-    word = _run_words(packed, bits)  # 8 codes in 8 * bits bits
-    slots = [(word >> (i * bits)) & mask for i in range(8)]
-    return torch.stack(slots, -1).reshape(-1)[:count]
+    """Inverse of :func:`pack_bits`: uint8 (any shape; a run's layers may be rows of a
+    strided view) -> ``[count]`` codes (uint8 where ``bits`` divides 8, else int32 or
+    int64). Two operators: every code slot of a byte (or of a run of ``bits`` bytes, one
+    integer) shifted by a tensor of shifts at once, then masked. One shift-and-mask per
+    slot took two operators a slot (sixteen for 3-bit codes); the broadcast shift is as
+    fast on the CPU (a 4-bit K run of 26 layers of a 630-token chunk: 16 against 34 ms,
+    2 threads, a busy machine) and one kernel a step on a GPU."""
+    if bits == 8:
+        return packed.reshape(-1)[:count]
+    words = packed if 8 % bits == 0 else _run_words(packed, bits)  # 8 // bits or 8 codes
+    slots = 8 // bits if 8 % bits == 0 else 8
+    shifts = _shifts(bits, slots, words.dtype, str(words.device))
+    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
+
+
+@functools.lru_cache(maxsize=32)
+def _shifts(bits: int, slots: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``[slots]``: the shift that brings each code slot of a word down to its low bits."""
+    return (torch.arange(slots) * bits).to(dtype=dtype, device=device)
 
 
 def _run_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Each run of 8 codes (``bits`` bytes, little-endian) as one integer."""
-    raw = packed.view(-1, bits).to(torch.int32 if bits <= 4 else torch.int64)  # [N, bits]
-    word = raw[:, 0].clone()
+    """Each run of 8 codes (``bits`` bytes, little-endian) as one integer, ``[..., N]``
+    (``packed`` may have leading dims: layers of a run, each its row)."""
+    raw = packed.unflatten(-1, (-1, bits)).to(torch.int32 if bits <= 4 else torch.int64)
+    word = raw[..., 0].clone()  # raw: [..., N, bits]
     for i in range(1, bits):
-        word |= raw[:, i] << (8 * i)
+        word |= raw[..., i] << (8 * i)
     return word
 
 
@@ -381,20 +390,20 @@ def _kivi_k(
     heads, tokens, dim = shape
     groups = _k_groups(tokens, k_group)
     k_codes = unpack_bits(packed, bits, heads * tokens * dim).view(shape)
-    step = step.view(torch.float16).view(heads, groups, 1, dim).float()  # [H, G, 1, D]
-    low = low.view(torch.float16).view(heads, groups, 1, dim).float()
+    step = step.view(torch.float16).float().view(heads, groups, 1, dim)  # [H, G, 1, D]
+    low = low.view(torch.float16).float().view(heads, groups, 1, dim)
     k = torch.empty(shape, dtype=out, device=packed.device)
     # whole groups through a view that broadcasts each group's step (no per-token gather),
-    # the last partial group on its own; the copy into k is the cast to ``out``
+    # the last partial group on its own; each multiply-add widens the integer codes and
+    # rounds into ``out`` inside its one operator
     whole = tokens // k_group
     if whole:
-        codes = k_codes[:, : whole * k_group].view(heads, whole, k_group, dim).float()
-        k[:, : whole * k_group].copy_(
-            torch.addcmul(low[:, :whole], codes, step[:, :whole]).view(heads, -1, dim)
-        )
+        codes = k_codes[:, : whole * k_group].view(heads, whole, k_group, dim)
+        into = k[:, : whole * k_group].view(heads, whole, k_group, dim)
+        torch.addcmul(low[:, :whole], codes, step[:, :whole], out=into)
     if whole < groups:
-        codes = k_codes[:, whole * k_group :].float()
-        k[:, whole * k_group :].copy_(torch.addcmul(low[:, -1], codes, step[:, -1]))
+        codes = k_codes[:, whole * k_group :]
+        torch.addcmul(low[:, -1], codes, step[:, -1], out=k[:, whole * k_group :])
     return k
 
 
@@ -408,8 +417,8 @@ def _kivi_v(
     if rotated and groups == 1 and dim % 8 == 0:
         return _rotated_v(packed, step, low, bits, heads * tokens, dim).view(shape)
     codes = unpack_bits(packed, bits, heads * tokens * dim).view(heads, tokens, groups, -1)
-    step = step.view(torch.float16).view(heads, tokens, groups, 1).float()
-    low = low.view(torch.float16).view(heads, tokens, groups, 1).float()
+    step = step.view(torch.float16).float().view(heads, tokens, groups, 1)
+    low = low.view(torch.float16).float().view(heads, tokens, groups, 1)
     v = torch.addcmul(low, codes.float(), step).view(shape)
     return v @ hadamard(dim, v.device) if rotated else v
 
@@ -419,40 +428,16 @@ def _rotated_v(
 ) -> torch.Tensor:
     """``(low + step * codes) @ H`` for V rows with one minimum and step each, as
     ``step * (codes @ H)`` plus ``low`` times H's column sums (``sqrt(dim)`` in the first
-    column, 0 in the others): no float32 pass for the minimum. Codes whose bit width does
-    not divide a byte are unpacked slot-major (:func:`_slot_major_codes`). A whole 620-token
-    layer (K at 4 bits, V at 3) decoded in 0.66 ms against 0.86 ms before (docs/codec.md)."""
-    device = str(packed.device)
-    if 8 % bits == 0:  # whole codes per byte: unpacking in order is byte ops already
-        codes = unpack_bits(packed, bits, rows * dim).view(rows, dim).float()
-        v = codes @ hadamard(dim, device)
-    else:
-        v = _slot_major_codes(packed, bits, rows, dim) @ _slot_major_hadamard(dim, device)
-    v.mul_(step.view(torch.float16).float().view(rows, 1))
-    v[:, 0].add_(low.view(torch.float16).float().view(rows), alpha=math.sqrt(dim))
+    column, 0 in the others): no float32 pass for the minimum. The float16 steps and minima
+    are widened inside the operators that apply them. A whole 620-token layer (K at 4 bits,
+    V at 3) decoded in 0.66 ms against 0.86 ms before (docs/codec.md)."""
+    codes = unpack_bits(packed, bits, rows * dim).view(rows, dim).float()
+    v = codes @ hadamard(dim, str(packed.device))
+    # [rows], or a run's [n, rows / n]: applied where they lie, widened by the operators
+    step, low = step.view(torch.float16), low.view(torch.float16)
+    v.view(*step.shape, dim).mul_(step.unsqueeze(-1))
+    v.view(*low.shape, dim)[..., 0].add_(low, alpha=math.sqrt(dim))
     return v
-
-
-def _slot_major_codes(packed: torch.Tensor, bits: int, rows: int, dim: int) -> torch.Tensor:
-    """Float codes ``[rows, dim]`` with code ``i`` of every run of 8 codes in a row taken at
-    once (one contiguous shift-and-mask per ``i``), into channel ``i * runs + r`` instead of
-    ``8 r + i``: no interleaving copy."""
-    runs = dim // 8
-    words = _run_words(packed, bits).view(rows, runs)
-    codes = torch.empty(rows, 8, runs, device=packed.device)
-    mask = (1 << bits) - 1
-    for i in range(8):
-        codes[:, i].copy_((words >> (bits * i)) & mask)
-    return codes.view(rows, dim)
-
-
-@functools.lru_cache(maxsize=16)
-def _slot_major_hadamard(dim: int, device: str) -> torch.Tensor:
-    """The Hadamard matrix with row ``i * runs + r`` holding row ``8 r + i``."""
-    runs = dim // 8
-    slot_major = torch.arange(dim)
-    in_order = (slot_major % runs) * 8 + slot_major // runs
-    return hadamard(dim, device)[in_order.to(device)].contiguous()
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -523,4 +508,5 @@ def _kivi_k_rows(
     index = torch.repeat_interleave(counts, output_size=rows)  # [R]: each row's group
     step = step.view(torch.float16).view(-1, dim).float().index_select(0, index)
     low = low.view(torch.float16).view(-1, dim).float().index_select(0, index)
-    return torch.addcmul(low, codes.float(), step).to(out)
+    k = torch.empty(shape, dtype=out, device=packed.device)
+    return torch.addcmul(low, codes, step, out=k)  # widening the codes, rounding into k

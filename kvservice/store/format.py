@@ -420,8 +420,12 @@ def decode_layers(
     if raw.numel() < count * size:
         raise ChunkTruncated(f"layers {first}+{count}: got {raw.numel()} of {count * size} bytes")
     rows = raw[: count * size].view(count, size)
-    # each section of every layer in the run, gathered into one contiguous tensor
-    sections = [rows[:, at : at + n].reshape(-1) for at, n in header.layout(first).sections]
+    # each section of every layer in the run, [count, section size]: a quantized codec reads
+    # the layers' rows where they lie (its first operators widen them into new tensors);
+    # the others' sections are gathered into one contiguous tensor each
+    sections = [rows[:, at : at + n] for at, n in header.layout(first).sections]
+    if header.codec_kind != codecs.KIVI:
+        sections = [section.reshape(-1) for section in sections]
     heads, tokens, dim = header.num_kv_heads, header.num_tokens, header.head_dim
     k, v = codecs.decode_sections(
         header.codec_kind, header.layer_bits[first], sections, (count * heads, tokens, dim),

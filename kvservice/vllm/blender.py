@@ -112,10 +112,12 @@ class VllmBlock(Block):
         return self._vllm[0]
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [B, S, dim]`` -> rotated q ``[B, H, S, D]``, rotated k, v and pre-RoPE k
-        ``[B, H_kv, S, D]`` (``kvservice.model.transformer.Block.project``'s)."""
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``x [B, S, dim]`` -> rotated q ``[B, H, S, D]``, rotated k, v (in ``dtype``, the
+        cache's, when given) and pre-RoPE k ``[B, H_kv, S, D]``
+        (``kvservice.model.transformer.Block.project``'s)."""
         bsz, seqlen, dim = x.shape
         layer = self.vllm_layer
         h = layer.input_layernorm(x.reshape(bsz * seqlen, dim))  # vLLM ops take [N, dim]
@@ -131,7 +133,9 @@ class VllmBlock(Block):
         q = apply_rope(q, cos[:, None], sin[:, None])
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        return q, apply_rope(k, cos[:, None], sin[:, None]), v, k  # k, v: [B, H_kv, S, D]
+        dtype = dtype or q.dtype
+        k_rot = apply_rope(k, cos[:, None], sin[:, None])
+        return q.to(dtype), k_rot.to(dtype), v.to(dtype), k  # k, v: [B, H_kv, S, D]
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection of ``attn [B, H, S, D]``, residual, then the MLP and residual."""

@@ -469,8 +469,9 @@ def test_the_loader_decodes_into_the_dtype_its_cache_holds(name):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_turned_v_decodes_to_the_in_order_values(bits):
-    """The fast path for V turned by a Hadamard matrix (codes unpacked slot-major, the minimum
-    added through H's column sums) gives what unpacking in order and turning gives."""
+    """The fast path for V turned by a Hadamard matrix (the minimum added through H's column
+    sums, the float16 steps widened inside the product) gives what decoding plainly and
+    turning gives."""
     from kvservice.store.codec import _kivi_v
 
     heads, tokens, dim = 3, 45, 64

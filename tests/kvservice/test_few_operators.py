@@ -1,0 +1,117 @@
+"""The engine's hot paths in few operators (issue #47: on a GPU each operator is a kernel
+launch, and a 4,096-token blend spent most of its time launching them). Each test counts the
+kernel-launching operators of one path (``bench.opcount``) and checks its values against the
+plain expression it replaces."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.opcount import count_ops
+from kvservice.chunk import ChunkKV
+from kvservice.model.transformer import RMSNorm, apply_rope, rope_cos_sin
+from kvservice.store import codec as codecs
+from kvservice.store.format import (
+    as_uint8,
+    decode_header,
+    decode_layer,
+    decode_layers,
+    encode_chunk,
+)
+
+
+def _tables(rotary: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary))
+    return rope_cos_sin(inv_freq.float(), torch.arange(100, 100 + tokens))
+
+
+def _plain_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary = cos.shape[-1]
+    half = rotary // 2
+    x1, x2, rest = x[..., :half], x[..., half:rotary], x[..., rotary:]
+    c, s = cos[..., :half], sin[..., :half]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
+
+
+def test_rope_is_three_operators_and_rounds_once_into_its_output() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 12, 50, 64, generator=gen)
+    cos, sin = _tables(64, 50)
+    ops = count_ops(lambda: apply_rope(x, cos, sin), layers=1)
+    assert ops.total == 3, ops.by_name
+    turned = apply_rope(x, cos, sin)
+    torch.testing.assert_close(turned, _plain_rope(x.double(), cos.double(), sin.double()).float())
+    into = torch.empty(x.shape, dtype=torch.bfloat16)
+    assert apply_rope(x, cos, sin, out=into) is into
+    assert torch.equal(into, turned.to(torch.bfloat16))  # one rounding, on the store
+    # a bfloat16 input rotated in float32 is the widened input's rotation
+    narrow = x.to(torch.bfloat16)
+    widened = apply_rope(narrow, cos, sin, compute=torch.float32)
+    assert widened.dtype == torch.float32
+    assert torch.equal(widened, apply_rope(narrow.float(), cos, sin))
+
+
+def test_partial_rotary_turns_the_first_dims_and_passes_the_rest() -> None:
+    x = torch.randn(3, 20, 64, generator=torch.Generator().manual_seed(1))
+    cos, sin = _tables(32, 20)
+    turned = apply_rope(x, cos, sin)
+    assert torch.equal(turned[..., 32:], x[..., 32:])
+    torch.testing.assert_close(turned, _plain_rope(x.double(), cos.double(), sin.double()).float())
+
+
+def test_a_norm_rounds_into_the_dtype_its_product_reads() -> None:
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    x = torch.randn(2, 7, 96, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # as the engine runs
+        narrowed = norm(x, torch.bfloat16)
+        assert narrowed.dtype == torch.bfloat16
+        assert torch.equal(narrowed, norm(x).to(torch.bfloat16))
+        plain = count_ops(lambda: norm(x), layers=1).total
+        assert count_ops(lambda: norm(x, torch.bfloat16), layers=1).total == plain
+
+
+def test_project_gives_q_k_v_in_the_caches_dtype_as_one_rounding(tiny_llama) -> None:
+    layer = tiny_llama.layers[0]
+    dim = tiny_llama.config.dim
+    x = torch.randn(1, 9, dim, generator=torch.Generator().manual_seed(3))
+    cos, sin = tiny_llama.rope(torch.arange(9))
+    with torch.no_grad():
+        wide = layer.project(x, cos[None], sin[None])
+        narrow = layer.project(x, cos[None], sin[None], torch.bfloat16)
+    for a, b in zip(wide[:3], narrow[:3], strict=True):  # q, k, v
+        assert b.dtype == torch.bfloat16
+        assert torch.equal(b, a.to(torch.bfloat16))
+    assert torch.equal(narrow[3], wide[3])  # pre-RoPE k as the product gave it
+
+
+def _kivi_object(layers: int = 8, heads: int = 2, tokens: int = 100, dim: int = 64):
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(layers, heads, tokens, dim, generator=gen) * 2
+    v = torch.randn(layers, heads, tokens, dim, generator=gen)
+    chunk = ChunkKV(list(range(tokens)), k, v, "model", "head")
+    buf = encode_chunk(chunk, codec=codecs.CODECS[codecs.DEFAULT_CODEC])
+    return decode_header(buf), as_uint8(buf)
+
+
+def test_a_run_of_layers_decodes_in_a_handful_of_operators_as_each_layer_alone() -> None:
+    header, raw = _kivi_object()
+    first, count = 1, 7  # the default codec's later layers share their bit widths
+    assert header.layer_bits[first:] == (header.layer_bits[first],) * count
+    start = header.layer_offset(first)
+    block = raw[start : start + count * header.layer_size(first)]
+    decode_layers(header, first, count, block, dtype=torch.bfloat16)  # the shift tables made
+    ops = count_ops(lambda: decode_layers(header, first, count, block, dtype=torch.bfloat16), 1)
+    # 18 today. K: unpack (shift, mask), its steps and minima widened, one multiply-add per
+    # part of its groups; V: its runs' words (5), unpack, widen, the Hadamard product, step,
+    # minimum, the cast into the cache's dtype. Sixty-odd before (a copy per section, a
+    # shift and a mask per code slot).
+    assert ops.total <= 20, ops.by_name
+    k, v = decode_layers(header, first, count, block, dtype=torch.bfloat16)
+    for n in range(count):
+        index = first + n
+        at = header.layer_offset(index)
+        layer = raw[at : at + header.layer_size(index)]
+        k_one, v_one = decode_layer(header, index, layer, dtype=torch.bfloat16)
+        assert torch.equal(k[n], k_one) and torch.equal(v[n], v_one)
