@@ -81,7 +81,9 @@ def attend_grouped(
 ) -> torch.Tensor:
     """Attention of selected queries ``q [1, H, S, D]`` over a layer's keys ``k, v
     [1, H_kv, T, D]``, causal by real position, one SDPA call per group (``group_queries``)
-    with the query heads that share a key head stacked as rows. Returns ``[1, H, S, D]``."""
+    with the query heads that share a key head stacked as rows. Returns ``[1, H, S, D]``;
+    several groups' outputs are joined token-major (a ``[1, S, H, D]`` tensor seen as
+    ``[1, H, S, D]``), so that the output product's layout costs no second copy."""
     _, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     outputs = []
@@ -90,7 +92,9 @@ def attend_grouped(
         rows = q[0, :, span].to(k.dtype).contiguous().view(1, kv_heads, heads // kv_heads * n, dim)
         out = F.scaled_dot_product_attention(rows, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
         outputs.append(out.reshape(1, heads, n, dim))  # CUDA's SDPA may return other strides
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    if len(outputs) == 1:
+        return outputs[0]
+    return torch.cat([out.transpose(1, 2) for out in outputs], dim=1).transpose(1, 2)
 
 
 def attend_and_weigh(

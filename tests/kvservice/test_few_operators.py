@@ -115,3 +115,20 @@ def test_a_run_of_layers_decodes_in_a_handful_of_operators_as_each_layer_alone()
         layer = raw[at : at + header.layer_size(index)]
         k_one, v_one = decode_layer(header, index, layer, dtype=torch.bfloat16)
         assert torch.equal(k[n], k_one) and torch.equal(v[n], v_one)
+
+
+def test_grouped_attention_joins_its_groups_in_the_output_products_layout() -> None:
+    from kvservice.blend.attention import attend_grouped, group_queries
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(1, heads, n, 16, generator=gen) for heads, n in ((4, 40), (2, 90), (2, 90))
+    )
+    positions = torch.sort(torch.randperm(85, generator=gen)[:40]).values
+    groups = group_queries(positions, torch.arange(90), 2, min_rows=20)
+    assert len(groups.spans) > 1
+    out = attend_grouped(q, k, v, groups)
+    assert out.shape == (1, 4, 40, 16)
+    assert out.transpose(1, 2).is_contiguous()  # Attention.output's layout: no copy left
+    one = attend_grouped(q, k, v, group_queries(positions, torch.arange(90), 2, min_rows=None))
+    torch.testing.assert_close(out, one)
