@@ -29,10 +29,15 @@ MIN_BYTES = 4 << 20
 MAX_WASTE = 2
 
 
+# How many tensors and storage objects hold a storage: PyTorch's own (its tests use it), not
+# a public API; without it (another torch) the pool hands out plain tensors.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _unused(buffer: torch.Tensor) -> bool:
     """Whether only the pool holds ``buffer``'s storage: one reference from the pool's tensor
     and one from the storage object this call makes (no tensor or view of anyone else's)."""
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+    return _use_count(buffer.untyped_storage()._cdata) <= 2
 
 
 class BufferPool:
@@ -51,7 +56,8 @@ class BufferPool:
         """An uninitialized tensor, as ``torch.empty`` gives, in a kept buffer where it is
         a large CPU one."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or self.limit_bytes <= 0:
+        pooled = _use_count is not None and self.limit_bytes > 0 and nbytes >= MIN_BYTES
+        if not pooled or torch.device(device).type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:  # a buffer found unused here is handed out before another look
             buffer = self._free_buffer(nbytes)

@@ -77,3 +77,12 @@ def test_buffers_of_the_same_size_are_told_apart() -> None:
     again = pool.empty(BIG, torch.float32)  # the middle one, the only one free
     assert again.data_ptr() == addresses[1]
     assert pool.stats() == {"buffers": 3, "held_bytes": 3 * BIG[0] * 4, "handed": 4, "reused": 1}
+
+
+def test_without_torchs_use_count_the_pool_hands_out_plain_tensors(monkeypatch) -> None:
+    from kvservice.model import buffers
+
+    monkeypatch.setattr(buffers, "_use_count", None)
+    pool = BufferPool(1 << 30)
+    tensor = pool.empty(BIG, torch.float32)
+    assert tensor.shape == BIG and pool.stats()["buffers"] == 0
