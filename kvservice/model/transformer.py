@@ -244,7 +244,8 @@ class Attention(nn.Module):
         qk = qk.view(bsz, seqlen, heads + kv_heads, dim).transpose(1, 2)  # [B, H + H_kv, S, D]
         v = y[..., (heads + kv_heads) * dim :].to(dtype)
         v = v.view(bsz, seqlen, kv_heads, dim).transpose(1, 2)  # [B, H_kv, S, D]
-        if hasattr(self, "q_norm"):  # each head's q and k normed by its own weights
+        if hasattr(self, "q_norm"):  # each head's q and k normed by its own weights, in the
+            qk = qk.to(compute)  # residual stream's dtype (a norm returns its input's)
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         scaled = self.q_scale != 1.0  # then q is scaled before its one rounding
         into = torch.empty(qk.shape, dtype=compute if scaled else dtype, device=h.device)
