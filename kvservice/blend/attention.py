@@ -163,15 +163,12 @@ def attention_plan(model, cache, active, num_tokens, question_length, bias, laye
 
     rows = MIN_ROWS_PER_CALL if model.device.type == "cpu" else GPU_ROWS_PER_CALL
 
-    def groups_of(queries: torch.Tensor) -> QueryGroups:
-        return group_queries(queries, positions, heads_per_key, window, rows, dtype, bias)
+    def groups_of(queries: torch.Tensor, min_rows: int | None = rows) -> QueryGroups:
+        return group_queries(queries, positions, heads_per_key, window, min_rows, dtype, bias)
 
     groups = groups_of(active[:grouped]) if grouped and not everything else None
     mask = model.mask(positions, positions, layer=layer) if everything else None
-    question = (
-        group_queries(active[grouped:], positions, heads_per_key, window, None, dtype, bias)
-        if question_length else None
-    )  # fmt: skip
+    question = groups_of(active[grouped:], min_rows=None) if question_length else None
     return AttentionPlan(positions, active, grouped, question_length, everything, groups,
                          groups_of(active[-1:]), window, bias, mask, question)  # fmt: skip
 

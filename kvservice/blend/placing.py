@@ -32,16 +32,28 @@ def rotate_into(
     it in the same operators (``scaled``: ``cos``/``sin`` carry the scale already, as
     ``Placing.tables`` makes them once a pass). ``k_pre`` may be consecutive segments' keys,
     ``[H_kv, n_j, D]`` each (``place_sources``): joined by one copy, then rotated as one."""
-    if not isinstance(k_pre, torch.Tensor):
+    if isinstance(k_pre, torch.Tensor):
+        k_pre = k_pre.to(dest.device)
+    else:
         k_pre = torch.cat([part.to(dest.device) for part in k_pre], dim=1)
-    k_pre = k_pre.to(dest.device)
-    scaling = isinstance(scale, torch.Tensor) or scale != 1.0
-    if scaling and not scaled:
-        cos, sin = cos * scale, sin * scale
+    if not scaled:
+        cos, sin = scaled_tables(cos, sin, scale)
     apply_rope(k_pre, cos, sin, compute=torch.float32, out=dest)
     rotary = cos.shape[-1]  # < D with partial rotary: the other dims are scaled alone
-    if scaling and rotary < dest.shape[-1]:
+    if _scales(scale) and rotary < dest.shape[-1]:
         dest[..., rotary:] = k_pre[..., rotary:].float() * scale
+
+
+def _scales(scale: float | torch.Tensor) -> bool:
+    return isinstance(scale, torch.Tensor) or scale != 1.0
+
+
+def scaled_tables(
+    cos: torch.Tensor, sin: torch.Tensor, scale: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin times ``scale`` (the tables themselves when it is 1): rotating by them
+    rotates and scales at once."""
+    return (cos * scale, sin * scale) if _scales(scale) else (cos, sin)
 
 
 @dataclass(frozen=True)
@@ -61,10 +73,7 @@ class Placing:
         the same for every layer that shares the RoPE tables, so made once a pass."""
         key = id(cos_all)  # the pass's tables live as long as its placings
         if key not in self._tables:
-            cos, sin = cos_all[self.span], sin_all[self.span]
-            if isinstance(self.scale, torch.Tensor) or self.scale != 1.0:
-                cos, sin = cos * self.scale, sin * self.scale
-            self._tables[key] = (cos, sin)
+            self._tables[key] = scaled_tables(cos_all[self.span], sin_all[self.span], self.scale)
         return self._tables[key]
 
 

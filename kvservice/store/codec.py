@@ -176,8 +176,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     2 threads, a busy machine) and one kernel a step on a GPU."""
     if bits == 8:
         return packed.reshape(-1)[:count]
-    words = packed if 8 % bits == 0 else _run_words(packed, bits)  # 8 // bits or 8 codes
-    slots = 8 // bits if 8 % bits == 0 else 8
+    if 8 % bits == 0:  # whole codes per byte
+        words, slots = packed, 8 // bits
+    else:  # 8 codes in a run of ``bits`` bytes
+        words, slots = _run_words(packed, bits), 8
     shifts = _shifts(bits, slots, words.dtype, str(words.device))
     return ((words[..., None] >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
 
