@@ -5,7 +5,7 @@ groups of queries that each read only the keys up to their last position (``grou
 
 from __future__ import annotations
 
-import itertools
+import functools
 import math
 from dataclasses import dataclass
 
@@ -20,9 +20,17 @@ class QueryGroups:
     """Selected queries cut into groups by position, each with the keys it may read: built
     once per pass (``group_queries``) and used by every layer (``attend_grouped``)."""
 
-    spans: list[slice]  # each group's queries
+    spans: list[slice]  # each group's queries: all of one length, a group's start + stride
     n_keys: list[int]  # each group reads keys [0, n_keys)
     masks: list[torch.Tensor]  # additive, 0 or -inf: [heads_per_key * S_g, n_keys] each
+    stride: int = 0  # between the groups' starts; a group's output is its first ``stride``
+    # queries' (the last group's: all); the last starts where the rest is ``S_g`` queries,
+    # so it may share up to (groups - 1) queries with the one before it
+
+    def owned(self, index: int) -> int:
+        """How many of group ``index``'s queries it answers for."""
+        span = self.spans[index]
+        return span.stop - span.start if index == len(self.spans) - 1 else self.stride
 
 
 # PyTorch's CPU flash attention cuts a call's queries into 256-row blocks from 768 rows on,
@@ -52,8 +60,9 @@ def group_queries(
 
     ``attend_grouped`` stacks the ``heads_per_key`` query heads that share a key head into
     one call's rows, so a group of ``n`` queries is ``heads_per_key * n`` rows; the groups
-    are as many, of equal size, as leave each call at least ``min_rows`` rows (None: one
-    group). One layer of
+    are as many as leave each call at least ``min_rows`` rows (None: one group), all of one
+    length, their starts a stride apart (the last may share up to groups - 1 queries with
+    the one before it): so one copy stacks every group's queries. One layer of
     a blend at 0.15 (tuning examples 0-3, layers 5, 15 and 25: 572-596 queries over
     3,631-3,758 keys; medians of 9): 2 stacked groups 20.1 ms, 1 group 21.2, 3 groups 21.9,
     4 groups 22.2, the previous 8 groups of equal key spans with SDPA's GQA 23.1.
@@ -61,19 +70,28 @@ def group_queries(
     stacked head (``heads_per_key * S`` rows of keys in all, built once per pass)."""
     count = query_pos.numel()
     n_groups = 1 if min_rows is None else max(1, min(count, heads_per_key * count // min_rows))
-    bounds = [count * g // n_groups for g in range(n_groups + 1)]
+    stride = count // n_groups
+    length = count - (n_groups - 1) * stride  # stride plus fewer than n_groups
     spans, n_keys, masks = [], [], []
-    for start, stop in itertools.pairwise(bounds):
+    for start in range(0, n_groups * stride, stride):
+        stop = start + length
         group_pos = query_pos[start:stop]
         keys = int(torch.searchsorted(key_pos, group_pos[-1], right=True))
         visible = position_mask(group_pos, key_pos[:keys], sliding_window=sliding_window)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        if key_bias is not None:
-            mask += key_bias[:keys].to(dtype)
+        device = str(visible.device)
+        allowed = _constant(0.0, dtype, device) if key_bias is None else key_bias[:keys].to(dtype)
+        mask = torch.where(visible, allowed, _constant(float("-inf"), dtype, device))
         spans.append(slice(start, stop))
         n_keys.append(keys)
-        masks.append(mask.masked_fill_(~visible, float("-inf")).repeat(heads_per_key, 1))
-    return QueryGroups(spans, n_keys, masks)
+        masks.append(mask.repeat(heads_per_key, 1))
+    return QueryGroups(spans, n_keys, masks, stride)
+
+
+@functools.lru_cache(maxsize=16)
+def _constant(value: float, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A 0-dim ``value`` of ``dtype`` (made once; a Python number would be made into a
+    tensor on every call): what a mask holds where a key is visible (0) or hidden (-inf)."""
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 def attend_grouped(
@@ -83,15 +101,27 @@ def attend_grouped(
     [1, H_kv, T, D]``, causal by real position, one SDPA call per group (``group_queries``)
     with the query heads that share a key head stacked as rows. Returns ``[1, H, S, D]``;
     several groups' outputs are joined token-major (a ``[1, S, H, D]`` tensor seen as
-    ``[1, H, S, D]``), so that the output product's layout costs no second copy."""
+    ``[1, H, S, D]``), so that the output product's layout costs no second copy. Several
+    groups' queries are stacked by one copy (their spans are one strided view of ``q``); it
+    was one copy a group."""
     _, heads, _, dim = q.shape
     kv_heads = k.shape[1]
+    q = q.to(k.dtype)
+    span = groups.spans[0]
+    n = span.stop - span.start
+    if len(groups.spans) == 1:
+        stacked = q[:, :, span].contiguous()  # no copy when ``q`` is this span
+    else:  # [groups, H, n, D]: each group's queries, the groups one stride apart
+        at, (head_step, token_step, dim_step) = q[0].storage_offset(), q[0].stride()
+        shape = (len(groups.spans), heads, n, dim)
+        steps = (groups.stride * token_step, head_step, token_step, dim_step)
+        stacked = q[0].as_strided(shape, steps, at).contiguous()
     outputs = []
-    for span, keys, mask in zip(groups.spans, groups.n_keys, groups.masks, strict=True):
-        n = span.stop - span.start
-        rows = q[0, :, span].to(k.dtype).contiguous().view(1, kv_heads, heads // kv_heads * n, dim)
+    for index, (keys, mask) in enumerate(zip(groups.n_keys, groups.masks, strict=True)):
+        rows = stacked[index].view(1, kv_heads, heads // kv_heads * n, dim)
         out = F.scaled_dot_product_attention(rows, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
-        outputs.append(out.reshape(1, heads, n, dim))  # CUDA's SDPA may return other strides
+        out = out.reshape(1, heads, n, dim)  # CUDA's SDPA may return other strides
+        outputs.append(out[:, :, : groups.owned(index)])
     if len(outputs) == 1:
         return outputs[0]
     return torch.cat([out.transpose(1, 2) for out in outputs], dim=1).transpose(1, 2)
@@ -173,18 +203,25 @@ def attention_plan(model, cache, active, num_tokens, question_length, bias, laye
                          groups_of(active[-1:]), window, bias, mask, question)  # fmt: skip
 
 
-def attend_layer(plan: AttentionPlan, q, k_layer, v_layer, last: bool):
+def attend_layer(plan: AttentionPlan, q, k_layer, v_layer, last: bool, weigh: bool = True):
     """One layer's attention output ``[1, H, S', D]`` for the active queries (only the last
-    one's in the last layer) and, when the question is recorded, its weights ``[T]``."""
+    one's in the last layer) and, when the question is recorded and ``weigh``, its weights
+    ``[T]``. A layer whose weights nobody reads (below the first layer selection reads) runs
+    the question through SDPA as one group: two operators instead of five."""
     if plan.question_length:
-        out, weights = attend_and_weigh(
-            q[0, :, plan.grouped :], k_layer[0], v_layer[0], plan.active[plan.grouped :],
-            plan.positions, plan.window, plan.bias, plan.question,
-        )  # fmt: skip
+        question = q[:, :, plan.grouped :]
+        if weigh:
+            out, weights = attend_and_weigh(
+                question[0], k_layer[0], v_layer[0], plan.active[plan.grouped :],
+                plan.positions, plan.window, plan.bias, plan.question,
+            )  # fmt: skip
+            out = out[None]
+        else:
+            out, weights = attend_grouped(question, k_layer, v_layer, plan.question), None
         if plan.groups is not None and not last:
             before = attend_grouped(q[:, :, : plan.grouped], k_layer, v_layer, plan.groups)
-            return torch.cat([before, out[None]], 2), weights
-        return out[None], weights
+            return torch.cat([before, out], 2), weights
+        return out, weights
     if last:
         return attend_grouped(q[:, :, -1:], k_layer, v_layer, plan.last_query), None
     if plan.everything:

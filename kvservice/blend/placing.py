@@ -90,9 +90,9 @@ def placing_runs(sources: Sequence[Segment], stale: StaleReading, device) -> lis
     for run in runs:
         scales = [stale.key_scale(seg.start, seg.stop) for seg in run]
         scale: float | torch.Tensor = scales[0]
-        if len(set(scales)) > 1:
-            per_token = [torch.full((seg.length, 1), s) for seg, s in zip(run, scales, strict=True)]
-            scale = torch.cat(per_token).to(device)
+        if len(set(scales)) > 1:  # [n, 1], made from a list: no operator per segment
+            per_token = [s for seg, s in zip(run, scales, strict=True) for _ in range(seg.length)]
+            scale = torch.tensor(per_token, dtype=torch.float32)[:, None].to(device)
         span = slice(run[0].start, run[-1].stop)
         placings.append(Placing(tuple(run), span, scale, run[0].kind == "prefix"))
     return placings

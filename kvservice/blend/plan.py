@@ -6,7 +6,7 @@ how the stale cached KV is read (``StaleReading``); ``plan_prefill`` puts them i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,13 +88,25 @@ def recompute_candidates(segments: list[Segment], head_ids: Sequence[int], num_t
     """``[T]`` bool: the cached chunk tokens blend may recompute. The first chunk is exact
     when it was precomputed after this same head (it sits where it was computed), so it is
     not one."""
-    candidate = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+    spans = []
     for seg in (s for s in segments if s.kind == "chunk"):
         at_home = seg.start == len(head_ids)  # right after the head, where it was computed
         exact = at_home and getattr(seg.source, "head_hash", None) == head_hash(head_ids)
         if seg.source is not None and not exact:
-            candidate[seg.start : seg.stop] = True
-    return candidate
+            spans.append((seg.start, seg.stop))
+    return slots_mask(num_tokens, spans, device)
+
+
+def slots_mask(num_tokens: int, spans: Iterable[tuple[int, int]], device) -> torch.Tensor:
+    """``[T]`` bool, True in each ``[start, stop)``: marked on the host and moved in one copy
+    (a fill per span would be an operator each, a kernel launch on a GPU)."""
+    marks = bytearray(num_tokens)
+    for start, stop in spans:
+        stop = min(stop, num_tokens)
+        marks[start:stop] = b"\x01" * max(0, stop - start)
+    if not marks:  # (frombuffer takes no empty buffer)
+        return torch.zeros(0, dtype=torch.bool, device=device)
+    return torch.frombuffer(marks, dtype=torch.bool).to(device)
 
 
 @dataclass(frozen=True)
@@ -133,10 +145,11 @@ def stale_reading(
     the logits of a chunk's stale keys in the same proportion."""
     spans, scales, before, unseen = [], [], [], 0
     bias = torch.zeros(stale.shape, device=stale.device) if settings.stale_bias else None
+    marks = stale.tolist()  # read on the host once, not a reduction per chunk
     for seg in segments:
         if seg.kind != "chunk" or seg.source is None:
             continue
-        if bool(stale[seg.start : seg.stop].any()):
+        if any(marks[seg.start : seg.stop]):
             share = (
                 min(1.0, unseen / settings.stale_ramp_tokens) if settings.stale_ramp_tokens else 1.0
             )
@@ -174,9 +187,10 @@ class RecomputePlan:
 
     def forced(self) -> torch.Tensor:
         """``[T]`` bool: the first ``chunk_starts`` tokens of every candidate chunk."""
-        forced = torch.zeros_like(self.candidate)
-        for seg in (s for s in self.segments if s.kind == "chunk"):
-            forced[seg.start : seg.start + self.settings.chunk_starts] = True
+        starts = self.settings.chunk_starts
+        chunks = (s for s in self.segments if s.kind == "chunk")
+        forced = slots_mask(self.candidate.numel(), ((s.start, s.start + starts) for s in chunks),
+                            self.candidate.device)  # fmt: skip
         return forced & self.candidate
 
 
@@ -190,10 +204,8 @@ def plan_prefill(
     chunk_tokens = sum(s.length for s in segments if s.kind == "chunk")
     slots = None if recompute_slots is None else len(recompute_slots)
     budget = recompute_budget(mode, ratio, chunk_tokens, int(candidate.sum()), slots)
-    computed = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    for seg in segments:
-        if seg.source is None:
-            computed[seg.start : seg.stop] = True
+    computed = slots_mask(num_tokens, ((s.start, s.stop) for s in segments if s.source is None),
+                          device)  # fmt: skip
     if budget and budget == int(candidate.sum()):  # everything: one pass, as full
         computed |= candidate
         budget = 0

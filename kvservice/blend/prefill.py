@@ -98,7 +98,8 @@ class BlendResult:
     num_tokens: int  # prompt length; the next token goes at this position
     recomputed_per_layer: list[int] = field(default_factory=list)  # tokens computed per layer
     recompute_ratio_effective: float = 0.0  # share of chunk tokens recomputed
-    question_attention: torch.Tensor | None = None  # [L, T] what blend selected by, if it did
+    # [L, T] what blend selected by, if it did (zeros below the first layer selection reads)
+    question_attention: torch.Tensor | None = None
     # what ``refresh`` needs of a blend that selected: its plan and the prompt's token ids
     plan: RecomputePlan | None = field(default=None, repr=False)
     token_ids: torch.Tensor | None = field(default=None, repr=False)
@@ -126,6 +127,7 @@ def _run_pass(
     *,
     sources: Sequence[Segment] = (),
     question_length: int = 0,
+    weigh_from: int = 0,
     stale: StaleReading = StaleReading(),
     until: int | None = None,
     place_from: int = 0,
@@ -136,7 +138,8 @@ def _run_pass(
     into the cache (rotated to its place) as each layer from ``place_from`` on begins, so
     ``.layer(i)`` is read once per layer in order and a loader may prefetch the next one
     meanwhile. With ``question_length``, the attention of the last that many active tokens
-    (the question) is recorded per layer."""
+    (the question) is recorded per layer from ``weigh_from`` on (the first layer selection
+    reads); the layers below it record zeros, not computed."""
     num_tokens, config = token_ids.numel(), model.config
     until = config.n_layers if until is None else until
     ropes = model.ropes(torch.arange(num_tokens, device=model.device))  # per layer: [T, R] x2
@@ -145,7 +148,9 @@ def _run_pass(
     plans: dict[int | None, AttentionPlan] = {}  # per sliding window (Gemma 3 has two)
     placings = placing_runs(sources, stale, model.device)
     span = _as_span(active)
-    attention = []
+    attention: list[torch.Tensor] = []
+    weighs_all = not (question_length and weigh_from)
+    unread = None if weighs_all else torch.zeros(num_tokens, device=model.device)
     for i, layer in enumerate(model.layers[:until]):
         cos_all, sin_all = ropes[i]
         cos_a, sin_a = at_active[i]
@@ -170,9 +175,9 @@ def _run_pass(
             cache.v[i, 0, :, active] = v[0]
         k_layer, v_layer = cache.k[i, :, :, :num_tokens], cache.v[i, :, :, :num_tokens]
         last = i == config.n_layers - 1
-        out, weights = attend_layer(plan, q, k_layer, v_layer, last)
-        if weights is not None:
-            attention.append(weights)
+        out, weights = attend_layer(plan, q, k_layer, v_layer, last, weigh=i >= weigh_from)
+        if question_length:
+            attention.append(unread if weights is None else weights)
         if last:  # after the last layer only the last token's output counts
             x, out = x[:, -1:], out[:, :, -1:]
         x = layer.finish(x, out)
@@ -348,13 +353,12 @@ def _prefill(model, cache, token_ids, plan: RecomputePlan) -> BlendResult:
     sources = [seg for seg in plan.segments if seg.source is not None]
     selects = bool(plan.budget) and plan.slots is None
     settings, per_layer = plan.settings, int(plan.computed.sum())
-    until = (
-        selection_layers(layers, settings.attention_from_depth, settings.attention_to_depth)[1]
-        if selects and per_layer == question else layers
-    )  # fmt: skip
+    read_from, read_until = _read_layers(model, settings)
+    until = read_until if selects and per_layer == question else layers
     first = _run_pass(
         model, cache, token_ids, plan.computed.nonzero().squeeze(1), sources=sources,
-        question_length=question if selects else 0, stale=plan.stale, until=until,
+        question_length=question if selects else 0, weigh_from=read_from, stale=plan.stale,
+        until=until,
     )  # fmt: skip
     if not plan.budget:
         recomputed = int((plan.computed & plan.candidate).sum()) if plan.blend else 0
@@ -365,6 +369,12 @@ def _prefill(model, cache, token_ids, plan: RecomputePlan) -> BlendResult:
     share = selected.numel() / max(1, plan.chunk_tokens)
     computed = [passes + (per_layer if i < until else 0) for i in range(layers)]
     return BlendResult(logits, cache, num_tokens, computed, share, first.attention, plan, token_ids)
+
+
+def _read_layers(model: Transformer, settings: BlendSettings) -> tuple[int, int]:
+    """The layers ``[first, stop)`` whose question attention selection reads."""
+    from_depth, to_depth = settings.attention_from_depth, settings.attention_to_depth
+    return selection_layers(model.config.n_layers, from_depth, to_depth)
 
 
 @dataclass(frozen=True)
@@ -414,6 +424,7 @@ def _recompute(model, cache, token_ids, rounds: RecomputePlan, attention, deeper
         active = again.nonzero().squeeze(1)
         shift = stale_shift(rounds.stale, active, settings)
         step = _run_pass(model, cache, token_ids, active, question_length=recorded,
-                         stale=stale, shift=shift, **place)  # fmt: skip
+                         weigh_from=_read_layers(model, settings)[0], stale=stale, shift=shift,
+                         **place)  # fmt: skip
         attention, computed = step.attention, computed + int(again.sum())
     return step.logits, chosen.nonzero().squeeze(1), computed

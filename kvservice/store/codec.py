@@ -192,12 +192,16 @@ def _shifts(bits: int, slots: int, dtype: torch.dtype, device: str) -> torch.Ten
 
 def _run_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Each run of 8 codes (``bits`` bytes, little-endian) as one integer, ``[..., N]``
-    (``packed`` may have leading dims: layers of a run, each its row)."""
-    raw = packed.unflatten(-1, (-1, bits)).to(torch.int32 if bits <= 4 else torch.int64)
-    word = raw[..., 0].clone()  # raw: [..., N, bits]
-    for i in range(1, bits):
-        word |= raw[..., i] << (8 * i)
-    return word
+    (``packed`` may have leading dims: layers of a run, each its row): one copy of the runs
+    into the low bytes of 4- or 8-byte words, seen as integers (little-endian, as every
+    platform torch runs on here). The words' high bytes are left unset: the codes lie in
+    the low ``8 * bits`` bits, and ``unpack_bits`` masks each shifted slot to ``bits``. A
+    widening copy and a shift and an OR per further byte took six operators (3-bit codes)."""
+    runs = packed.unflatten(-1, (-1, bits))  # [..., N, bits]
+    width, as_int = (4, torch.int32) if bits <= 4 else (8, torch.int64)
+    words = torch.empty((*runs.shape[:-1], width), dtype=torch.uint8, device=packed.device)
+    words[..., :bits].copy_(runs)
+    return words.view(as_int).squeeze(-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,25 +392,43 @@ def _kivi_k(
     packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int,
     shape: tuple[int, int, int], k_group: int, out: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
-    """K ``[H, T, D]`` in ``out``: per channel, a minimum and step per group of tokens."""
+    """K ``[H, T, D]`` in ``out``: per channel, a minimum and step per group of tokens (read
+    where they lie: ``[H * G * D]``, or a run's ``[n, ...]`` rows of a strided view)."""
     heads, tokens, dim = shape
     groups = _k_groups(tokens, k_group)
-    k_codes = unpack_bits(packed, bits, heads * tokens * dim).view(shape)
-    step = step.view(torch.float16).float().view(heads, groups, 1, dim)  # [H, G, 1, D]
-    low = low.view(torch.float16).float().view(heads, groups, 1, dim)
+    lead = step.shape[:-1]  # (): one layer; (n,): a run's layers, each its row
+    step, low = (x.view(*lead, -1, groups, 1, dim) for x in _widened_pair(step, low))
+    k_codes = unpack_bits(packed, bits, heads * tokens * dim).view(*lead, -1, tokens, dim)
     k = torch.empty(shape, dtype=out, device=packed.device)
+    into = k.view(*lead, -1, tokens, dim)
     # whole groups through a view that broadcasts each group's step (no per-token gather),
     # the last partial group on its own; each multiply-add widens the integer codes and
     # rounds into ``out`` inside its one operator
-    whole = tokens // k_group
+    whole, cut = tokens // k_group, tokens // k_group * k_group
     if whole:
-        codes = k_codes[:, : whole * k_group].view(heads, whole, k_group, dim)
-        into = k[:, : whole * k_group].view(heads, whole, k_group, dim)
-        torch.addcmul(low[:, :whole], codes, step[:, :whole], out=into)
+        grouped = (*lead, -1, whole, k_group, dim)
+        torch.addcmul(low[..., :whole, :, :], k_codes[..., :cut, :].view(grouped),
+                      step[..., :whole, :, :], out=into[..., :cut, :].view(grouped))  # fmt: skip
     if whole < groups:
-        codes = k_codes[:, whole * k_group :]
-        torch.addcmul(low[:, -1], codes, step[:, -1], out=k[:, whole * k_group :])
+        torch.addcmul(low[..., -1, :, :], k_codes[..., cut:, :], step[..., -1, :, :],
+                      out=into[..., cut:, :])  # fmt: skip
     return k
+
+
+def _widened_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two float16 sections (uint8, ``[..., n]``) in float32: one conversion when ``b``
+    follows ``a`` in memory row by row (K's steps and minima do in a stored layer), else
+    one each."""
+    n = a.shape[-1]
+    follows = (
+        a.shape == b.shape and a.stride() == b.stride() and a.stride()[-1] == 1
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.storage_offset() == a.storage_offset() + n
+    )  # fmt: skip
+    if not follows:
+        return a.view(torch.float16).float(), b.view(torch.float16).float()
+    both = a.as_strided((*a.shape[:-1], 2 * n), a.stride()).view(torch.float16).float()
+    return both[..., : n // 2], both[..., n // 2 :]
 
 
 def _kivi_v(

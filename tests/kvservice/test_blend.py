@@ -186,8 +186,15 @@ def test_grouped_attention_equals_one_masked_call():
     key_pos = torch.arange(30)
     expected = attend(q, k, v, position_mask(query_pos, key_pos))
     groups = group_queries(query_pos, key_pos, heads_per_key=2, min_rows=4)
-    assert len(groups.spans) == 4 and groups.n_keys == [6, 12, 24, 30]  # keys up to the last
+    # four groups of three queries two apart (the last two share one), each reading the
+    # keys up to its last query
+    assert [(s.start, s.stop) for s in groups.spans] == [(0, 3), (2, 5), (4, 7), (6, 9)]
+    assert groups.n_keys == [7, 18, 28, 30]
     torch.testing.assert_close(attend_grouped(q, k, v, groups), expected)
+    # any strides: the queries as a slice of a longer pass's
+    longer = torch.randn(1, 4, 12, 8)
+    longer[:, :, 2:11] = q
+    torch.testing.assert_close(attend_grouped(longer[:, :, 2:11], k, v, groups), expected)
 
 
 def test_grouped_attention_gives_every_call_at_least_its_minimum_of_stacked_rows():
@@ -202,7 +209,9 @@ def test_grouped_attention_gives_every_call_at_least_its_minimum_of_stacked_rows
         groups = group_queries(query_pos, key_pos, heads_per_key, min_rows=768)
         assert len(groups.spans) == expected_groups
         sizes = [span.stop - span.start for span in groups.spans]
-        assert sum(sizes) == count and max(sizes) - min(sizes) <= 1
+        owned = [groups.owned(g) for g in range(expected_groups)]
+        assert sum(owned) == count and len(set(sizes)) == 1  # one length: one stacking copy
+        assert sizes[0] - groups.stride < expected_groups  # fewer shared than groups
         if expected_groups > 1:
             assert min(sizes) * heads_per_key >= 768
         assert [m.shape[0] for m in groups.masks] == [heads_per_key * n for n in sizes]
@@ -407,9 +416,15 @@ def test_a_reuse_pass_stopped_at_the_selection_depth_equals_a_whole_one(tiny_lla
     assert short.recomputed_per_layer == expected
     whole = blend_prefill(
         tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3, head_kv=head_kv,
-        chunk_ids=chunks, settings=BlendSettings(attention_from_depth=0.25),
+        chunk_ids=chunks, settings=BlendSettings(attention_from_depth=0.5),
     )  # fmt: skip
     assert whole.question_attention.shape[0] == layers
+    # below the first layer selection reads no weights are computed; from it on, each
+    # layer's sum to one
+    first, _ = selection_layers(layers, 0.5, 1.0)
+    assert first > 0 and not whole.question_attention[:first].any()
+    ones = torch.ones(layers - first)
+    torch.testing.assert_close(whole.question_attention[first:].sum(1), ones)
 
 
 def test_same_prompt_twice_is_identical_and_leaves_chunks_untouched(tiny_llama, prompt):

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from kvservice.blend.prefill import blend_prefill
+from kvservice.blend.selection import selection_layers
+from kvservice.blend.settings import ATTENTION_FROM_DEPTH
 from kvservice.model.check import check
 from kvservice.model.kernels import candidates
 from kvservice.model.transformer import KVCache, Transformer, precompute_chunks
@@ -186,9 +188,10 @@ def test_gemma3_blend_question_never_reads_past_a_local_window(family_dirs, smol
     )
     first_question = len(prompt.token_ids) - len(prompt.question_ids)
     beyond = first_question - WINDOW + 1  # keys before this are out of every local window
-    attention = result.question_attention  # [L, T]
+    attention = result.question_attention  # [L, T], zeros below the layers selection reads
     assert attention is not None and beyond > 0
-    for layer in range(model.config.n_layers):
+    first, _ = selection_layers(model.config.n_layers, ATTENTION_FROM_DEPTH, 1.0)
+    for layer in range(first, model.config.n_layers):
         far = attention[layer, :beyond].sum().item()
         assert (far == 0.0) if model.config.window(layer) else (far > 0.0)
     assert torch.isfinite(result.logits).all()

@@ -103,11 +103,12 @@ def test_a_run_of_layers_decodes_in_a_handful_of_operators_as_each_layer_alone()
     block = raw[start : start + count * header.layer_size(first)]
     decode_layers(header, first, count, block, dtype=torch.bfloat16)  # the shift tables made
     ops = count_ops(lambda: decode_layers(header, first, count, block, dtype=torch.bfloat16), 1)
-    # 18 today. K: unpack (shift, mask), its steps and minima widened, one multiply-add per
-    # part of its groups; V: its runs' words (5), unpack, widen, the Hadamard product, step,
-    # minimum, the cast into the cache's dtype. Sixty-odd before (a copy per section, a
-    # shift and a mask per code slot).
-    assert ops.total <= 20, ops.by_name
+    # 12 here. K: unpack (shift, mask), its steps and minima widened in one conversion, one
+    # multiply-add per part of its groups (one here: whole groups); V: its runs' words (one
+    # copy), unpack, widen, the Hadamard product, step, minimum, the cast into the cache's
+    # dtype. Sixty-odd before (a copy per section, a shift and a mask per code slot), then
+    # 18 (six for the words, two for K's steps and minima).
+    assert ops.total <= 12, ops.by_name
     k, v = decode_layers(header, first, count, block, dtype=torch.bfloat16)
     for n in range(count):
         index = first + n
@@ -132,3 +133,62 @@ def test_grouped_attention_joins_its_groups_in_the_output_products_layout() -> N
     assert out.transpose(1, 2).is_contiguous()  # Attention.output's layout: no copy left
     one = attend_grouped(q, k, v, group_queries(positions, torch.arange(90), 2, min_rows=None))
     torch.testing.assert_close(out, one)
+    # one copy stacks every group's queries, a call each, one join: it was a copy a group
+    ops = count_ops(lambda: attend_grouped(q, k, v, groups), 1)
+    assert ops.total == len(groups.spans) + 2, ops.by_name
+
+
+def test_words_of_odd_width_codes_ignore_their_unset_high_bytes() -> None:
+    """3-, 5-, 6- and 7-bit codes are unpacked from words whose high bytes are left unset
+    (``codec._run_words``): whatever those bytes hold, the codes come out the same."""
+    gen = torch.Generator().manual_seed(3)
+    for bits in (3, 5, 6, 7):
+        codes = torch.randint(0, 1 << bits, (2, 8 * 50), generator=gen)
+        packed = torch.stack([codecs.pack_bits(row, bits) for row in codes])  # [2, 50 * bits]
+        words = codecs._run_words(packed, bits)
+        width = words.element_size()
+        words.view(torch.uint8).view(2, 50, width)[..., bits:] = 0xFF  # set every unset bit
+        shifts = codecs._shifts(bits, 8, words.dtype, "cpu")
+        unpacked = (words[..., None] >> shifts) & ((1 << bits) - 1)
+        assert torch.equal(unpacked.view(2, -1).long(), codes), bits
+        ops = count_ops(lambda p=packed, b=bits: codecs._run_words(p, b), 1)
+        assert ops.total == 1, ops.by_name
+
+
+def test_a_layer_nobody_weighs_attends_as_the_weighed_one_in_fewer_operators() -> None:
+    """The question's attention below the first layer selection reads runs through SDPA
+    (``attend_layer(weigh=False)``): the same output as the weighed computation, no weights,
+    in fewer operators."""
+    from kvservice.blend.attention import AttentionPlan, attend_layer, group_queries
+
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 6, 16, generator=gen)
+    k, v = torch.randn(1, 2, 50, 16, generator=gen), torch.randn(1, 2, 50, 16, generator=gen)
+    positions, active = torch.arange(50), torch.arange(44, 50)
+    plan = AttentionPlan(
+        positions, active, 0, 6, False, None, group_queries(active[-1:], positions, 2),
+        None, None, None, group_queries(active, positions, 2, min_rows=None),
+    )  # fmt: skip
+    weighed, weights = attend_layer(plan, q, k, v, last=False)
+    plain, none = attend_layer(plan, q, k, v, last=False, weigh=False)
+    assert none is None and weights.shape == (50,)
+    torch.testing.assert_close(plain, weighed)
+    with_weights = count_ops(lambda: attend_layer(plan, q, k, v, last=False), 1).total
+    without = count_ops(lambda: attend_layer(plan, q, k, v, last=False, weigh=False), 1).total
+    assert without <= 2 < with_weights, (without, with_weights)
+
+
+def test_sections_side_by_side_widen_in_one_conversion() -> None:
+    """K's float16 steps and minima lie back to back in a stored layer (and row by row in a
+    run's strided view): ``codec._widened_pair`` converts them as one; apart, one each."""
+    gen = torch.Generator().manual_seed(2)
+    values = torch.randn(3, 2, 40, generator=gen).half()  # [layers, step | low, 40]
+    rows = torch.zeros(3, 200, dtype=torch.uint8)  # a run's layers, 200 bytes each
+    rows[:, 16:176] = values.view(torch.uint8).view(3, 160)
+    step, low = rows[:, 16:96], rows[:, 96:176]  # [3, 80] bytes each, side by side
+    for a, b, launches in ((step, low, 1), (step[0], low[0], 1), (step, rows[:, 104:184], 2)):
+        ops = count_ops(lambda a=a, b=b: codecs._widened_pair(a, b), 1)
+        assert ops.total == launches, ops.by_name
+        wide_a, wide_b = codecs._widened_pair(a, b)
+        assert torch.equal(wide_a, a.contiguous().view(torch.float16).float())
+        assert torch.equal(wide_b, b.contiguous().view(torch.float16).float())
