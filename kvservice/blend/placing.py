@@ -12,6 +12,7 @@ import torch
 
 from kvservice.blend.plan import Segment, StaleReading
 from kvservice.blend.settings import BlendSettings
+from kvservice.chunk import ChunkKV
 from kvservice.model.transformer import apply_rope
 
 
@@ -31,17 +32,38 @@ def rotate_into(
     token, ``[n, 1]``: ``StaleReading.key_scale``): a rotation is linear, so scaled tables give
     it in the same operators (``scaled``: ``cos``/``sin`` carry the scale already, as
     ``Placing.tables`` makes them once a pass). ``k_pre`` may be consecutive segments' keys,
-    ``[H_kv, n_j, D]`` each (``place_sources``): joined by one copy, then rotated as one."""
-    if isinstance(k_pre, torch.Tensor):
-        k_pre = k_pre.to(dest.device)
-    else:
-        k_pre = torch.cat([part.to(dest.device) for part in k_pre], dim=1)
+    ``[H_kv, n_j, D]`` each (``place_sources``): read as one where they lie side by side
+    (``joined_view``), else joined by one copy, then rotated as one."""
+    if not isinstance(k_pre, torch.Tensor):
+        joined = joined_view(k_pre)
+        k_pre = torch.cat([p.to(dest.device) for p in k_pre], -2) if joined is None else joined
+    k_pre = k_pre.to(dest.device)
     if not scaled:
         cos, sin = scaled_tables(cos, sin, scale)
     apply_rope(k_pre, cos, sin, compute=torch.float32, out=dest)
     rotary = cos.shape[-1]  # < D with partial rotary: the other dims are scaled alone
     if _scales(scale) and rotary < dest.shape[-1]:
         dest[..., rotary:] = k_pre[..., rotary:].float() * scale
+
+
+def joined_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``[..., n_0 + n_1 + ..., D]``: tensors ``[..., n_j, D]`` that lie side by side along
+    their tokens in one buffer (the loader decodes a request's chunks so:
+    ``loader._joint_slots``) seen as one, without a copy; None where they do not."""
+    first = parts[0]
+    step, at = first.stride(-2), first.storage_offset()
+    for part in parts:
+        if (
+            part.shape[:-2] != first.shape[:-2] or part.shape[-1] != first.shape[-1]
+            or part.stride() != first.stride() or part.dtype != first.dtype
+            or part.device != first.device
+            or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or part.storage_offset() != at
+        ):  # fmt: skip
+            return None
+        at += part.shape[-2] * step
+    tokens = sum(part.shape[-2] for part in parts)
+    return first.as_strided((*first.shape[:-2], tokens, first.shape[-1]), first.stride())
 
 
 def _scales(scale: float | torch.Tensor) -> bool:
@@ -98,6 +120,30 @@ def placing_runs(sources: Sequence[Segment], stale: StaleReading, device) -> lis
     return placings
 
 
+def place_whole(cache, segments: Sequence[Segment], stale: StaleReading, ropes) -> list[Segment]:
+    """Every layer at once of the ``segments`` held whole in memory (``ChunkKV``: the prompt
+    head, chunks given as tensors), where every layer shares its RoPE tables (``ropes``, per
+    layer); returns the segments placed, which ``place_sources`` then leaves alone. Placed
+    layer by layer, the head joined the chunks' keys in one copy a layer; without it, the
+    chunks a loader decoded side by side are rotated where they lie (``joined_view``)."""
+    whole = [seg for seg in segments if isinstance(seg.source, ChunkKV)]
+    if not whole or len({id(cos) for cos, _ in ropes}) != 1:
+        return []
+    cos_all, sin_all = ropes[0]
+    device = cache.k.device
+    for placing in placing_runs(whole, stale, device):
+        keys = [seg.source.k.to(device) for seg in placing.segments]  # [L, H_kv, n, D]
+        values = [seg.source.v.to(device) for seg in placing.segments]
+        dest = cache.k[:, 0, :, placing.span]
+        if placing.rotated:
+            dest.copy_(keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2))
+        else:
+            rotate_into(dest, keys[0] if len(keys) == 1 else keys,
+                        *placing.tables(cos_all, sin_all), placing.scale, scaled=True)  # fmt: skip
+        cache.v[:, 0, :, placing.span] = values[0] if len(values) == 1 else torch.cat(values, -2)
+    return whole
+
+
 def place_sources(cache, i: int, placings: Sequence[Placing], cos_all, sin_all) -> None:
     """Layer ``i`` of every cached segment written into the cache, rotated to its place (a
     cached prefix is already rotated), stale chunk keys scaled by ``StaleReading.key_scale``. The
@@ -112,8 +158,12 @@ def place_sources(cache, i: int, placings: Sequence[Placing], cos_all, sin_all) 
             keys = [k for k, _ in layers]
             rotate_into(cache.k[i, 0, :, span], keys[0] if len(keys) == 1 else keys,
                         *placing.tables(cos_all, sin_all), placing.scale, scaled=True)  # fmt: skip
-        values = [v.to(cache.v.device) for _, v in layers]
-        torch.cat(values, dim=1, out=cache.v[i, 0, :, span])
+        values = [v for _, v in layers]
+        joined = joined_view(values) if len(values) > 1 else values[0]
+        if joined is not None:
+            cache.v[i, 0, :, span] = joined
+        else:
+            torch.cat([v.to(cache.v.device) for v in values], dim=1, out=cache.v[i, 0, :, span])
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from kvservice.blend.attention import AttentionPlan, attend_layer, attention_pla
 from kvservice.blend.placing import (
     StaleShift,
     place_sources,
+    place_whole,
     placing_runs,
     shift_stale,
     stale_shift,
@@ -132,17 +133,20 @@ def _run_pass(
     until: int | None = None,
     place_from: int = 0,
     shift: StaleShift | None = None,
+    ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> _Pass:
     """Compute the ``active`` slots (sorted; the last one is the prompt's last token) through
     every layer, or the first ``until`` (no logits then). ``sources``' cached KV is written
     into the cache (rotated to its place) as each layer from ``place_from`` on begins, so
     ``.layer(i)`` is read once per layer in order and a loader may prefetch the next one
-    meanwhile. With ``question_length``, the attention of the last that many active tokens
-    (the question) is recorded per layer from ``weigh_from`` on (the first layer selection
-    reads); the layers below it record zeros, not computed."""
+    meanwhile (``ropes``: the tables, when the caller made them for several passes). With
+    ``question_length``, the attention of the last that many active tokens (the question)
+    is recorded per layer from ``weigh_from`` on (the first layer selection reads); the
+    layers below it record zeros, not computed."""
     num_tokens, config = token_ids.numel(), model.config
     until = config.n_layers if until is None else until
-    ropes = model.ropes(torch.arange(num_tokens, device=model.device))  # per layer: [T, R] x2
+    if ropes is None:  # per layer: [T, R] x2 (``Transformer.ropes``)
+        ropes = model.ropes(torch.arange(num_tokens, device=model.device))
     at_active = _at_active(ropes, active)  # per layer: [1, S, R] x2
     x = model.embed(token_ids[active])[None]  # x: [1, S, dim]
     plans: dict[int | None, AttentionPlan] = {}  # per sliding window (Gemma 3 has two)
@@ -351,6 +355,9 @@ def _prefill(model, cache, token_ids, plan: RecomputePlan) -> BlendResult:
     num_tokens, layers = token_ids.numel(), model.config.n_layers
     question = plan.segments[-1].length
     sources = [seg for seg in plan.segments if seg.source is not None]
+    ropes = model.ropes(torch.arange(num_tokens, device=model.device))  # the passes share them
+    placed = place_whole(cache, sources, plan.stale, ropes)
+    sources = [seg for seg in sources if seg not in placed]
     selects = bool(plan.budget) and plan.slots is None
     settings, per_layer = plan.settings, int(plan.computed.sum())
     read_from, read_until = _read_layers(model, settings)
@@ -358,14 +365,16 @@ def _prefill(model, cache, token_ids, plan: RecomputePlan) -> BlendResult:
     first = _run_pass(
         model, cache, token_ids, plan.computed.nonzero().squeeze(1), sources=sources,
         question_length=question if selects else 0, weigh_from=read_from, stale=plan.stale,
-        until=until,
+        until=until, ropes=ropes,
     )  # fmt: skip
     if not plan.budget:
         recomputed = int((plan.computed & plan.candidate).sum()) if plan.blend else 0
         share = recomputed / max(1, plan.chunk_tokens)
         return BlendResult(first.logits, cache, num_tokens, [per_layer] * layers, share)
     deeper = _Deeper(sources, until) if until < layers else None
-    logits, selected, passes = _recompute(model, cache, token_ids, plan, first.attention, deeper)
+    logits, selected, passes = _recompute(
+        model, cache, token_ids, plan, first.attention, deeper, ropes
+    )
     share = selected.numel() / max(1, plan.chunk_tokens)
     computed = [passes + (per_layer if i < until else 0) for i in range(layers)]
     return BlendResult(logits, cache, num_tokens, computed, share, first.attention, plan, token_ids)
@@ -386,7 +395,9 @@ class _Deeper:
     start: int
 
 
-def _recompute(model, cache, token_ids, rounds: RecomputePlan, attention, deeper: _Deeper | None):
+def _recompute(
+    model, cache, token_ids, rounds: RecomputePlan, attention, deeper: _Deeper | None, ropes=None
+):
     """The recompute passes: each round selects by the question's attention in the pass
     before it (``attention [L', T]``) among the candidates not yet recomputed, then computes
     those tokens and the question from layer 0 on (the first round also places the cached KV
@@ -425,6 +436,6 @@ def _recompute(model, cache, token_ids, rounds: RecomputePlan, attention, deeper
         shift = stale_shift(rounds.stale, active, settings)
         step = _run_pass(model, cache, token_ids, active, question_length=recorded,
                          weigh_from=_read_layers(model, settings)[0], stale=stale, shift=shift,
-                         **place)  # fmt: skip
+                         ropes=ropes, **place)  # fmt: skip
         attention, computed = step.attention, computed + int(again.sum())
     return step.logits, chosen.nonzero().squeeze(1), computed

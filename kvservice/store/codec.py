@@ -362,12 +362,17 @@ def decode_sections(
     kind: int, bits: tuple[int, int], sections: list[torch.Tensor],
     shape: tuple[int, int, int], dtype: torch.dtype, *, k_group: int, v_group: int,
     v_rotated: bool = False, out_dtype: torch.dtype | None = None,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """K and V ``[H, T, D]`` from a layer's sections (uint8 views, any device), in
     ``out_dtype`` (the KV cache's, so that placing them is a plain copy), else in the object's
-    16-bit ``dtype``. ``raw`` sections in their own dtype come back as views, no copy."""
+    16-bit ``dtype``. ``raw`` sections in their own dtype come back as views, no copy.
+    ``into``: K and V tensors of that shape and dtype (views of a larger one may be
+    strided) that the quantized codec decodes into (``format.decode_layers``)."""
     heads, tokens, dim = shape
     out = out_dtype or dtype
+    if into is not None and kind != KIVI:
+        raise ValueError(f"only the quantized codec decodes into given tensors, not {kind}")
     if kind == RAW:
         k_raw, v_raw = sections
         return cast(k_raw.view(dtype).view(shape), out), cast(v_raw.view(dtype).view(shape), out)
@@ -384,23 +389,27 @@ def decode_sections(
         return _fp8_decode(kq, ks, shape, out), _fp8_decode(vq, vs, shape, out)
     k_bits, v_bits = bits
     k_packed, k_step, k_low, v_packed, v_step, v_low = sections
-    k = _kivi_k(k_packed, k_step, k_low, k_bits, shape, k_group, out)
-    return k, _kivi_v(v_packed, v_step, v_low, v_bits, shape, v_group, v_rotated).to(out)
+    k_into, v_into = (None, None) if into is None else into
+    k = _kivi_k(k_packed, k_step, k_low, k_bits, shape, k_group, out, k_into)
+    v = _kivi_v(v_packed, v_step, v_low, v_bits, shape, v_group, v_rotated)
+    return k, (v.to(out) if v_into is None else v_into.copy_(v))
 
 
 def _kivi_k(
     packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int,
     shape: tuple[int, int, int], k_group: int, out: torch.dtype,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """K ``[H, T, D]`` in ``out``: per channel, a minimum and step per group of tokens (read
-    where they lie: ``[H * G * D]``, or a run's ``[n, ...]`` rows of a strided view)."""
+    """K ``[H, T, D]`` in ``out`` (written into ``into`` when given): per channel, a minimum
+    and step per group of tokens (read where they lie: ``[H * G * D]``, or a run's
+    ``[n, ...]`` rows of a strided view)."""
     heads, tokens, dim = shape
     groups = _k_groups(tokens, k_group)
     lead = step.shape[:-1]  # (): one layer; (n,): a run's layers, each its row
     step, low = (x.view(*lead, -1, groups, 1, dim) for x in _widened_pair(step, low))
     k_codes = unpack_bits(packed, bits, heads * tokens * dim).view(*lead, -1, tokens, dim)
-    k = torch.empty(shape, dtype=out, device=packed.device)
-    into = k.view(*lead, -1, tokens, dim)
+    k = torch.empty(shape, dtype=out, device=packed.device) if into is None else into
+    dest = k.view(*lead, -1, tokens, dim)
     # whole groups through a view that broadcasts each group's step (no per-token gather),
     # the last partial group on its own; each multiply-add widens the integer codes and
     # rounds into ``out`` inside its one operator
@@ -408,10 +417,10 @@ def _kivi_k(
     if whole:
         grouped = (*lead, -1, whole, k_group, dim)
         torch.addcmul(low[..., :whole, :, :], k_codes[..., :cut, :].view(grouped),
-                      step[..., :whole, :, :], out=into[..., :cut, :].view(grouped))  # fmt: skip
+                      step[..., :whole, :, :], out=dest[..., :cut, :].view(grouped))  # fmt: skip
     if whole < groups:
         torch.addcmul(low[..., -1, :, :], k_codes[..., cut:, :], step[..., -1, :, :],
-                      out=into[..., cut:, :])  # fmt: skip
+                      out=dest[..., cut:, :])  # fmt: skip
     return k
 
 

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from kvservice.chunk import ChunkKV
+from kvservice.model.buffers import KV_BUFFERS
 from kvservice.serve.compute_threads import single_threaded
+from kvservice.store import codec as codecs
 from kvservice.store.base import ReadMeter, read_fully
 from kvservice.store.errors import ChunkCorrupt, ChunkMissing, ChunkTruncated, ChunkUnavailable
 from kvservice.store.format import (
@@ -546,10 +548,16 @@ class _Joined:
         self.sources = sources
         self.started = started
         self._lock = threading.Lock()  # one joined decode at a time; chunk locks taken inside
+        # where decoded chunk by chunk: each quantized chunk's slots in one K and one V
+        # buffer of the request, ``[L, H_kv, T, D]`` (``_JointSlot``)
+        self.slots: dict[StoreLayeredKV, _JointSlot] = {}
 
     def start(self) -> None:
-        """Every chunk located: decode the first layers of each (``_schedule_first``)."""
+        """Every chunk located: lay out the joint buffers, then decode the first layers of
+        each (``_schedule_first``)."""
         self.started = True
+        if self.sources and not self.sources[0]._loader.join_chunks:
+            self.slots = _joint_slots(self.sources)
         for source in self.sources:
             source._schedule_first()
 
@@ -570,6 +578,53 @@ class _Joined:
             _decode_claims(claims, first, asker._clock)
 
 
+@dataclass(frozen=True)
+class _JointSlot:
+    """A chunk's tokens in its request's joint K and V buffers (``_joint_slots``)."""
+
+    k: torch.Tensor  # [L, H_kv, T, D], every such chunk's tokens side by side in order
+    v: torch.Tensor
+    start: int
+    header: ChunkHeader
+
+    def into(self, header: ChunkHeader, first: int, count: int):
+        """Layers ``first .. first+count`` of the chunk's slots (``[count, H_kv, n, D]``
+        views), for ``format.decode_layers(into=...)``; None for another copy's header."""
+        if header != self.header:
+            return None
+        at = slice(self.start, self.start + header.num_tokens)
+        return self.k[first : first + count, :, at], self.v[first : first + count, :, at]
+
+
+def _joint_slots(sources: Sequence[StoreLayeredKV]) -> dict[StoreLayeredKV, _JointSlot]:
+    """Where the located quantized chunks of a request decoded one by one go: side by side,
+    in request order, in one K and one V buffer (``KV_BUFFERS``: kept for the next request).
+    The blender then reads a run of neighbouring chunks' layer as one view
+    (``placing.joined_view``): no copy to join them before re-rotating their keys. A chunk
+    stored otherwise (another shape or dtype, not quantized) decodes into its own tensors."""
+    found = [(s, s._located) for s in sources if s._located is not None]
+
+    quantized = [(s, f.header) for s, f in found if f.header.codec_kind == codecs.KIVI]
+    if len(quantized) < 2:
+        return {}
+    loader, first = quantized[0][0]._loader, quantized[0][1]
+
+    def shape(header: ChunkHeader) -> tuple:
+        dtype = loader.dtype or header.dtype
+        return header.num_layers, header.num_kv_heads, header.head_dim, dtype
+
+    alike = [(s, h) for s, h in quantized if shape(h) == shape(first)]
+    layers, heads, dim, dtype = shape(first)
+    size = (layers, heads, sum(h.num_tokens for _, h in alike), dim)
+    k = KV_BUFFERS.empty(size, dtype, loader.device)
+    v = KV_BUFFERS.empty(size, dtype, loader.device)
+    slots, start = {}, 0
+    for source, header in alike:
+        slots[source] = _JointSlot(k, v, start, header)
+        start += header.num_tokens
+    return slots
+
+
 def _decode_claims(claims: list[_Claim], first: int, clock: _Clock) -> None:
     """Read each claim's run (one that fails gets its error) and decode them together."""
     read, blocks, got = [], [], 0
@@ -588,7 +643,9 @@ def _decode_claims(claims: list[_Claim], first: int, clock: _Clock) -> None:
         count, dtype = len(read[0].futures), read[0].source._loader.dtype
         headers = [claim.found.header for claim in read]
         if len(read) == 1:  # one chunk (not joined; raw layers: views of the tier's copy)
-            runs = [decode_layers(headers[0], first, count, blocks[0], dtype=dtype)]
+            slot = read[0].source._joined.slots.get(read[0].source)
+            into = None if slot is None else slot.into(headers[0], first, count)
+            runs = [decode_layers(headers[0], first, count, blocks[0], dtype=dtype, into=into)]
         else:
             runs = decode_chunk_runs(headers, first, count, blocks, dtype=dtype)
     except BaseException as err:

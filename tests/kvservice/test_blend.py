@@ -523,3 +523,27 @@ def test_only_a_blend_that_selected_can_be_refreshed(tiny_llama, prompt):
                           chunk_ids=chunks, extra_capacity=2)  # fmt: skip
     with pytest.raises(ValueError, match="answer"):
         refresh(tiny_llama, blend, [], 0.4)
+
+
+@pytest.mark.parametrize("mode", ["reuse", "blend"])
+def test_sources_held_whole_are_placed_once_as_layer_by_layer(
+    tiny_llama, prompt, monkeypatch, mode
+):
+    """The head and chunks given as tensors are placed for every layer at once before the
+    first pass (``placing.place_whole``): the same cache and logits as placing them layer by
+    layer, stale chunks' key scales included."""
+    from kvservice.blend import prefill as prefill_module
+
+    head, chunks, question, kvs = prompt
+    head_kv = precompute_head(tiny_llama, head)
+    settings = BlendSettings(stale_key_scale=0.9, stale_ramp_tokens=8)
+    run = functools.partial(
+        blend_prefill, tiny_llama, head, kvs, question, mode=mode, recompute_ratio=0.3,
+        head_kv=head_kv, chunk_ids=chunks, settings=settings,
+    )  # fmt: skip
+    whole = run()
+    monkeypatch.setattr(prefill_module, "place_whole", lambda *args: [])
+    layered = run()
+    assert torch.equal(whole.logits, layered.logits)
+    for a, b in zip(_cache_kv(whole), _cache_kv(layered), strict=True):
+        assert torch.equal(a, b)

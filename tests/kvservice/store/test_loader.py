@@ -15,7 +15,7 @@ from kvservice.store.loader import KVLoader, _read_in_turn
 from kvservice.store.memory import MemoryTier
 from kvservice.store.tiered import TieredStore
 
-from .conftest import L, make_chunk
+from .conftest import D, H, L, make_chunk
 
 
 def _assert_serves(source, chunk):
@@ -416,3 +416,33 @@ def test_decoding_a_request_dispatches_as_many_operators_for_six_chunks_as_for_t
     assert operators(6) == operators(2) > 0
     with KVLoader(store) as loader:  # on the host chunk by chunk unless asked (JOIN_ON_CPU)
         assert not loader.join_chunks
+
+
+def test_a_requests_quantized_chunks_decoded_one_by_one_lie_side_by_side():
+    """On the host, chunk by chunk: the quantized chunks of a request are decoded into one K
+    and one V buffer, side by side in request order (``loader._joint_slots``), so that the
+    blender reads neighbours' layers as one view (``placing.joined_view``); a chunk stored
+    otherwise (unquantized) decodes on its own. Every layer is exactly its chunk's."""
+    from kvservice.blend.placing import joined_view
+
+    store = _memory_store()
+    chunks = [make_chunk(70 + i, tokens=n) for i, n in enumerate((17, 40, 23, 31))]
+    codecs = [JOINED, codec_by_name("kivi4"), codec_by_name("fp16"), JOINED]
+    keys = [store.put(chunk, codec=codec) for chunk, codec in zip(chunks, codecs, strict=True)]
+    expected = [
+        decode_chunk(encode_chunk(c, codec=codec)) for c, codec in zip(chunks, codecs, strict=True)
+    ]
+    with KVLoader(store, join_chunks=False) as loader:
+        batch = loader.open(keys)
+        for i in range(L):
+            layers = [source.layer(i) for source in batch]
+            for (k, v), chunk in zip(layers, expected, strict=True):
+                torch.testing.assert_close(k, chunk.k[i], rtol=0, atol=0)
+                torch.testing.assert_close(v, chunk.v[i], rtol=0, atol=0)
+            for part in (0, 1):  # K, then V
+                first_two = joined_view([layer[part] for layer in layers[:2]])
+                assert first_two is not None and first_two.shape == (H, 17 + 40, D)
+                assert torch.equal(first_two, torch.cat([layers[0][part], layers[1][part]], 1))
+                assert joined_view([layer[part] for layer in layers[1:3]]) is None  # fp16 apart
+                # the unquantized chunk is not in the buffer: the last follows the second
+                assert joined_view([layers[1][part], layers[3][part]]) is not None
