@@ -172,6 +172,13 @@ def attend(
 # Modules
 
 
+# Where ``F.rms_norm`` is one fused kernel (PyTorch's CUDA build): there a norm is one launch
+# instead of six (the square, the mean, epsilon, the root, the two products). On the CPU it is
+# those same six operators, so the norm keeps its own, which round into the next product's
+# dtype as they store.
+FUSED_NORM_ON = frozenset({"cuda"})
+
+
 class RMSNorm(nn.Module):
     """RMS norm scaled by ``weight`` (Llama), or by ``1 + weight`` in fp32 before rounding
     to the input's dtype (Gemma: ``offset`` 1)."""
@@ -184,7 +191,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``x`` normed, in ``x``'s dtype; in ``dtype`` when given (what the next product
         reads: the last multiply rounds into it as it stores, one operator instead of a
-        product and a conversion)."""
+        product and a conversion). On a device with a fused kernel (:data:`FUSED_NORM_ON`),
+        a float32 ``x`` is normed by it: one kernel launch and the conversion, not six."""
+        if x.device.type in FUSED_NORM_ON and x.dtype == torch.float32 and not self.offset:
+            normed = F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
+            return normed if dtype is None else normed.to(dtype)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:

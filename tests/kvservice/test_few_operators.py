@@ -192,3 +192,21 @@ def test_sections_side_by_side_widen_in_one_conversion() -> None:
         wide_a, wide_b = codecs._widened_pair(a, b)
         assert torch.equal(wide_a, a.contiguous().view(torch.float16).float())
         assert torch.equal(wide_b, b.contiguous().view(torch.float16).float())
+
+
+def test_a_fused_norm_gives_the_norm_the_engine_computes(monkeypatch) -> None:
+    """Where ``F.rms_norm`` is one fused kernel (CUDA: ``transformer.FUSED_NORM_ON``) the
+    norms use it; forced on the CPU here (where it is the same six operators) it gives what
+    the engine's own norm gives, in the dtype asked for."""
+    from kvservice.model import transformer
+
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.rand(64, generator=gen) + 0.5
+    x = torch.randn(2, 7, 64, generator=gen) * 3
+    own = norm(x, torch.bfloat16), norm(x)
+    monkeypatch.setattr(transformer, "FUSED_NORM_ON", frozenset({"cpu"}))
+    fused = norm(x, torch.bfloat16), norm(x)
+    assert fused[0].dtype == torch.bfloat16 and fused[1].dtype == torch.float32
+    torch.testing.assert_close(fused[0], own[0], rtol=2**-8, atol=0)
+    torch.testing.assert_close(fused[1], own[1], rtol=1e-6, atol=1e-6)
