@@ -601,10 +601,12 @@ def _joint_slots(sources: Sequence[StoreLayeredKV]) -> dict[StoreLayeredKV, _Joi
     in request order, in one K and one V buffer (``KV_BUFFERS``: kept for the next request).
     The blender then reads a run of neighbouring chunks' layer as one view
     (``placing.joined_view``): no copy to join them before re-rotating their keys. A chunk
-    stored otherwise (another shape or dtype, not quantized) decodes into its own tensors."""
+    stored otherwise (another shape or dtype, not quantized) or read from a tier that is not
+    trusted (disk, S3: decoded as its bytes are checked) decodes into its own tensors."""
     found = [(s, s._located) for s in sources if s._located is not None]
-
-    quantized = [(s, f.header) for s, f in found if f.header.codec_kind == codecs.KIVI]
+    quantized = [
+        (s, f.header) for s, f in found if f.tier.trusted and f.header.codec_kind == codecs.KIVI
+    ]
     if len(quantized) < 2:
         return {}
     loader, first = quantized[0][0]._loader, quantized[0][1]

@@ -446,3 +446,24 @@ def test_a_requests_quantized_chunks_decoded_one_by_one_lie_side_by_side():
                 assert joined_view([layer[part] for layer in layers[1:3]]) is None  # fp16 apart
                 # the unquantized chunk is not in the buffer: the last follows the second
                 assert joined_view([layers[1][part], layers[3][part]]) is not None
+
+
+def test_chunks_read_from_disk_decode_into_their_own_tensors(tmp_path):
+    """Only chunks a trusted tier serves are laid side by side: a disk's are decoded as their
+    bytes are checked, each into its own tensors (served exactly all the same)."""
+    from kvservice.blend.placing import joined_view
+
+    store = TieredStore([DiskTier(tmp_path / "disk", 1 << 30)],
+                        config=StoreConfig(store_dtype="float32"))  # fmt: skip
+    chunks = [make_chunk(80 + i, tokens=n) for i, n in enumerate((17, 40))]
+    keys = [store.put(chunk, codec=JOINED, tiers=["disk"]) for chunk in chunks]
+    expected = [decode_chunk(encode_chunk(c, codec=JOINED)) for c in chunks]
+    with KVLoader(store, join_chunks=False, promote=False) as loader:
+        batch = loader.open(keys)
+        assert not batch[0]._joined.slots  # no buffer laid out for them
+        for i in range(L):
+            layers = [source.layer(i) for source in batch]
+            for (k, v), chunk in zip(layers, expected, strict=True):
+                torch.testing.assert_close(k, chunk.k[i], rtol=0, atol=0)
+                torch.testing.assert_close(v, chunk.v[i], rtol=0, atol=0)
+            assert joined_view([k for k, _ in layers]) is None
