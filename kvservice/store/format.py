@@ -415,7 +415,8 @@ def decode_layers(
     with ``count`` times the heads, so that decoding costs one call's kernel launches for the
     run instead of one per layer (on a GPU most of a layer's decoding time; not verified:
     for trusted bytes). ``into``: K and V tensors of that shape, in ``dtype`` (views of a
-    request's joined buffer: ``loader._Joined``), that they are decoded into and returned."""
+    request's joint buffers: ``loader._joint_slots``), that a quantized object's layers are
+    decoded into and returned."""
     size = header.layer_size(first)
     raw = as_uint8(blocks)
     if raw.numel() < count * size:
@@ -425,23 +426,16 @@ def decode_layers(
     # the layers' rows where they lie (its first operators widen them into new tensors);
     # the others' sections are gathered into one contiguous tensor each
     sections = [rows[:, at : at + n] for at, n in header.layout(first).sections]
-    quantized = header.codec_kind == codecs.KIVI
-    if not quantized:
+    if header.codec_kind != codecs.KIVI:
         sections = [section.reshape(-1) for section in sections]
     heads, tokens, dim = header.num_kv_heads, header.num_tokens, header.head_dim
     shape = (count * heads, tokens, dim)
     k, v = codecs.decode_sections(
         header.codec_kind, header.layer_bits[first], sections, shape, header.dtype,
         k_group=header.k_group, v_group=header.v_group, v_rotated=header.v_rotated,
-        out_dtype=dtype, into=None if into is None or not quantized else
-        (into[0].view(shape), into[1].view(shape)),
+        out_dtype=dtype, into=None if into is None else (into[0].view(shape), into[1].view(shape)),
     )  # fmt: skip
-    if into is None:
-        return k.view(count, heads, tokens, dim), v.view(count, heads, tokens, dim)
-    if not quantized:
-        into[0].copy_(k.view(into[0].shape))
-        into[1].copy_(v.view(into[1].shape))
-    return into
+    return k.view(count, heads, tokens, dim), v.view(count, heads, tokens, dim)
 
 
 def joinable(a: ChunkHeader, b: ChunkHeader, layer: int) -> bool:
