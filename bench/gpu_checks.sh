@@ -7,7 +7,9 @@
 # checks.txt (environment and tests), grid.txt (the tables), lc.tar (each run's JSON) and
 # decode.txt / decode.json (decode tokens/s at batch 1 and 16 beside the HBM's bound).
 #   bash bench/gpu_checks.sh [PYTHON]      # e.g. PYTHON=.venv/bin/python; LAYERS=2 to smoke-test
-# TESTS=0 skips the tests; GRID and CODECS (below) choose the runs.
+# TESTS=0 skips the tests; GRID and CODECS (below) choose the runs; the passes run as CUDA
+# graphs (ENGINE_COMPILE, kvservice.blend.graphs), and 4,096 tokens once more without them
+# (EAGER=0 skips that run).
 set -u
 PY=${1:-python3}
 OUT=${OUT:-gpu-out}
@@ -34,13 +36,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
   --deselect "tests/kvservice/test_kernels.py::test_the_worker_reads_and_checks_engine_precision_and_kernel" \
   2>&1 | tee -a "$checks"
 
-grid() {  # context chunks codec [extra bench args]
-  local ctx=$1 chunks=$2 codec=$3; shift 3
-  echo "== context $ctx, $chunks chunks, KV_CODEC=$codec $*"
+grid() {  # context chunks codec [extra bench args]; NAME: the JSON's suffix
+  local ctx=$1 chunks=$2 codec=$3 json="lc_$1_$3${NAME:-}.json"; shift 3
+  echo "== context $ctx, $chunks chunks, KV_CODEC=$codec ENGINE_COMPILE=${ENGINE_COMPILE:-on} $*"
   KV_CODEC=$codec timeout 130 "$PY" -m kvservice.bench --synthetic llama3-8b $layers \
     --context "$ctx" --chunks "$chunks" --modes full,reuse,blend --ratio 0.15 \
-    --device "$DEVICE" --json "$OUT/lc_${ctx}_${codec}.json" "$@" 2>&1
-  tar -rf "$OUT/lc.tar" -C "$OUT" "lc_${ctx}_${codec}.json" && rm "$OUT/lc_${ctx}_${codec}.json"
+    --device "$DEVICE" --json "$OUT/$json" "$@" 2>&1
+  tar -rf "$OUT/lc.tar" -C "$OUT" "$json" && rm "$OUT/$json"
 }
 # GRID: context:chunks pairs in order of importance (every run also reads from the GPU tier,
 # the first from the disk tier too); CODECS likewise
@@ -52,6 +54,8 @@ CODECS=${CODECS:-kivi4k3v-v4early fp16}
     for codec in $CODECS; do grid "${ctx_chunks%:*}" "${ctx_chunks#*:}" "$codec" "${also[@]}"; done
     also=(--also-tiers device)
   done
+  # the passes as the engine runs them, not recorded as CUDA graphs: what the graphs change
+  [ "${EAGER:-1}" = 0 ] || ENGINE_COMPILE=off NAME=_eager grid 4096 6 kivi4k3v-v4early --also-tiers device
 } | tee "$OUT/grid.txt"
 
 # Decode beside its limit: batch 1 and 16 over 4,096 cached tokens, bfloat16 (bench/decode.py)

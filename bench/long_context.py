@@ -45,6 +45,7 @@ from bench.opcount import count_ops
 from bench.prefill import chunk_sources
 from bench.staging import bench_of, on_device
 from bench.timing import cpu_name, synchronize, timed
+from kvservice.blend.graphs import PassGraphs, graphs_from_env, use_pass_graphs
 from kvservice.blend.prefill import BlendSettings, Mode, blend_prefill
 from kvservice.chunk import ChunkKV
 from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
@@ -230,6 +231,21 @@ def memory_report(model: Transformer, baseline: int | None) -> dict:
     }
 
 
+def bench_graphs(model: Transformer, capacity: int) -> PassGraphs | None:
+    """Recorded passes (kvservice.blend.graphs) where the model runs on CUDA, unless
+    ``ENGINE_COMPILE=off``: the warm-up runs record them."""
+    if model.device.type != "cuda" or not graphs_from_env(os.environ):
+        return None
+    return use_pass_graphs(model, capacity)
+
+
+def graphs_report(graphs: PassGraphs | None) -> dict:
+    if graphs is None:
+        return {"on": False}
+    return {"on": True, "recorded": len(graphs.recorded), "replays": graphs.replays,
+            "failed": graphs.failed}  # fmt: skip
+
+
 def environment(args: argparse.Namespace, model: Transformer, load_before) -> dict:
     device = model.device
     return {
@@ -284,6 +300,11 @@ def print_table(report: Mapping) -> None:
         f"{prompt['tokens']} prompt tokens: {prompt['chunks']} chunks x {prompt['chunk_tokens']}, "
         f"median of {env['repeats']} after {env['warmup']} warm-up; chunks from {env['tier']}"
     )
+    graphs = env.get("pass_graphs") or {}
+    if graphs.get("on"):
+        failed = f"; stopped recording: {graphs['failed']}" if graphs["failed"] else ""
+        print(f"passes as CUDA graphs: {graphs['recorded']} recorded, "
+              f"{graphs['replays']} replays{failed}")  # fmt: skip
     if "process_max_rss_bytes" in memory:
         print(
             f"memory: {memory['measure']}: {_gib(memory['process_max_rss_bytes'])} GiB "
@@ -310,9 +331,11 @@ def main(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     model = build_model(args)
     args.kv_dtype = model.cache_dtype  # what the store's loader decodes into (bench_of)
+    graphs = bench_graphs(model, args.context + 1024)
     with torch.no_grad():
         report = run(args, model)
     report["env"] = environment(args, model, load_before)
+    report["env"]["pass_graphs"] = graphs_report(graphs)
     print_table(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

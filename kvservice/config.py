@@ -8,6 +8,7 @@ before the model loads. Nothing else in the worker reads the environment for the
 | ``MODEL_PATH`` | a model directory or ``.gguf`` file (default: the bundled SmolLM2-135M) |
 | ``ENGINE`` | ``native`` (default) or ``vllm`` |
 | ``ENGINE_PRECISION``, ``ENGINE_KERNEL`` | the native engine's products (kvservice.model.kernels) |
+| ``ENGINE_COMPILE`` | ``on`` (default), ``off``: CUDA graphs of passes (kvservice.blend.graphs) |
 | ``INFERENCE_CONCURRENCY``, ``INFERENCE_QUEUE``, ``INFERENCE_NODE_NAME`` | serving |
 | ``KV_SOURCE``, ``KDN_URL`` | chunk KV from S3 (default) or the knowledge delivery API |
 | ``BLEND_REFRESH_RATIO`` | progressive blend's ratio after the first token (unset: off) |
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvservice.blend.graphs import graphs_from_env
 from kvservice.kdn.client import KvSource
 from kvservice.model.bundled import default_cache_dir
 from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
@@ -50,6 +52,7 @@ class WorkerConfig:
     node_name: str  # Celery's name for this worker; several on one host need their own
     precision: str = DEFAULT_PRECISION  # the native engine's products (kvservice.model.kernels)
     kernel: str | None = None  # ENGINE_KERNEL: one kernel instead of the fastest measured
+    graphs: bool = True  # ENGINE_COMPILE: the passes recorded as CUDA graphs on a GPU
     kv_source: KvSource = KvSource()
     refresh_ratio: float | None = None
     prefix_cache_bytes: int = 1 << 30
@@ -93,6 +96,7 @@ class WorkerConfig:
             node_name=env.get("INFERENCE_NODE_NAME", "inference@%h"),
             precision=precision,
             kernel=kernel,
+            graphs=graphs_from_env(env),
             kv_source=KvSource.from_env(env),
             refresh_ratio=refresh_ratio_from_env(env),
             prefix_cache_bytes=capacity_from_env(env),

@@ -44,6 +44,7 @@ module is the driver: ``blend_prefill``, ``refresh`` and the passes they run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -51,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from kvservice.blend.attention import AttentionPlan, attend_layer, attention_plan
+from kvservice.blend.graphs import PassGraphs
 from kvservice.blend.placing import (
     StaleShift,
     place_sources,
@@ -134,6 +136,7 @@ def _run_pass(
     place_from: int = 0,
     shift: StaleShift | None = None,
     ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    graphs: PassGraphs | None = None,
 ) -> _Pass:
     """Compute the ``active`` slots (sorted; the last one is the prompt's last token) through
     every layer, or the first ``until`` (no logits then). ``sources``' cached KV is written
@@ -142,9 +145,15 @@ def _run_pass(
     meanwhile (``ropes``: the tables, when the caller made them for several passes). With
     ``question_length``, the attention of the last that many active tokens (the question)
     is recorded per layer from ``weigh_from`` on (the first layer selection reads); the
-    layers below it record zeros, not computed."""
+    layers below it record zeros, not computed. With ``graphs`` (``cache`` is theirs), a pass
+    they can record runs as one (``kvservice.blend.graphs``); a prefill of every slot does not."""
     num_tokens, config = token_ids.numel(), model.config
     until = config.n_layers if until is None else until
+    if graphs is not None and not sources and shift is None and active.numel() < num_tokens:
+        shape = graphs.shape(active.numel(), num_tokens, until, question_length, weigh_from)
+        recorded = shape and graphs.run(token_ids, active, shape, question_length, stale.bias)
+        if recorded is not None:
+            return _Pass(*recorded)
     if ropes is None:  # per layer: [T, R] x2 (``Transformer.ropes``)
         ropes = model.ropes(torch.arange(num_tokens, device=model.device))
     at_active = _at_active(ropes, active)  # per layer: [1, S, R] x2
@@ -287,7 +296,15 @@ def blend_prefill(
     plan = plan_prefill(
         segments, head_ids, mode, recompute_ratio, recompute_slots, settings, device
     )
-    return _prefill(model, cache, token_ids, plan)
+    graphs: PassGraphs | None = getattr(model, "pass_graphs", None)
+    if graphs is None or mode == "full" or num_tokens > graphs.capacity:
+        return _prefill(model, cache, token_ids, plan)
+    with graphs.lock:  # the passes run in the graphs' cache, then the prompt's KV is copied
+        result = _prefill(model, graphs.begin(num_tokens), token_ids, plan, graphs)
+        cache.k[:, :, :, :num_tokens] = graphs.cache.k[:, :, :, :num_tokens]
+        cache.v[:, :, :, :num_tokens] = graphs.cache.v[:, :, :, :num_tokens]
+    result.cache = cache
+    return result
 
 
 def can_refresh(result: BlendResult) -> bool:
@@ -345,19 +362,25 @@ def refresh(
     return BlendResult(logits, cache, n + extra, computed, share, attention)
 
 
-def _prefill(model, cache, token_ids, plan: RecomputePlan) -> BlendResult:
+def _prefill(model, cache, token_ids, plan: RecomputePlan, graphs=None) -> BlendResult:
     """Pass 1 (what is not cached: the question, misses; everything in full) over the cached
     KV, then the recompute rounds (``_recompute``) when there is a budget. When blend selects
     and pass 1 computes only the question, pass 1 ends at the last layer selection reads
     (``attention_to_depth``): the first recompute pass, which computes the question again
     anyway, places the deeper layers' cached KV. (Misses or an uncached head would have to
-    be computed again from layer 0: then pass 1 runs every layer.)"""
+    be computed again from layer 0: then pass 1 runs every layer.) With ``graphs``, every
+    layer of the cached KV is placed first: a recorded pass reads the cache whole."""
     num_tokens, layers = token_ids.numel(), model.config.n_layers
     question = plan.segments[-1].length
     sources = [seg for seg in plan.segments if seg.source is not None]
     ropes = model.ropes(torch.arange(num_tokens, device=model.device))  # the passes share them
     placed = place_whole(cache, sources, plan.stale, ropes)
     sources = [seg for seg in sources if seg not in placed]
+    if graphs is not None and sources:
+        placings = placing_runs(sources, plan.stale, model.device)
+        for i, (cos_all, sin_all) in enumerate(ropes):
+            place_sources(cache, i, placings, cos_all, sin_all)
+        sources = []
     selects = bool(plan.budget) and plan.slots is None
     settings, per_layer = plan.settings, int(plan.computed.sum())
     read_from, read_until = _read_layers(model, settings)
@@ -365,19 +388,38 @@ def _prefill(model, cache, token_ids, plan: RecomputePlan) -> BlendResult:
     first = _run_pass(
         model, cache, token_ids, plan.computed.nonzero().squeeze(1), sources=sources,
         question_length=question if selects else 0, weigh_from=read_from, stale=plan.stale,
-        until=until, ropes=ropes,
+        until=until, ropes=ropes, graphs=graphs,
     )  # fmt: skip
     if not plan.budget:
         recomputed = int((plan.computed & plan.candidate).sum()) if plan.blend else 0
         share = recomputed / max(1, plan.chunk_tokens)
         return BlendResult(first.logits, cache, num_tokens, [per_layer] * layers, share)
-    deeper = _Deeper(sources, until) if until < layers else None
+    deeper = _Deeper(sources, until) if until < layers and sources else None
     logits, selected, passes = _recompute(
-        model, cache, token_ids, plan, first.attention, deeper, ropes
+        model, cache, token_ids, plan, first.attention, deeper, ropes, graphs
     )
     share = selected.numel() / max(1, plan.chunk_tokens)
     computed = [passes + (per_layer if i < until else 0) for i in range(layers)]
     return BlendResult(logits, cache, num_tokens, computed, share, first.attention, plan, token_ids)
+
+
+def warm_graphs(
+    model: Transformer, graphs: PassGraphs, contexts: Sequence[int] = (2048, 4096, 8192),
+    question: int = 32, ratio: float = 0.15, settings: BlendSettings = BlendSettings(),
+) -> list:  # fmt: skip
+    """Record the passes a question of up to ``question`` tokens over a prompt of each of
+    ``contexts`` tokens runs (reuse's; blend's two, at ``ratio``), before any request: a
+    worker's warm-up. Returns the shapes recorded."""
+    layers, (read_from, read_until) = model.config.n_layers, _read_layers(model, settings)
+    shapes = []
+    for tokens in contexts:
+        recomputed = math.ceil(ratio * (tokens - question)) + question
+        for count, until, weighed in ((question, layers, 0), (question, read_until, question),
+                                      (recomputed, layers, 0)):  # fmt: skip
+            shape = graphs.shape(count, tokens, until, weighed, read_from)
+            if shape is not None and graphs.prepare(shape):
+                shapes.append(shape)
+    return shapes
 
 
 def _read_layers(model: Transformer, settings: BlendSettings) -> tuple[int, int]:
@@ -396,8 +438,9 @@ class _Deeper:
 
 
 def _recompute(
-    model, cache, token_ids, rounds: RecomputePlan, attention, deeper: _Deeper | None, ropes=None
-):
+    model, cache, token_ids, rounds: RecomputePlan, attention, deeper: _Deeper | None,
+    ropes=None, graphs: PassGraphs | None = None,
+):  # fmt: skip
     """The recompute passes: each round selects by the question's attention in the pass
     before it (``attention [L', T]``) among the candidates not yet recomputed, then computes
     those tokens and the question from layer 0 on (the first round also places the cached KV
@@ -436,6 +479,6 @@ def _recompute(
         shift = stale_shift(rounds.stale, active, settings)
         step = _run_pass(model, cache, token_ids, active, question_length=recorded,
                          weigh_from=_read_layers(model, settings)[0], stale=stale, shift=shift,
-                         ropes=ropes, **place)  # fmt: skip
+                         ropes=ropes, graphs=graphs, **place)  # fmt: skip
         attention, computed = step.attention, computed + int(again.sum())
     return step.logits, chosen.nonzero().squeeze(1), computed

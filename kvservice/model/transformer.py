@@ -409,6 +409,7 @@ class Transformer(nn.Module):
         set_rope_buffers(self, config)
         self.fingerprint = ""  # set by from_pretrained / fingerprint_weights
         self.kernel_choice: KernelChoice | None = None  # set by prepare_kernels
+        self.pass_graphs = None  # recorded passes (kvservice.blend.graphs.use_pass_graphs)
 
     @property
     def device(self) -> torch.device:

@@ -9,12 +9,14 @@ ratio, and the engine's request. ``kvservice.serve.answer`` drives the plan;
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvservice.blend.prefill import BlendResult
+from kvservice.blend.graphs import use_pass_graphs
+from kvservice.blend.prefill import BlendResult, warm_graphs
 from kvservice.config import WorkerConfig
 from kvservice.prompt import Prompt
 from kvservice.protocol import TokenEvent
@@ -23,6 +25,8 @@ from kvservice.serve.engine import Engine, Request
 from kvservice.serve.planning import PlannedRequest
 from kvservice.serve.prefix import PrefixKV, boundaries
 from kvservice.serve.routing import chunk_digest
+
+log = logging.getLogger(__name__)
 
 
 class NativeRuntime:
@@ -61,6 +65,8 @@ class NativeRuntime:
         self.model = Transformer.from_pretrained(
             path, device=device, precision=cfg.precision, kernel=cfg.kernel
         )
+        if device == "cuda" and cfg.graphs:
+            _record_passes_of(self.model)
         self.prompt = PromptFormat.for_tokenizer(self.tokenizer, preamble=cfg.kv_preamble)
         self.engine = Engine(
             self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency,
@@ -149,6 +155,19 @@ class NativeRuntime:
             self.loader.close()
         if self.kdn is not None:
             self.kdn.close()
+
+
+def _record_passes_of(model) -> None:
+    """The passes of common prompts recorded as CUDA graphs (``kvservice.blend.graphs``),
+    timed and logged: the worker's warm-up pays for them, not its first questions."""
+    graphs = use_pass_graphs(model)
+    if graphs is None:
+        return
+    started = time.perf_counter()
+    shapes = warm_graphs(model, graphs)
+    log.info("recorded %d passes as CUDA graphs in %.1f s%s", len(shapes),
+             time.perf_counter() - started,
+             f" (then stopped: {graphs.failed})" if graphs.failed else "")  # fmt: skip
 
 
 def calibrate(

@@ -12,19 +12,20 @@ BASE = {"REDIS_URL": "redis://127.0.0.1:1/0"}
 
 def test_the_worker_reads_its_settings_from_the_mapping_it_is_given() -> None:
     env = {"BLEND_REFRESH_RATIO": "0.25", "PREFIX_CACHE_BYTES": "64MiB",
-           "INFERENCE_CONCURRENCY": "3"}  # fmt: skip
+           "INFERENCE_CONCURRENCY": "3", "ENGINE_COMPILE": " OFF"}  # fmt: skip
     config = WorkerConfig.from_env({**BASE, **env})
     assert (config.refresh_ratio, config.prefix_cache_bytes) == (0.25, 64 << 20)
     assert config.concurrency == 3 and config.kv_source.kind == "s3"
-    assert config.store is not None
+    assert config.store is not None and config.graphs is False
     defaults = WorkerConfig.from_env(BASE)
     assert defaults.refresh_ratio is None and defaults.prefix_cache_bytes == 1 << 30
+    assert defaults.graphs is True
 
 
 @pytest.mark.parametrize(
     ("variable", "value"),
     [("BLEND_REFRESH_RATIO", "2"), ("PREFIX_CACHE_BYTES", "lots"), ("KV_SOURCE", "gcs"),
-     ("ENGINE", "tgi"), ("REDIS_URL", "")],
+     ("ENGINE", "tgi"), ("REDIS_URL", ""), ("ENGINE_COMPILE", "maybe")],
 )  # fmt: skip
 def test_a_bad_value_is_refused_naming_the_variable(variable: str, value: str) -> None:
     with pytest.raises(ValueError, match=variable):
