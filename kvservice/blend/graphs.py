@@ -5,8 +5,8 @@ On a GPU a pass over the question (reuse, blend's first pass) or over the recomp
 4,096 tokens ~200 ms of host time over ~50 ms of GPU work (docs/long_context_gpu). A
 ``PassGraphs`` records a pass once per padded shape and replays it:
 
-* the computed slots are padded to a power of two (``PassShape.rows``), in front, so the
-  prompt's last token is always the last row; a padded row is token 0 at position 0, and
+* the computed slots are padded to a power of two, or past ``ROW_STEP`` to a multiple of
+  it (``PassShape.rows``), in front, so the prompt's last token is always the last row; a padded row is token 0 at position 0, and
   its KV goes to a scratch slot past every key read;
 * the keys read are padded to a multiple of ``KEY_STEP`` (``PassShape.keys``), masked;
 * what a request changes (token ids, positions, the slots written, the prompt's length, the
@@ -39,7 +39,8 @@ from kvservice.model.transformer import KVCache, Transformer
 log = logging.getLogger(__name__)
 
 KEY_STEP = 512  # keys read are padded to a multiple of this (at 4,096 tokens: none)
-MIN_ROWS = 16  # rows are padded to a power of two, at least this
+MIN_ROWS = 16  # rows are padded to a power of two, at least this, up to ROW_STEP ...
+ROW_STEP = 128  # ... and beyond it to a multiple of it (a blend's 640 recomputed: no padding)
 MAX_ROWS = 8192  # more computed slots than this: the engine's pass (a prefill, not a blend)
 MAX_GRAPHS = 48  # recorded shapes kept, least recently used dropped first
 # The longest prompt a recorded pass takes: the graphs' cache holds this many tokens (4.3 GB
@@ -214,6 +215,8 @@ class PassGraphs:
         if question_length and count != question_length:
             return None
         rows = max(MIN_ROWS, 1 << (count - 1).bit_length())
+        if rows > ROW_STEP:
+            rows = _round_up(count, ROW_STEP)
         layers = self.model.config.n_layers
         weigh = weigh_from if question_length else None
         return PassShape(rows, _round_up(num_tokens, KEY_STEP), until, weigh, until == layers)
