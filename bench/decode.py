@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kvservice.blend.graphs import graphs_from_env
+from kvservice.model.decode_graph import STABLE_STEPS, DecodeGraph
 from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS, FusedLinear
 from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 from kvservice.model.transformer import KVCache, RMSNorm, Transformer
@@ -44,6 +47,7 @@ class DecodeRow:
     bandwidth_gbs: float
     bound_tokens_per_s: float  # batch over (weights + KV) / bandwidth
     share_of_bound: float
+    graphed: bool = False  # steps replayed as a CUDA graph (kvservice.model.decode_graph)
 
 
 def _sync(device: torch.device) -> None:
@@ -84,22 +88,31 @@ def weight_bytes(model: Transformer) -> int:
 @torch.no_grad()
 def measure_decode(
     model: Transformer, batch: int, context: int, steps: int, bandwidth_gbs: float,
-    warmup: int = 2, seed: int = 0,
+    warmup: int = 2, seed: int = 0, graphed: bool = False,
 ) -> DecodeRow:  # fmt: skip
     """Prefill ``batch`` random prompts of ``context`` tokens, then time ``steps`` greedy
-    decode steps of all of them at once (after ``warmup`` untimed ones)."""
+    decode steps of all of them at once (after ``warmup`` untimed ones). ``graphed``: the
+    steps as the worker runs them on a GPU, recorded (``DecodeGraph``; the recording is in the
+    warm-up)."""
     config, device = model.config, model.device
+    if graphed:
+        warmup = max(warmup, STABLE_STEPS + 1)
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(config.vocab_size, (batch, context), generator=generator).to(device)
     positions = torch.arange(context, device=device).expand(batch, context)
     cache = KVCache(config, batch, context + warmup + steps, device, model.cache_dtype)
     logits, _ = model(prompt, positions, cache)
     tokens, position = logits.argmax(-1), context
+    decoder = DecodeGraph(model, cache) if graphed else None
     times = []
     for step in range(warmup + steps):
         _sync(device)
         start = time.perf_counter()
-        logits, _ = model(tokens[:, None], torch.full((batch, 1), position, device=device), cache)
+        at = torch.full((batch,), position, device=device)
+        if decoder is None:
+            logits, _ = model(tokens[:, None], at[:, None], cache)
+        else:
+            logits = decoder.step(tokens, at)
         tokens = logits.argmax(-1)
         _sync(device)
         if step >= warmup:
@@ -113,7 +126,7 @@ def measure_decode(
     bound = batch * bandwidth_gbs * 1e9 / (weights + kv_bytes)
     return DecodeRow(
         batch, context, steps, step_s * 1e3, batch / step_s, weights, kv_bytes, bandwidth_gbs,
-        bound, batch / step_s / bound,
+        bound, batch / step_s / bound, decoder is not None and decoder.replays > 0,
     )  # fmt: skip
 
 
@@ -150,15 +163,19 @@ def main(argv: Sequence[str] | None = None) -> list[DecodeRow]:
     model = random_model(config, dtype=DTYPES[args.dtype], device=args.device)
     model.prepare_kernels(args.precision)
     bandwidth = args.bandwidth_gbs or copy_bandwidth(args.device)
-    rows = [measure_decode(model, b, args.context, args.steps, bandwidth, args.warmup)
-            for b in args.batch]  # fmt: skip
+    graphed = args.device.type == "cuda" and graphs_from_env(os.environ)  # as the worker does
+    rows = [measure_decode(model, b, args.context, args.steps, bandwidth, args.warmup,
+                           graphed=graphed) for b in args.batch]  # fmt: skip
     print(f"{args.synthetic} ({config.n_layers} layers, {args.dtype}) on {args.device}, "
           f"{args.context} tokens cached, memory {bandwidth:,.0f} GB/s "
           f"({'given' if args.bandwidth_gbs else 'measured by a copy'})")  # fmt: skip
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'bound tok/s':>11} {'share':>6}")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'bound tok/s':>11} {'share':>6} graph")
     for row in rows:
         print(f"{row.batch:5d} {row.step_ms:8.2f} {row.tokens_per_s:9.1f} "
-              f"{row.bound_tokens_per_s:11.1f} {row.share_of_bound:6.2f}")  # fmt: skip
+              f"{row.bound_tokens_per_s:11.1f} {row.share_of_bound:6.2f} "
+              f"{'yes' if row.graphed else 'no'}")  # fmt: skip
+    if graphed and DecodeGraph.failed:
+        print(f"decode graphs stopped: {DecodeGraph.failed}")
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return rows

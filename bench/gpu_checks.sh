@@ -58,7 +58,11 @@ CODECS=${CODECS:-kivi4k3v-v4early fp16}
   [ "${EAGER:-1}" = 0 ] || ENGINE_COMPILE=off NAME=_eager grid 4096 6 kivi4k3v-v4early --also-tiers device
 } | tee "$OUT/grid.txt"
 
-# Decode beside its limit: batch 1 and 16 over 4,096 cached tokens, bfloat16 (bench/decode.py)
+# Decode beside its limit: batch 1 and 16 over 4,096 cached tokens, bfloat16 (bench/decode.py),
+# the steps recorded as CUDA graphs, then (unless EAGER=0) as the engine runs them
 timeout 200 "$PY" -m bench.decode --synthetic llama3-8b $layers --device "$DEVICE" \
   --dtype bfloat16 --batch 1,16 --context 4096 --steps 32 --json "$OUT/decode.json" 2>&1 \
   | tee "$OUT/decode.txt"
+[ "${EAGER:-1}" = 0 ] || ENGINE_COMPILE=off timeout 200 "$PY" -m bench.decode --synthetic \
+  llama3-8b $layers --device "$DEVICE" --dtype bfloat16 --batch 1,16 --context 4096 --steps 32 \
+  --json "$OUT/decode_eager.json" 2>&1 | tee -a "$OUT/decode.txt"

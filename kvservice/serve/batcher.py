@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvservice.blend.prefill import BlendResult
+from kvservice.model.decode_graph import DecodeGraph
 from kvservice.model.transformer import KVCache, Transformer
 from kvservice.serve.compute_threads import use_threads
 from kvservice.serve.sampling import (
@@ -77,6 +78,9 @@ class ContinuousBatcher:
         self._cache: KVCache | None = None
         self._positions: torch.Tensor | None = None  # [B] position of each row's next token
         self._next_tokens: torch.Tensor | None = None  # [B] last sampled token per row
+        # The batch cache's step recorded as a CUDA graph, where passes are (a GPU with
+        # ENGINE_COMPILE on); a new one whenever the batch's rows change.
+        self._decoder: DecodeGraph | None = None
         self.steps = 0
         self.max_rows_seen = 0
 
@@ -206,7 +210,7 @@ class ContinuousBatcher:
         cache.positions[rows - 1, :n] = result.cache.positions[0, :n]
         cache.valid[rows - 1, :n] = True
         cache.length = length
-        self._cache = cache
+        self._cache, self._decoder = cache, None
         self._jobs.append(job)
         new_position = torch.tensor([n], device=device)
         new_token = torch.tensor([token], device=device)
@@ -225,7 +229,12 @@ class ContinuousBatcher:
         assert cache is not None and self._positions is not None and self._next_tokens is not None
         if cache.length + 1 > cache.capacity:  # cannot happen: capacity covers max_tokens
             raise RuntimeError("decode cache overflow")
-        logits, _ = self.model(self._next_tokens[:, None], self._positions[:, None], cache)
+        if self._graphed():
+            if self._decoder is None:
+                self._decoder = DecodeGraph(self.model, cache)
+            logits = self._decoder.step(self._next_tokens, self._positions)
+        else:
+            logits, _ = self.model(self._next_tokens[:, None], self._positions[:, None], cache)
         self.steps += 1
         self._positions = self._positions + 1
         keep: list[int] = []
@@ -244,6 +253,7 @@ class ContinuousBatcher:
             self._reset()
             return
         index = torch.tensor(keep, device=self.model.device)
+        self._decoder = None  # new tensors: a new recording
         cache.k = cache.k.index_select(1, index)
         cache.v = cache.v.index_select(1, index)
         cache.positions = cache.positions.index_select(0, index)
@@ -252,5 +262,10 @@ class ContinuousBatcher:
         self._positions = self._positions.index_select(0, index)
         self._next_tokens = torch.tensor(next_tokens, device=self.model.device)
 
+    def _graphed(self) -> bool:
+        model = self.model
+        return model.device.type == "cuda" and getattr(model, "pass_graphs", None) is not None
+
     def _reset(self) -> None:
         self._jobs, self._cache, self._positions, self._next_tokens = [], None, None, None
+        self._decoder = None
