@@ -92,3 +92,21 @@ def test_a_recorded_decode_step_replays_forwards_steps_on_cuda(tiny_checkpoints)
         tokens, positions = want.argmax(-1), positions + 1
     assert DecodeGraph.failed is None and decoder.graph is not None
     assert decoder.replays == 6 - STABLE_STEPS
+
+
+def test_a_failed_recording_leaves_the_steps_running(tiny_llama, monkeypatch):
+    """Recording asked for where it cannot happen (no CUDA here): the steps go on as they
+    are, and no later cache tries again."""
+    monkeypatch.setattr(DecodeGraph, "failed", None)
+    (engine, ours), tokens, positions = _ragged_batch(tiny_llama, capacity=40)
+    decoder = DecodeGraph(tiny_llama, ours, record=True)
+    for _ in range(STABLE_STEPS + 2):
+        want, _ = tiny_llama(tokens[:, None], positions[:, None], engine)
+        torch.testing.assert_close(decoder.step(tokens, positions), want, atol=1e-5, rtol=1e-5)
+        tokens, positions = want.argmax(-1), positions + 1
+    assert DecodeGraph.failed and decoder.graph is None and not decoder.record
+    later = DecodeGraph(tiny_llama, engine, record=True)
+    for _ in range(STABLE_STEPS + 1):  # past the step it would record on
+        later.step(tokens, positions)
+        positions = positions + 1
+    assert not later.record and later.graph is None

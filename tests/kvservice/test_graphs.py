@@ -236,3 +236,18 @@ def test_passes_recorded_as_cuda_graphs_replay_the_engines_passes(tiny_checkpoin
             assert got.recompute_ratio_effective == engine.recompute_ratio_effective
     assert len(graphs.recorded) == 3  # reuse's pass, blend's two: recorded once for both prompts
     assert graphs.replays == 6
+
+
+def test_a_failed_recording_leaves_the_engines_passes_running(model, prompt, caplog):
+    """Recording asked for where it cannot happen (no CUDA here): the reason is kept and
+    logged once, and every pass runs as the engine runs it."""
+    engine = _prefill(model, prompt, None, "blend")
+    graphs = PassGraphs(model, capacity=512, record=False)
+    graphs.record = True  # as on a GPU whose recording fails
+    with caplog.at_level("WARNING", logger="kvservice.blend.graphs"):
+        got = _prefill(model, prompt, graphs, "blend")
+        again = _prefill(model, prompt, graphs, "blend")
+    assert graphs.failed and not graphs.recorded and graphs.replays == 0
+    assert sum("recording" in r.getMessage() for r in caplog.records) == 1
+    for result in (got, again):
+        torch.testing.assert_close(result.logits, engine.logits, atol=0, rtol=0)
