@@ -6,8 +6,8 @@ On a GPU a pass over the question (reuse, blend's first pass) or over the recomp
 ``PassGraphs`` records a pass once per padded shape and replays it:
 
 * the computed slots are padded to a power of two, or past ``ROW_STEP`` to a multiple of
-  it (``PassShape.rows``), in front, so the prompt's last token is always the last row; a padded row is token 0 at position 0, and
-  its KV goes to a scratch slot past every key read;
+  it (``PassShape.rows``), in front, so the prompt's last token is always the last row; a
+  padded row is token 0 at position 0, and its KV goes to a scratch slot past every key read;
 * the keys read are padded to a multiple of ``KEY_STEP`` (``PassShape.keys``), masked;
 * what a request changes (token ids, positions, the slots written, the prompt's length, the
   stale keys' bias, which rows are the question) lives in the shape's ``PassInputs``;
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvservice.model import cuda_graph
 from kvservice.model.transformer import KVCache, Transformer
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def static_pass(model: Transformer, cache: KVCache, tables, inputs: PassInputs, 
     last_mask = mask[-1:].repeat(group, 1)
     cos, sin = tables[0][inputs.positions][None], tables[1][inputs.positions][None]
     x = model.embed(inputs.ids)[None]  # [1, rows, dim]
-    recorded = []
+    recorded, unread = [], torch.zeros(shape.keys, device=cache.k.device)
     for i, layer in enumerate(model.layers[: shape.until]):
         q, k, v, _ = layer.project(x, cos, sin, dtype)
         cache.k[i, 0].index_copy_(1, inputs.slots, k[0])
@@ -131,7 +132,7 @@ def static_pass(model: Transformer, cache: KVCache, tables, inputs: PassInputs, 
             recorded.append(paid)
         else:
             if shape.weigh_from is not None:
-                recorded.append(torch.zeros(shape.keys, device=cache.k.device))
+                recorded.append(unread)
             rows = q[:, :, -1:] if last else q
             out = _attend(rows, k_layer, v_layer, last_mask if last else stacked_mask)
         if last:  # after the last layer only the last token's output counts
@@ -267,18 +268,12 @@ class PassGraphs:
         return entry
 
     def _capture(self, shape: PassShape, inputs: PassInputs) -> _Recorded:
-        """Record ``shape``'s pass (after two runs on a side stream, as CUDA graphs need);
-        every row is padded meanwhile, so only the scratch slot is written."""
+        """Record ``shape``'s pass; every row is padded meanwhile, so the runs before the
+        recording write only the scratch slot."""
         started = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                static_pass(self.model, self.cache, self.tables, inputs, shape)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            outputs = static_pass(self.model, self.cache, self.tables, inputs, shape)
+        graph, outputs = cuda_graph.record(
+            lambda: static_pass(self.model, self.cache, self.tables, inputs, shape), self.pool
+        )
         log.info("recorded the pass %s in %.0f ms", shape, 1e3 * (time.perf_counter() - started))
         return _Recorded(inputs, graph, outputs)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvservice.model import cuda_graph
 from kvservice.model.transformer import KVCache, Transformer, position_mask
 
 log = logging.getLogger(__name__)
@@ -109,22 +110,15 @@ class DecodeGraph:
         return tuple(t.data_ptr() for t in (cache.k, cache.v, cache.positions, cache.valid))
 
     def _capture(self) -> None:
-        """Record the step with this step's inputs (after two runs on a side stream, as CUDA
-        graphs need; each writes the same slot with the same values the replay then writes)."""
+        """Record the step with this step's inputs (the runs before the recording write the
+        same slot with the same values the replay then writes)."""
         if DecodeGraph.failed is not None:
             self.record = False
             return
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    static_decode_step(self.model, self.cache, self.inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.logits = static_decode_step(self.model, self.cache, self.inputs)
-            self.graph = graph
+            self.graph, self.logits = cuda_graph.record(
+                lambda: static_decode_step(self.model, self.cache, self.inputs)
+            )
         except Exception as exc:  # noqa: BLE001 - any failure: the step as it is, from now on
             DecodeGraph.failed = f"{type(exc).__name__}: {exc}"
             self.record = False
