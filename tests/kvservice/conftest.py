@@ -108,3 +108,14 @@ def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture
+def meta_model(tiny_checkpoints):
+    """The tiny model on the meta device: every operator has a device, none computes, and a
+    tensor made on the host stands out (``test_graphs.OffDevice``)."""
+    from kvservice.model.transformer import Transformer
+
+    model = Transformer.from_pretrained(tiny_checkpoints["llama"], device="cpu").to("meta")
+    model.prepare_kernels()  # packed again from the meta weights, as on CUDA: the torch kernel
+    return model

@@ -15,7 +15,7 @@ from kvservice.model.decode_graph import (
 )
 from kvservice.model.transformer import KVCache, Transformer
 
-from .test_graphs import WAITS, _Ops
+from .test_graphs import WAITS, OffDevice, _Ops
 
 
 def _ragged_batch(model, capacity):
@@ -67,6 +67,17 @@ def test_the_step_never_waits_and_runs_the_same_operators_each_step(tiny_llama):
         runs.append(ops.seen)
     assert not {name for name, _ in runs[0]} & WAITS
     assert runs[0] == runs[1] and len(runs[0]) > 10 * tiny_llama.config.n_layers
+
+
+def test_the_step_runs_on_the_models_device_alone(meta_model):
+    """No operator of the step touches a tensor on the host (``OffDevice``), as recording
+    on a GPU needs."""
+    cache = KVCache(meta_model.config, 2, 40, meta_model.device, meta_model.cache_dtype)
+    cache.length = 23
+    inputs = DecodeInputs.empty(2, meta_model.device)
+    with OffDevice("meta") as off:
+        logits = static_decode_step(meta_model, cache, inputs)
+    assert off.seen == [] and logits.shape == (2, meta_model.config.vocab_size)
 
 
 def test_a_full_cache_or_replaced_tensors_are_refused(tiny_llama):

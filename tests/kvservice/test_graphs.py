@@ -170,6 +170,48 @@ class _Ops(TorchDispatchMode):
         return out
 
 
+class OffDevice(TorchDispatchMode):
+    """Every operator whose tensors are not all on ``device`` (0-dim CPU scalars aside,
+    which a kernel takes as a number): in a recorded pass such an operator is a copy between
+    host and device, which a CUDA graph cannot record, or a host value frozen into it."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = torch.device(device)
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_leaves((args, kwargs, out))
+        if any(
+            isinstance(t, torch.Tensor) and t.device != self.device and t.dim() > 0 for t in flat
+        ):
+            self.seen.append(func._schema.name)
+        return out
+
+
+@pytest.mark.parametrize("weigh", [False, True])
+def test_a_recorded_pass_runs_on_the_models_device_alone(meta_model, weigh):
+    """Reuse's pass (every layer, logits) and blend's first (the question's attention
+    weighed): no operator of the pass touches a tensor on the host, as recording on a GPU
+    needs. The inputs are filled beforehand, outside the recording."""
+    graphs = PassGraphs(meta_model, capacity=512)
+    layers = meta_model.config.n_layers
+    shape = graphs.shape(9, 230, 2 if weigh else layers, 9 if weigh else 0, 1 if weigh else 0)
+    inputs = PassInputs.empty(shape, graphs.scratch, meta_model.device)
+    cache = graphs.begin(230)
+    with OffDevice("meta") as off:
+        logits, attention = static_pass(meta_model, cache, graphs.tables, inputs, shape)
+    assert off.seen == []
+    if weigh:
+        assert logits is None and attention.shape == (2, shape.keys)
+    else:
+        assert logits.shape == (meta_model.config.vocab_size,) and attention is None
+    with OffDevice("meta") as off:  # the check sees a host tensor where there is one
+        cache.k[0, 0, :, torch.arange(3)]  # indexed by a host tensor: a copy on a GPU
+    assert off.seen
+
+
 def test_pass_shapes_pad_rows_to_powers_of_two_and_keys_to_a_step(model):
     graphs = PassGraphs(model, capacity=3000)
     layers = model.config.n_layers
