@@ -9,6 +9,7 @@ before the model loads. Nothing else in the worker reads the environment for the
 | ``ENGINE`` | ``native`` (default) or ``vllm`` |
 | ``ENGINE_PRECISION``, ``ENGINE_KERNEL`` | the native engine's products (kvservice.model.kernels) |
 | ``ENGINE_COMPILE`` | ``on`` (default), ``off``: CUDA graphs of passes (kvservice.blend.graphs) |
+| ``ENGINE_BUFFER_BYTES`` | CPU buffers kept for the next request (kvservice.model.buffers; 1 GiB) |
 | ``INFERENCE_CONCURRENCY``, ``INFERENCE_QUEUE``, ``INFERENCE_NODE_NAME`` | serving |
 | ``KV_SOURCE``, ``KDN_URL`` | chunk KV from S3 (default) or the knowledge delivery API |
 | ``BLEND_REFRESH_RATIO`` | progressive blend's ratio after the first token (unset: off) |
@@ -29,6 +30,7 @@ from typing import Any
 
 from kvservice.blend.graphs import graphs_from_env
 from kvservice.kdn.client import KvSource
+from kvservice.model.buffers import DEFAULT_LIMIT_BYTES
 from kvservice.model.bundled import default_cache_dir
 from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.prompt import preamble_from_env
@@ -37,6 +39,7 @@ from kvservice.serve.engine import refresh_ratio_from_env
 from kvservice.serve.heartbeat import HEARTBEAT_KEY
 from kvservice.serve.prefix import capacity_from_env
 from kvservice.store import StoreConfig
+from kvservice.store.config import parse_size
 
 ENGINES = ("native", "vllm")
 
@@ -53,6 +56,7 @@ class WorkerConfig:
     precision: str = DEFAULT_PRECISION  # the native engine's products (kvservice.model.kernels)
     kernel: str | None = None  # ENGINE_KERNEL: one kernel instead of the fastest measured
     graphs: bool = True  # ENGINE_COMPILE: the passes recorded as CUDA graphs on a GPU
+    buffer_bytes: int = DEFAULT_LIMIT_BYTES  # ENGINE_BUFFER_BYTES: KV_BUFFERS' limit
     kv_source: KvSource = KvSource()
     refresh_ratio: float | None = None
     prefix_cache_bytes: int = 1 << 30
@@ -97,6 +101,7 @@ class WorkerConfig:
             precision=precision,
             kernel=kernel,
             graphs=graphs_from_env(env),
+            buffer_bytes=_size(env, "ENGINE_BUFFER_BYTES", DEFAULT_LIMIT_BYTES),
             kv_source=KvSource.from_env(env),
             refresh_ratio=refresh_ratio_from_env(env),
             prefix_cache_bytes=capacity_from_env(env),
@@ -105,6 +110,14 @@ class WorkerConfig:
             heartbeat_key=env.get("HEARTBEAT_KEY") or HEARTBEAT_KEY,
             vllm=_vllm_settings(env) if engine == "vllm" else None,
         )
+
+
+def _size(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
+    try:
+        return parse_size(raw) if raw.strip() else default
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from err
 
 
 def _vllm_settings(env: Mapping[str, str]) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 from kvservice.blend.graphs import use_pass_graphs
 from kvservice.blend.prefill import BlendResult, warm_graphs
 from kvservice.config import WorkerConfig
+from kvservice.model.buffers import KV_BUFFERS
 from kvservice.prompt import Prompt
 from kvservice.protocol import TokenEvent
 from kvservice.serve.controller import ChunkLoad, LoadingController
@@ -61,6 +62,7 @@ class NativeRuntime:
         kv_source, refresh_ratio = cfg.kv_source, cfg.refresh_ratio
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        KV_BUFFERS.limit_bytes = cfg.buffer_bytes
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = Transformer.from_pretrained(
             path, device=device, precision=cfg.precision, kernel=cfg.kernel
@@ -107,6 +109,7 @@ class NativeRuntime:
             batcher = self.engine.batcher
             state["batch"] = {"active": batcher.active, "steps": batcher.steps}
             state["prefix_cache"] = self.prefix_cache.stats()
+            state["buffers"] = KV_BUFFERS.stats()
         return state
 
     def hot_digests(self) -> list[str]:
