@@ -233,17 +233,20 @@ def memory_report(model: Transformer, baseline: int | None) -> dict:
 
 def bench_graphs(model: Transformer, capacity: int) -> PassGraphs | None:
     """Recorded passes (kvservice.blend.graphs) where the model runs on CUDA, unless
-    ``ENGINE_COMPILE=off``: the warm-up runs record them."""
+    ``ENGINE_COMPILE=off``: the warm-up runs record them (a shape the first time it is met,
+    where the worker records it the second: the timed runs are what follows either way)."""
     if model.device.type != "cuda" or not graphs_from_env(os.environ):
         return None
-    return use_pass_graphs(model, capacity)
+    return use_pass_graphs(model, capacity, record_after=1)
 
 
 def graphs_report(graphs: PassGraphs | None) -> dict:
     if graphs is None:
         return {"on": False}
+    took = graphs.recording_s  # each recording's seconds
+    recording = {"median": statistics.median(took), "max": max(took)} if took else None
     return {"on": True, "recorded": len(graphs.recorded), "replays": graphs.replays,
-            "failed": graphs.failed}  # fmt: skip
+            "failed": graphs.failed, "recording_s": recording}  # fmt: skip
 
 
 def environment(args: argparse.Namespace, model: Transformer, load_before) -> dict:
@@ -303,7 +306,9 @@ def print_table(report: Mapping) -> None:
     graphs = env.get("pass_graphs") or {}
     if graphs.get("on"):
         failed = f"; stopped recording: {graphs['failed']}" if graphs["failed"] else ""
-        print(f"passes as CUDA graphs: {graphs['recorded']} recorded, "
+        took = graphs.get("recording_s")
+        took = f" (each in {took['median']:.2f} s, at most {took['max']:.2f})" if took else ""
+        print(f"passes as CUDA graphs: {graphs['recorded']} recorded{took}, "
               f"{graphs['replays']} replays{failed}")  # fmt: skip
     if "process_max_rss_bytes" in memory:
         print(

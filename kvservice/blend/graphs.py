@@ -12,7 +12,9 @@ On a GPU a pass over the question (reuse, blend's first pass) or over the recomp
 * what a request changes (token ids, positions, the slots written, the prompt's length, the
   stale keys' bias, which rows are the question) lives in the shape's ``PassInputs``;
 * the cache the graphs read is one kept buffer (``PassGraphs.cache``): a request's passes
-  run in it, and its first ``T`` slots are then copied into the request's own cache.
+  run in it, and its first ``T`` slots are then copied into the request's own cache;
+* a shape is recorded at the worker's warm-up (``prepare``), or the second time a request
+  meets it (``RECORD_AFTER``): the first time, the engine's pass runs.
 
 ``static_pass`` is the pass itself, with no host synchronisation and no shape that depends
 on a value: what a CUDA graph can record. It computes what the engine's pass computes
@@ -27,7 +29,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -44,6 +46,10 @@ MIN_ROWS = 16  # rows are padded to a power of two, at least this, up to ROW_STE
 ROW_STEP = 128  # ... and beyond it to a multiple of it (a blend's 640 recomputed: no padding)
 MAX_ROWS = 8192  # more computed slots than this: the engine's pass (a prefill, not a blend)
 MAX_GRAPHS = 48  # recorded shapes kept, least recently used dropped first
+# A shape a request meets is recorded the second time it is met (the first runs the engine's
+# pass): a shape met once never pays a recording, which costs about three passes (two to warm
+# up, one recorded). The worker's warm-up records its shapes at once (``prepare``).
+RECORD_AFTER = 2
 # The longest prompt a recorded pass takes: the graphs' cache holds this many tokens (4.3 GB
 # for Llama-3-8B's shape in bfloat16); a longer prompt runs the engine's passes.
 GRAPH_TOKENS = 32768
@@ -177,9 +183,13 @@ class PassGraphs:
     """The recorded passes of one model, and the cache they read (``capacity`` prompt
     tokens at most, plus the scratch slot). One request's passes at a time (``lock``)."""
 
-    def __init__(self, model: Transformer, capacity: int, record: bool | None = None):
+    def __init__(
+        self, model: Transformer, capacity: int, record: bool | None = None,
+        record_after: int = RECORD_AFTER,
+    ):  # fmt: skip
         self.model = model
         self.capacity = capacity
+        self.record_after = record_after  # a request's shape is recorded the nth time it is met
         self.scratch = _round_up(capacity, KEY_STEP)  # the padded rows' slot
         device = model.device
         self.cache = KVCache(model.config, 1, self.scratch + 1, device, model.cache_dtype)
@@ -190,6 +200,8 @@ class PassGraphs:
         self.lock = threading.Lock()
         self.failed: str | None = None  # why recording stopped, if it did
         self.replays = 0
+        self.met: Counter[PassShape] = Counter()  # a request's shapes not yet recorded
+        self.recording_s: list[float] = []  # each recording's time, warm-up runs included
 
     @staticmethod
     def supports(model: Transformer) -> bool:
@@ -224,7 +236,12 @@ class PassGraphs:
 
     def run(self, token_ids, active, shape: PassShape, question_length: int, bias):
         """The pass of ``shape`` over ``active``: (logits, attention ``[until, T]``), or None
-        when it cannot be recorded (the engine's pass then runs; the reason is logged once)."""
+        when the engine's pass should run instead: the shape is met for the first time
+        (``RECORD_AFTER``), or it cannot be recorded (the reason is logged once)."""
+        if self.record and shape not in self.recorded:
+            self.met[shape] += 1
+            if self.met[shape] < self.record_after:
+                return None  # met for the first time: the engine's pass, not a recording
         recorded = self._recorded(shape)
         if recorded is None:
             return None
@@ -263,6 +280,7 @@ class PassGraphs:
                 log.warning("pass graphs off, recording %s failed: %s", shape, self.failed)
                 return None
         self.recorded[shape] = entry
+        self.met.pop(shape, None)
         while len(self.recorded) > MAX_GRAPHS:
             self.recorded.popitem(last=False)
         return entry
@@ -274,7 +292,8 @@ class PassGraphs:
         graph, outputs = cuda_graph.record(
             lambda: static_pass(self.model, self.cache, self.tables, inputs, shape), self.pool
         )
-        log.info("recorded the pass %s in %.0f ms", shape, 1e3 * (time.perf_counter() - started))
+        self.recording_s.append(time.perf_counter() - started)
+        log.info("recorded the pass %s in %.0f ms", shape, 1e3 * self.recording_s[-1])
         return _Recorded(inputs, graph, outputs)
 
 
@@ -291,12 +310,14 @@ def graphs_from_env(environ: Mapping[str, str]) -> bool:
     return value == "on"
 
 
-def use_pass_graphs(model: Transformer, capacity: int = GRAPH_TOKENS) -> PassGraphs | None:
+def use_pass_graphs(
+    model: Transformer, capacity: int = GRAPH_TOKENS, record_after: int = RECORD_AFTER
+) -> PassGraphs | None:
     """Turn recorded passes on for ``model`` (its prompts up to ``capacity`` tokens), where it
     can run them (``PassGraphs.supports``); returns them, or None."""
     if not PassGraphs.supports(model):
         log.info("pass graphs off: the model has sliding windows or a local RoPE")
         model.pass_graphs = None
         return None
-    model.pass_graphs = PassGraphs(model, capacity)
+    model.pass_graphs = PassGraphs(model, capacity, record_after=record_after)
     return model.pass_graphs

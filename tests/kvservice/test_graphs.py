@@ -15,6 +15,7 @@ from kvservice.blend.graphs import (
     MAX_ROWS,
     PassGraphs,
     PassInputs,
+    _Recorded,
     static_pass,
     use_pass_graphs,
 )
@@ -268,7 +269,7 @@ def test_passes_recorded_as_cuda_graphs_replay_the_engines_passes(tiny_checkpoin
     model = Transformer.from_pretrained(tiny_checkpoints["llama"], device="cuda")
     graphs = PassGraphs(model, capacity=512)
     assert graphs.record
-    for seed in (11, 12):
+    for seed in (11, 12, 13):  # the first prompt's shapes are met once: not yet recorded
         prompt = _prompt(model, seed)
         for mode in ("reuse", "blend"):
             engine = _prefill(model, prompt, None, mode)
@@ -276,8 +277,35 @@ def test_passes_recorded_as_cuda_graphs_replay_the_engines_passes(tiny_checkpoin
             assert graphs.failed is None
             torch.testing.assert_close(got.logits, engine.logits, atol=ATOL, rtol=ATOL)
             assert got.recompute_ratio_effective == engine.recompute_ratio_effective
-    assert len(graphs.recorded) == 3  # reuse's pass, blend's two: recorded once for both prompts
-    assert graphs.replays == 6
+    assert len(graphs.recorded) == 3  # reuse's pass, blend's two: recorded once for two prompts
+    assert graphs.replays == 6 and len(graphs.recording_s) == 3
+
+
+def test_a_requests_shape_is_recorded_the_second_time_it_is_met(model, prompt, monkeypatch):
+    """A shape met once runs the engine's pass and pays no recording; met again, it is
+    recorded (here: made ready as on the CPU, where nothing is recorded) and replayed from
+    then on. The warm-up records at once."""
+    recordings = []
+
+    def capture(self, shape, inputs):
+        recordings.append(shape)
+        return _Recorded(inputs, None)  # the pass as is: the CPU has no CUDA graph to record
+
+    monkeypatch.setattr(PassGraphs, "_capture", capture)
+    engine = _prefill(model, prompt, None, "blend")
+    graphs = PassGraphs(model, capacity=512, record=False)
+    graphs.record = True  # as on a GPU
+    first = _prefill(model, prompt, graphs, "blend")
+    assert recordings == [] and not graphs.recorded and sorted(graphs.met.values()) == [1, 1]
+    for _ in range(2):
+        again = _prefill(model, prompt, graphs, "blend")
+        assert len(recordings) == 2 and set(graphs.recorded) == set(recordings)
+        assert not graphs.met
+        torch.testing.assert_close(again.logits, engine.logits, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(first.logits, engine.logits, atol=0, rtol=0)  # the engine's
+    warm = PassGraphs(model, capacity=512, record=False)
+    warm.record = True
+    assert warm.prepare(recordings[0]) and len(recordings) == 3
 
 
 def test_a_failed_recording_leaves_the_engines_passes_running(model, prompt, caplog):
