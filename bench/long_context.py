@@ -241,12 +241,7 @@ def bench_graphs(model: Transformer, capacity: int) -> PassGraphs | None:
 
 
 def graphs_report(graphs: PassGraphs | None) -> dict:
-    if graphs is None:
-        return {"on": False}
-    took = graphs.recording_s  # each recording's seconds
-    recording = {"median": statistics.median(took), "max": max(took)} if took else None
-    return {"on": True, "recorded": len(graphs.recorded), "replays": graphs.replays,
-            "failed": graphs.failed, "recording_s": recording}  # fmt: skip
+    return {"on": False} if graphs is None else graphs.stats()
 
 
 def environment(args: argparse.Namespace, model: Transformer, load_before) -> dict:

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -201,7 +202,7 @@ class PassGraphs:
         self.failed: str | None = None  # why recording stopped, if it did
         self.replays = 0
         self.met: Counter[PassShape] = Counter()  # a request's shapes not yet recorded
-        self.recording_s: list[float] = []  # each recording's time, warm-up runs included
+        self.recording_s: deque[float] = deque(maxlen=256)  # the last recordings' seconds
 
     @staticmethod
     def supports(model: Transformer) -> bool:
@@ -258,6 +259,15 @@ class PassGraphs:
         if attention is not None:
             attention = attention[:, :num_tokens]
         return logits, attention
+
+    def stats(self) -> dict:
+        """What the worker's heartbeat and the bench report: shapes recorded, replays, why
+        recording stopped (None: it did not), and how long a recording took (seconds, each
+        with its two warm-up runs)."""
+        took = list(self.recording_s)
+        recording = {"median": statistics.median(took), "max": max(took)} if took else None
+        return {"on": True, "recorded": len(self.recorded), "replays": self.replays,
+                "failed": self.failed, "recording_s": recording}  # fmt: skip
 
     def prepare(self, shape: PassShape) -> bool:
         """Record ``shape``'s pass now (a worker's warm-up), if it is not yet; False when

@@ -110,6 +110,8 @@ class NativeRuntime:
             state["batch"] = {"active": batcher.active, "steps": batcher.steps}
             state["prefix_cache"] = self.prefix_cache.stats()
             state["buffers"] = KV_BUFFERS.stats()
+            graphs = self.model.pass_graphs
+            state["pass_graphs"] = {"on": False} if graphs is None else graphs.stats()
         return state
 
     def hot_digests(self) -> list[str]:

@@ -303,6 +303,8 @@ def test_a_requests_shape_is_recorded_the_second_time_it_is_met(model, prompt, m
         assert not graphs.met
         torch.testing.assert_close(again.logits, engine.logits, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(first.logits, engine.logits, atol=0, rtol=0)  # the engine's
+    stats = dict(on=True, recorded=2, replays=0, failed=None, recording_s=None)  # CPU: untimed
+    assert graphs.stats() == stats
     warm = PassGraphs(model, capacity=512, record=False)
     warm.record = True
     assert warm.prepare(recordings[0]) and len(recordings) == 3
@@ -318,6 +320,7 @@ def test_a_failed_recording_leaves_the_engines_passes_running(model, prompt, cap
         got = _prefill(model, prompt, graphs, "blend")
         again = _prefill(model, prompt, graphs, "blend")
     assert graphs.failed and not graphs.recorded and graphs.replays == 0
+    assert graphs.stats()["failed"] == graphs.failed
     assert sum("recording" in r.getMessage() for r in caplog.records) == 1
     for result in (got, again):
         torch.testing.assert_close(result.logits, engine.logits, atol=0, rtol=0)
