@@ -152,10 +152,10 @@ def test_no_audit_at_rate_zero_nor_for_other_modes_nor_failures(
 def test_the_sample_rate_draws(alice) -> None:
     answer = _pending_blend_answer(alice)
     _set_rate(0.3)
-    assert services.fidelity_maybe_audit(message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT),
-                                         draw=lambda: 0.31) is None  # fmt: skip
-    assert services.fidelity_maybe_audit(message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT),
-                                         draw=lambda: 0.29) is not None  # fmt: skip
+    outcome = AnswerOutcome.from_dict(BLEND_RESULT)
+    audit = services.fidelity_maybe_audit
+    assert audit(message_id=answer.id, outcome=outcome, draw=lambda: 0.31) is None
+    assert audit(message_id=answer.id, outcome=outcome, draw=lambda: 0.29) is not None
     redis_client().delete(INFERENCE_QUEUE)
 
 

@@ -9,6 +9,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+import torch
 from django.urls import reverse
 from django.utils import timezone
 
@@ -84,6 +85,35 @@ def test_anonymous_users_are_sent_to_log_in(client, alice) -> None:
         response = getattr(client, method)(url)
         assert response.status_code == 302, (method, url)
         assert response["Location"].startswith(reverse("login")), url
+
+
+def test_dashboard_shows_the_engines_kernels_graphs_and_buffers(staff_client) -> None:
+    """What the worker's heartbeat says of its engine, as ``NativeRuntime.status`` writes it:
+    the kernels from a real choice, the pass graphs' and the buffer pool's own stats."""
+    from kvservice.blend.graphs import PassGraphs
+    from kvservice.model.buffers import BufferPool
+    from kvservice.model.kernels import KernelChoice
+
+    pool = BufferPool(limit_bytes=64 << 20)
+    kept = pool.empty((2, 1 << 20), torch.float32)
+    del kept
+    pool.empty((2, 1 << 20), torch.float32)  # the same buffer, handed out again
+    graphs = PassGraphs.__new__(PassGraphs)  # its stats alone: no model to record for
+    graphs.recorded, graphs.replays, graphs.failed = {1: None, 2: None}, 1234, "OOM at capture"
+    graphs.recording_s = [0.25, 0.5, 0.75]
+    choice = KernelChoice("onednn-bf16", "auto", {}, {}, True, torch.bfloat16)
+    write_heartbeat(redis_client(), pid=1, model="m", model_loaded=True,
+                    kernels=choice.to_dict(), pass_graphs=graphs.stats(),
+                    buffers=pool.stats())  # fmt: skip
+    try:
+        page = staff_client.get(reverse("dashboard:index")).content.decode()
+    finally:
+        redis_client().delete(heartbeat_key())
+    line = page.split('id="engine-state"')[1].split("</p>")[0]
+    assert "products by onednn-bf16, attention in bfloat16" in line
+    assert "2 shapes recorded (a recording 500.0 ms, at most 750.0 ms), 1,234 replays" in line
+    assert "recording stopped</strong>: OOM at capture" in line
+    assert "kept CPU buffers: 1 (8 MiB), 1 of 2 handed out again" in line
 
 
 def test_dashboard_shows_tiers_controller_and_metrics_from_a_real_heartbeat(
