@@ -17,6 +17,13 @@ visible pair. Then two bounds for blend, full's time divided by:
   kernel that skips masked work and runs small query groups as fast as the big causal one);
 * ``free_attention``: blend with attention that costs nothing (the linear layers, the reuse
   pass and moving the cached KV into place only).
+
+Then what blend adds to reuse (``reuse`` runs too), part by part beside its floor at full
+prefill's own rates, measured in the same run: attention (every SDPA call and the question's
+weighed attention) at full's time per visible (query, key) pair; the linear layers' products
+(``FusedLinear``) at full's time per row; the rest (norms, RoPE, the MLP's activation,
+residuals, selection) at full's rest per row. ``(b-r)/full`` against ``floor`` says how much
+of blend's extra time is the work it does and how much is the rate it does it at.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ import torch.nn.functional as F
 from bench.data import shared_data
 from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT, example_prompt
 from bench.timing import cpu_name, timed
+from kvservice.blend import attention
 from kvservice.blend.prefill import blend_prefill
 from kvservice.model.bundled import default_cache_dir, resolve_llm_path
-from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS
+from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS, FusedLinear
 from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
 from kvservice.prompt import PromptFormat
 
@@ -49,6 +57,15 @@ class AttentionMeter:
     seconds: float = 0.0
     visible: int = 0  # (query, key) pairs a query may attend to, summed over query heads
     given: int = 0  # pairs handed to the kernel, masked ones included, summed likewise
+    weighed_seconds: float = 0.0  # the question's weighed attention (not SDPA), and ...
+    weighed_visible: int = 0  # ... its pairs, summed over query heads
+
+
+@dataclass
+class ProductMeter:
+    seconds: float = 0.0  # in the linear layers' products (``FusedLinear``)
+    rows: int = 0  # the rows they multiplied, over every product
+    calls: int = 0
 
 
 def visible_pairs(queries: int, keys: int, attn_mask: torch.Tensor | None, is_causal: bool) -> int:
@@ -65,9 +82,19 @@ def visible_pairs(queries: int, keys: int, attn_mask: torch.Tensor | None, is_ca
 
 @contextmanager
 def metered_attention() -> Iterator[AttentionMeter]:
-    """Time and count every ``F.scaled_dot_product_attention`` call inside the block."""
+    """Time and count every ``F.scaled_dot_product_attention`` call inside the block, and
+    the question's weighed attention (``attention.attend_and_weigh``) apart."""
     meter = AttentionMeter()
     original = F.scaled_dot_product_attention
+    original_weigh = attention.attend_and_weigh
+
+    def weighed(q, k, v, query_pos, key_pos, *rest, **kwargs):
+        start = time.perf_counter()
+        out = original_weigh(q, k, v, query_pos, key_pos, *rest, **kwargs)
+        meter.weighed_seconds += time.perf_counter() - start
+        seen = (key_pos[None, :] <= query_pos[:, None]).sum()  # causal by position
+        meter.weighed_visible += q.shape[0] * int(seen)
+        return out
 
     def metered(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
         start = time.perf_counter()
@@ -82,10 +109,33 @@ def metered_attention() -> Iterator[AttentionMeter]:
         return out
 
     F.scaled_dot_product_attention = metered
+    attention.attend_and_weigh = weighed
     try:
         yield meter
     finally:
         F.scaled_dot_product_attention = original
+        attention.attend_and_weigh = original_weigh
+
+
+@contextmanager
+def metered_products() -> Iterator[ProductMeter]:
+    """Time every linear layers' product (``FusedLinear``) inside the block, and count its rows."""
+    meter = ProductMeter()
+    original = FusedLinear.forward
+
+    def metered(self, x):
+        start = time.perf_counter()
+        out = original(self, x)
+        meter.seconds += time.perf_counter() - start
+        meter.rows += x.numel() // x.shape[-1]
+        meter.calls += 1
+        return out
+
+    FusedLinear.forward = metered
+    try:
+        yield meter
+    finally:
+        FusedLinear.forward = original
 
 
 @torch.no_grad()
@@ -102,11 +152,11 @@ def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) 
         int(result.logits.argmax())
 
     row: dict = {"num_tokens": len(prompt.token_ids)}
-    for mode in ("full", "blend"):
+    for mode in ("full", "reuse", "blend"):
         prefill(mode)  # warm-up
         run = functools.partial(prefill, mode)
         seconds = [timed(run, model.device)[1] for _ in range(args.repeats)]
-        with metered_attention() as meter:
+        with metered_attention() as meter, metered_products() as products:
             prefill(mode)
         heads = model.config.n_heads  # pairs below are per (query token, key token)
         row[mode] = {
@@ -114,8 +164,13 @@ def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) 
             "sdpa_seconds": meter.seconds,
             "visible_pairs": meter.visible / heads,
             "given_pairs": meter.given / heads,
-            "ns_per_visible_pair": 1e9 * meter.seconds * heads / meter.visible,
+            "ns_per_visible_pair": 1e9 * meter.seconds * heads / max(1, meter.visible),
+            "weighed_seconds": meter.weighed_seconds,
+            "weighed_pairs": meter.weighed_visible / heads,
+            "products_seconds": products.seconds,
+            "product_rows": products.rows,
         }
+    row["beyond_reuse"] = beyond_reuse(row["full"], row["reuse"], row["blend"])
     full, blend = row["full"], row["blend"]
     full_rate = full["sdpa_seconds"] / full["visible_pairs"]
     rest = blend["seconds"] - blend["sdpa_seconds"]
@@ -127,6 +182,32 @@ def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) 
     return row
 
 
+def beyond_reuse(full: dict, reuse: dict, blend: dict) -> dict:
+    """Blend's time beyond reuse's, part by part, each beside its floor at full prefill's
+    own rates (seconds; ``share``/``floor_share``: over full's time). A part's floor is the
+    work blend adds to reuse's (pairs, rows) at the time full spends per unit of it."""
+
+    def parts(run: dict) -> dict:
+        attention = run["sdpa_seconds"] + run["weighed_seconds"]
+        return {"attention": attention, "products": run["products_seconds"],
+                "rest": run["seconds"] - attention - run["products_seconds"],
+                "pairs": run["visible_pairs"] + run["weighed_pairs"],
+                "rows": run["product_rows"]}  # fmt: skip
+
+    f, r, b = parts(full), parts(reuse), parts(blend)
+    added_pairs, added_rows = b["pairs"] - r["pairs"], b["rows"] - r["rows"]
+    floors = {
+        "attention": added_pairs * f["attention"] / f["pairs"],
+        "products": added_rows * f["products"] / f["rows"],
+        "rest": added_rows * f["rest"] / f["rows"],
+    }
+    out = {name: {"seconds": b[name] - r[name], "floor": floors[name]} for name in floors}
+    out["pairs_of_full"], out["rows_of_full"] = added_pairs / f["pairs"], added_rows / f["rows"]
+    out["share"] = (blend["seconds"] - reuse["seconds"]) / full["seconds"]
+    out["floor_share"] = sum(floors.values()) / full["seconds"]
+    return out
+
+
 def print_profile(run) -> None:
     """One run under torch's profiler: the ops that took the most time, self time first."""
     from torch.profiler import ProfilerActivity, profile
@@ -134,6 +215,26 @@ def print_profile(run) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def print_beyond_reuse(rows: list[dict], first: int) -> None:
+    print(
+        f"\nblend beyond reuse: measured (floor at full's rates); pairs and rows it adds, of"
+        f" full's; seconds by part\n{'':6} {'reuse s':>7} {'(b-r)/full':>13} {'pairs':>5}"
+        f" {'rows':>5}" + "".join(f" {name:>15}" for name in ("attention", "products", "rest"))
+    )
+    for index, row in enumerate(rows):
+        added = row["beyond_reuse"]
+        cells = "".join(
+            f" {added[name]['seconds']:6.3f} ({added[name]['floor']:6.3f})"
+            for name in ("attention", "products", "rest")
+        )
+        print(
+            f"{first + index:6} {row['reuse']['seconds']:7.3f}"
+            f" {added['share']:.3f} ({added['floor_share']:.3f})"
+            f" {added['pairs_of_full']:5.3f} {added['rows_of_full']:5.3f}{cells}",
+            flush=True,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -188,12 +289,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     summary["blend_visible_pairs_per_full"] = statistics.median(
         row["blend"]["visible_pairs"] / row["full"]["visible_pairs"] for row in rows
     )
+    for key in ("share", "floor_share"):
+        summary[f"beyond_reuse_{key}"] = statistics.median(row["beyond_reuse"][key] for row in rows)
     print(
         f"median over {len(rows)}: full / blend {summary['speedup']:.2f}x now,"
         f" {summary['speedup_at_full_rate']:.2f}x with blend's attention at full's rate per pair,"
         f" {summary['speedup_free_attention']:.2f}x with free attention; blend's attention sees"
         f" {summary['blend_visible_pairs_per_full']:.3f} of full's (query, key) pairs"
         f" at ratio {args.ratio}"
+    )
+    print_beyond_reuse(rows, args.first)
+    print(
+        f"median over {len(rows)}: blend beyond reuse {summary['beyond_reuse_share']:.3f} of"
+        f" full's time, {summary['beyond_reuse_floor_share']:.3f} at full's own rates"
     )
     result = {"summary": summary, "examples": rows, "cpu": cpu_name(), "args": vars(args)}
     if args.json:
