@@ -5,7 +5,8 @@
 # Llama-3-8B shape with the default KV codec and with fp16, chunks from the CPU-memory tier
 # and the GPU tier. Results go to $OUT (or ./gpu-out):
 # checks.txt (environment and tests), grid.txt (the tables), lc.tar (each run's JSON) and
-# decode.txt / decode.json (decode tokens/s at batch 1 and 16 beside the HBM's bound).
+# decode.txt / decode.json (decode tokens/s at batch 1 and 16 beside the HBM's bound) and
+# profile.txt (host against device time of a 4,096-token reuse and blend; PROFILE=0 skips it).
 #   bash bench/gpu_checks.sh [PYTHON]      # e.g. PYTHON=.venv/bin/python; LAYERS=2 to smoke-test
 # TESTS=0 skips the tests; GRID and CODECS (below) choose the runs; the passes run as CUDA
 # graphs (ENGINE_COMPILE, kvservice.blend.graphs), and 4,096 tokens once more without them
@@ -73,3 +74,8 @@ for ctx_chunks in $GRID; do
     first=0
   fi
 done
+# Last, where time is left: where a 4,096-token reuse and blend spend host and device time
+# (torch.profiler, the passes as CUDA graphs), for the breakdown against the bars.
+[ "${PROFILE:-1}" = 0 ] || timeout 150 "$PY" -m bench.gpu_profile --synthetic llama3-8b $layers \
+  --device "$DEVICE" --context 4096 --chunks 6 --tier cpu --modes reuse,blend --rows 20 \
+  > "$OUT/profile.txt" 2>&1

@@ -5,8 +5,12 @@ read through the store's loader), printed as the operators' device and host time
     python -m bench.gpu_profile [--synthetic llama3-8b] [--context 16384] [--chunks 12] \\
         [--tier device|cpu] [--modes reuse,blend] [--ratio 0.15] [--rows 25]
 
-``KV_CODEC`` picks the stored form as everywhere. On a machine without CUDA it profiles the
-CPU (``--device cpu``), which says little about a GPU.
+``KV_CODEC`` picks the stored form as everywhere; on CUDA the passes are recorded as CUDA
+graphs in the warm-up run, as in the long-context bench (``ENGINE_COMPILE=off``: as the
+engine runs them). After each mode's table, one line sums the host's and the device's time
+(``self`` times over every operator): a run whose host time is well above its device time is
+paced by launches. On a machine without CUDA it profiles the CPU (``--device cpu``), which
+says little about a GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.long_context import synthetic_prompt
+from bench.long_context import bench_graphs, synthetic_prompt
 from bench.staging import StoreBench
 from kvservice.blend.prefill import blend_prefill
 from kvservice.model.synthetic import random_model, synthetic_config
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         device=device,
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
     )
+    bench_graphs(model, args.context + 1024)
     head, chunk_ids, question = synthetic_prompt(model.config.vocab_size, args.context,
                                                  args.chunks)  # fmt: skip
     bench = StoreBench(args.tier, device=device, dtype=model.cache_dtype)
@@ -66,7 +71,11 @@ def main(argv: list[str] | None = None) -> None:
                     run()
                 print(f"\n== {mode} ({args.context} tokens, {args.chunks} chunks from the "
                       f"{args.tier} tier)")  # fmt: skip
-                print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
+                averages = prof.key_averages()
+                print(averages.table(sort_by=sort, row_limit=args.rows))
+                host = sum(event.self_cpu_time_total for event in averages) / 1e3
+                device = sum(event.self_device_time_total for event in averages) / 1e3
+                print(f"{mode}: host {host:.1f} ms, device {device:.1f} ms (self times summed)")
     finally:
         bench.close()
 
