@@ -37,7 +37,7 @@ from kvservice.prompt import preamble_from_env
 from kvservice.protocol import INFERENCE_QUEUE
 from kvservice.serve.engine import refresh_ratio_from_env
 from kvservice.serve.heartbeat import HEARTBEAT_KEY
-from kvservice.serve.prefix import capacity_from_env
+from kvservice.serve.prefix import DEFAULT_CAPACITY_BYTES
 from kvservice.store import StoreConfig
 from kvservice.store.config import parse_size
 
@@ -104,7 +104,7 @@ class WorkerConfig:
             buffer_bytes=_size(env, "ENGINE_BUFFER_BYTES", DEFAULT_LIMIT_BYTES),
             kv_source=KvSource.from_env(env),
             refresh_ratio=refresh_ratio_from_env(env),
-            prefix_cache_bytes=capacity_from_env(env),
+            prefix_cache_bytes=_size(env, "PREFIX_CACHE_BYTES", DEFAULT_CAPACITY_BYTES),
             store=StoreConfig.from_env(env),
             kv_preamble=preamble_from_env(env),
             heartbeat_key=env.get("HEARTBEAT_KEY") or HEARTBEAT_KEY,
@@ -113,6 +113,7 @@ class WorkerConfig:
 
 
 def _size(env: Mapping[str, str], name: str, default: int) -> int:
+    """A size variable (``512MiB``, ``2GiB``, bytes); unset or blank: ``default``."""
     raw = env.get(name, "")
     try:
         return parse_size(raw) if raw.strip() else default

@@ -19,24 +19,14 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvservice.model.transformer import KVCache
-from kvservice.store.config import parse_size
 
-DEFAULT_CAPACITY_BYTES = 1 << 30
-
-
-def capacity_from_env(environ: Mapping[str, str]) -> int:
-    """``PREFIX_CACHE_BYTES`` (read with the worker's configuration, kvservice.config)."""
-    raw = environ.get("PREFIX_CACHE_BYTES", "")
-    try:
-        return parse_size(raw) if raw.strip() else DEFAULT_CAPACITY_BYTES
-    except ValueError as err:
-        raise ValueError(f"PREFIX_CACHE_BYTES: {err}") from err
+DEFAULT_CAPACITY_BYTES = 1 << 30  # PREFIX_CACHE_BYTES (kvservice.config)
 
 
 def boundaries(

@@ -87,6 +87,15 @@ def test_anonymous_users_are_sent_to_log_in(client, alice) -> None:
         assert response["Location"].startswith(reverse("login")), url
 
 
+def _page_with_heartbeat(staff_client, **beat) -> str:
+    """The dashboard as staff see it while the worker's last heartbeat carries ``beat``."""
+    write_heartbeat(redis_client(), pid=1, model="m", model_loaded=True, **beat)
+    try:
+        return staff_client.get(reverse("dashboard:index")).content.decode()
+    finally:
+        redis_client().delete(heartbeat_key())
+
+
 def test_dashboard_shows_the_engines_kernels_graphs_and_buffers(staff_client) -> None:
     """What the worker's heartbeat says of its engine, as ``NativeRuntime.status`` writes it:
     the kernels from a real choice, the pass graphs' and the buffer pool's own stats."""
@@ -102,13 +111,8 @@ def test_dashboard_shows_the_engines_kernels_graphs_and_buffers(staff_client) ->
     graphs.recorded, graphs.replays, graphs.failed = {1: None, 2: None}, 1234, "OOM at capture"
     graphs.recording_s = [0.25, 0.5, 0.75]
     choice = KernelChoice("onednn-bf16", "auto", {}, {}, True, torch.bfloat16)
-    write_heartbeat(redis_client(), pid=1, model="m", model_loaded=True,
-                    kernels=choice.to_dict(), pass_graphs=graphs.stats(),
-                    buffers=pool.stats())  # fmt: skip
-    try:
-        page = staff_client.get(reverse("dashboard:index")).content.decode()
-    finally:
-        redis_client().delete(heartbeat_key())
+    page = _page_with_heartbeat(staff_client, kernels=choice.to_dict(),
+                                pass_graphs=graphs.stats(), buffers=pool.stats())  # fmt: skip
     line = page.split('id="engine-state"')[1].split("</p>")[0]
     assert "products by onednn-bf16, attention in bfloat16" in line
     assert "2 shapes recorded (a recording 500.0 ms, at most 750.0 ms), 1,234 replays" in line
@@ -206,12 +210,7 @@ def test_a_decision_made_before_the_throughput_was_measured_says_so(staff_client
     controller = LoadingController(r_min=0.15)
     controller.choose(num_tokens=1500, num_layers=30, load_bytes_by_tier={"cpu": 2**20})
     controller.observe_recompute(tokens=512, layers=30, seconds=0.02)  # measured after it
-    write_heartbeat(redis_client(), pid=1, model="m", model_loaded=True,
-                    controller=controller.snapshot())  # fmt: skip
-    try:
-        page = staff_client.get(reverse("dashboard:index")).content.decode()
-    finally:
-        redis_client().delete(heartbeat_key())
+    page = _page_with_heartbeat(staff_client, controller=controller.snapshot())
     why = page.split('id="last-why"')[1].split("</p>")[0]
     assert "no measurement of recompute throughput" in why and "768,000" in page
     assert "decided before the recompute throughput beside it was measured" in why
