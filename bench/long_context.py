@@ -45,7 +45,7 @@ from bench.opcount import count_ops
 from bench.prefill import chunk_sources
 from bench.staging import bench_of, on_device
 from bench.timing import cpu_name, synchronize, timed
-from kvservice.blend.graphs import PassGraphs, graphs_from_env, use_pass_graphs
+from kvservice.blend.graphs import PassGraphs, graphs_from_env, graphs_report, use_pass_graphs
 from kvservice.blend.prefill import BlendSettings, Mode, blend_prefill
 from kvservice.chunk import ChunkKV
 from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
@@ -238,10 +238,6 @@ def bench_graphs(model: Transformer, capacity: int) -> PassGraphs | None:
     if model.device.type != "cuda" or not graphs_from_env(os.environ):
         return None
     return use_pass_graphs(model, capacity, record_after=1)
-
-
-def graphs_report(graphs: PassGraphs | None) -> dict:
-    return {"on": False} if graphs is None else graphs.stats()
 
 
 def environment(args: argparse.Namespace, model: Transformer, load_before) -> dict:

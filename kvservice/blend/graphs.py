@@ -331,3 +331,8 @@ def use_pass_graphs(
         return None
     model.pass_graphs = PassGraphs(model, capacity, record_after=record_after)
     return model.pass_graphs
+
+
+def graphs_report(graphs: PassGraphs | None) -> dict:
+    """``graphs.stats()``, or that recorded passes are off (the worker's heartbeat, the bench)."""
+    return {"on": False} if graphs is None else graphs.stats()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,9 @@ from kvservice.chunk import ChunkKV, token_ids_sha256
 from kvservice.model.buffers import KV_BUFFERS
 from kvservice.model.checkpoint import checkpoint_config, checkpoint_state
 from kvservice.model.families import ModelConfig, UnsupportedModelError
-from kvservice.model.kernels import FusedLinear, KernelChoice, prepare
+from kvservice.model.kernels import FusedLinear, KernelChoice, candidates, prepare
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # RoPE: pure functions. Rotate-half layout (HF's), so HF weights need no permutation.
@@ -473,6 +476,22 @@ class Transformer(nn.Module):
         (``kvservice.model.kernels``); call again after changing weights."""
         self.kernel_choice = prepare(self, precision, kernel)
         return self.kernel_choice
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module``'s move or cast (``.to``, ``.cuda``, ``.half``...), then what it
+        cannot see: the packed products (plain attributes, not parameters) are packed again
+        from the moved weights, with the same kernel where the new device and dtype run it,
+        and recorded passes, bound to the old tensors, are dropped."""
+        super()._apply(fn, recurse)
+        choice = getattr(self, "kernel_choice", None)  # None before __init__ set it
+        if choice is not None:
+            dtype = self.embed_tokens.weight.dtype
+            runs = choice.kernel in candidates(self.device, choice.precision, dtype)
+            self.prepare_kernels(choice.precision, choice.kernel if runs else None)
+        if getattr(self, "pass_graphs", None) is not None:
+            log.info("the model moved: its recorded passes are dropped")
+            self.pass_graphs = None
+        return self
 
     @torch.no_grad()
     def forward(

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvservice.blend.graphs import use_pass_graphs
+from kvservice.blend.graphs import graphs_report, use_pass_graphs
 from kvservice.blend.prefill import BlendResult, warm_graphs
 from kvservice.config import WorkerConfig
 from kvservice.model.buffers import KV_BUFFERS
@@ -110,8 +110,7 @@ class NativeRuntime:
             state["batch"] = {"active": batcher.active, "steps": batcher.steps}
             state["prefix_cache"] = self.prefix_cache.stats()
             state["buffers"] = KV_BUFFERS.stats()
-            graphs = self.model.pass_graphs
-            state["pass_graphs"] = {"on": False} if graphs is None else graphs.stats()
+            state["pass_graphs"] = graphs_report(self.model.pass_graphs)
         return state
 
     def hot_digests(self) -> list[str]:

@@ -116,6 +116,6 @@ def meta_model(tiny_checkpoints):
     tensor made on the host stands out (``test_graphs.OffDevice``)."""
     from kvservice.model.transformer import Transformer
 
-    model = Transformer.from_pretrained(tiny_checkpoints["llama"], device="cpu").to("meta")
-    model.prepare_kernels()  # packed again from the meta weights, as on CUDA: the torch kernel
-    return model
+    model = Transformer.from_pretrained(tiny_checkpoints["llama"], device="cpu")
+    model.prepare_kernels()
+    return model.to("meta")  # packed again from the meta weights, as on CUDA: the torch kernel

@@ -101,6 +101,33 @@ def test_prepare_measures_every_candidate_and_keeps_the_state_dict(tiny_checkpoi
         prepare(model, "float32", kernel="fast")
 
 
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("onednn", marks=ONEDNN)])
+def test_a_prepared_model_moved_or_cast_runs_its_products_where_its_weights_went(
+    tiny_checkpoints, kernel
+):
+    """The packed weights are not parameters, so ``nn.Module.to`` alone would leave them
+    behind: cast to float64 (which oneDNN does not pack), the model computes in float64 with
+    the kernel that runs it (its logits are float32, as always), and on the meta device
+    every packed weight is on meta."""
+    model = Transformer.from_pretrained(tiny_checkpoints["llama"])
+    model.prepare_kernels("float32", kernel=kernel)
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(6))
+    positions = torch.arange(30)[None]
+    before, _ = model(ids, positions, all_logits=True)
+
+    model.to(torch.float64)
+    products = [m for m in model.modules() if isinstance(m, FusedLinear)]
+    assert model.kernel_choice.kernel == "torch"
+    assert {p.packed[0].dtype for p in products} == {torch.float64}
+    after, _ = model(ids, positions, all_logits=True)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+    model.to("meta")
+    assert {p.packed[0].device.type for p in products} == {"meta"}
+    x = torch.zeros(1, 3, model.config.dim, device="meta")
+    assert all(y.device.type == "meta" for y in model.layers[0].self_attn.qkv(x))
+
+
 @ONEDNN
 def test_bfloat16_products_stay_close_to_float32(tiny_checkpoints):
     """The model run with bfloat16 products predicts what it predicts in float32: the
