@@ -166,6 +166,101 @@ def place_sources(cache, i: int, placings: Sequence[Placing], cos_all, sin_all) 
             torch.cat([v.to(cache.v.device) for v in values], dim=1, out=cache.v[i, 0, :, span])
 
 
+def place_layers(cache, placings: Sequence[Placing], ropes) -> None:
+    """Every layer of ``placings``' segments written into the cache at once, before a pass
+    that reads the cache whole (a recorded pass, ``kvservice.blend.graphs``): the layers a
+    loader decoded in one run (views a fixed step apart in one buffer,
+    ``loader.DECODE_LAYERS``) are placed as one block, one rotation and one copy a run of
+    layers where ``place_sources`` spends them a layer (on a GPU each operator is a launch).
+    A run of segments is one block where its segments lie side by side (``joined_view``),
+    else each segment is; where neither holds, or the layers share no RoPE tables (Gemma 3),
+    layer by layer."""
+    if len({id(cos) for cos, _ in ropes}) != 1:
+        for i, (cos_all, sin_all) in enumerate(ropes):
+            place_sources(cache, i, placings, cos_all, sin_all)
+        return
+    cos_all, sin_all = ropes[0]
+    for placing in placings:
+        layers = [[seg.source.layer(i) for seg in placing.segments] for i in range(len(ropes))]
+        units = _placing_units(placing, layers)
+        if units is None:
+            for i in range(len(ropes)):
+                place_sources(cache, i, [placing], cos_all, sin_all)
+            continue
+        cos_run, sin_run = placing.tables(cos_all, sin_all)
+        for at, span, keys, values in units:
+            rows = slice(at, at + span.stop - span.start)  # the unit's rows of the run's tables
+            scale = placing.scale
+            scale = scale[rows] if isinstance(scale, torch.Tensor) else scale
+            for first, stop in _layer_cuts(keys, values):
+                dest = cache.k[first:stop, 0, :, span]
+                k, v = _stacked(keys[first:stop]), _stacked(values[first:stop])
+                if placing.rotated:
+                    dest.copy_(k)
+                else:
+                    rotate_into(dest, k, cos_run[rows], sin_run[rows], scale, scaled=True)
+                cache.v[first:stop, 0, :, span] = v
+
+
+def _placing_units(placing: Placing, layers):
+    """What ``place_layers`` places a block at a time for ``placing`` (``layers``: per layer,
+    each segment's K and V): the run whole where its segments' layers lie side by side, else
+    each segment, as ``(row in the run, slots, per-layer K, per-layer V)``; None where
+    placing by blocks would not dispatch fewer operators than layer by layer."""
+    joined = [(joined_view([k for k, _ in layer]), joined_view([v for _, v in layer]))
+              for layer in layers]  # fmt: skip
+    if all(k is not None and v is not None for k, v in joined):
+        keys, values = [k for k, _ in joined], [v for _, v in joined]
+        return [(0, placing.span, keys, values)]
+    units, blocks = [], 0
+    for j, seg in enumerate(placing.segments):
+        keys, values = [layer[j][0] for layer in layers], [layer[j][1] for layer in layers]
+        units.append((seg.start - placing.span.start, slice(seg.start, seg.stop), keys, values))
+        blocks += len(_layer_cuts(keys, values))
+    return units if blocks < len(layers) else None
+
+
+def _layer_cuts(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+    """The layers ``[first, stop)`` whose K and whose V each lie a fixed step apart in one
+    buffer (``_stacked``)."""
+    starts = sorted(set(_stack_starts(keys)) | set(_stack_starts(values)))
+    return list(zip(starts, [*starts[1:], len(keys)], strict=True))
+
+
+def _stack_starts(parts: Sequence[torch.Tensor]) -> list[int]:
+    starts, step = [0], None
+    for n in range(1, len(parts)):
+        gap = _gap(parts[n - 1], parts[n])
+        if gap is not None and (step is None or gap == step):
+            step = gap
+        else:
+            starts.append(n)
+            step = None
+    return starts
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """How far past ``a`` ``b`` lies in their buffer, if they are alike views of one buffer."""
+    if (
+        a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype
+        or a.device != b.device
+        or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    ):  # fmt: skip
+        return None
+    gap = b.storage_offset() - a.storage_offset()
+    return gap if gap > 0 else None
+
+
+def _stacked(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[m, ...]``: tensors a fixed step apart in one buffer (``_layer_cuts``) as one view."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first[None]
+    step = parts[1].storage_offset() - first.storage_offset()
+    shape, strides = (len(parts), *first.shape), (step, *first.stride())
+    return first.as_strided(shape, strides, first.storage_offset())
+
+
 @dataclass(frozen=True)
 class StaleShift:
     """The stale chunks of a recompute pass (``shift_stale``): as they were placed

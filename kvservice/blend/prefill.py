@@ -55,6 +55,7 @@ from kvservice.blend.attention import AttentionPlan, attend_layer, attention_pla
 from kvservice.blend.graphs import PassGraphs
 from kvservice.blend.placing import (
     StaleShift,
+    place_layers,
     place_sources,
     place_whole,
     placing_runs,
@@ -377,9 +378,7 @@ def _prefill(model, cache, token_ids, plan: RecomputePlan, graphs=None) -> Blend
     placed = place_whole(cache, sources, plan.stale, ropes)
     sources = [seg for seg in sources if seg not in placed]
     if graphs is not None and sources:
-        placings = placing_runs(sources, plan.stale, model.device)
-        for i, (cos_all, sin_all) in enumerate(ropes):
-            place_sources(cache, i, placings, cos_all, sin_all)
+        place_layers(cache, placing_runs(sources, plan.stale, model.device), ropes)
         sources = []
     selects = bool(plan.budget) and plan.slots is None
     settings, per_layer = plan.settings, int(plan.computed.sum())

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvservice.chunk import ChunkKV
 from kvservice.store.codec import codec_by_name, kivi
 from kvservice.store.config import StoreConfig
 from kvservice.store.disk import DiskTier
@@ -15,7 +17,7 @@ from kvservice.store.loader import KVLoader, _read_in_turn
 from kvservice.store.memory import MemoryTier
 from kvservice.store.tiered import TieredStore
 
-from .conftest import D, H, L, make_chunk
+from .conftest import FINGERPRINT, HEAD_HASH, D, H, L, make_chunk
 
 
 def _assert_serves(source, chunk):
@@ -467,3 +469,64 @@ def test_chunks_read_from_disk_decode_into_their_own_tensors(tmp_path):
                 torch.testing.assert_close(k, chunk.k[i], rtol=0, atol=0)
                 torch.testing.assert_close(v, chunk.v[i], rtol=0, atol=0)
             assert joined_view([k for k, _ in layers]) is None
+
+
+class _Held:
+    """A chunk's layers as a loader served them, read again at will."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def layer(self, index):
+        return self.layers[index]
+
+
+@pytest.mark.parametrize("join", [True, False])
+@pytest.mark.parametrize("third", ["joined", "fp16"])
+def test_a_loaders_chunks_placed_by_runs_of_layers_fill_the_cache_as_layer_by_layer(join, third):
+    """Before a recorded pass, chunks a loader served are placed a run of layers at a time
+    (``placing.place_layers``): decoded together (as on a GPU) or side by side (the host's
+    joint buffer), with or without an unquantized chunk among them, stale chunks' keys
+    scaled, the cache is exactly what placing layer by layer (``place_sources``) makes, with
+    fewer operators."""
+    from bench.opcount import count_ops
+    from kvservice.blend.placing import place_layers, place_sources, placing_runs
+    from kvservice.blend.plan import Segment, StaleReading
+    from kvservice.model.transformer import rope_cos_sin
+
+    store, layers = _memory_store(), 12  # the codec's two widths: two runs of 6 layers
+    lengths = (17, 40, 23, 31)
+    codecs = [JOINED, JOINED, JOINED if third == "joined" else codec_by_name("fp16"), JOINED]
+    keys = []
+    for i, (n, codec) in enumerate(zip(lengths, codecs, strict=True)):
+        gen = torch.Generator().manual_seed(100 + i)
+        k, v = torch.randn(2, layers, H, n, D, generator=gen)
+        keys.append(store.put(ChunkKV(list(range(n)), k, v, FINGERPRINT, HEAD_HASH), codec=codec))
+    with KVLoader(store, join_chunks=join) as loader:
+        batch = loader.open(keys)
+        served = [[source.layer(i) for i in range(layers)] for source in batch]
+    segments, start = [], 3  # after a 3-token head, not placed here
+    for held, n in zip(served, lengths, strict=True):
+        segments.append(Segment(start, n, _Held(held), "chunk"))
+        start += n
+    stale = StaleReading(spans=(slice(60, 83), slice(83, 114)), key_scales=(0.9, 0.8))
+    cos, sin = rope_cos_sin(1.0 / 10000 ** (torch.arange(0, D, 2) / D), torch.arange(start))
+
+    def placed(by_runs: bool):
+        cache = SimpleNamespace(k=torch.zeros(layers, 1, H, start, D),
+                                v=torch.zeros(layers, 1, H, start, D))  # fmt: skip
+        placings = placing_runs(segments, stale, "cpu")
+
+        def run():
+            if by_runs:
+                place_layers(cache, placings, [(cos, sin)] * layers)
+            else:
+                for i in range(layers):
+                    place_sources(cache, i, placings, cos, sin)
+
+        return cache, count_ops(run, layers).total
+
+    (runs, by_runs), (layered, by_layers) = placed(True), placed(False)
+    assert torch.equal(runs.k, layered.k) and torch.equal(runs.v, layered.v)
+    assert runs.k[:, :, :, 3:].abs().amin() > 0  # every chunk slot written
+    assert by_runs <= 0.6 * by_layers  # a GPU's layout (join): 4 operators a chunk a run
