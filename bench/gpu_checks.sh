@@ -35,6 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
   "tests/kvservice/store/test_codec.py::test_the_loader_decodes_runs_of_layers_in_one_call" \
   "tests/kvservice/store/test_tiers.py::test_a_pinned_tier_holds_page_locked_blocks_and_counts_their_size" \
   "tests/kvservice/store/test_loader.py::test_a_requests_chunks_in_memory_are_decoded_together" \
+  "tests/kvservice/store/test_loader.py::test_a_loaders_chunks_placed_by_runs_of_layers_fill_the_cache_as_layer_by_layer" \
   --deselect "tests/kvservice/test_kernels.py::test_the_worker_reads_and_checks_engine_precision_and_kernel" \
   2>&1 | tee -a "$checks"
 

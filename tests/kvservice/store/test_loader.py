@@ -481,9 +481,16 @@ class _Held:
         return self.layers[index]
 
 
-@pytest.mark.parametrize("join", [True, False])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize(
+    "join, device", [(True, "cpu"), (False, "cpu"), pytest.param(True, "cuda", marks=CUDA)]
+)
 @pytest.mark.parametrize("third", ["joined", "fp16"])
-def test_a_loaders_chunks_placed_by_runs_of_layers_fill_the_cache_as_layer_by_layer(join, third):
+def test_a_loaders_chunks_placed_by_runs_of_layers_fill_the_cache_as_layer_by_layer(
+    join, device, third
+):
     """Before a recorded pass, chunks a loader served are placed a run of layers at a time
     (``placing.place_layers``): decoded together (as on a GPU) or side by side (the host's
     joint buffer), with or without an unquantized chunk among them, stale chunks' keys
@@ -502,7 +509,7 @@ def test_a_loaders_chunks_placed_by_runs_of_layers_fill_the_cache_as_layer_by_la
         gen = torch.Generator().manual_seed(100 + i)
         k, v = torch.randn(2, layers, H, n, D, generator=gen)
         keys.append(store.put(ChunkKV(list(range(n)), k, v, FINGERPRINT, HEAD_HASH), codec=codec))
-    with KVLoader(store, join_chunks=join) as loader:
+    with KVLoader(store, join_chunks=join, device=device) as loader:
         batch = loader.open(keys)
         served = [[source.layer(i) for i in range(layers)] for source in batch]
     segments, start = [], 3  # after a 3-token head, not placed here
@@ -510,12 +517,14 @@ def test_a_loaders_chunks_placed_by_runs_of_layers_fill_the_cache_as_layer_by_la
         segments.append(Segment(start, n, _Held(held), "chunk"))
         start += n
     stale = StaleReading(spans=(slice(60, 83), slice(83, 114)), key_scales=(0.9, 0.8))
-    cos, sin = rope_cos_sin(1.0 / 10000 ** (torch.arange(0, D, 2) / D), torch.arange(start))
+    inverse = 1.0 / 10000 ** (torch.arange(0, D, 2, device=device) / D)
+    cos, sin = rope_cos_sin(inverse, torch.arange(start, device=device))
 
     def placed(by_runs: bool):
-        cache = SimpleNamespace(k=torch.zeros(layers, 1, H, start, D),
-                                v=torch.zeros(layers, 1, H, start, D))  # fmt: skip
-        placings = placing_runs(segments, stale, "cpu")
+        size = (layers, 1, H, start, D)
+        cache = SimpleNamespace(k=torch.zeros(size, device=device),
+                                v=torch.zeros(size, device=device))  # fmt: skip
+        placings = placing_runs(segments, stale, device)
 
         def run():
             if by_runs:
