@@ -55,10 +55,7 @@ def joined_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     for part in parts:
         if (
             part.shape[:-2] != first.shape[:-2] or part.shape[-1] != first.shape[-1]
-            or part.stride() != first.stride() or part.dtype != first.dtype
-            or part.device != first.device
-            or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-            or part.storage_offset() != at
+            or not _one_buffer(first, part) or part.storage_offset() != at
         ):  # fmt: skip
             return None
         at += part.shape[-2] * step
@@ -241,14 +238,18 @@ def _stack_starts(parts: Sequence[torch.Tensor]) -> list[int]:
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> int | None:
     """How far past ``a`` ``b`` lies in their buffer, if they are alike views of one buffer."""
-    if (
-        a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype
-        or a.device != b.device
-        or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-    ):  # fmt: skip
+    if a.shape != b.shape or not _one_buffer(a, b):
         return None
     gap = b.storage_offset() - a.storage_offset()
     return gap if gap > 0 else None
+
+
+def _one_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one buffer with the same strides and dtype."""
+    return (
+        a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )  # fmt: skip
 
 
 def _stacked(parts: Sequence[torch.Tensor]) -> torch.Tensor:
