@@ -124,7 +124,7 @@ def place_whole(cache, segments: Sequence[Segment], stale: StaleReading, ropes) 
     layer by layer, the head joined the chunks' keys in one copy a layer; without it, the
     chunks a loader decoded side by side are rotated where they lie (``joined_view``)."""
     whole = [seg for seg in segments if isinstance(seg.source, ChunkKV)]
-    if not whole or len({id(cos) for cos, _ in ropes}) != 1:
+    if not whole or not _one_table(ropes):
         return []
     cos_all, sin_all = ropes[0]
     device = cache.k.device
@@ -139,6 +139,11 @@ def place_whole(cache, segments: Sequence[Segment], stale: StaleReading, ropes) 
                         *placing.tables(cos_all, sin_all), placing.scale, scaled=True)  # fmt: skip
         cache.v[:, 0, :, placing.span] = values[0] if len(values) == 1 else torch.cat(values, -2)
     return whole
+
+
+def _one_table(ropes) -> bool:
+    """Whether every layer rotates by the same RoPE tables (not Gemma 3's two kinds)."""
+    return len({id(cos) for cos, _ in ropes}) == 1
 
 
 def place_sources(cache, i: int, placings: Sequence[Placing], cos_all, sin_all) -> None:
@@ -172,7 +177,7 @@ def place_layers(cache, placings: Sequence[Placing], ropes) -> None:
     A run of segments is one block where its segments lie side by side (``joined_view``),
     else each segment is; where neither holds, or the layers share no RoPE tables (Gemma 3),
     layer by layer."""
-    if len({id(cos) for cos, _ in ropes}) != 1:
+    if not _one_table(ropes):
         for i, (cos_all, sin_all) in enumerate(ropes):
             place_sources(cache, i, placings, cos_all, sin_all)
         return
@@ -185,11 +190,11 @@ def place_layers(cache, placings: Sequence[Placing], ropes) -> None:
                 place_sources(cache, i, [placing], cos_all, sin_all)
             continue
         cos_run, sin_run = placing.tables(cos_all, sin_all)
-        for at, span, keys, values in units:
+        for at, span, keys, values, cuts in units:
             rows = slice(at, at + span.stop - span.start)  # the unit's rows of the run's tables
             scale = placing.scale
             scale = scale[rows] if isinstance(scale, torch.Tensor) else scale
-            for first, stop in _layer_cuts(keys, values):
+            for first, stop in cuts:
                 dest = cache.k[first:stop, 0, :, span]
                 k, v = _stacked(keys[first:stop]), _stacked(values[first:stop])
                 if placing.rotated:
@@ -202,18 +207,19 @@ def place_layers(cache, placings: Sequence[Placing], ropes) -> None:
 def _placing_units(placing: Placing, layers):
     """What ``place_layers`` places a block at a time for ``placing`` (``layers``: per layer,
     each segment's K and V): the run whole where its segments' layers lie side by side, else
-    each segment, as ``(row in the run, slots, per-layer K, per-layer V)``; None where
-    placing by blocks would not dispatch fewer operators than layer by layer."""
+    each segment, as ``(row in the run, slots, per-layer K, per-layer V, blocks of layers)``;
+    None where placing by blocks would not dispatch fewer operators than layer by layer."""
     joined = [(joined_view([k for k, _ in layer]), joined_view([v for _, v in layer]))
               for layer in layers]  # fmt: skip
     if all(k is not None and v is not None for k, v in joined):
         keys, values = [k for k, _ in joined], [v for _, v in joined]
-        return [(0, placing.span, keys, values)]
-    units, blocks = [], 0
+        return [(0, placing.span, keys, values, _layer_cuts(keys, values))]
+    units = []
     for j, seg in enumerate(placing.segments):
         keys, values = [layer[j][0] for layer in layers], [layer[j][1] for layer in layers]
-        units.append((seg.start - placing.span.start, slice(seg.start, seg.stop), keys, values))
-        blocks += len(_layer_cuts(keys, values))
+        at, span = seg.start - placing.span.start, slice(seg.start, seg.stop)
+        units.append((at, span, keys, values, _layer_cuts(keys, values)))
+    blocks = sum(len(unit[-1]) for unit in units)
     return units if blocks < len(layers) else None
 
 
