@@ -117,7 +117,7 @@ class DecodeGraph:
             return
         try:
             self.graph, self.logits = cuda_graph.record(
-                lambda: static_decode_step(self.model, self.cache, self.inputs)
+                lambda: static_decode_step(self.model, self.cache, self.inputs), self.model.device
             )
         except Exception as exc:  # noqa: BLE001 - any failure: the step as it is, from now on
             DecodeGraph.failed = f"{type(exc).__name__}: {exc}"
