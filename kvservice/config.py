@@ -35,6 +35,7 @@ from kvservice.model.bundled import default_cache_dir
 from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.prompt import preamble_from_env
 from kvservice.protocol import INFERENCE_QUEUE
+from kvservice.serve.batcher import StepBudget
 from kvservice.serve.engine import refresh_ratio_from_env
 from kvservice.serve.heartbeat import HEARTBEAT_KEY
 from kvservice.serve.prefix import DEFAULT_CAPACITY_BYTES
@@ -59,6 +60,7 @@ class WorkerConfig:
     buffer_bytes: int = DEFAULT_LIMIT_BYTES  # ENGINE_BUFFER_BYTES: KV_BUFFERS' limit
     kv_source: KvSource = KvSource()
     refresh_ratio: float | None = None
+    step_budget: StepBudget = StepBudget()  # ENGINE_STEP_BUDGET: prefill work per batch step
     prefix_cache_bytes: int = 1 << 30
     store: StoreConfig | None = None  # None: StoreConfig.from_env() where it is needed
     kv_preamble: bool = False
@@ -104,6 +106,7 @@ class WorkerConfig:
             buffer_bytes=_size(env, "ENGINE_BUFFER_BYTES", DEFAULT_LIMIT_BYTES),
             kv_source=KvSource.from_env(env),
             refresh_ratio=refresh_ratio_from_env(env),
+            step_budget=StepBudget.from_env(env),
             prefix_cache_bytes=_size(env, "PREFIX_CACHE_BYTES", DEFAULT_CAPACITY_BYTES),
             store=StoreConfig.from_env(env),
             kv_preamble=preamble_from_env(env),

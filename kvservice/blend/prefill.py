@@ -35,6 +35,11 @@ writes into our ``KVCache``. A driver for another engine (vLLM's paged cache) re
 driver over the model's two layer halves (``Block.project`` then ``Block.finish``) and decides
 itself where the resulting KV goes.
 
+Every pass pauses after each layer: ``blend_prefill_steps`` and ``refresh_steps`` are
+generators that yield once a layer and return their result, so the engine's batcher runs a
+prefill in slices between decode steps (``kvservice.serve.batcher``); ``blend_prefill`` and
+``refresh`` run them to the end (``run_steps``). A pass recorded as a CUDA graph runs whole.
+
 The parts, by role: ``blend_settings`` (the defaults and the measurements behind them),
 ``blend_plan`` (the prompt's layout, the candidates and the budget), ``blend_selection``
 (which tokens the question's attention ranks first), ``blend_attention`` (attention over the
@@ -45,8 +50,9 @@ module is the driver: ``blend_prefill``, ``refresh`` and the passes they run.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -84,15 +90,32 @@ from kvservice.blend.settings import BlendSettings
 from kvservice.chunk import LayeredKV
 from kvservice.model.transformer import KVCache, Transformer
 
+T = TypeVar("T")
+# A computation that pauses (yields None) after each layer it runs and returns a T.
+Steps = Generator[None, None, T]
+
 __all__ = [
     "MODES",
     "BlendResult",
     "BlendSettings",
     "Mode",
+    "Steps",
     "blend_prefill",
+    "blend_prefill_steps",
     "can_refresh",
     "refresh",
+    "refresh_steps",
+    "run_steps",
 ]
+
+
+def run_steps(steps: Generator[None, None, T]) -> T:
+    """Run a paused computation (``Steps``) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass
@@ -138,7 +161,7 @@ def _run_pass(
     shift: StaleShift | None = None,
     ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     graphs: PassGraphs | None = None,
-) -> _Pass:
+) -> Generator[None, None, _Pass]:
     """Compute the ``active`` slots (sorted; the last one is the prompt's last token) through
     every layer, or the first ``until`` (no logits then). ``sources``' cached KV is written
     into the cache (rotated to its place) as each layer from ``place_from`` on begins, so
@@ -147,7 +170,8 @@ def _run_pass(
     ``question_length``, the attention of the last that many active tokens (the question)
     is recorded per layer from ``weigh_from`` on (the first layer selection reads); the
     layers below it record zeros, not computed. With ``graphs`` (``cache`` is theirs), a pass
-    they can record runs as one (``kvservice.blend.graphs``); a prefill of every slot does not."""
+    they can record runs as one (``kvservice.blend.graphs``); a prefill of every slot does not.
+    A generator: it pauses after each layer it runs (not inside a recorded pass)."""
     num_tokens, config = token_ids.numel(), model.config
     until = config.n_layers if until is None else until
     if graphs is not None and not sources and shift is None and active.numel() < num_tokens:
@@ -195,6 +219,7 @@ def _run_pass(
         if last:  # after the last layer only the last token's output counts
             x, out = x[:, -1:], out[:, :, -1:]
         x = layer.finish(x, out)
+        yield
     logits = model.logits(x[0, -1]) if until == config.n_layers else None
     return _Pass(logits, torch.stack(attention) if attention else None)
 
@@ -248,8 +273,13 @@ def _prompt_ids(segments, head_ids, chunk_ids, question_ids, device) -> torch.Te
     return torch.tensor(ids + list(question_ids), device=device)
 
 
+def blend_prefill(*args, **kwargs) -> BlendResult:
+    """``blend_prefill_steps`` run to its end (the same arguments)."""
+    return run_steps(blend_prefill_steps(*args, **kwargs))
+
+
 @torch.no_grad()
-def blend_prefill(
+def blend_prefill_steps(
     model: Transformer,
     head_ids: Sequence[int],
     chunks: Sequence[LayeredKV | None],
@@ -263,8 +293,10 @@ def blend_prefill(
     settings: BlendSettings = BlendSettings(),
     recompute_slots: Sequence[int] | None = None,
     cached_prefix: LayeredKV | None = None,
-) -> BlendResult:
+) -> Generator[None, None, BlendResult]:
     """Prefill ``[head][chunks...][question]`` in one of the four modes; see the module doc.
+    Pauses after each layer of each pass it runs itself (``Steps``); the checks of the
+    arguments raise at the first step.
 
     ``chunks`` give cached KV (``.layer(i)`` is called once per layer, in increasing order,
     when that layer is processed, so a loader may prefetch the next layer meanwhile); None
@@ -299,9 +331,11 @@ def blend_prefill(
     )
     graphs: PassGraphs | None = getattr(model, "pass_graphs", None)
     if graphs is None or mode == "full" or num_tokens > graphs.capacity:
-        return _prefill(model, cache, token_ids, plan)
-    with graphs.lock:  # the passes run in the graphs' cache, then the prompt's KV is copied
-        result = _prefill(model, graphs.begin(num_tokens), token_ids, plan, graphs)
+        return (yield from _prefill(model, cache, token_ids, plan))
+    # The passes run in the graphs' cache, then the prompt's KV is copied: in one go, since
+    # another prefill would use the same cache (fast where graphs record: on a GPU).
+    with graphs.lock:
+        result = run_steps(_prefill(model, graphs.begin(num_tokens), token_ids, plan, graphs))
         cache.k[:, :, :, :num_tokens] = graphs.cache.k[:, :, :, :num_tokens]
         cache.v[:, :, :, :num_tokens] = graphs.cache.v[:, :, :, :num_tokens]
     result.cache = cache
@@ -318,19 +352,26 @@ def can_refresh(result: BlendResult) -> bool:
     )  # fmt: skip
 
 
-@torch.no_grad()
 def refresh(
     model: Transformer, result: BlendResult, answer_ids: Sequence[int], ratio: float
 ) -> BlendResult:
-    """Progressive blend: the cache of a blend that selected (``result``) upgraded to
-    ``ratio`` once the first answer tokens (``answer_ids``, not yet in the cache) are known.
-    The top ``ratio`` of the same first-pass attention (which holds what was recomputed),
-    the question and the answer tokens are computed again from layer 0 over the cache: the
-    cache then holds what a blend at ``ratio`` followed by those tokens would hold. Returns
-    the logits after the last answer token (the next one's), the cache ``result``'s, grown
-    by the answer. Of blend 0.10's teacher-forced KL the first answer token holds ~7 %:
-    first token at 0.10, the rest over 0.25 gave 0.0238 on validation against 0.0385
-    (docs/blend.md, "Progressive blend")."""
+    """``refresh_steps`` run to its end."""
+    return run_steps(refresh_steps(model, result, answer_ids, ratio))
+
+
+@torch.no_grad()
+def refresh_steps(
+    model: Transformer, result: BlendResult, answer_ids: Sequence[int], ratio: float
+) -> Generator[None, None, BlendResult]:
+    """Progressive blend, pausing after each layer (``Steps``): the cache of a blend that
+    selected (``result``) upgraded to ``ratio`` once the first answer tokens (``answer_ids``,
+    not yet in the cache) are known. The top ``ratio`` of the same first-pass attention
+    (which holds what was recomputed), the question and the answer tokens are computed
+    again from layer 0 over the cache: the cache then holds what a blend at ``ratio``
+    followed by those tokens would hold. Returns the logits after the last answer token
+    (the next one's), the cache ``result``'s, grown by the answer. Of blend 0.10's
+    teacher-forced KL the first answer token holds ~7 %: first token at 0.10, the rest over
+    0.25 gave 0.0238 on validation against 0.0385 (docs/blend.md, "Progressive blend")."""
     if not can_refresh(result):
         raise ValueError(
             "only a blend that selected its tokens itself, not in several selection rounds, "
@@ -355,7 +396,7 @@ def refresh(
         budget=recompute_budget("blend", ratio, plan.chunk_tokens, int(plan.candidate.sum()), None),
         stale=stale,
     )  # fmt: skip
-    logits, selected, passes = _recompute(
+    logits, selected, passes = yield from _recompute(
         model, cache, torch.cat([ids, answer]), longer, F.pad(attention, (0, extra)), None
     )
     share = selected.numel() / max(1, plan.chunk_tokens)
@@ -363,7 +404,9 @@ def refresh(
     return BlendResult(logits, cache, n + extra, computed, share, attention)
 
 
-def _prefill(model, cache, token_ids, plan: RecomputePlan, graphs=None) -> BlendResult:
+def _prefill(
+    model, cache, token_ids, plan: RecomputePlan, graphs=None
+) -> Generator[None, None, BlendResult]:
     """Pass 1 (what is not cached: the question, misses; everything in full) over the cached
     KV, then the recompute rounds (``_recompute``) when there is a budget. When blend selects
     and pass 1 computes only the question, pass 1 ends at the last layer selection reads
@@ -384,7 +427,7 @@ def _prefill(model, cache, token_ids, plan: RecomputePlan, graphs=None) -> Blend
     settings, per_layer = plan.settings, int(plan.computed.sum())
     read_from, read_until = _read_layers(model, settings)
     until = read_until if selects and per_layer == question else layers
-    first = _run_pass(
+    first = yield from _run_pass(
         model, cache, token_ids, plan.computed.nonzero().squeeze(1), sources=sources,
         question_length=question if selects else 0, weigh_from=read_from, stale=plan.stale,
         until=until, ropes=ropes, graphs=graphs,
@@ -394,7 +437,7 @@ def _prefill(model, cache, token_ids, plan: RecomputePlan, graphs=None) -> Blend
         share = recomputed / max(1, plan.chunk_tokens)
         return BlendResult(first.logits, cache, num_tokens, [per_layer] * layers, share)
     deeper = _Deeper(sources, until) if until < layers and sources else None
-    logits, selected, passes = _recompute(
+    logits, selected, passes = yield from _recompute(
         model, cache, token_ids, plan, first.attention, deeper, ropes, graphs
     )
     share = selected.numel() / max(1, plan.chunk_tokens)
@@ -444,7 +487,7 @@ def _recompute(
     before it (``attention [L', T]``) among the candidates not yet recomputed, then computes
     those tokens and the question from layer 0 on (the first round also places the cached KV
     of the layers pass 1 did not reach, ``deeper``). Returns the last logits,
-    every selected slot, and the tokens computed per layer in all."""
+    every selected slot, and the tokens computed per layer in all (a generator: ``Steps``)."""
     num_tokens, settings = token_ids.numel(), rounds.settings
     layers = model.config.n_layers
     weights = local_layer_weights([model.config.window(i) for i in range(layers)],
@@ -476,7 +519,7 @@ def _recompute(
             place = {"sources": deeper.sources, "place_from": deeper.start}
         active = again.nonzero().squeeze(1)
         shift = stale_shift(rounds.stale, active, settings)
-        step = _run_pass(model, cache, token_ids, active, question_length=recorded,
+        step = yield from _run_pass(model, cache, token_ids, active, question_length=recorded,
                          weigh_from=_read_layers(model, settings)[0], stale=stale, shift=shift,
                          ropes=ropes, graphs=graphs, **place)  # fmt: skip
         attention, computed = step.attention, computed + int(again.sum())

@@ -1,19 +1,29 @@
-"""Continuous batching for the inference worker: one thread owns the model; requests join
-the running decode batch as soon as their (blended) prefill is done and leave it when they
-finish, so concurrent questions share every decode step.
+"""Continuous batching with stall-free steps for the inference worker: one thread owns the
+model; requests join the running decode batch as soon as their (blended) prefill is done and
+leave it when they finish, so concurrent questions share every decode step.
 
 Request threads call :meth:`ContinuousBatcher.submit` and get their tokens through a
-callback; the loop thread alternates between admitting new requests (prefill, one at a
-time: prefill already uses every core) and one batched decode step for all active rows.
+callback. The loop thread runs engine steps: each step is one batched decode step for every
+open answer plus a slice of pending prefill work, as many layers of it as fit the step's
+budget (``StepBudget``), so no open stream waits longer than one step while other
+questions prefill (Sarathi-Serve's stall-free batching, arXiv 2403.02310, here with the
+slice run beside the decode step rather than fused into it). With no open answer a prefill
+runs whole. The work, one piece at a time, oldest first: a question's prefill up to its
+first token (``kvservice.blend.prefill.blend_prefill_steps`` pauses after each layer), then,
+for a progressive blend, its upgrade (``refresh_steps``), which is skipped while other
+questions wait for their first token (the answer's metrics say so). A question waits in the
+queue while the batch is full.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,13 +43,72 @@ from kvservice.serve.sampling import (
 
 log = logging.getLogger(__name__)
 
+BUDGET_ENV = "ENGINE_STEP_BUDGET"
+# ``auto``: a step (decode rows and a prefill slice) aims at this long; the slice gets what
+# the measured decode step leaves, and at least MIN_SLICE_S.
+PAUSE_TARGET_S = 0.3
+MIN_SLICE_S = 0.05
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """How long a step's slice of prefill work may run beside the decode rows: ``auto``
+    (``PAUSE_TARGET_S`` less the measured decode step), a number of seconds, or ``off``
+    (whole prefills between decode steps, as before stall-free steps)."""
+
+    seconds: float | None = None  # None: auto; math.inf: off
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> StepBudget:
+        """``ENGINE_STEP_BUDGET``: ``auto`` (default), ``off``, or seconds (``0.2``)."""
+        text = (environ.get(BUDGET_ENV) or "auto").strip().lower()
+        if text == "auto":
+            return cls()
+        if text == "off":
+            return cls(math.inf)
+        try:
+            seconds = float(text.removesuffix("s"))
+        except ValueError:
+            seconds = -1.0
+        if not 0.0 < seconds < math.inf:
+            raise ValueError(
+                f"{BUDGET_ENV}={text!r}: expected auto, off, or seconds above 0 like 0.2"
+            )
+        return cls(seconds)
+
+    def slice_s(self, decode_s: float) -> float:
+        """The slice's time for a step whose decode rows take ``decode_s``."""
+        if self.seconds is None:
+            return max(MIN_SLICE_S, PAUSE_TARGET_S - decode_s)
+        return self.seconds
+
+    def __str__(self) -> str:
+        if self.seconds is None:
+            return "auto"
+        return "off" if self.seconds == math.inf else f"{self.seconds:g} s"
+
+
+AUTO_BUDGET = StepBudget()
+
+
+@dataclass(frozen=True)
+class PrefillTimes:
+    """Where a question's time went up to its first token: waiting in the queue, the
+    prefill's own compute (its slices), and its wall time from start to end (slices and the
+    decode steps between them)."""
+
+    queued_s: float
+    compute_s: float
+    wall_s: float
+
 
 @dataclass
 class Job:
     """One request in the batcher. ``prefill`` runs on the loop thread (it needs the model);
     ``on_token(text, token_id)`` and ``on_finish(reason, error)`` are called from it too."""
 
-    prefill: Callable[[int], BlendResult]  # extra_capacity -> prefilled batch-1 cache
+    # extra_capacity -> the prefill's steps, which return the prefilled batch-1 cache
+    prefill: Callable[[int], Generator[None, None, BlendResult]]
     sampling: SamplingParams
     stop_ids: set[int]
     on_token: Callable[[str, int], None]
@@ -47,9 +116,11 @@ class Job:
     should_stop: Callable[[], bool] = lambda: False
     deadline: float = float("inf")  # time.monotonic() after which the request is cut off
     prompt_ids: Sequence[int] = ()  # what the repetition penalty counts as seen
-    on_prefill: Callable[[BlendResult, float], None] | None = None  # (result, seconds)
-    # progressive blend: (result, first token) -> the cache upgraded with that token, or None
-    refresh: Callable[[BlendResult, int], BlendResult | None] | None = None
+    on_prefill: Callable[[BlendResult, PrefillTimes], None] | None = None
+    # progressive blend: (result, first token) -> the steps of the cache's upgrade with that
+    # token (returning the upgraded result), or None
+    refresh: Callable[[BlendResult, int], Generator[None, None, BlendResult] | None] | None = None
+    on_refresh: Callable[[float | None], None] | None = None  # compute seconds; None: skipped
     # Filled in by the batcher:
     started: float = 0.0
     ttft_s: float | None = None
@@ -61,16 +132,32 @@ class Job:
     stop_strings: StopStrings | None = None
 
 
+@dataclass
+class _Work:
+    """A job's pending prefill (``first`` is None) or progressive upgrade (``first``: its
+    first token), paused between layers."""
+
+    job: Job
+    steps: Generator[None, None, BlendResult]
+    first: int | None = None
+    began: float = field(default_factory=time.perf_counter)
+    compute_s: float = 0.0
+
+
 class ContinuousBatcher:
     def __init__(
-        self, model: Transformer, tokenizer, *, max_batch: int = 8, threads: int | None = None
-    ) -> None:
+        self, model: Transformer, tokenizer, *, max_batch: int = 8, threads: int | None = None,
+        budget: StepBudget = AUTO_BUDGET,
+    ) -> None:  # fmt: skip
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+        self.budget = budget
         # The batch's torch threads: by default the count of the thread that builds it.
         self.threads = threads or torch.get_num_threads()
         self._incoming: queue.Queue[Job] = queue.Queue()
+        self._waiting: deque[Job] = deque()  # taken from _incoming, not started
+        self._work: _Work | None = None  # the prefill or upgrade under way
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         # The running batch: one row per active job.
@@ -81,8 +168,11 @@ class ContinuousBatcher:
         # The batch cache's step recorded as a CUDA graph, where passes are (a GPU with
         # ENGINE_COMPILE on); a new one whenever the batch's rows change.
         self._decoder: DecodeGraph | None = None
+        self._decode_s = 0.0  # the decode step's time, a moving average
         self.steps = 0
         self.max_rows_seen = 0
+        self.slices = 0  # steps that ran prefill work beside decode rows
+        self.upgrades_skipped = 0
 
     def start(self) -> ContinuousBatcher:
         self._thread.start()
@@ -100,6 +190,20 @@ class ContinuousBatcher:
     def active(self) -> int:
         return len(self._jobs)
 
+    @property
+    def waiting(self) -> int:
+        """Questions not started yet (queued behind the work under way or a full batch)."""
+        return len(self._waiting) + self._incoming.qsize()
+
+    def stats(self) -> dict[str, object]:
+        """The batch's state for the worker's heartbeat (the dashboard's queue and budget)."""
+        return {
+            "active": self.active, "waiting": self.waiting, "prefilling": self._work is not None,
+            "steps": self.steps, "slices": self.slices, "budget": str(self.budget),
+            "slice_s": round(self._slice_s(), 4), "decode_step_s": round(self._decode_s, 4),
+            "upgrades_skipped": self.upgrades_skipped,
+        }  # fmt: skip
+
     # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -107,34 +211,102 @@ class ContinuousBatcher:
         use_threads(self.threads)
         while not self._stop.is_set():
             try:
-                if len(self._jobs) < self.max_batch:
-                    block = not self._jobs
-                    try:
-                        job = self._incoming.get(block=block, timeout=0.2 if block else None)
-                    except queue.Empty:
-                        job = None
-                    if job is not None:
-                        self._admit(job)
-                        continue  # admit every waiting job before the next decode step
+                self._take_incoming()
+                if self._work is None and not self._jobs and not self._waiting:
+                    continue  # idle: _take_incoming waited for a job
+                self._run_slice()
                 if self._jobs:
                     self._decode_step()
             except Exception:  # never let the loop die: fail the batch, keep serving
                 log.exception("batcher step failed; failing the running requests")
-                for job in self._jobs:
+                failed = [*self._jobs, *([self._work.job] if self._work else [])]
+                for job in failed:
                     self._finish(job, "error", RuntimeError("the engine failed on this batch"))
+                self._work = None
                 self._reset()
 
-    @torch.no_grad()
-    def _admit(self, job: Job) -> None:
+    def _take_incoming(self) -> None:
+        """Move submitted jobs to the waiting line (waiting up to 0.2 s for one when there is
+        nothing else to do) and end the waiting ones whose reader left or time ran out."""
+        idle = self._work is None and not self._jobs and not self._waiting
         try:
-            began = time.perf_counter()
-            result = job.prefill(job.sampling.max_tokens)
-            if job.on_prefill is not None:
-                job.on_prefill(result, time.perf_counter() - began)
-        except Exception as err:
-            log.exception("prefill failed")
-            self._finish(job, "error", err)
+            self._waiting.append(self._incoming.get(timeout=0.2) if idle else
+                                 self._incoming.get_nowait())  # fmt: skip
+            while True:
+                self._waiting.append(self._incoming.get_nowait())
+        except queue.Empty:
+            pass
+        for job in [j for j in self._waiting if self._cut(j)]:
+            self._waiting.remove(job)
+
+    def _cut(self, job: Job) -> bool:
+        """End ``job`` before its first token if its reader left or its time ran out."""
+        if job.should_stop():
+            self._finish(job, "stopped")
+        elif time.monotonic() > job.deadline:
+            self._finish(job, "error", TimeoutError("the request ran past its time limit"))
+        else:
+            return False
+        return True
+
+    def _slice_s(self) -> float:
+        return self.budget.slice_s(self._decode_s) if self._jobs else math.inf
+
+    @torch.no_grad()
+    def _run_slice(self) -> None:
+        """Prefill work, a layer at a time, while the step's budget has room for one more
+        layer as long as the last one (at least one layer; with no decode rows, no limit)."""
+        began, layer_s, ran = time.perf_counter(), 0.0, False
+        while True:
+            limit = self._slice_s()
+            if ran and time.perf_counter() - began + layer_s > limit:
+                break
+            work = self._next_work()
+            if work is None:
+                break
+            ran = True
+            layer_began = time.perf_counter()
+            self._advance(work)
+            layer_s = time.perf_counter() - layer_began
+            work.compute_s += layer_s
+        if ran and self._jobs:
+            self.slices += 1
+
+    def _next_work(self) -> _Work | None:
+        """The work under way, else the oldest waiting question's prefill, room permitting."""
+        if self._work is None and self._waiting and len(self._jobs) < self.max_batch:
+            job = self._waiting.popleft()
+            job_steps = job.prefill(job.sampling.max_tokens)
+            self._work = _Work(job, job_steps)
+        return self._work
+
+    def _advance(self, work: _Work) -> None:
+        """One layer of ``work``; at its end, what follows it (``_prefilled``, ``_upgraded``)."""
+        if self._cut(work.job):
+            self._work = None
             return
+        try:
+            next(work.steps)
+            return
+        except StopIteration as done:
+            result = done.value
+        except Exception as err:
+            log.exception("prefill failed" if work.first is None else "refresh failed")
+            self._work = None
+            self._finish(work.job, "error", err)
+            return
+        self._work = None
+        if work.first is None:
+            self._prefilled(work, result)
+        else:
+            self._upgraded(work, result)
+
+    def _prefilled(self, work: _Work, result: BlendResult) -> None:
+        """A prefill done: its first token; then its upgrade, or its row in the batch."""
+        job = work.job
+        if job.on_prefill is not None:
+            wall = time.perf_counter() - work.began
+            job.on_prefill(result, PrefillTimes(work.began - job.started, work.compute_s, wall))
         job.prefill_result = result
         job.generator = new_generator(job.sampling.seed, self.model.device)
         job.detokenizer = Detokenizer(self.tokenizer)
@@ -144,19 +316,36 @@ class ContinuousBatcher:
         job.ttft_s = time.perf_counter() - job.started
         if self._emit(job, token):
             return  # finished on its first token
-        try:  # progressive blend: the cache upgraded before the second token
-            upgraded = job.refresh(result, token) if job.refresh is not None else None
-        except Exception as err:
-            log.exception("refresh failed")
-            self._finish(job, "error", err)
-            return
-        if upgraded is not None:  # it holds the first token: its logits give the second
-            result = upgraded
-            token = int(sample_next(result.logits[None], job.sampling, job.generator,
-                                    job.history)[0])  # fmt: skip
-            if self._emit(job, token):
+        upgrade = None
+        if job.refresh is not None and self.waiting:  # others wait: no upgrade now
+            self.upgrades_skipped += 1
+            self._report_refresh(job, None)
+        elif job.refresh is not None:
+            try:
+                upgrade = job.refresh(result, token)
+            except Exception as err:
+                log.exception("refresh failed")
+                self._finish(job, "error", err)
                 return
-        self._add_row(job, result, token)
+        if upgrade is not None:  # progressive blend: the cache upgraded before the 2nd token
+            self._work = _Work(job, upgrade, first=token)
+        else:
+            self._add_row(job, result, token)
+
+    def _upgraded(self, work: _Work, result: BlendResult) -> None:
+        """An upgrade done: it holds the first token, so its logits give the second."""
+        job = work.job
+        self._report_refresh(job, work.compute_s)
+        token = int(sample_next(result.logits[None], job.sampling, job.generator, job.history)[0])
+        if not self._emit(job, token):
+            self._add_row(job, result, token)
+
+    def _report_refresh(self, job: Job, seconds: float | None) -> None:
+        if job.on_refresh is not None:
+            try:
+                job.on_refresh(seconds)
+            except Exception:
+                log.exception("on_refresh callback failed")
 
     def _emit(self, job: Job, token: int) -> bool:
         """Hand one sampled token to the job; True when the job is finished."""
@@ -225,6 +414,7 @@ class ContinuousBatcher:
 
     @torch.no_grad()
     def _decode_step(self) -> None:
+        began = time.perf_counter()
         cache = self._cache
         assert cache is not None and self._positions is not None and self._next_tokens is not None
         if cache.length + 1 > cache.capacity:  # cannot happen: capacity covers max_tokens
@@ -246,6 +436,7 @@ class ContinuousBatcher:
             if not self._emit(job, token):
                 keep.append(row)
                 next_tokens.append(token)
+        self._note_decode(began)  # the tokens sampled: the device is done
         if len(keep) == len(self._jobs):
             self._next_tokens = torch.tensor(next_tokens, device=self.model.device)
             return
@@ -261,6 +452,11 @@ class ContinuousBatcher:
         self._jobs = [self._jobs[row] for row in keep]
         self._positions = self._positions.index_select(0, index)
         self._next_tokens = torch.tensor(next_tokens, device=self.model.device)
+
+    def _note_decode(self, began: float) -> None:
+        """The decode step's time, sampling included, as a moving average."""
+        seconds = time.perf_counter() - began
+        self._decode_s = seconds if not self._decode_s else 0.7 * self._decode_s + 0.3 * seconds
 
     def _graphed(self) -> bool:
         model = self.model

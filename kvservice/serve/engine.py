@@ -20,13 +20,27 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from kvservice.blend.prefill import BlendResult, Mode, blend_prefill, can_refresh, refresh
+from kvservice.blend.prefill import (
+    BlendResult,
+    Mode,
+    Steps,
+    blend_prefill_steps,
+    can_refresh,
+    refresh_steps,
+    run_steps,
+)
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.model.producer import KVProducer
 from kvservice.model.transformer import Transformer, precompute_head
 from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
 from kvservice.protocol import TokenEvent
-from kvservice.serve.batcher import ContinuousBatcher, Job
+from kvservice.serve.batcher import (
+    AUTO_BUDGET,
+    ContinuousBatcher,
+    Job,
+    PrefillTimes,
+    StepBudget,
+)
 from kvservice.serve.sampling import SamplingParams
 
 
@@ -85,15 +99,19 @@ class Engine:
         max_batch: int = 8,
         threads: int | None = None,
         refresh_ratio: float | None = None,
+        step_budget: StepBudget = AUTO_BUDGET,
     ) -> None:
-        """``refresh_ratio``: progressive blend (``refresh_ratio_from_env``), None: off."""
+        """``refresh_ratio``: progressive blend (``refresh_ratio_from_env``), None: off;
+        ``step_budget``: the prefill work each batch step runs beside the decode rows."""
         self.model = model
         self.refresh_ratio = refresh_ratio
         self.tokenizer = tokenizer
         self.format = prompt_format or PromptFormat(tokenizer)
         self.device = model.device
         self.stop_ids = stop_token_ids(tokenizer)
-        self.batcher = ContinuousBatcher(model, tokenizer, max_batch=max_batch, threads=threads)
+        self.batcher = ContinuousBatcher(
+            model, tokenizer, max_batch=max_batch, threads=threads, budget=step_budget
+        )
         # Stored chunks' KV, after what they are stored after (PromptFormat.storage_ids)
         self.producer = KVProducer(model, self.format.storage_ids)
         self._head_kv: ChunkKV | None = None
@@ -121,8 +139,13 @@ class Engine:
         return self.producer.compute(chunk_ids)
 
     def prefill(self, request: Request, extra_capacity: int = 0) -> BlendResult:
+        """The request's prefill, whole (outside the batch: calibration, benches, tests)."""
+        return run_steps(self.prefill_steps(request, extra_capacity))
+
+    def prefill_steps(self, request: Request, extra_capacity: int = 0) -> Steps[BlendResult]:
+        """The request's prefill, pausing after each layer (``kvservice.blend.prefill``)."""
         prompt = request.prompt
-        return blend_prefill(
+        return blend_prefill_steps(
             self.model, prompt.head_ids, request.chunks, prompt.question_ids,
             mode=request.mode, recompute_ratio=request.recompute_ratio,
             chunk_ids=prompt.chunk_ids,
@@ -138,21 +161,25 @@ class Engine:
         on_finish: Callable[[str, BaseException | None], None],
         should_stop: Callable[[], bool] = lambda: False,
         deadline: float = float("inf"),
-        on_prefill: Callable[[BlendResult, float], None] | None = None,
-        on_refresh: Callable[[float, float], None] | None = None,
+        on_prefill: Callable[[BlendResult, PrefillTimes], None] | None = None,
+        on_refresh: Callable[[float, float | None], None] | None = None,
     ) -> Job:
         """Queue the request in the batch: ``on_token(text, token_id)`` for each token and
         ``on_finish(reason, error)`` once, both from the batcher's thread, and
-        ``on_prefill(result, seconds)`` after the prefill (the result keeps the prompt's
+        ``on_prefill(result, times)`` after the prefill (the result keeps the prompt's
         cache after the batch has copied it), ``on_refresh(ratio, seconds)`` after a
-        progressive blend's upgrade. The returned job holds the TTFT and tokens."""
+        progressive blend's upgrade (seconds None: skipped, other questions were waiting).
+        The returned job holds the TTFT and tokens."""
+        ratio = self.refresh_ratio_for(request)
         job = Job(
-            prefill=lambda extra: self.prefill(request, extra),
+            prefill=lambda extra: self.prefill_steps(request, extra),
             sampling=request.sampling,
             stop_ids=self.stop_ids | set(request.sampling.stop_token_ids),
             prompt_ids=request.prompt.token_ids,
             on_token=on_token, on_finish=on_finish, should_stop=should_stop, deadline=deadline,
-            on_prefill=on_prefill, refresh=self._refresher(request, on_refresh),
+            on_prefill=on_prefill, refresh=self._refresher(ratio),
+            on_refresh=None if ratio is None or on_refresh is None
+            else lambda seconds: on_refresh(ratio, seconds),
         )  # fmt: skip
         with self._start_lock:
             if not self._started:
@@ -171,23 +198,19 @@ class Engine:
         return ratio
 
     def _refresher(
-        self, request: Request, on_refresh: Callable[[float, float], None] | None = None
-    ) -> Callable[[BlendResult, int], BlendResult | None] | None:
-        """Progressive blend (``refresh_ratio_for``): the cache upgraded once the first token
-        is known (docs/blend.md: validation KL 0.0414 -> 0.0261 at 0.10, the second token
-        ~0.8 s after the first on 2 CPU cores); None for the others."""
-        ratio = self.refresh_ratio_for(request)
+        self, ratio: float | None
+    ) -> Callable[[BlendResult, int], Steps[BlendResult] | None] | None:
+        """Progressive blend at ``ratio`` (``refresh_ratio_for``): the steps of the cache's
+        upgrade once the first token is known (docs/blend.md: validation KL 0.0414 -> 0.0261
+        at 0.10, the second token ~0.8 s after the first on 2 CPU cores); None for the
+        others."""
         if ratio is None:
             return None
 
-        def upgrade(result: BlendResult, token: int) -> BlendResult | None:
+        def upgrade(result: BlendResult, token: int) -> Steps[BlendResult] | None:
             if not can_refresh(result):
                 return None
-            began = time.perf_counter()
-            upgraded = refresh(self.model, result, [token], ratio)
-            if on_refresh is not None:
-                on_refresh(ratio, time.perf_counter() - began)
-            return upgraded
+            return refresh_steps(self.model, result, [token], ratio)
 
         return upgrade
 
@@ -197,8 +220,8 @@ class Engine:
         *,
         should_stop: Callable[[], bool] = lambda: False,
         deadline: float = float("inf"),
-        on_prefill: Callable[[BlendResult, float], None] | None = None,
-        on_refresh: Callable[[float, float], None] | None = None,
+        on_prefill: Callable[[BlendResult, PrefillTimes], None] | None = None,
+        on_refresh: Callable[[float, float | None], None] | None = None,
     ) -> Iterator[TokenEvent]:
         """The request's tokens as the batch produces them, each as soon as it is sampled
         (a progressive blend's first one before its upgrade), TTFT on the first, then a

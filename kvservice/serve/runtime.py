@@ -21,6 +21,7 @@ from kvservice.config import WorkerConfig
 from kvservice.model.buffers import KV_BUFFERS
 from kvservice.prompt import Prompt
 from kvservice.protocol import TokenEvent
+from kvservice.serve.batcher import PrefillTimes
 from kvservice.serve.controller import ChunkLoad, LoadingController
 from kvservice.serve.engine import Engine, Request
 from kvservice.serve.planning import PlannedRequest
@@ -72,7 +73,7 @@ class NativeRuntime:
         self.prompt = PromptFormat.for_tokenizer(self.tokenizer, preamble=cfg.kv_preamble)
         self.engine = Engine(
             self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency,
-            refresh_ratio=refresh_ratio,
+            refresh_ratio=refresh_ratio, step_budget=cfg.step_budget,
         )  # fmt: skip
         self.refresh_ratio = refresh_ratio  # the planner's, where a request sets none
         self.engine.head_kv  # computed now, not on the first question  # noqa: B018
@@ -106,8 +107,7 @@ class NativeRuntime:
             state["kv_bytes_per_token"] = (
                 2 * config.n_layers * config.n_kv_heads * config.head_dim * element
             )
-            batcher = self.engine.batcher
-            state["batch"] = {"active": batcher.active, "steps": batcher.steps}
+            state["batch"] = self.engine.batcher.stats()
             state["prefix_cache"] = self.prefix_cache.stats()
             state["buffers"] = KV_BUFFERS.stats()
             state["pass_graphs"] = graphs_report(self.model.pass_graphs)
@@ -253,8 +253,10 @@ class NativePlan:
         )  # fmt: skip
         self.prompt_tokens = len(self.request.prompt.token_ids)
         self._result: BlendResult | None = None
-        self._prefill_s: float | None = None
-        self._refreshed: tuple[float, float] | None = None  # progressive: (ratio, seconds)
+        self._prefill_s: float | None = None  # the prefill's compute (its slices)
+        self._times: PrefillTimes | None = None
+        # progressive blend: (ratio, seconds; None where skipped for waiting questions)
+        self._refreshed: tuple[float, float | None] | None = None
 
     def _choose_loads(self, prompt: Prompt, located) -> list[bool]:
         """The loading controller's per-chunk choice over the located chunks: a chunk whose
@@ -281,10 +283,10 @@ class NativePlan:
             on_prefill=self._prefilled, on_refresh=self._upgraded,
         )  # fmt: skip
 
-    def _prefilled(self, result: BlendResult, seconds: float) -> None:
-        self._result, self._prefill_s = result, seconds
+    def _prefilled(self, result: BlendResult, times: PrefillTimes) -> None:
+        self._result, self._prefill_s, self._times = result, times.compute_s, times
 
-    def _upgraded(self, ratio: float, seconds: float) -> None:
+    def _upgraded(self, ratio: float, seconds: float | None) -> None:
         self._refreshed = ratio, seconds
 
     def finish(self) -> dict[str, Any]:
@@ -295,8 +297,13 @@ class NativePlan:
             "chunk_tiers": {str(cid): "prefix" for cid in chunk_ids[: self.reused]},
             "prefix_tokens": 0 if self.prefix is None else self.prefix.num_tokens,
         }
+        if self._times is not None:  # in the queue, and the prefill's slices with the steps
+            metrics["queue_s"] = round(self._times.queued_s, 4)
+            metrics["prefill_wall_s"] = round(self._times.wall_s, 4)
         load = self.batch.stats() if self.batch is not None else None
-        if self._refreshed is not None:  # progressive blend upgraded the cache
+        if self._refreshed is not None and self._refreshed[1] is None:
+            metrics["refresh_skipped"] = "other questions were waiting"
+        elif self._refreshed is not None:  # progressive blend upgraded the cache
             metrics["refresh_ratio"] = self._refreshed[0]
             metrics["refresh_s"] = round(self._refreshed[1], 4)
         if result is not None:

@@ -116,7 +116,7 @@ def test_the_batcher_ends_an_answer_at_a_stop_string(engine, smollm2_tokenizer) 
     try:
         batcher.submit(
             Job(
-                prefill=lambda extra: engine.prefill(
+                prefill=lambda extra: engine.prefill_steps(
                     Request(prompt, [None] * len(prompt.chunk_ids), "full", 1.0), extra
                 ),
                 sampling=SamplingParams(12, stop=(stop,)),

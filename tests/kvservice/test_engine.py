@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvservice.blend.prefill import refresh
+from kvservice.blend.prefill import refresh, refresh_steps
 from kvservice.prompt import PromptFormat
 from kvservice.serve.engine import Engine, Request, refresh_ratio_from_env
 from kvservice.serve.sampling import SamplingParams, sample_next
@@ -166,9 +166,9 @@ def test_progressive_blend_takes_the_tokens_after_the_first_from_the_refreshed_c
 
     def spy(model, result, answer, ratio):
         calls.append((list(answer), ratio))
-        return refresh(model, result, answer, ratio)
+        return refresh_steps(model, result, answer, ratio)
 
-    monkeypatch.setattr("kvservice.serve.engine.refresh", spy)
+    monkeypatch.setattr("kvservice.serve.engine.refresh_steps", spy)
     try:
         request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=4))
         got = progressive.generate(request).token_ids
@@ -206,9 +206,9 @@ def test_a_token_reaches_the_reader_before_the_next_is_computed(
 
     def waiting(model, result, answer, ratio):
         seen.append((read_first.wait(timeout=60), ratio))
-        return refresh(model, result, answer, ratio)
+        return refresh_steps(model, result, answer, ratio)
 
-    monkeypatch.setattr("kvservice.serve.engine.refresh", waiting)
+    monkeypatch.setattr("kvservice.serve.engine.refresh_steps", waiting)
     refreshed = []
     try:
         request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3),

@@ -1,0 +1,168 @@
+"""Stall-free steps: an open answer keeps streaming while other questions prefill, with the
+same tokens as when prefills run whole; the upgrade of a progressive blend gives way to
+waiting questions; a question whose reader left never starts."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from kvservice.prompt import PromptFormat
+from kvservice.serve.batcher import (
+    MIN_SLICE_S,
+    PAUSE_TARGET_S,
+    ContinuousBatcher,
+    Job,
+    StepBudget,
+)
+from kvservice.serve.engine import Engine, Request
+from kvservice.serve.sampling import SamplingParams
+
+PASSAGES = [
+    "The lighthouse on Karsk Point was lit for the first time in 1871 by keeper Ana Vik.",
+    "Ferries leave the harbour at seven and at nine; the evening boat was stopped in 1990.",
+    "The island school has nine pupils and one teacher, who also runs the post office.",
+    "Winter storms closed the harbour for eleven days in 2014, the longest on record.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2, smollm2_tokenizer):
+    fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
+    engine = Engine(smollm2, smollm2_tokenizer, fmt)
+    yield engine
+    engine.close()
+
+
+class _Answer:
+    """One job's tokens with the time each arrived, its prefill's times and its end."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.at: list[float] = []
+        self.times = None
+        self.reason: str | None = None
+        self.done = threading.Event()
+        self.prefilled = False
+
+    def job(self, engine: Engine, request: Request, **extra) -> Job:
+        def prefill(capacity):
+            self.prefilled = True
+            return engine.prefill_steps(request, capacity)
+
+        return Job(
+            prefill=prefill,
+            sampling=request.sampling,
+            stop_ids=set(),  # every answer runs to max_tokens: the decode rows stay open
+            on_token=lambda _text, token: (self.tokens.append(token),
+                                           self.at.append(time.perf_counter())),
+            on_finish=lambda reason, _error: (setattr(self, "reason", reason), self.done.set()),
+            on_prefill=lambda _result, times: setattr(self, "times", times),
+            prompt_ids=request.prompt.token_ids,
+            **extra,
+        )  # fmt: skip
+
+
+def _open_answer_then_a_prefill(engine: Engine, budget: StepBudget):
+    """Answer A is decoding when question B (a full prefill of every passage) arrives."""
+    short = engine.format.build(PASSAGES[:1], "When was the lighthouse first lit?")
+    long = engine.format.build(PASSAGES * 3, "How many pupils does the island school have?")
+    a_request = Request(short, [None] * len(short.chunk_ids), "full",
+                        sampling=SamplingParams(max_tokens=60))  # fmt: skip
+    b_request = Request(long, [None] * len(long.chunk_ids), "full",
+                        sampling=SamplingParams(max_tokens=4))  # fmt: skip
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=budget).start()
+    a, b = _Answer(), _Answer()
+    try:
+        a_job = a.job(engine, a_request)
+        batcher.submit(a_job)
+        deadline = time.monotonic() + 120
+        while len(a.tokens) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        b_job = b.job(engine, b_request)
+        batcher.submit(b_job)
+        assert a.done.wait(300) and b.done.wait(300)
+    finally:
+        batcher.close()
+    start = b_job.started + b.times.queued_s
+    during = [t for t in a.at if start < t < start + b.times.wall_s]
+    return a, b, during, batcher
+
+
+def test_an_open_answer_keeps_streaming_while_another_question_prefills(engine):
+    whole_a, whole_b, whole_during, _ = _open_answer_then_a_prefill(engine, StepBudget(math.inf))
+    a, b, during, batcher = _open_answer_then_a_prefill(engine, StepBudget(0.005))
+    assert whole_during == []  # prefills run whole: the open answer waits for all of B's
+    # sliced: A's tokens keep coming while B prefills (30 layers, a layer or two a step)
+    assert len(during) >= 5, (len(during), b.times)
+    assert batcher.slices >= 5
+    # the same tokens either way: slicing changes when work runs, not what it computes
+    assert a.tokens == whole_a.tokens and len(a.tokens) == 60
+    assert b.tokens == whole_b.tokens and len(b.tokens) == 4
+    # B's prefill computed for less time than it took: the decode steps ran in between
+    assert b.times.compute_s < b.times.wall_s
+    gaps = [later - earlier for earlier, later in zip(a.at, a.at[1:], strict=False)]
+    whole_gaps = [later - earlier for earlier, later in zip(whole_a.at, whole_a.at[1:],
+                                                            strict=False)]  # fmt: skip
+    assert max(gaps) < max(whole_gaps)
+
+
+def test_a_progressive_upgrade_gives_way_to_waiting_questions(smollm2, smollm2_tokenizer):
+    fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
+    progressive = Engine(smollm2, smollm2_tokenizer, fmt, refresh_ratio=0.6)
+    prompt = fmt.build(PASSAGES[:2], "When did the evening boat stop?")
+    chunks = progressive.precompute(prompt.chunk_ids)
+    reports: list[list] = [[], [], []]
+    finished = [threading.Event() for _ in reports]
+    try:
+        for report, done in zip(reports, finished, strict=True):  # all three at once
+            request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3))
+            progressive.submit(
+                request, on_token=lambda *_: None,
+                on_finish=lambda reason, error, done=done: done.set(),
+                on_refresh=lambda ratio, seconds, report=report: report.append((ratio, seconds)),
+            )  # fmt: skip
+        assert all(done.wait(300) for done in finished)
+    finally:
+        progressive.close()
+    # the first two reach their first token while others wait: no upgrade; the last does
+    assert reports[0] == [(0.6, None)] and reports[1] == [(0.6, None)]
+    assert len(reports[2]) == 1 and reports[2][0][0] == 0.6 and reports[2][0][1] > 0
+    assert progressive.batcher.upgrades_skipped == 2
+
+
+def test_a_waiting_question_whose_reader_left_never_starts(engine):
+    prompt = engine.format.build(PASSAGES[:2], "When was the harbour closed?")
+    request = Request(prompt, [None] * len(prompt.chunk_ids), "full",
+                      sampling=SamplingParams(max_tokens=8))  # fmt: skip
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer).start()
+    first, left = _Answer(), _Answer()
+    try:
+        batcher.submit(first.job(engine, request))
+        batcher.submit(left.job(engine, request, should_stop=lambda: True))
+        assert first.done.wait(120) and left.done.wait(120)
+    finally:
+        batcher.close()
+    assert first.reason == "length" and len(first.tokens) == 8
+    assert left.reason == "stopped" and not left.prefilled and left.tokens == []
+
+
+def test_the_step_budget_setting():
+    assert StepBudget.from_env({}) == StepBudget()
+    assert StepBudget.from_env({"ENGINE_STEP_BUDGET": " Auto "}).seconds is None
+    assert StepBudget.from_env({"ENGINE_STEP_BUDGET": "off"}).seconds == math.inf
+    assert StepBudget.from_env({"ENGINE_STEP_BUDGET": "0.2"}).seconds == 0.2
+    assert StepBudget.from_env({"ENGINE_STEP_BUDGET": "0.2s"}).seconds == 0.2
+    for bad in ("fast", "0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match="ENGINE_STEP_BUDGET"):
+            StepBudget.from_env({"ENGINE_STEP_BUDGET": bad})
+    auto = StepBudget()  # what the measured decode step leaves of the pause target
+    assert auto.slice_s(0.1) == pytest.approx(PAUSE_TARGET_S - 0.1)
+    assert auto.slice_s(10.0) == MIN_SLICE_S
+    assert StepBudget(0.2).slice_s(10.0) == 0.2
+    assert [str(b) for b in (auto, StepBudget(math.inf), StepBudget(0.2))] == [
+        "auto", "off", "0.2 s"
+    ]  # fmt: skip
