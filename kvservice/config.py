@@ -10,7 +10,9 @@ before the model loads. Nothing else in the worker reads the environment for the
 | ``ENGINE_PRECISION``, ``ENGINE_KERNEL`` | the native engine's products (kvservice.model.kernels) |
 | ``ENGINE_COMPILE`` | ``on`` (default), ``off``: CUDA graphs of passes (kvservice.blend.graphs) |
 | ``ENGINE_BUFFER_BYTES`` | CPU buffers kept for the next request (kvservice.model.buffers; 1 GiB) |
-| ``INFERENCE_CONCURRENCY``, ``INFERENCE_QUEUE``, ``INFERENCE_NODE_NAME`` | serving |
+| ``INFERENCE_CONCURRENCY`` | answers written at once (8); as many more wait in the worker's line |
+| ``INFERENCE_QUEUE``, ``INFERENCE_NODE_NAME`` | serving |
+| ``ENGINE_STEP_BUDGET`` | prefill work per batch step beside the open answers (``auto``) |
 | ``KV_SOURCE``, ``KDN_URL`` | chunk KV from S3 (default) or the knowledge delivery API |
 | ``BLEND_REFRESH_RATIO`` | progressive blend's ratio after the first token (unset: off) |
 | ``PREFIX_CACHE_BYTES`` | the prefix cache's capacity (default 1 GiB) |
@@ -50,7 +52,7 @@ class WorkerConfig:
     redis_url: str
     model_path: str | None
     model_cache_dir: Path
-    concurrency: int
+    concurrency: int  # the batch's rows: answers written at once
     queue: str  # the shared queue; this worker also serves routing.worker_queue(WORKER_ID)
     engine: str  # "native" (kvservice's engine) or "vllm" (kvservice.vllm)
     node_name: str  # Celery's name for this worker; several on one host need their own
@@ -66,6 +68,14 @@ class WorkerConfig:
     kv_preamble: bool = False
     heartbeat_key: str = HEARTBEAT_KEY
     vllm: Any = None  # VllmSettings with ENGINE=vllm
+
+    @property
+    def task_threads(self) -> int:
+        """Celery's threads: one per row of the batch, and as many for questions waiting in
+        the engine's line, which are told their place and have their KV loading meanwhile
+        (beyond these, questions wait in the broker, where the web app's backlog limit
+        counts them)."""
+        return 2 * self.concurrency
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerConfig:

@@ -301,7 +301,8 @@ class PassGraphs:
         started = time.perf_counter()
         graph, outputs = cuda_graph.record(
             lambda: static_pass(self.model, self.cache, self.tables, inputs, shape),
-            self.model.device, self.pool,
+            self.model.device,
+            self.pool,
         )
         self.recording_s.append(time.perf_counter() - started)
         log.info("recorded the pass %s in %.0f ms", shape, 1e3 * self.recording_s[-1])

@@ -1,6 +1,8 @@
 """An answer's events, from the worker to whoever reads them: a Redis stream per request
 (``answer_stream``) of ``token`` entries (text deltas), then exactly one ``done`` (the
-outcome, ``kvservice.protocol.outcome``) or ``error``. A stream, not pub/sub: a reader that
+outcome, ``kvservice.protocol.outcome``) or ``error``. Before the first token, ``queue``
+entries may tell the question's place while it waits for the engine (``{"ahead": n}``,
+questions ahead of it; ``{"ahead": null}`` once it starts). A stream, not pub/sub: a reader that
 connects late (or reconnects) still gets every event. And the stop flag a reader sets for
 the worker to see between tokens."""
 
@@ -12,6 +14,9 @@ from typing import Any
 
 STREAM_TTL_S = 600  # a finished answer's events stay readable this long
 STREAM_MAXLEN = 20_000
+# Read to find the first token: the ``queue`` entries before it are one per place the
+# question moved up, fewer than a worker's line is long.
+FIRST_ENTRIES = 256
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,12 @@ def publish_event(client: Any, request_id: str, kind: str, **payload: Any) -> No
 def first_token_time_s(client: Any, request_id: str) -> float | None:
     """When the answer's first token entered its stream (Unix seconds, from the entry id's
     milliseconds: the stream server's clock), or None when the stream does not begin with a
-    token (an answer with no words, or a stream expired after ``STREAM_TTL_S``)."""
-    entries = client.xrange(answer_stream(request_id), count=1)
+    token after its ``queue`` entries (an answer with no words, or a stream expired after
+    ``STREAM_TTL_S``)."""
+    entries = client.xrange(answer_stream(request_id), count=FIRST_ENTRIES)
     for entry_id, kind, _payload in decode_events([(None, entries)]):
-        return int(entry_id.split("-")[0]) / 1000 if kind == "token" else None
+        if kind != "queue":
+            return int(entry_id.split("-")[0]) / 1000 if kind == "token" else None
     return None
 
 

@@ -11,9 +11,10 @@ chunks through the store's tiers and blends in ``kvservice.serve.engine``; the v
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,8 +41,9 @@ class AnswerPlan(Protocol):
     decision: RatioDecision | None  # the controller's, when it chose the ratio
     prompt_tokens: int
 
-    def events(self) -> Iterator[TokenEvent]:
-        """The answer's tokens; leaving early stops the request."""
+    def events(self, on_queue: Callable[[int | None], None] | None = None) -> Iterator[TokenEvent]:
+        """The answer's tokens; leaving early stops the request. ``on_queue(ahead)`` while
+        it waits for the engine (questions ahead of it), then None once it starts."""
 
     def finish(self) -> dict[str, Any]:
         """After the answer: what the engine reports (tiers, load, prefill time)."""
@@ -90,7 +92,8 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> An
     try:
         planned = plan_request(runtime, request)
         plan = runtime.plan(planned)
-        _stream(plan.events(), runtime.engine.stop_ids, request, redis, streamed)
+        place = functools.partial(_publish_place, redis, request.request_id)
+        _stream(plan.events(on_queue=place), runtime.engine.stop_ids, request, redis, streamed)
         passages = passage_texts(runtime, request, planned.fitted)
         _last_words(request, passages, streamed, redis)  # before the engine's bookkeeping
         engine_metrics = plan.finish()
@@ -103,6 +106,12 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> An
     outcome = _outcome(runtime, planned, plan, streamed, passages, engine_metrics, started)
     publish_event(redis, request.request_id, "done", **outcome.to_dict())
     return outcome
+
+
+def _publish_place(redis: Any, request_id: str, ahead: int | None) -> None:
+    """The question's place in the engine's line on its stream (``queue``: questions ahead
+    of it, 0 next; None once it starts), for the page and the API to show."""
+    publish_event(redis, request_id, "queue", ahead=ahead)
 
 
 def _stream(

@@ -121,6 +121,8 @@ class Job:
     # token (returning the upgraded result), or None
     refresh: Callable[[BlendResult, int], Generator[None, None, BlendResult] | None] | None = None
     on_refresh: Callable[[float | None], None] | None = None  # compute seconds; None: skipped
+    # its place while it waits: questions ahead of it (0: next), then None once it starts
+    on_queue: Callable[[int | None], None] | None = None
     # Filled in by the batcher:
     started: float = 0.0
     ttft_s: float | None = None
@@ -130,6 +132,7 @@ class Job:
     detokenizer: Detokenizer | None = None
     history: TokenHistory | None = None
     stop_strings: StopStrings | None = None
+    place: int | None = None  # the place last told to on_queue
 
 
 @dataclass
@@ -196,11 +199,14 @@ class ContinuousBatcher:
         return len(self._waiting) + self._incoming.qsize()
 
     def stats(self) -> dict[str, object]:
-        """The batch's state for the worker's heartbeat (the dashboard's queue and budget)."""
+        """The batch's state for the worker's heartbeat (the dashboard's queue and budget):
+        ``slice_s`` is what a step gives prefill work while answers stream (``off``: None)."""
         return {
             "active": self.active, "waiting": self.waiting, "prefilling": self._work is not None,
             "steps": self.steps, "slices": self.slices, "budget": str(self.budget),
-            "slice_s": round(self._slice_s(), 4), "decode_step_s": round(self._decode_s, 4),
+            "slice_s": None if math.isinf(slice_s := self.budget.slice_s(self._decode_s))
+            else round(slice_s, 4),
+            "decode_step_s": round(self._decode_s, 4),
             "upgrades_skipped": self.upgrades_skipped,
         }  # fmt: skip
 
@@ -215,6 +221,7 @@ class ContinuousBatcher:
                 if self._work is None and not self._jobs and not self._waiting:
                     continue  # idle: _take_incoming waited for a job
                 self._run_slice()
+                self._tell_places()
                 if self._jobs:
                     self._decode_step()
             except Exception:  # never let the loop die: fail the batch, keep serving
@@ -238,6 +245,22 @@ class ContinuousBatcher:
             pass
         for job in [j for j in self._waiting if self._cut(j)]:
             self._waiting.remove(job)
+
+    def _tell_places(self) -> None:
+        """Each waiting job's place: the questions ahead of it (the work under way too)."""
+        started = self._work is not None
+        for index, job in enumerate(self._waiting):
+            self._tell_place(job, index + started)
+
+    def _tell_place(self, job: Job, place: int | None) -> None:
+        """Tell a waiting job how many questions are ahead of it, when that changed."""
+        if job.on_queue is None or place == job.place:
+            return
+        job.place = place
+        try:
+            job.on_queue(place)
+        except Exception:
+            log.exception("on_queue callback failed")
 
     def _cut(self, job: Job) -> bool:
         """End ``job`` before its first token if its reader left or its time ran out."""
@@ -276,6 +299,8 @@ class ContinuousBatcher:
         """The work under way, else the oldest waiting question's prefill, room permitting."""
         if self._work is None and self._waiting and len(self._jobs) < self.max_batch:
             job = self._waiting.popleft()
+            if job.place is not None:  # it was told a place: now it is started
+                self._tell_place(job, None)
             job_steps = job.prefill(job.sampling.max_tokens)
             self._work = _Work(job, job_steps)
         return self._work

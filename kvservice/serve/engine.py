@@ -75,6 +75,13 @@ def refresh_ratio_from_env(environ: Mapping[str, str]) -> float | None:
     return ratio
 
 
+@dataclass(frozen=True)
+class _Place:
+    """A request's place in the batcher's line, on its way to the reading thread."""
+
+    ahead: int | None
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -163,13 +170,15 @@ class Engine:
         deadline: float = float("inf"),
         on_prefill: Callable[[BlendResult, PrefillTimes], None] | None = None,
         on_refresh: Callable[[float, float | None], None] | None = None,
+        on_queue: Callable[[int | None], None] | None = None,
     ) -> Job:
         """Queue the request in the batch: ``on_token(text, token_id)`` for each token and
         ``on_finish(reason, error)`` once, both from the batcher's thread, and
         ``on_prefill(result, times)`` after the prefill (the result keeps the prompt's
         cache after the batch has copied it), ``on_refresh(ratio, seconds)`` after a
-        progressive blend's upgrade (seconds None: skipped, other questions were waiting).
-        The returned job holds the TTFT and tokens."""
+        progressive blend's upgrade (seconds None: skipped, other questions were waiting),
+        ``on_queue(ahead)`` while it waits (then None once it starts). The returned job holds
+        the TTFT and tokens."""
         ratio = self.refresh_ratio_for(request)
         job = Job(
             prefill=lambda extra: self.prefill_steps(request, extra),
@@ -180,6 +189,7 @@ class Engine:
             on_prefill=on_prefill, refresh=self._refresher(ratio),
             on_refresh=None if ratio is None or on_refresh is None
             else lambda seconds: on_refresh(ratio, seconds),
+            on_queue=on_queue,
         )  # fmt: skip
         with self._start_lock:
             if not self._started:
@@ -222,12 +232,14 @@ class Engine:
         deadline: float = float("inf"),
         on_prefill: Callable[[BlendResult, PrefillTimes], None] | None = None,
         on_refresh: Callable[[float, float | None], None] | None = None,
+        on_queue: Callable[[int | None], None] | None = None,
     ) -> Iterator[TokenEvent]:
         """The request's tokens as the batch produces them, each as soon as it is sampled
         (a progressive blend's first one before its upgrade), TTFT on the first, then a
         last event with no token (``token_id`` -1) and the finish reason. Leaving the
         iteration early stops the request; past ``deadline`` (``time.monotonic()``) it fails
-        with ``TimeoutError``."""
+        with ``TimeoutError``. ``on_queue(ahead)`` is called from the iterating thread (not
+        the batcher's) while the request waits for its turn, then with None."""
         events: queue.Queue = queue.Queue()
         left = threading.Event()
         job = self.submit(
@@ -238,15 +250,20 @@ class Engine:
             deadline=deadline,
             on_prefill=on_prefill,
             on_refresh=on_refresh,
+            on_queue=None if on_queue is None else lambda place: events.put(_Place(place)),
         )
         index = 0
         try:
             while True:
                 try:  # the batcher ends a late request itself; this is for a stuck batch
                     wait = None if deadline == float("inf") else deadline - time.monotonic() + 30
-                    token, text, reason, error = events.get(timeout=wait and max(wait, 0.1))
+                    item = events.get(timeout=wait and max(wait, 0.1))
                 except queue.Empty:
                     raise TimeoutError("the engine did not finish the request in time") from None
+                if isinstance(item, _Place):
+                    on_queue(item.ahead)
+                    continue
+                token, text, reason, error = item
                 if reason is not None:
                     break
                 yield TokenEvent(token, text, index, job.ttft_s if index == 0 else None)

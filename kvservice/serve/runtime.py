@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvservice.blend.graphs import graphs_report, use_pass_graphs
@@ -277,10 +277,10 @@ class NativePlan:
         )
         return list(self.load_plan.load)
 
-    def events(self) -> Iterator[TokenEvent]:
+    def events(self, on_queue: Callable[[int | None], None] | None = None) -> Iterator[TokenEvent]:
         return self.runtime.engine.stream(
             self.request, deadline=time.monotonic() + self._deadline_s,
-            on_prefill=self._prefilled, on_refresh=self._upgraded,
+            on_prefill=self._prefilled, on_refresh=self._upgraded, on_queue=on_queue,
         )  # fmt: skip
 
     def _prefilled(self, result: BlendResult, times: PrefillTimes) -> None:

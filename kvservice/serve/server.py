@@ -213,7 +213,7 @@ def main() -> int:
     try:
         app.worker_main(
             ["worker", "-Q", f"{config.queue},{worker_queue(WORKER_ID, config.queue)}",
-             "-P", "threads", "-c", str(config.concurrency),
+             "-P", "threads", "-c", str(config.task_threads),
              "--hostname", config.node_name, "--loglevel", "INFO"]
         )  # fmt: skip
     finally:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -138,7 +138,8 @@ class VllmPlan:
         )  # fmt: skip
         self.prompt_tokens = len(self.request.prompt.token_ids)
 
-    def events(self) -> Iterator[TokenEvent]:
+    def events(self, on_queue: Callable[[int | None], None] | None = None) -> Iterator[TokenEvent]:
+        """The answer's tokens (vLLM schedules its own queue: no place is told)."""
         with self.runtime.request_in_flight():
             yield from self.runtime.engine.stream(self.request)
 

@@ -21,6 +21,7 @@ from kvservice.protocol import (
     PassageUse,
     TokenEvent,
     answer_stream,
+    first_token_time_s,
 )
 from kvservice.serve.answer import answer_request
 from kvservice.serve.citing import UNSUPPORTED, WITHDRAWN
@@ -103,11 +104,16 @@ class ScriptedPlan:
 
     ratio, decision, prompt_tokens = 0.15, None, 40
 
-    def __init__(self, pieces: list[str], finish_reason: str, engine_metrics=None) -> None:
+    def __init__(
+        self, pieces: list[str], finish_reason: str, engine_metrics=None, places=()
+    ) -> None:
         self.pieces, self.finish_reason, self.taken = pieces, finish_reason, 0
         self.engine_metrics = engine_metrics or {}
+        self.places = places  # told to on_queue before the first token, as the batcher does
 
-    def events(self) -> Iterator[TokenEvent]:
+    def events(self, on_queue=None) -> Iterator[TokenEvent]:
+        for place in self.places:
+            on_queue(place)
         for index, piece in enumerate(self.pieces):
             self.taken += 1
             last = index == len(self.pieces) - 1
@@ -134,6 +140,7 @@ def answer_through_the_worker(smollm2_tokenizer, redis_service, plan: ScriptedPl
         request_id=uuid.uuid4().hex, question="How many does the Gannet seat?",
         chunks=[ChunkRef(chunk_id=1, token_ids=smollm2_tokenizer.encode(passage))],
     )  # fmt: skip
+    plan.request_id = request.request_id
     result = answer_request(runtime, request, client)
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
               for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
@@ -145,6 +152,26 @@ def answer_through_the_worker(smollm2_tokenizer, redis_service, plan: ScriptedPl
         assert streamed == result.withheld + WITHDRAWN
         assert events[-1][1]["withheld"] == result.withheld
     return result
+
+
+def test_the_questions_place_in_line_goes_on_its_stream_before_its_words(
+    smollm2_tokenizer, redis_service
+) -> None:
+    """The engine's places for a waiting question reach its stream as ``queue`` events, and
+    the stream's first token is still found as the first token (the TTFT the page shows)."""
+    plan = ScriptedPlan(words("The Gannet seats six people [1]."), finish_reason="stop",
+                        places=(2, 1, 0, None))  # fmt: skip
+    client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
+    result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
+    request_id = plan.request_id
+    events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
+              for _, fields in client.xrange(answer_stream(request_id))]  # fmt: skip
+    kinds = [kind for kind, _ in events]
+    assert kinds[:5] == ["queue"] * 4 + ["token"]
+    assert [data["ahead"] for kind, data in events if kind == "queue"] == [2, 1, 0, None]
+    first_token_id = client.xrange(answer_stream(request_id))[4][0].decode()
+    assert first_token_time_s(client, request_id) == int(first_token_id.split("-")[0]) / 1000
+    assert result.text.startswith("The Gannet seats six people")
 
 
 def test_the_worker_ends_a_looping_answer_and_stops_the_engine(

@@ -150,6 +150,26 @@ def test_a_waiting_question_whose_reader_left_never_starts(engine):
     assert left.reason == "stopped" and not left.prefilled and left.tokens == []
 
 
+def test_waiting_questions_are_told_their_place_until_they_start(engine):
+    prompt = engine.format.build(PASSAGES, "When was the harbour closed?")
+    request = Request(prompt, [None] * len(prompt.chunk_ids), "full",
+                      sampling=SamplingParams(max_tokens=4))  # fmt: skip
+    # a layer a step once an answer streams: the places are told between the steps
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=StepBudget(0.001))
+    answers = [_Answer() for _ in range(3)]
+    places: list[list] = [[], [], []]
+    for answer, told in zip(answers, places, strict=True):  # all three in line at the start
+        batcher.submit(answer.job(engine, request, on_queue=told.append))
+    batcher.start()
+    try:
+        assert all(answer.done.wait(120) for answer in answers)
+    finally:
+        batcher.close()
+    # the first started at once (its prefill whole: nothing streamed yet); then one a time
+    assert places == [[], [0, None], [1, 0, None]]
+    assert all(answer.reason == "length" and len(answer.tokens) == 4 for answer in answers)
+
+
 def test_the_step_budget_setting():
     assert StepBudget.from_env({}) == StepBudget()
     assert StepBudget.from_env({"ENGINE_STEP_BUDGET": " Auto "}).seconds is None

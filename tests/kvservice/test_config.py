@@ -13,22 +13,24 @@ BASE = {"REDIS_URL": "redis://127.0.0.1:1/0"}
 def test_the_worker_reads_its_settings_from_the_mapping_it_is_given() -> None:
     env = {"BLEND_REFRESH_RATIO": "0.25", "PREFIX_CACHE_BYTES": "64MiB",
            "INFERENCE_CONCURRENCY": "3", "ENGINE_COMPILE": " OFF",
-           "ENGINE_BUFFER_BYTES": "3GiB"}  # fmt: skip
+           "ENGINE_BUFFER_BYTES": "3GiB", "ENGINE_STEP_BUDGET": "0.15"}  # fmt: skip
     config = WorkerConfig.from_env({**BASE, **env})
     assert (config.refresh_ratio, config.prefix_cache_bytes) == (0.25, 64 << 20)
     assert config.concurrency == 3 and config.kv_source.kind == "s3"
     assert config.store is not None and config.graphs is False
-    assert config.buffer_bytes == 3 << 30
+    assert config.buffer_bytes == 3 << 30 and config.step_budget.seconds == 0.15
+    assert config.task_threads == 6  # the batch's rows and as many waiting in its line
     defaults = WorkerConfig.from_env(BASE)
     assert defaults.refresh_ratio is None and defaults.prefix_cache_bytes == 1 << 30
     assert defaults.graphs is True and defaults.buffer_bytes == 1 << 30
+    assert str(defaults.step_budget) == "auto"
 
 
 @pytest.mark.parametrize(
     ("variable", "value"),
     [("BLEND_REFRESH_RATIO", "2"), ("PREFIX_CACHE_BYTES", "lots"), ("KV_SOURCE", "gcs"),
      ("ENGINE", "tgi"), ("REDIS_URL", ""), ("ENGINE_COMPILE", "maybe"),
-     ("ENGINE_BUFFER_BYTES", "big")],
+     ("ENGINE_BUFFER_BYTES", "big"), ("ENGINE_STEP_BUDGET", "soon")],
 )  # fmt: skip
 def test_a_bad_value_is_refused_naming_the_variable(variable: str, value: str) -> None:
     with pytest.raises(ValueError, match=variable):

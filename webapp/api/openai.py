@@ -138,6 +138,9 @@ async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
             if kind == "token":
                 yield sse(None, _chunk(answer, model, {"content": payload.get("text", "")}))
                 continue
+            if kind == "queue":  # OpenAI's stream has no such event: a comment keeps it open
+                yield ": waiting for the model\n\n"
+                continue
             result = AnswerOutcome.from_event(kind, payload)
             if not result.ok:
                 error = ApiError(502, "generation_failed", result.error)

@@ -137,7 +137,7 @@ _SSE_EVENT = {
     "type": "object",
     "required": ["event", "data"],
     "properties": {
-        "event": {"type": "string", "enum": ["start", "token", "done", "error"]},
+        "event": {"type": "string", "enum": ["start", "queue", "token", "done", "error"]},
         "data": {"type": "string"},
     },
 }
@@ -145,7 +145,9 @@ _STREAM_DOC = {  # merged into ninja's own responses: the same (int) key, or JSO
     "responses": {
         200: {
             "description": "The answer as JSON, or with ``stream``: server-sent events "
-            "``start`` (citations: every passage retrieved), ``token`` ({text}) ..., then "
+            "``start`` (citations: every passage retrieved), while the question waits for the "
+            "model ``queue`` ({ahead: the questions ahead of yours, 0: yours is next; null once "
+            "it is being answered}), ``token`` ({text}) ..., then "
             "``done`` (the JSON answer: the passages it cites, the rest under also_retrieved) "
             "or ``error`` ({code, message}).",
             "content": {
@@ -235,6 +237,8 @@ async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator
         async for kind, payload in answers.answer_events(str(answer.request_id)):
             if kind == "token":
                 yield sse("token", {"text": payload.get("text", "")})
+            elif kind == "queue":
+                yield sse("queue", {"ahead": payload.get("ahead")})
             elif kind in ("done", "error"):
                 result = AnswerOutcome.from_event(kind, payload)
                 if result.ok:

@@ -179,6 +179,15 @@ def citation_detail(request: HttpRequest, citation_id: int) -> HttpResponse:
     return render(request, "chat/_citation.html", {"citation": citation, "document": document})
 
 
+def place_in_line(ahead: int | None) -> str:
+    """What the page says of a question waiting for the model (``queue`` events)."""
+    if ahead is None:
+        return ""  # it is being answered: the words follow
+    if ahead == 0:
+        return "Yours is the next question the model takes."
+    return f"{ahead} question{'s' if ahead != 1 else ''} ahead of yours."
+
+
 async def _recorded(answer_id: int, wait_s: float) -> bool:
     """Whether the answer's record has landed, waiting up to ``wait_s`` for it: the page
     fetches the message again on ``done``, and the worker reports the answer (on the
@@ -212,6 +221,8 @@ async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[st
             entry_id, kind, payload = event
             if kind == "token":
                 yield sse("token", escape(payload["text"]), entry_id)
+            elif kind == "queue":
+                yield sse("queue", escape(place_in_line(payload.get("ahead"))), entry_id)
             elif kind in ("done", "error"):
                 if not await _recorded(answer.id, RECORD_WAIT_S):  # relayed all the same
                     logger.warning("answer %s ended but is not recorded yet", answer.id)

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import connections
 from django.test import Client
 
-from kvservice.protocol import publish_event
+from kvservice.protocol import AnswerOutcome, publish_event
 from tests.webapp.api.conftest import bearer
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import PASSAGES, make_document
@@ -340,6 +340,62 @@ def test_streamed_query_sends_each_token_as_it_comes_under_asgi(alice, alice_aut
         await sync_to_async(connections.close_all)()  # the ORM thread's connection
 
     asyncio.run(scenario())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_streamed_query_says_how_many_questions_are_ahead(alice, alice_auth) -> None:
+    """While the question waits for the model, ``queue`` events carry its place (null once
+    it is being answered); then its words."""
+    make_document(alice, "notes", list(PASSAGES.values()))
+    client = redis_client()
+
+    async def scenario() -> None:
+        call, outbox = await _asgi_query(alice_auth["HTTP_AUTHORIZATION"], "Risotto rice?")
+        assert (await asyncio.wait_for(outbox.get(), 30))["status"] == 200
+        start = await _next_body(outbox)
+        message_id = json.loads(start.decode().split("data: ", 1)[1])["message_id"]
+        answer = await Message.objects.aget(pk=message_id)
+        for ahead in (1, None):
+            publish_event(client, str(answer.request_id), "queue", ahead=ahead)
+            place = await _next_body(outbox)
+            assert place.startswith(b"event: queue")
+            assert json.loads(place.decode().split("data: ", 1)[1]) == {"ahead": ahead}
+        publish_event(client, str(answer.request_id), "token", text="Arborio")
+        assert (await _next_body(outbox)).startswith(b"event: token")
+        publish_event(client, str(answer.request_id), "done", text="Arborio", metrics={})
+        assert (await _next_body(outbox)).startswith(b"event: done")
+        await asyncio.wait_for(call, 30)
+        await sync_to_async(connections.close_all)()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_openai_stream_waits_through_the_queue_for_its_words(alice) -> None:
+    """OpenAI's chunks have no place in line: a ``queue`` event is a comment, and the
+    stream goes on to its words and its end (it used to end at the first other event)."""
+    from webapp.api.openai import _completion_events
+
+    conversation = Conversation.objects.create(owner=alice, title="t")
+    answer = Message.objects.create(conversation=conversation, role=Message.Role.ASSISTANT,
+                                    status=Message.Status.PENDING)  # fmt: skip
+    client = redis_client()
+    publish_event(client, str(answer.request_id), "queue", ahead=3)
+    publish_event(client, str(answer.request_id), "token", text="Arborio")
+    outcome = AnswerOutcome.answered("done", text="Arborio", metrics={"completion_tokens": 1})
+    publish_event(client, str(answer.request_id), "done", **outcome.to_dict())
+
+    async def collect() -> list[str]:
+        frames = [frame async for frame in _completion_events(answer, "ragblend")]
+        await sync_to_async(connections.close_all)()
+        return frames
+
+    frames = asyncio.run(collect())
+    assert frames[1] == ": waiting for the model\n\n"
+    chunks = [json.loads(f.split("data: ", 1)[1]) for f in frames[2:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"content": "Arborio"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert frames[-1].startswith("data: [DONE]")
 
 
 @pytest.mark.django_db(transaction=True)

@@ -11,6 +11,7 @@ import redis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections
+from django.urls import reverse
 
 from kvservice.protocol import AnswerOutcome, publish_event
 from webapp.chat import views
@@ -161,3 +162,29 @@ def test_the_end_is_relayed_when_no_record_comes(answer, publisher, monkeypatch)
     assert time.monotonic() - started >= 0.3
     answer.refresh_from_db()
     assert answer.is_open  # the view only read
+
+
+@pytest.mark.django_db
+def test_a_waiting_question_shows_its_place_in_line_then_its_words(answer, publisher) -> None:
+    """The worker's ``queue`` entries become the page's place line, cleared once the
+    question is being answered; the words follow as before."""
+    request_id = str(answer.request_id)
+    for ahead in (2, 1, 0, None):
+        publish_event(publisher, request_id, "queue", ahead=ahead)
+    publish_event(publisher, request_id, "token", text="Vienna")
+    publish_event(publisher, request_id, "done", text="Vienna", metrics={})
+    events = [(event, data) for _, event, data in _events(_collect(answer))]
+    assert events[:4] == [
+        ("queue", "2 questions ahead of yours."), ("queue", "1 question ahead of yours."),
+        ("queue", "Yours is the next question the model takes."), ("queue", ""),
+    ]  # fmt: skip
+    assert events[4] == ("token", "Vienna") and events[-1][0] == "done"
+
+
+@pytest.mark.django_db
+def test_the_message_being_written_has_a_place_for_the_line(answer, client) -> None:
+    client.force_login(answer.conversation.owner)
+    page = client.get(reverse("chat:conversation", args=[answer.conversation_id]))
+    page = page.content.decode()
+    block = page.split(f'id="message-{answer.id}"')[1]
+    assert 'sse-swap="queue"' in block.split('sse-swap="token"')[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import math
+import queue
 import re
 import uuid
 from datetime import timedelta
@@ -118,6 +120,28 @@ def test_dashboard_shows_the_engines_kernels_graphs_and_buffers(staff_client) ->
     assert "2 shapes recorded (a recording 500.0 ms, at most 750.0 ms), 1,234 replays" in line
     assert "recording stopped</strong>: OOM at capture" in line
     assert "kept CPU buffers: 1 (8 MiB), 1 of 2 handed out again" in line
+
+
+def test_dashboard_shows_the_answers_streaming_waiting_and_the_step_budget(staff_client) -> None:
+    """The batch's state as ``ContinuousBatcher.stats`` writes it into the heartbeat."""
+    from kvservice.serve.batcher import ContinuousBatcher, StepBudget
+
+    batcher = ContinuousBatcher.__new__(ContinuousBatcher)  # its stats alone: no model
+    batcher._jobs, batcher._work = [object()] * 3, object()
+    batcher._waiting, batcher._incoming = [object()] * 2, queue.Queue()
+    batcher.steps, batcher.slices, batcher.upgrades_skipped, batcher._decode_s = 40, 12, 1, 0.05
+    batcher.budget = StepBudget()
+    page = _page_with_heartbeat(staff_client, batch=batcher.stats())
+    line = " ".join(page.split('id="answering-state"')[1].split("</p>")[0].split())
+    assert "3 answers streaming, 2 questions waiting to start, one being read" in line
+    assert "for up to 250.0 ms (setting: auto)" in line
+    assert "takes 50.0 ms" in line and "1 answer skipped the quality upgrade" in line
+    batcher.budget, batcher._jobs, batcher._waiting = StepBudget(math.inf), [], []
+    batcher._work = None
+    line = _page_with_heartbeat(staff_client, batch=batcher.stats()).split(
+        'id="answering-state"')[1].split("</p>")[0]  # fmt: skip
+    assert "0 answers streaming, 0 questions waiting to start." in " ".join(line.split())
+    assert "as long as they take (setting: off)" in line
 
 
 def test_dashboard_shows_tiers_controller_and_metrics_from_a_real_heartbeat(
