@@ -112,3 +112,69 @@ def test_the_synthetic_bench_on_cuda_reports_peak_memory_per_mode(monkeypatch):
     assert "max_memory_allocated" in memory["measure"]
     for m in report["modes"].values():
         assert m["peak_memory_bytes"] >= memory["baseline_bytes"] >= memory["weights_bytes"]
+
+
+def _word_tokenizer():
+    """A real tokenizer over the tiny models' 128 ids (``w0`` ... ``w127``)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words)
+
+
+def _batch_tokens(model, tokenizer, prompt, budget) -> list[list[int]]:
+    """Three answers (full, reuse, blend) through one batch, the later two arriving while
+    the first streams; each answer's tokens (greedy, with a presence penalty so that the
+    tiny random model does not say one token over and over)."""
+    import threading
+    import time
+
+    from kvservice.blend.prefill import blend_prefill_steps
+    from kvservice.serve.batcher import ContinuousBatcher, Job
+    from kvservice.serve.sampling import SamplingParams
+
+    head, chunks, question = prompt
+    kvs, head_kv = precompute_chunks(model, head, chunks), precompute_head(model, head)
+    batcher = ContinuousBatcher(model, tokenizer, budget=budget).start()
+    out: list[list[int]] = [[], [], []]
+    done = [threading.Event() for _ in out]
+    try:
+        for index, mode in enumerate(("full", "reuse", "blend")):
+            steps = lambda extra, mode=mode: blend_prefill_steps(  # noqa: E731
+                model, head, kvs, question, mode=mode, head_kv=head_kv, chunk_ids=chunks,
+                extra_capacity=extra, recompute_slots=list(range(20, 35)) if mode == "blend"
+                else None,
+            )  # fmt: skip
+            batcher.submit(Job(
+                prefill=steps, sampling=SamplingParams(max_tokens=12, presence_penalty=2.0), stop_ids=set(),
+                on_token=lambda _t, token, index=index: out[index].append(token),
+                on_finish=lambda _r, _e, index=index: done[index].set(),
+            ))  # fmt: skip
+            time.sleep(0.05)
+        assert all(event.wait(120) for event in done)
+    finally:
+        batcher.close()
+    return out
+
+
+def test_the_batch_on_cuda_with_recorded_passes_and_steps_answers_as_the_host(
+    tiny_checkpoints, prompt
+):
+    """The stall-free batch on CUDA, passes and decode steps recorded as CUDA graphs and
+    prefills sliced a layer a step while answers stream, gives the host's tokens."""
+    from kvservice.blend.graphs import use_pass_graphs
+    from kvservice.serve.batcher import StepBudget
+
+    tokenizer = _word_tokenizer()
+    got = {}
+    for device in ("cpu", "cuda"):
+        model = Transformer.from_pretrained(tiny_checkpoints["llama"], device=device)
+        if device == "cuda":
+            assert use_pass_graphs(model, capacity=256, record_after=0) is not None
+        got[device] = _batch_tokens(model, tokenizer, prompt, StepBudget(0.0005))
+        if device == "cuda":
+            assert model.pass_graphs.failed is None and model.pass_graphs.replays > 0
+    assert all(len(tokens) == 12 for tokens in got["cuda"])
+    assert got["cuda"] == got["cpu"]
