@@ -148,7 +148,8 @@ def _batch_tokens(model, tokenizer, prompt, budget) -> list[list[int]]:
                 else None,
             )  # fmt: skip
             batcher.submit(Job(
-                prefill=steps, sampling=SamplingParams(max_tokens=12, presence_penalty=2.0), stop_ids=set(),
+                prefill=steps, stop_ids=set(),
+                sampling=SamplingParams(max_tokens=12, presence_penalty=2.0),
                 on_token=lambda _t, token, index=index: out[index].append(token),
                 on_finish=lambda _r, _e, index=index: done[index].set(),
             ))  # fmt: skip
