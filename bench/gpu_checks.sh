@@ -51,8 +51,8 @@ grid() {  # context chunks codec [extra bench args]; NAME: the JSON's suffix
 # the first from the disk tier too); CODECS likewise. After the first pair: the same context
 # with the passes as the engine runs them (ENGINE_COMPILE=off; EAGER=0 skips it), and the
 # decode bench, so that a call cut short still has the comparisons that matter most.
-GRID=${GRID:-4096:6 16384:12 32768:20 8192:8}
-CODECS=${CODECS:-kivi4k3v-v4early fp16}
+GRID=${GRID-4096:6 16384:12 32768:20 8192:8}  # set but empty: no grid
+CODECS=${CODECS-kivi4k3v-v4early fp16}
 decode() {  # decode beside its limit: batch 1 and 16 over 4,096 cached tokens, bfloat16,
   # the steps recorded as CUDA graphs, then (unless EAGER=0) as the engine runs them
   timeout 200 "$PY" -m bench.decode --synthetic llama3-8b $layers --device "$DEVICE" \
