@@ -247,7 +247,9 @@ def summarize(
     """One run's figures: answers/min completed over ``elapsed_s`` (the first send to the last
     end), client TTFT and pauses over every answer that streamed, the median of each timing."""
     done = [a for a in answers if a.ok]
-    streamed = [a for a in answers if a.ttft_s is not None]
+    # An answer whose retrieval found nothing ran no model (its one token is the product's
+    # "not found" text): counted as completed, left out of the token timings.
+    streamed = [a for a in answers if a.ttft_s is not None and not a.metrics.get("not_found")]
     between = [g for a in streamed for g in gaps(a.token_times_s)]
     timings: dict[str, list[float]] = {}
     for answer in done:
@@ -415,8 +417,13 @@ class VllmApi:
         self.model, self.max_tokens, self.passages = model, max_tokens, passages
 
     async def ask(self, answer: Answer) -> None:
+        """Stream the answer to the product's prompt over the question's passages; where
+        Ragblend's retrieval found none, no model runs (as in the product: ``not_found``)."""
         from kvservice.prompt import TURN_MARKERS
 
+        if not self.passages[answer.question]:
+            answer.ok, answer.metrics = True, {"not_found": True}
+            return
         body = {
             "model": self.model,
             "stream": True,
@@ -843,7 +850,7 @@ class Bench:
 
     async def ask_api(self, answer: Answer) -> None:
         await self.api.ask(answer, collection_id=self.collection_id)
-        if answer.ok and answer.passages:
+        if answer.ok:  # none where retrieval found nothing
             self.passages.setdefault(answer.question, answer.passages)
 
     async def one_at_a_time(self, mode: str, ask: Ask, questions: Sequence[str]) -> list[Answer]:
@@ -926,7 +933,10 @@ class Bench:
             passages=self.passages,
         )
         try:
-            (warm_up,) = await self.one_at_a_time(VLLM_MODE, client.ask, self.questions[:1])
+            warm = [q for q in self.questions if self.passages[q]][:1]
+            if not warm:
+                raise VllmUnavailable("retrieval found passages for none of the questions")
+            (warm_up,) = await self.one_at_a_time(VLLM_MODE, client.ask, warm)
             if not warm_up.ok:
                 raise VllmUnavailable(f"vLLM's server did not answer: {warm_up.error}")
             await self.sweep(VLLM_MODE, client.ask, runs)

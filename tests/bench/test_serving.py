@@ -89,15 +89,17 @@ def test_summary_pools_pauses_over_answers_and_counts_failures() -> None:
         _answer(3.0, [3.05]),  # gap 0.05
         _answer(2.0, [], ok=False),
         Answer("blend", 3, "q", 0.0, error="HTTP 503: busy"),  # refused: no token at all
+        _answer(0.01, [], not_found=True),  # retrieval found nothing: no model ran
     ]
     run = summarize(answers, rate_per_min=4, burst=None, elapsed_s=30.0)
-    assert (run["sent"], run["completed"], run["failed"]) == (4, 2, 2)
-    assert run["answers_per_min"] == pytest.approx(4.0)
+    assert (run["sent"], run["completed"], run["failed"]) == (5, 3, 2)
+    assert run["answers_per_min"] == pytest.approx(6.0) and run["not_found"] == 1
     assert run["errors"] == {"generation_failed: boom": 1, "HTTP 503: busy": 1}
-    assert run["ttft_s"]["p50"] == pytest.approx(2.0)  # 1, 2, 3: every answer that streamed
+    # 1, 2, 3: every answer that streamed from a model
+    assert run["ttft_s"]["p50"] == pytest.approx(2.0)
     assert run["max_pause_s"] == pytest.approx(0.7)
     assert run["tbt_s"]["p50"] == pytest.approx(0.1)
-    assert run["tokens"] == 4 + 2 + 1
+    assert run["tokens"] == 4 + 2 + 1 + 1
 
 
 def test_timings_say_where_the_time_went_and_take_the_workers_report_first() -> None:
@@ -254,3 +256,26 @@ def test_a_tiny_run_against_the_suites_stack_writes_every_figure(
     assert all(a["message_id"] and a["token_times_s"] for a in run["answers"])
     assert "capacity_per_min" in report["modes"]["blend"]
     assert out.with_suffix(".svg").read_text().startswith("<svg")
+
+
+def test_vllm_runs_no_model_where_retrieval_found_nothing_as_the_product() -> None:
+    from bench.serving import VllmApi
+
+    async def ask() -> tuple[Answer, Answer]:
+        # nothing listens on port 9: a request would fail the answer
+        client = VllmApi(
+            "http://127.0.0.1:9",
+            model="m",
+            max_tokens=4,
+            timeout_s=2,
+            passages={"q": [], "r": ["a passage"]},
+        )
+        empty, other = Answer("vllm", 0, "q", 0.0), Answer("vllm", 1, "r", 0.0)
+        await client.ask(empty)
+        await client.ask(other)
+        await client.client.aclose()
+        return empty, other
+
+    empty, other = asyncio.run(ask())
+    assert empty.ok and empty.metrics == {"not_found": True} and not empty.token_times_s
+    assert not other.ok and "ConnectError" in other.error
