@@ -241,6 +241,13 @@ def _load_by_tiers(answers: Sequence[Answer]) -> dict[str, float]:
     return {tiers: round(quantile(v, 0.5), 4) for tiers, v in sorted(by_tiers.items())}
 
 
+def _cached_share(answers: Sequence[Answer]) -> float | None:
+    """The share of prompt tokens vLLM's prefix cache served (None: no counts, as the API's)."""
+    counted = [a.metrics for a in answers if a.metrics.get("cached_prompt_tokens") is not None]
+    prompt = sum(m.get("prompt_tokens") or 0 for m in counted)
+    return round(sum(m["cached_prompt_tokens"] for m in counted) / prompt, 3) if prompt else None
+
+
 def summarize(
     answers: Sequence[Answer], *, rate_per_min: float | None, burst: int | None, elapsed_s: float
 ) -> dict[str, Any]:
@@ -270,6 +277,7 @@ def summarize(
         "max_pause_s": max(between, default=None),
         "tokens": sum(len(a.token_times_s) for a in answers),
         "from_prefix_cache": sum(bool(a.metrics.get("from_prefix_cache")) for a in done),
+        "cached_prompt_share": _cached_share(done),
         "not_found": sum(bool(a.metrics.get("not_found")) for a in done),
         "timings_p50_s": {k: round(quantile(v, 0.5), 4) for k, v in timings.items()},
         "tiers": _tier_counts(done),
@@ -348,19 +356,31 @@ class RagblendApi:
             "stream": True,
             "collection_ids": [collection_id],
         }
-        started = time.perf_counter()
-        try:
-            async with self.client.stream("POST", "/api/v1/query", json=body) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    answer.error = f"HTTP {response.status_code}: {text[:200]}"
+        await stream_answer(self.client, "/api/v1/query", body, answer, _api_event)
+
+
+EventHandler = Callable[[Answer, str, str, float], bool]
+
+
+async def stream_answer(
+    client: httpx.AsyncClient, path: str, body: dict, answer: Answer, on_event: EventHandler
+) -> None:
+    """POST ``body`` and hand each server-sent event to ``on_event(answer, event, data,
+    seconds since sending)`` until it says the answer has ended; a refusal (any status but
+    200), a broken connection or a stream that stops early is the answer's ``error``."""
+    started = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                answer.error = f"HTTP {response.status_code}: {text[:200]}"
+                return
+            async for event, data in sse_events(response.aiter_lines()):
+                if on_event(answer, event, data, time.perf_counter() - started):
                     return
-                async for event, data in sse_events(response.aiter_lines()):
-                    if _api_event(answer, event, data, time.perf_counter() - started):
-                        return
-            answer.error = "the stream ended without a done or error event"
-        except httpx.HTTPError as err:
-            answer.error = f"{type(err).__name__}: {err}"
+        answer.error = "the stream ended before the answer did"
+    except httpx.HTTPError as err:
+        answer.error = f"{type(err).__name__}: {err}"
 
 
 def _api_event(answer: Answer, event: str, data: str, at_s: float) -> bool:
@@ -398,7 +418,10 @@ def product_messages(passages: Sequence[str], question: str) -> list[dict[str, s
 
 class VllmApi:
     """vLLM's OpenAI server, asked the product's prompt over the passages Ragblend retrieved
-    for the same question (``passages``: question -> passages in rank order)."""
+    for the same question (``passages``: question -> passages in rank order). With
+    ``fresh_repeats`` a question asked before in this run is sent with a ``cache_salt`` of its
+    own, so that vLLM's prefix cache cannot serve the whole prompt again (it still shares the
+    system prompt among first askings), as Ragblend's prefix cache is off in the bench."""
 
     def __init__(
         self,
@@ -408,6 +431,7 @@ class VllmApi:
         max_tokens: int,
         timeout_s: float,
         passages: dict[str, list[str]],
+        fresh_repeats: bool = True,
     ) -> None:
         self.client = httpx.AsyncClient(
             base_url=url,
@@ -415,6 +439,7 @@ class VllmApi:
             limits=httpx.Limits(max_connections=None),
         )
         self.model, self.max_tokens, self.passages = model, max_tokens, passages
+        self.fresh_repeats, self.asked = fresh_repeats, set()
 
     async def ask(self, answer: Answer) -> None:
         """Stream the answer to the product's prompt over the question's passages; where
@@ -427,30 +452,36 @@ class VllmApi:
         body = {
             "model": self.model,
             "stream": True,
+            "stream_options": {"include_usage": True},
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
             # OpenAI's API takes 4 stop strings: the worker's first 4 ("Sources:" left out)
             "stop": list(TURN_MARKERS[:4]),
             "messages": product_messages(self.passages[answer.question], answer.question),
         }
-        started = time.perf_counter()
-        try:
-            async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    answer.error = f"HTTP {response.status_code}: {text[:200]}"
-                    return
-                async for _, data in sse_events(response.aiter_lines()):
-                    at_s = time.perf_counter() - started
-                    if data.strip() == "[DONE]":
-                        answer.ok, answer.total_s = True, at_s
-                        return
-                    for choice in json.loads(data).get("choices") or []:
-                        if (choice.get("delta") or {}).get("content"):
-                            answer.token(at_s)
-            answer.error = "the stream ended without [DONE]"
-        except httpx.HTTPError as err:
-            answer.error = f"{type(err).__name__}: {err}"
+        if self.fresh_repeats and answer.question in self.asked:
+            body["cache_salt"] = secrets.token_urlsafe(24)
+        self.asked.add(answer.question)
+        await stream_answer(self.client, "/v1/chat/completions", body, answer, _vllm_event)
+
+
+def _vllm_event(answer: Answer, event: str, data: str, at_s: float) -> bool:
+    """Apply one chunk of vLLM's stream to ``answer`` (a chunk with text is a token; the
+    usage chunk gives the token counts, cached prompt tokens included); True at ``[DONE]``."""
+    if data.strip() == "[DONE]":
+        answer.ok, answer.total_s = True, at_s
+        return True
+    chunk = json.loads(data)
+    if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+        answer.token(at_s)
+    if usage := chunk.get("usage"):
+        details = usage.get("prompt_tokens_details") or {}
+        answer.metrics = {
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "cached_prompt_tokens": details.get("cached_tokens"),
+        }
+    return False
 
 
 # --- the processes the bench starts ----------------------------------------------------------
@@ -594,6 +625,7 @@ class VllmServer:
             str(port),
             "--enable-chunked-prefill",
             "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",  # each answer's cached prompt tokens
             "--disable-uvicorn-access-log",
             *extra,
         ]
@@ -849,11 +881,13 @@ class Bench:
         print(f"ready after {self.report['corpus']['ready_after_s']:.0f} s", flush=True)
 
     async def ask_api(self, answer: Answer) -> None:
+        """Ask through the API, keeping the passages retrieval gave (vLLM's prompts)."""
         await self.api.ask(answer, collection_id=self.collection_id)
         if answer.ok:  # none where retrieval found nothing
             self.passages.setdefault(answer.question, answer.passages)
 
     async def one_at_a_time(self, mode: str, ask: Ask, questions: Sequence[str]) -> list[Answer]:
+        """Each question once, the next sent when the last has ended."""
         answers = []
         for index, question in enumerate(questions):
             answers.append(answer := Answer(mode, index, question, 0.0))
@@ -871,13 +905,14 @@ class Bench:
         )
         if self.reports:
             await asyncio.to_thread(self.reports.read, answers)
-        ttfts = [a.ttft_s for a in answers if a.ok and a.ttft_s is not None]
-        if not ttfts:
-            raise RuntimeError(f"no unloaded blend answer: {[a.error for a in answers]}")
         out = summarize(answers, rate_per_min=None, burst=None, elapsed_s=0.0)
+        median = out["ttft_s"]["p50"]  # of the answers a model ran for
+        if median is None:
+            errors = [a.error or "retrieval found nothing" for a in answers]
+            raise RuntimeError(f"no unloaded blend answer to time: {errors}")
         out.update(
-            ttft_median_s=quantile(ttfts, 0.5),
-            target_ttft_p95_s=TTFT_FACTOR * quantile(ttfts, 0.5),
+            ttft_median_s=median,
+            target_ttft_p95_s=TTFT_FACTOR * median,
             answers=[a.record() for a in answers],
         )
         print(
@@ -931,6 +966,7 @@ class Bench:
             max_tokens=self.args.max_tokens,
             timeout_s=self.args.answer_timeout,
             passages=self.passages,
+            fresh_repeats=self.args.prefix_cache == "off",
         )
         try:
             warm = [q for q in self.questions if self.passages[q]][:1]
@@ -1003,6 +1039,8 @@ def print_run(run: dict) -> None:
             f"        chunks by tier: {tiers}; load s by tiers (p50): {run['load_s_by_tiers']}; "
             f"from the prefix cache: {run['from_prefix_cache']}"
         )
+    if run["cached_prompt_share"] is not None:
+        print(f"        prompt tokens from vLLM's prefix cache: {run['cached_prompt_share']:.1%}")
     if run["errors"]:
         print(f"        errors: {run['errors']}")
 
@@ -1191,8 +1229,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--prefix-cache",
         choices=("on", "off"),
         default="off",
-        help="its own stack's prefix "
-        "cache (PREFIX_CACHE_BYTES; default off: the bench repeats its questions, users rarely)",
+        help="off (default): its own stack runs with PREFIX_CACHE_BYTES=0 and vLLM gets a "
+        "repeated question with a cache_salt of its own: the bench repeats its few questions, "
+        "users rarely ask the same twice; on: both prefix caches serve repeats",
     )
     add(
         "--max-tokens",

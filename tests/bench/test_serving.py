@@ -279,3 +279,60 @@ def test_vllm_runs_no_model_where_retrieval_found_nothing_as_the_product() -> No
     empty, other = asyncio.run(ask())
     assert empty.ok and empty.metrics == {"not_found": True} and not empty.token_times_s
     assert not other.ok and "ConnectError" in other.error
+
+
+def test_vllm_stream_is_read_and_a_repeated_question_gets_a_salt_of_its_own() -> None:
+    """vLLM's wire format (a stand-in transport: the server takes a minute to start)."""
+    import httpx
+
+    from bench.serving import VllmApi
+
+    sent: list[dict] = []
+    chunks = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},  # no token yet
+        {"choices": [{"delta": {"content": "Juba"}}]},
+        {"choices": [{"delta": {"content": " [1]"}, "finish_reason": "stop"}]},
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 900,
+                "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 80},
+            },
+        },
+    ]
+    stream = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, text=stream, headers={"content-type": "text/event-stream"})
+
+    async def ask_twice() -> list[Answer]:
+        client = VllmApi(
+            "http://vllm",
+            model="m",
+            max_tokens=8,
+            timeout_s=5,
+            passages={"Where?": ["Juba is in Sudan."]},
+        )
+        client.client = httpx.AsyncClient(
+            base_url="http://vllm", transport=httpx.MockTransport(reply)
+        )
+        answers = [Answer("vllm", i, "Where?", 0.0) for i in range(2)]
+        for answer in answers:
+            await client.ask(answer)
+        await client.client.aclose()
+        return answers
+
+    first, again = asyncio.run(ask_twice())
+    assert first.ok and len(first.token_times_s) == 2 and first.ttft_s is not None
+    assert first.metrics == {
+        "prompt_tokens": 900,
+        "completion_tokens": 2,
+        "cached_prompt_tokens": 80,
+    }
+    assert "cache_salt" not in sent[0] and sent[1]["cache_salt"]
+    assert sent[0]["messages"] == product_messages(["Juba is in Sudan."], "Where?")
+    assert len(sent[0]["stop"]) == 4 and sent[0]["stream_options"] == {"include_usage": True}
+    run = summarize([first, again], rate_per_min=2, burst=None, elapsed_s=60)
+    assert run["cached_prompt_share"] == round(160 / 1800, 3)
