@@ -1301,7 +1301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = (report.get("unloaded_blend") or {}).get("target_ttft_p95_s")
         plot_path.write_text(plot_svg({m: e["runs"] for m, e in report["modes"].items()}, target))
 
-    signal.signal(signal.SIGTERM, _interrupt)  # a kill stops the stack as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a kill stops it as Ctrl-C does
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     stack, code = None, 0
     try:
@@ -1322,6 +1322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stack is not None:
             stack.stop()
         save()
+        signal.signal(signal.SIGTERM, previous)
     print_capacity(report)
     print(f"\n{report['elapsed_s']:.0f} s in all; JSON {json_path}, plot {plot_path}")
     return code
