@@ -1057,12 +1057,15 @@ def print_capacity(report: dict) -> None:
         if entry.get("error"):
             print(f"  {mode:7} failed: {entry['error'].splitlines()[0]}")
             continue
-        found = entry.get("capacity_per_min")
+        if not any(run["rate_per_min"] for run in entry["runs"]):
+            print(f"  {mode:7} not measured")
+            continue
+        found = capacity(entry["runs"], unloaded["target_ttft_p95_s"])
         print(f"  {mode:7} " + (f"{found:g} questions/min" if found else "below the lowest rate"))
 
 
-PLOT_W, PLOT_H = 560, 340
-PLOT_LEFT, PLOT_RIGHT, PLOT_TOP, PLOT_BOTTOM = 60, 120, 34, 50
+PLOT_W, PLOT_H = 600, 340
+PLOT_LEFT, PLOT_RIGHT, PLOT_TOP, PLOT_BOTTOM = 60, 150, 34, 50
 PLOT_COLORS = {
     "blend": "#3056d3",
     "full": "#d92d20",
