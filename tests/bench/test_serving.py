@@ -336,3 +336,46 @@ def test_vllm_stream_is_read_and_a_repeated_question_gets_a_salt_of_its_own() ->
     assert len(sent[0]["stop"]) == 4 and sent[0]["stream_options"] == {"include_usage": True}
     run = summarize([first, again], rate_per_min=2, burst=None, elapsed_s=60)
     assert run["cached_prompt_share"] == round(160 / 1800, 3)
+
+
+def test_the_query_apis_events_fill_the_answer_and_a_refusal_is_a_failure() -> None:
+    """The API's event stream as the web app writes it (``webapp.answer_stream.sse``)."""
+    import httpx
+
+    from bench.serving import RagblendApi
+    from webapp.answer_stream import sse
+
+    citations = [{"rank": 2, "text": "second"}, {"rank": 1, "text": "first"}]
+    events = [
+        sse("start", {"message_id": 41, "citations": citations}),
+        sse("token", {"text": "Juba"}),
+        sse("token", {"text": " [1]"}),
+        sse("done", {"answer": "Juba [1]", "metrics": {"ttft_s": 0.5, "mode": "full"}}),
+    ]
+    sent: list[dict] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        if len(sent) == 2:
+            return httpx.Response(503, json={"code": "busy"}, headers={"Retry-After": "5"})
+        return httpx.Response(
+            200, text="".join(events), headers={"content-type": "text/event-stream"}
+        )
+
+    async def ask_twice() -> list[Answer]:
+        api = RagblendApi("http://stack", "rbk_key", timeout_s=5)
+        api.client = httpx.AsyncClient(
+            base_url="http://stack", transport=httpx.MockTransport(reply)
+        )
+        answers = [Answer("full", i, "Where?", 0.0) for i in range(2)]
+        for answer in answers:
+            await api.ask(answer, collection_id=9)
+        await api.client.aclose()
+        return answers
+
+    done, refused = asyncio.run(ask_twice())
+    assert sent[0] == {"question": "Where?", "mode": "full", "stream": True, "collection_ids": [9]}
+    assert done.ok and done.message_id == 41 and done.passages == ["first", "second"]
+    assert len(done.token_times_s) == 2 and done.metrics == {"ttft_s": 0.5, "mode": "full"}
+    assert not refused.ok and refused.error.startswith("HTTP 503")  # never retried
+    assert len(sent) == 2
