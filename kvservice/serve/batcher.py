@@ -48,6 +48,7 @@ BUDGET_ENV = "ENGINE_STEP_BUDGET"
 # the measured decode step leaves, and at least MIN_SLICE_S.
 PAUSE_TARGET_S = 0.3
 MIN_SLICE_S = 0.05
+LONG_PIECE_S = 0.3  # a piece of work longer than this while answers stream is logged
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ class ContinuousBatcher:
         self.max_rows_seen = 0
         self.slices = 0  # steps that ran prefill work beside decode rows
         self.upgrades_skipped = 0
+        self.longest_piece_s = 0.0  # _note_piece
 
     def start(self) -> ContinuousBatcher:
         self._thread.start()
@@ -208,6 +210,7 @@ class ContinuousBatcher:
             else round(slice_s, 4),
             "decode_step_s": round(self._decode_s, 4),
             "upgrades_skipped": self.upgrades_skipped,
+            "longest_piece_s": round(self.longest_piece_s, 4),
         }  # fmt: skip
 
     # -- the loop ------------------------------------------------------------------------
@@ -292,8 +295,17 @@ class ContinuousBatcher:
             self._advance(work)
             layer_s = time.perf_counter() - layer_began
             work.compute_s += layer_s
+            self._note_piece(layer_s)
         if ran and self._jobs:
             self.slices += 1
+
+    def _note_piece(self, seconds: float) -> None:
+        """The longest piece of prefill work run between two pauses while answers streamed
+        (what no budget can cut: a layer, or what a prefill does before its first layer)."""
+        if self._jobs and seconds > self.longest_piece_s:
+            self.longest_piece_s = seconds
+            if seconds > LONG_PIECE_S:
+                log.warning("a piece of prefill work held the open answers for %.2f s", seconds)
 
     def _next_work(self) -> _Work | None:
         """The work under way, else the oldest waiting question's prefill, room permitting."""

@@ -10,6 +10,7 @@ from kvservice.model.transformer import (
     KVCache,
     Transformer,
     apply_rope,
+    attend,
     precompute_chunks,
     rope_inv_freq,
 )
@@ -127,3 +128,31 @@ def test_bundled_smollm2_logits_equal_hf(smollm2, smollm2_dir, smollm2_tokenizer
     # 3e-4: oneDNN's fp32 products sum in another order than MKL's (up to 1.1e-4 seen)
     torch.testing.assert_close(logits, _hf_logits(hf_model, ids), atol=3e-4, rtol=1e-4)
     assert smollm2.fingerprint and len(smollm2.fingerprint) == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("queries", [1, 5])
+def test_grouped_query_attention_on_the_cpu_equals_head_by_head(dtype, queries):
+    """``attend`` with a mask reads each KV head once for its group of query heads on the
+    CPU: the values of SDPA over K and V repeated per query head, for one query (decode) and
+    several, a ragged batch's mask and one mask for every row."""
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, keys, dim = 3, 9, 3, 70, 16
+    q = torch.randn(batch, heads, queries, dim, generator=gen).to(dtype)
+    k = torch.randn(batch, kv_heads, keys, dim, generator=gen).to(dtype)
+    v = torch.randn(batch, kv_heads, keys, dim, generator=gen).to(dtype)
+    causal = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    ragged = causal.repeat(batch, 1, 1)
+    for row in range(batch):
+        ragged[row, :, keys - queries - 10 * (row + 1) : keys - queries] = False  # padding
+    for mask in (ragged, causal):
+        got = attend(q, k, v, mask)
+        per_head = mask[:, None] if mask.dim() == 3 else mask
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=per_head
+        )
+        assert got.shape == want.shape == (batch, heads, queries, dim)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+        # the rows of query heads of one group differ: each reads its own head's q
+        assert not torch.equal(got[:, 0], got[:, 1])
