@@ -397,6 +397,22 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
+    def first_rows(self, rows: int) -> KVCache:
+        """A cache over this one's first ``rows`` rows, sharing its memory (a batch whose
+        rows come and go keeps one allocation: ``kvservice.serve.batcher``)."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:, :rows], self.v[:, :rows]
+        view.positions, view.valid = self.positions[:rows], self.valid[:rows]
+        view.length = self.length
+        return view
+
+    def move_row(self, source: int, dest: int, length: int) -> None:
+        """Row ``source``'s slots ``[0, length)`` (and its whole validity) into row ``dest``."""
+        self.k[:, dest, :, :length] = self.k[:, source, :, :length]
+        self.v[:, dest, :, :length] = self.v[:, source, :, :length]
+        self.positions[dest] = self.positions[source]
+        self.valid[dest] = self.valid[source]
+
     def truncate(self, length: int) -> None:
         """Forget every slot from ``length`` on (e.g. roll back a teacher-forced probe)."""
         self.valid[:, length:] = False

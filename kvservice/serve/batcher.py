@@ -166,7 +166,8 @@ class ContinuousBatcher:
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         # The running batch: one row per active job.
         self._jobs: list[Job] = []
-        self._cache: KVCache | None = None
+        self._slots: KVCache | None = None  # room for max_batch rows; rows come and go in it
+        self._cache: KVCache | None = None  # its first rows: the running ones
         self._positions: torch.Tensor | None = None  # [B] position of each row's next token
         self._next_tokens: torch.Tensor | None = None  # [B] last sampled token per row
         # The batch cache's step recorded as a CUDA graph, where passes are (a GPU with
@@ -416,28 +417,25 @@ class ContinuousBatcher:
             log.exception("on_finish callback failed")
 
     def _add_row(self, job: Job, result: BlendResult, token: int) -> None:
-        """Merge the job's prefilled cache into the running batch as a new row."""
-        config, device = self.model.config, self.model.device
+        """Put the job's prefilled cache into the running batch as a new row: into the
+        batch's slots where they have room (one row copied), else into new, larger slots."""
         n = result.num_tokens
-        old = self._cache
-        length = max(n, old.length if old is not None else 0)
+        rows = len(self._jobs)
+        length = max(n, self._cache.length if self._cache is not None else 0)
         remaining = [j.sampling.max_tokens - len(j.tokens) for j in (*self._jobs, job)]
-        capacity = length + max(remaining) + 1
-        rows = len(self._jobs) + 1
-        cache = KVCache(config, rows, capacity, device, result.cache.k.dtype)
-        if old is not None:
-            used = old.length
-            cache.k[:, : rows - 1, :, :used] = old.k[:, :, :, :used]
-            cache.v[:, : rows - 1, :, :used] = old.v[:, :, :, :used]
-            cache.positions[: rows - 1, :used] = old.positions[:, :used]
-            cache.valid[: rows - 1, :used] = old.valid[:, :used]
-        cache.k[:, rows - 1, :, :n] = result.cache.k[:, 0, :, :n]
-        cache.v[:, rows - 1, :, :n] = result.cache.v[:, 0, :, :n]
-        cache.positions[rows - 1, :n] = result.cache.positions[0, :n]
-        cache.valid[rows - 1, :n] = True
-        cache.length = length
-        self._cache, self._decoder = cache, None
+        needed = length + max(remaining) + 1
+        slots = self._slots
+        if slots is None or rows + 1 > slots.batch_size or needed > slots.capacity:
+            slots = self._new_slots(rows + 1, needed, result.cache.k.dtype)
+        slots.k[:, rows, :, :n] = result.cache.k[:, 0, :, :n]
+        slots.v[:, rows, :, :n] = result.cache.v[:, 0, :, :n]
+        slots.positions[rows, :n] = result.cache.positions[0, :n]
+        slots.valid[rows] = False  # what an earlier row left there is not this one's
+        slots.valid[rows, :n] = True
+        self._cache, self._decoder = slots.first_rows(rows + 1), None
+        self._cache.length = length
         self._jobs.append(job)
+        device = self.model.device
         new_position = torch.tensor([n], device=device)
         new_token = torch.tensor([token], device=device)
         self._positions = (
@@ -447,7 +445,38 @@ class ContinuousBatcher:
             new_token if self._next_tokens is None else torch.cat([self._next_tokens, new_token])
         )
         job.prefill_result = None  # its cache now lives in the batch
-        self.max_rows_seen = max(self.max_rows_seen, rows)
+        self.max_rows_seen = max(self.max_rows_seen, rows + 1)
+
+    def _new_slots(self, rows: int, needed: int, dtype: torch.dtype) -> KVCache:
+        """Slots for twice ``rows`` rows (at most ``max_batch``) of ``needed`` tokens and an
+        eighth more (the batch's length grows a slot a step while rows come and go), holding
+        the running rows; they replace the old ones."""
+        old = self._cache
+        capacity, room = needed + needed // 8, max(rows, min(2 * rows, self.max_batch))
+        slots = KVCache(self.model.config, room, capacity, self.model.device, dtype)
+        if old is not None:
+            used, running = old.length, old.batch_size
+            slots.k[:, :running, :, :used] = old.k[:, :, :, :used]
+            slots.v[:, :running, :, :used] = old.v[:, :, :, :used]
+            slots.positions[:running, :used] = old.positions[:, :used]
+            slots.valid[:running, :used] = old.valid[:, :used]
+        self._slots = slots
+        return slots
+
+    def _drop_rows(self, keep: list[int]) -> list[int]:
+        """Keep the rows ``keep`` (sorted): each row past the kept count moves into a row
+        left free (one row's copy each, not the batch's). Returns, for each row after, the
+        row it was before."""
+        count, kept = len(keep), set(keep)
+        free = [row for row in range(count) if row not in kept]
+        movers = [row for row in keep if row >= count]
+        order = [row if row in kept else movers[free.index(row)] for row in range(count)]
+        for dest, source in zip(free, movers, strict=True):
+            self._slots.move_row(source, dest, self._cache.length)
+        length = self._cache.length
+        self._cache, self._decoder = self._slots.first_rows(count), None
+        self._cache.length = length
+        return order
 
     @torch.no_grad()
     def _decode_step(self) -> None:
@@ -480,15 +509,11 @@ class ContinuousBatcher:
         if not keep:
             self._reset()
             return
-        index = torch.tensor(keep, device=self.model.device)
-        self._decoder = None  # new tensors: a new recording
-        cache.k = cache.k.index_select(1, index)
-        cache.v = cache.v.index_select(1, index)
-        cache.positions = cache.positions.index_select(0, index)
-        cache.valid = cache.valid.index_select(0, index)
-        self._jobs = [self._jobs[row] for row in keep]
-        self._positions = self._positions.index_select(0, index)
-        self._next_tokens = torch.tensor(next_tokens, device=self.model.device)
+        order = self._drop_rows(keep)  # a new view of the slots: a new recording
+        tokens = dict(zip(keep, next_tokens, strict=True))
+        self._jobs = [self._jobs[row] for row in order]
+        self._positions = self._positions[torch.tensor(order, device=self.model.device)]
+        self._next_tokens = torch.tensor([tokens[row] for row in order], device=self.model.device)
 
     def _note_decode(self, began: float) -> None:
         """The decode step's time, sampling included, as a moving average."""
@@ -500,5 +525,6 @@ class ContinuousBatcher:
         return model.device.type == "cuda" and getattr(model, "pass_graphs", None) is not None
 
     def _reset(self) -> None:
+        """No rows: the slots go back too (a later batch sizes its own)."""
         self._jobs, self._cache, self._positions, self._next_tokens = [], None, None, None
-        self._decoder = None
+        self._decoder, self._slots = None, None

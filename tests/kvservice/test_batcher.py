@@ -170,6 +170,40 @@ def test_waiting_questions_are_told_their_place_until_they_start(engine):
     assert all(answer.reason == "length" and len(answer.tokens) == 4 for answer in answers)
 
 
+def test_rows_come_and_go_in_the_batchs_slots_without_copying_the_batch(engine):
+    """A row that leaves frees its slot for the next to join: one allocation for the three
+    answers below (B leaves, C takes its slot), and each answer's tokens as when alone."""
+    prompt = engine.format.build(PASSAGES[:2], "When was the harbour closed?")
+
+    def request(tokens: int) -> Request:
+        return Request(prompt, [None] * len(prompt.chunk_ids), "full",
+                       sampling=SamplingParams(max_tokens=tokens))  # fmt: skip
+
+    alone = []
+    for tokens in (40, 6, 6):
+        batcher = ContinuousBatcher(engine.model, engine.tokenizer).start()
+        answer = _Answer()
+        batcher.submit(answer.job(engine, request(tokens)))
+        assert answer.done.wait(120)
+        batcher.close()
+        alone.append(answer.tokens)
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer, max_batch=2).start()
+    made = []
+    new_slots = batcher._new_slots
+    batcher._new_slots = lambda *args: made.append(args) or new_slots(*args)
+    a, b, c = _Answer(), _Answer(), _Answer()
+    try:
+        batcher.submit(a.job(engine, request(40)))
+        batcher.submit(b.job(engine, request(6)))
+        assert b.done.wait(120)
+        batcher.submit(c.job(engine, request(6)))  # A still writing: C takes B's slot
+        assert a.done.wait(120) and c.done.wait(120)
+    finally:
+        batcher.close()
+    assert [a.tokens, b.tokens, c.tokens] == alone and len(a.tokens) == 40
+    assert len(made) == 1 and made[0][0] == 1  # the first row's: room for two
+
+
 def test_the_step_budget_setting():
     assert StepBudget.from_env({}) == StepBudget()
     assert StepBudget.from_env({"ENGINE_STEP_BUDGET": " Auto "}).seconds is None
