@@ -18,7 +18,9 @@ This package sits above the product (``kvservice``, ``webapp``) and the dev stac
 * ``answers``: ``python -m bench.answers``, what the user reads (loops, citations, not found);
 * ``ingest``: ``python -m bench.ingest``, ingest throughput (or, ``--url``, through a stack);
 * ``api``: ``python -m bench.api``, TTFT as the user sees it, through a running stack's API;
-* ``routing``: ``python -m bench.routing``, cache-aware against random routing, two workers.
+* ``routing``: ``python -m bench.routing``, cache-aware against random routing, two workers;
+* ``serving``: ``python -m bench.serving``, many users at once: Poisson arrivals through the
+  streamed API per mode and rate (vLLM's own server as a mode), and the capacity.
 
 Shared helpers: ``data`` (the shared data folder, Musique passages), ``stats`` (quantile,
 bootstrap interval), ``timing`` (device-synchronized timers), ``s3`` (the SeaweedFS gateway
