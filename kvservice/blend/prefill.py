@@ -91,14 +91,17 @@ from kvservice.chunk import LayeredKV
 from kvservice.model.transformer import KVCache, Transformer
 
 T = TypeVar("T")
-# A computation that pauses (yields None) after each layer it runs and returns a T.
-Steps = Generator[None, None, T]
+# A computation that pauses after each layer it runs (yielding None), or while the cached KV
+# of its next layer is still on its way from the store (yielding LOADING), and returns a T.
+LOADING = "loading"
+Steps = Generator[str | None, None, T]
 
 __all__ = [
     "MODES",
     "BlendResult",
     "BlendSettings",
     "Mode",
+    "LOADING",
     "Steps",
     "blend_prefill",
     "blend_prefill_steps",
@@ -199,6 +202,8 @@ def _run_pass(
             )
         plan = plans[window]
         if placings and i >= place_from:
+            while not _layer_ready(placings, i):
+                yield LOADING
             place_sources(cache, i, placings, cos_all, sin_all)
         # q, k and v in the cache's dtype: [1, H, S, D]; [1, H_kv, S, D]
         q, k_rot, v, k_pre = layer.project(x, cos_a, sin_a, cache.k.dtype)
@@ -222,6 +227,15 @@ def _run_pass(
         yield
     logits = model.logits(x[0, -1]) if until == config.n_layers else None
     return _Pass(logits, torch.stack(attention) if attention else None)
+
+
+def _layer_ready(placings, i: int) -> bool:
+    """Whether every cached source has layer ``i`` at hand (a store's loader may not yet)."""
+    return all(
+        getattr(seg.source, "layer_ready", None) is None or seg.source.layer_ready(i)
+        for placing in placings
+        for seg in placing.segments
+    )
 
 
 def _at_active(ropes: list[tuple[torch.Tensor, torch.Tensor]], active: torch.Tensor):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvservice.blend.prefill import BlendResult
+from kvservice.blend.prefill import LOADING, BlendResult
 from kvservice.model.decode_graph import DecodeGraph
 from kvservice.model.transformer import KVCache, Transformer
 from kvservice.serve.compute_threads import use_threads
@@ -49,6 +49,7 @@ BUDGET_ENV = "ENGINE_STEP_BUDGET"
 PAUSE_TARGET_S = 0.3
 MIN_SLICE_S = 0.05
 LONG_PIECE_S = 0.3  # a piece of work longer than this while answers stream is logged
+LOADING_WAIT_S = 0.002  # a prefill waiting for its KV with nothing else to run: this sleep
 
 
 @dataclass(frozen=True)
@@ -293,10 +294,14 @@ class ContinuousBatcher:
                 break
             ran = True
             layer_began = time.perf_counter()
-            self._advance(work)
+            loading = self._advance(work) == LOADING
             layer_s = time.perf_counter() - layer_began
             work.compute_s += layer_s
             self._note_piece(layer_s)
+            if loading:  # its KV is on its way: decode steps meanwhile, or a short wait
+                if not self._jobs:
+                    time.sleep(LOADING_WAIT_S)
+                break
         if ran and self._jobs:
             self.slices += 1
 
@@ -318,14 +323,14 @@ class ContinuousBatcher:
             self._work = _Work(job, job_steps)
         return self._work
 
-    def _advance(self, work: _Work) -> None:
-        """One layer of ``work``; at its end, what follows it (``_prefilled``, ``_upgraded``)."""
+    def _advance(self, work: _Work) -> str | None:
+        """One layer of ``work`` (what it yielded: ``LOADING`` when it waits for its KV); at
+        its end, what follows it (``_prefilled``, ``_upgraded``)."""
         if self._cut(work.job):
             self._work = None
-            return
+            return None
         try:
-            next(work.steps)
-            return
+            return next(work.steps)
         except StopIteration as done:
             result = done.value
         except Exception as err:
@@ -338,6 +343,7 @@ class ContinuousBatcher:
             self._prefilled(work, result)
         else:
             self._upgraded(work, result)
+        return None
 
     def _prefilled(self, work: _Work, result: BlendResult) -> None:
         """A prefill done: its first token; then its upgrade, or its row in the batch."""

@@ -177,6 +177,17 @@ class StoreLayeredKV:
             return self.__dict__["num_tokens"]
         raise AttributeError(name)
 
+    def layer_ready(self, index: int) -> bool:
+        """Whether ``layer(index)`` would return without waiting for the store: a prefill
+        asks first, and pauses while it would (the batch's decode steps go on meanwhile)."""
+        if not self._ready.is_set():
+            return False
+        if self._chunk is not None or self._error is not None:
+            return True
+        self._schedule(range(index, min(self.num_layers, index + 1 + self._loader.prefetch_depth)))
+        future = self._futures.get(index)
+        return future is None or future.done()
+
     def layer(self, index: int) -> LayerKV:
         self._wait_ready()
         if self._chunk is not None:

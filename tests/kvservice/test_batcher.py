@@ -204,6 +204,61 @@ def test_rows_come_and_go_in_the_batchs_slots_without_copying_the_batch(engine):
     assert len(made) == 1 and made[0][0] == 1  # the first row's: room for two
 
 
+class _GatedKV:
+    """A chunk's KV that is not at hand until ``opened`` is set, as a store loader's layers
+    before they arrive (``StoreLayeredKV.layer_ready``)."""
+
+    def __init__(self, chunk, opened: threading.Event) -> None:
+        self.chunk, self.opened, self.asked = chunk, opened, 0
+        self.num_tokens, self.token_ids = chunk.num_tokens, chunk.token_ids
+
+    def layer_ready(self, index: int) -> bool:
+        self.asked += 1
+        return self.opened.is_set()
+
+    def layer(self, index: int):
+        assert self.opened.is_set(), "read before it arrived"
+        return self.chunk.layer(index)
+
+
+def test_a_prefill_waiting_for_its_kv_lets_the_open_answers_stream(engine):
+    """A prefill whose chunks' KV has not arrived pauses (it does not hold the batch while it
+    waits): the open answer's tokens keep coming, and the prefill ends as it would have."""
+    streaming = engine.format.build(PASSAGES[:1], "When was the lighthouse first lit?")
+    waiting = engine.format.build(PASSAGES[1:3], "When did the evening boat stop?")
+    chunks = engine.precompute(waiting.chunk_ids)
+
+    def answer_of(gates: threading.Event, submit_first: Request | None) -> tuple:
+        batcher = ContinuousBatcher(engine.model, engine.tokenizer).start()
+        a, b = _Answer(), _Answer()
+        gated = [_GatedKV(chunk, gates) for chunk in chunks]
+        try:
+            if submit_first is not None:
+                batcher.submit(a.job(engine, submit_first))
+                while len(a.tokens) < 2:
+                    time.sleep(0.005)
+            reuse = Request(waiting, gated, "reuse", sampling=SamplingParams(max_tokens=5))
+            batcher.submit(b.job(engine, reuse))
+            before = len(a.tokens)
+            time.sleep(1.0)  # its KV is "on its way" for a second
+            during = len(a.tokens) - before
+            gates.set()
+            assert b.done.wait(120) and (submit_first is None or a.done.wait(120))
+        finally:
+            batcher.close()
+        return b.tokens, during, sum(g.asked for g in gated)
+
+    opened = threading.Event()
+    opened.set()
+    alone, _, _ = answer_of(opened, None)
+    long = Request(streaming, [None] * len(streaming.chunk_ids), "full",
+                   sampling=SamplingParams(max_tokens=200))  # fmt: skip
+    tokens, during, asked = answer_of(threading.Event(), long)
+    assert tokens == alone and len(tokens) == 5
+    assert during >= 3, during  # held by a blocking wait, the open answer would get none
+    assert asked > len(chunks)  # it asked again while the KV was "loading"
+
+
 def test_the_step_budget_setting():
     assert StepBudget.from_env({}) == StepBudget()
     assert StepBudget.from_env({"ENGINE_STEP_BUDGET": " Auto "}).seconds is None
