@@ -8,6 +8,7 @@ import asyncio
 import json
 import statistics
 import xml.etree.ElementTree as ElementTree
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,8 @@ from bench.serving import (
     summarize,
     timings_of,
 )
+
+MUSIQUE_PASSAGES = Path(__file__).resolve().parents[1] / "data" / "musique_passages.json"
 
 
 def test_poisson_schedule_is_seeded_starts_at_zero_and_has_the_rate_on_average() -> None:
@@ -217,8 +220,20 @@ def test_a_tiny_run_against_the_suites_stack_writes_every_figure(
     user = django_user_model.objects.create_user(username="bench", password="x", is_staff=True)
     _, key = api_key_create(user=user, name="serving bench")
     out = tmp_path / "serving.json"
+    data = tmp_path / "musique.json"  # two examples as musique_dev.json holds them
+    passages = json.loads(MUSIQUE_PASSAGES.read_text())["passages"]
+    data.write_text(json.dumps([
+        {"question": "Who developed the thriller television series for NBC?",
+         "answers": ["bryan fuller"], "ctxs": [{"title": "Hannibal", "text": passages[0]}]},
+        {"question": "When was the play Hannibal and Scipio first performed?",
+         "answers": ["1635"], "ctxs": [{"title": "Hannibal and Scipio", "text": passages[1]}]},
+    ]))  # fmt: skip
     code = main(
         [
+            "--data",
+            str(data),
+            "--first",
+            "0",
             "--url",
             live_server.url,
             "--api-key",

@@ -130,6 +130,7 @@ def test_dashboard_shows_the_answers_streaming_waiting_and_the_step_budget(staff
     batcher._jobs, batcher._work = [object()] * 3, object()
     batcher._waiting, batcher._incoming = [object()] * 2, queue.Queue()
     batcher.steps, batcher.slices, batcher.upgrades_skipped, batcher._decode_s = 40, 12, 1, 0.05
+    batcher.longest_piece_s = 0.2
     batcher.budget = StepBudget()
     page = _page_with_heartbeat(staff_client, batch=batcher.stats())
     line = " ".join(page.split('id="answering-state"')[1].split("</p>")[0].split())
