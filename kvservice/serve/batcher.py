@@ -9,10 +9,14 @@ budget (``StepBudget``), so no open stream waits longer than one step while othe
 questions prefill (Sarathi-Serve's stall-free batching, arXiv 2403.02310, here with the
 slice run beside the decode step rather than fused into it). With no open answer a prefill
 runs whole. The work, one piece at a time, oldest first: a question's prefill up to its
-first token (``kvservice.blend.prefill.blend_prefill_steps`` pauses after each layer), then,
-for a progressive blend, its upgrade (``refresh_steps``), which is skipped while other
-questions wait for their first token (the answer's metrics say so). A question waits in the
-queue while the batch is full.
+first token (``kvservice.blend.prefill.blend_prefill_steps`` pauses after each layer). A
+progressive blend's upgrade (``refresh_steps``) is the lowest-priority work: its answer
+joins the batch at once and streams from the first-pass cache while the upgrade runs in the
+slices no prefill wants; when it is done, the tokens decoded meanwhile are computed again
+over the upgraded cache and the row's cache is replaced (the next tokens read it). One
+upgrade runs at a time; one that would start while questions wait, or while another runs,
+is skipped, and one whose answer ended first is dropped (the answer's metrics say which).
+A question waits in the queue while the batch is full.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ PAUSE_TARGET_S = 0.3
 MIN_SLICE_S = 0.05
 LONG_PIECE_S = 0.3  # a piece of work longer than this while answers stream is logged
 LOADING_WAIT_S = 0.002  # a prefill waiting for its KV with nothing else to run: this sleep
+# why a progressive blend's upgrade did not happen (the answer's metrics say it)
+UPGRADE_SKIPPED = "other questions were waiting"
+UPGRADE_DROPPED = "the answer ended before its upgrade"
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,8 @@ class Job:
     # progressive blend: (result, first token) -> the steps of the cache's upgrade with that
     # token (returning the upgraded result), or None
     refresh: Callable[[BlendResult, int], Generator[None, None, BlendResult] | None] | None = None
-    on_refresh: Callable[[float | None], None] | None = None  # compute seconds; None: skipped
+    # the upgrade's outcome: its compute seconds, or why it did not happen (UPGRADE_SKIPPED...)
+    on_refresh: Callable[[float | str], None] | None = None
     # its place while it waits: questions ahead of it (0: next), then None once it starts
     on_queue: Callable[[int | None], None] | None = None
     # Filled in by the batcher:
@@ -140,7 +148,7 @@ class Job:
 @dataclass
 class _Work:
     """A job's pending prefill (``first`` is None) or progressive upgrade (``first``: its
-    first token), paused between layers."""
+    first token, already in the batch), paused between layers."""
 
     job: Job
     steps: Generator[None, None, BlendResult]
@@ -162,7 +170,8 @@ class ContinuousBatcher:
         self.threads = threads or torch.get_num_threads()
         self._incoming: queue.Queue[Job] = queue.Queue()
         self._waiting: deque[Job] = deque()  # taken from _incoming, not started
-        self._work: _Work | None = None  # the prefill or upgrade under way
+        self._work: _Work | None = None  # the prefill under way
+        self._upgrade: _Work | None = None  # the progressive upgrade under way (lowest priority)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         # The running batch: one row per active job.
@@ -179,6 +188,8 @@ class ContinuousBatcher:
         self.max_rows_seen = 0
         self.slices = 0  # steps that ran prefill work beside decode rows
         self.upgrades_skipped = 0
+        self.upgrades_dropped = 0
+        self.upgrade_lag_tokens = 0  # tokens streamed from the first-pass cache (the last upgrade)
         self.longest_piece_s = 0.0  # _note_piece
 
     def start(self) -> ContinuousBatcher:
@@ -211,7 +222,7 @@ class ContinuousBatcher:
             "slice_s": None if math.isinf(slice_s := self.budget.slice_s(self._decode_s))
             else round(slice_s, 4),
             "decode_step_s": round(self._decode_s, 4),
-            "upgrades_skipped": self.upgrades_skipped,
+            "upgrades_skipped": self.upgrades_skipped, "upgrades_dropped": self.upgrades_dropped,
             "longest_piece_s": round(self.longest_piece_s, 4),
         }  # fmt: skip
 
@@ -232,6 +243,7 @@ class ContinuousBatcher:
             except Exception:  # never let the loop die: fail the batch, keep serving
                 log.exception("batcher step failed; failing the running requests")
                 failed = [*self._jobs, *([self._work.job] if self._work else [])]
+                self._upgrade = None
                 for job in failed:
                     self._finish(job, "error", RuntimeError("the engine failed on this batch"))
                 self._work = None
@@ -314,19 +326,25 @@ class ContinuousBatcher:
                 log.warning("a piece of prefill work held the open answers for %.2f s", seconds)
 
     def _next_work(self) -> _Work | None:
-        """The work under way, else the oldest waiting question's prefill, room permitting."""
+        """The prefill under way, else the oldest waiting question's prefill, room permitting,
+        else the upgrade under way once its answer has had a decode step (``_upgraded``)."""
         if self._work is None and self._waiting and len(self._jobs) < self.max_batch:
             job = self._waiting.popleft()
             if job.place is not None:  # it was told a place: now it is started
                 self._tell_place(job, None)
             job_steps = job.prefill(job.sampling.max_tokens)
             self._work = _Work(job, job_steps)
-        return self._work
+        if self._work is not None:
+            return self._work
+        if self._upgrade is not None and len(self._upgrade.job.tokens) > 1:
+            return self._upgrade
+        return None
 
     def _advance(self, work: _Work) -> str | None:
         """One layer of ``work`` (what it yielded: ``LOADING`` when it waits for its KV); at
         its end, what follows it (``_prefilled``, ``_upgraded``)."""
-        if self._cut(work.job):
+        upgrade = work is self._upgrade
+        if not upgrade and self._cut(work.job):  # an upgrade's answer ends in the batch
             self._work = None
             return None
         try:
@@ -334,19 +352,26 @@ class ContinuousBatcher:
         except StopIteration as done:
             result = done.value
         except Exception as err:
-            log.exception("prefill failed" if work.first is None else "refresh failed")
-            self._work = None
+            log.exception("refresh failed" if upgrade else "prefill failed")
+            self._end(work)
             self._finish(work.job, "error", err)
-            return
-        self._work = None
-        if work.first is None:
-            self._prefilled(work, result)
-        else:
+            return None
+        self._end(work)
+        if upgrade:
             self._upgraded(work, result)
+        else:
+            self._prefilled(work, result)
         return None
 
+    def _end(self, work: _Work) -> None:
+        if work is self._upgrade:
+            self._upgrade = None
+        else:
+            self._work = None
+
     def _prefilled(self, work: _Work, result: BlendResult) -> None:
-        """A prefill done: its first token; then its upgrade, or its row in the batch."""
+        """A prefill done: its first token, its row in the batch, and for a progressive
+        blend its upgrade (when nobody waits and no other upgrade runs)."""
         job = work.job
         if job.on_prefill is not None:
             wall = time.perf_counter() - work.began
@@ -361,33 +386,51 @@ class ContinuousBatcher:
         if self._emit(job, token):
             return  # finished on its first token
         upgrade = None
-        if job.refresh is not None and self.waiting:  # others wait: no upgrade now
+        if job.refresh is not None and (self.waiting or self._upgrade is not None):
             self.upgrades_skipped += 1
-            self._report_refresh(job, None)
+            self._report_refresh(job, UPGRADE_SKIPPED)
         elif job.refresh is not None:
             try:
                 upgrade = job.refresh(result, token)
-            except Exception as err:
-                log.exception("refresh failed")
-                self._finish(job, "error", err)
-                return
-        if upgrade is not None:  # progressive blend: the cache upgraded before the 2nd token
-            self._work = _Work(job, upgrade, first=token)
-        else:
-            self._add_row(job, result, token)
+            except Exception:
+                log.exception("refresh failed; the answer goes on from its first-pass cache")
+        self._add_row(job, result, token)  # copies the cache: the upgrade then changes its own
+        if upgrade is not None:
+            self._upgrade = _Work(job, upgrade, first=token)
 
     def _upgraded(self, work: _Work, result: BlendResult) -> None:
-        """An upgrade done: it holds the first token, so its logits give the second."""
+        """An upgrade done (``result``: the cache after the prompt and the first token): the
+        tokens the answer decoded since, computed again over it, and the row's cache
+        replaced, so the next tokens read the upgraded cache. (An upgrade starts after its
+        answer's first decode step, so the row already holds the first token.)"""
         job = work.job
+        if job not in self._jobs:  # ended meanwhile (``_finish`` reported it)
+            return
+        row = self._jobs.index(job)
+        decoded = job.tokens[1:-1]  # in the row's cache after the first; the last is pending
+        if decoded:
+            n = result.num_tokens
+            positions = torch.arange(n, n + len(decoded), device=self.model.device)
+            ids = torch.tensor(decoded, device=self.model.device)
+            self.model(ids[None], positions[None], result.cache)  # its KV joins the cache
+        self._replace_row(row, result.cache)
+        self.upgrade_lag_tokens = len(job.tokens) - 1
         self._report_refresh(job, work.compute_s)
-        token = int(sample_next(result.logits[None], job.sampling, job.generator, job.history)[0])
-        if not self._emit(job, token):
-            self._add_row(job, result, token)
 
-    def _report_refresh(self, job: Job, seconds: float | None) -> None:
+    def _replace_row(self, row: int, cache: KVCache) -> None:
+        """Row ``row``'s cache from batch-1 ``cache``: its slots in order onto the row's
+        valid slots (a row's decoded tokens sit wherever the batch was when it joined)."""
+        slots = self._cache.valid[row, : self._cache.length].nonzero().squeeze(1)
+        if slots.numel() != cache.length:
+            raise RuntimeError(f"upgrade of {cache.length} slots for a row of {slots.numel()}")
+        count = slots.numel()
+        self._slots.k[:, row].index_copy_(2, slots, cache.k[:, 0, :, :count])
+        self._slots.v[:, row].index_copy_(2, slots, cache.v[:, 0, :, :count])
+
+    def _report_refresh(self, job: Job, outcome: float | str) -> None:
         if job.on_refresh is not None:
             try:
-                job.on_refresh(seconds)
+                job.on_refresh(outcome)
             except Exception:
                 log.exception("on_refresh callback failed")
 
@@ -417,6 +460,10 @@ class ContinuousBatcher:
         return True
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        if self._upgrade is not None and self._upgrade.job is job:  # said before the end
+            self._upgrade = None
+            self.upgrades_dropped += 1
+            self._report_refresh(job, UPGRADE_DROPPED)
         try:
             job.on_finish(reason, error)
         except Exception:

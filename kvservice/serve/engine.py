@@ -169,14 +169,14 @@ class Engine:
         should_stop: Callable[[], bool] = lambda: False,
         deadline: float = float("inf"),
         on_prefill: Callable[[BlendResult, PrefillTimes], None] | None = None,
-        on_refresh: Callable[[float, float | None], None] | None = None,
+        on_refresh: Callable[[float, float | str], None] | None = None,
         on_queue: Callable[[int | None], None] | None = None,
     ) -> Job:
         """Queue the request in the batch: ``on_token(text, token_id)`` for each token and
         ``on_finish(reason, error)`` once, both from the batcher's thread, and
         ``on_prefill(result, times)`` after the prefill (the result keeps the prompt's
-        cache after the batch has copied it), ``on_refresh(ratio, seconds)`` after a
-        progressive blend's upgrade (seconds None: skipped, other questions were waiting),
+        cache after the batch has copied it), ``on_refresh(ratio, outcome)`` once a
+        progressive blend's upgrade is done (its compute seconds) or did not happen (why),
         ``on_queue(ahead)`` while it waits (then None once it starts). The returned job holds
         the TTFT and tokens."""
         ratio = self.refresh_ratio_for(request)
@@ -188,7 +188,7 @@ class Engine:
             on_token=on_token, on_finish=on_finish, should_stop=should_stop, deadline=deadline,
             on_prefill=on_prefill, refresh=self._refresher(ratio),
             on_refresh=None if ratio is None or on_refresh is None
-            else lambda seconds: on_refresh(ratio, seconds),
+            else lambda outcome: on_refresh(ratio, outcome),
             on_queue=on_queue,
         )  # fmt: skip
         with self._start_lock:
@@ -212,8 +212,8 @@ class Engine:
     ) -> Callable[[BlendResult, int], Steps[BlendResult] | None] | None:
         """Progressive blend at ``ratio`` (``refresh_ratio_for``): the steps of the cache's
         upgrade once the first token is known (docs/blend.md: validation KL 0.0414 -> 0.0261
-        at 0.10, the second token ~0.8 s after the first on 2 CPU cores); None for the
-        others."""
+        at 0.10), run while the answer streams from its first-pass cache
+        (``kvservice.serve.batcher``); None for the others."""
         if ratio is None:
             return None
 
@@ -231,7 +231,7 @@ class Engine:
         should_stop: Callable[[], bool] = lambda: False,
         deadline: float = float("inf"),
         on_prefill: Callable[[BlendResult, PrefillTimes], None] | None = None,
-        on_refresh: Callable[[float, float | None], None] | None = None,
+        on_refresh: Callable[[float, float | str], None] | None = None,
         on_queue: Callable[[int | None], None] | None = None,
     ) -> Iterator[TokenEvent]:
         """The request's tokens as the batch produces them, each as soon as it is sampled

@@ -107,6 +107,10 @@ class NativeRuntime:
             state["kv_bytes_per_token"] = (
                 2 * config.n_layers * config.n_kv_heads * config.head_dim * element
             )
+            # the dashboard's per-token figures are the running model's, not a constant's
+            state["model_shape"] = {"layers": config.n_layers, "kv_heads": config.n_kv_heads,
+                                    "head_dim": config.head_dim}  # fmt: skip
+            state["model_fingerprint"] = self.model.fingerprint  # its chunk keys' first part
             state["batch"] = self.engine.batcher.stats()
             state["prefix_cache"] = self.prefix_cache.stats()
             state["buffers"] = KV_BUFFERS.stats()
@@ -255,8 +259,8 @@ class NativePlan:
         self._result: BlendResult | None = None
         self._prefill_s: float | None = None  # the prefill's compute (its slices)
         self._times: PrefillTimes | None = None
-        # progressive blend: (ratio, seconds; None where skipped for waiting questions)
-        self._refreshed: tuple[float, float | None] | None = None
+        # progressive blend: (ratio, its upgrade's compute seconds, or why there was none)
+        self._refreshed: tuple[float, float | str] | None = None
 
     def _choose_loads(self, prompt: Prompt, located) -> list[bool]:
         """The loading controller's per-chunk choice over the located chunks: a chunk whose
@@ -286,8 +290,8 @@ class NativePlan:
     def _prefilled(self, result: BlendResult, times: PrefillTimes) -> None:
         self._result, self._prefill_s, self._times = result, times.compute_s, times
 
-    def _upgraded(self, ratio: float, seconds: float | None) -> None:
-        self._refreshed = ratio, seconds
+    def _upgraded(self, ratio: float, outcome: float | str) -> None:
+        self._refreshed = ratio, outcome
 
     def finish(self) -> dict[str, Any]:
         runtime, result = self.runtime, self._result
@@ -301,8 +305,8 @@ class NativePlan:
             metrics["queue_s"] = round(self._times.queued_s, 4)
             metrics["prefill_wall_s"] = round(self._times.wall_s, 4)
         load = self.batch.stats() if self.batch is not None else None
-        if self._refreshed is not None and self._refreshed[1] is None:
-            metrics["refresh_skipped"] = "other questions were waiting"
+        if self._refreshed is not None and isinstance(self._refreshed[1], str):
+            metrics["refresh_skipped"] = self._refreshed[1]
         elif self._refreshed is not None:  # progressive blend upgraded the cache
             metrics["refresh_ratio"] = self._refreshed[0]
             metrics["refresh_s"] = round(self._refreshed[1], 4)

@@ -1,19 +1,24 @@
 """Stall-free steps: an open answer keeps streaming while other questions prefill, with the
-same tokens as when prefills run whole; the upgrade of a progressive blend gives way to
-waiting questions; a question whose reader left never starts."""
+same tokens as when prefills run whole; the upgrade of a progressive blend runs while its
+answer streams, lands exactly, and gives way to waiting questions; a question whose reader
+left never starts."""
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
 
 import pytest
+import torch
 
+from kvservice.blend.prefill import refresh
 from kvservice.prompt import PromptFormat
 from kvservice.serve.batcher import (
     MIN_SLICE_S,
     PAUSE_TARGET_S,
+    UPGRADE_SKIPPED,
     ContinuousBatcher,
     Job,
     StepBudget,
@@ -129,9 +134,60 @@ def test_a_progressive_upgrade_gives_way_to_waiting_questions(smollm2, smollm2_t
     finally:
         progressive.close()
     # the first two reach their first token while others wait: no upgrade; the last does
-    assert reports[0] == [(0.6, None)] and reports[1] == [(0.6, None)]
+    assert reports[0] == [(0.6, UPGRADE_SKIPPED)] and reports[1] == [(0.6, UPGRADE_SKIPPED)]
     assert len(reports[2]) == 1 and reports[2][0][0] == 0.6 and reports[2][0][1] > 0
     assert progressive.batcher.upgrades_skipped == 2
+
+
+def test_a_progressive_upgrade_lands_while_its_answer_streams(engine):
+    """The answer streams from its first-pass cache while the upgrade runs (one layer a
+    step here); when the upgrade lands, the tokens decoded meanwhile are computed again over
+    it and every later token reads the upgraded cache: the same tokens as decoding by hand
+    from the first-pass cache up to that point, then from the upgraded one."""
+    prompt = engine.format.build(PASSAGES[:3], "When was the evening boat stopped?")
+    chunks = engine.precompute(prompt.chunk_ids)
+    request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=48))
+    answer, landed = _Answer(), []
+    job = answer.job(
+        engine, request, refresh=engine._refresher(0.6),
+        on_refresh=lambda outcome: landed.append((outcome, len(answer.tokens))),
+    )  # fmt: skip
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=StepBudget(0.001))
+    batcher.start()
+    try:
+        batcher.submit(job)
+        assert answer.done.wait(300)
+    finally:
+        batcher.close()
+    assert len(landed) == 1 and isinstance(landed[0][0], float), landed
+    streamed = landed[0][1]  # tokens sampled before the upgrade landed
+    assert 3 <= streamed < 48 and batcher.upgrade_lag_tokens == streamed - 1
+    assert len(answer.tokens) == 48
+    model = engine.model
+    low = engine.prefill(request, extra_capacity=48)
+    expected = [int(low.logits.argmax())]
+    expected += _greedy(model, low.cache, low.num_tokens, expected, streamed - 1)
+    upgraded = refresh(model, low, expected[:1], 0.6)  # the prefill's cache, upgraded
+    n = upgraded.num_tokens
+    expected += _greedy(model, upgraded.cache, n, expected[1:], 48 - streamed, fed=True)
+    assert answer.tokens == expected
+
+
+def _greedy(model, cache, position, tokens, count, fed=False) -> list[int]:
+    """``count`` greedy tokens after ``tokens`` over a copy of ``cache`` (whose first
+    ``position`` slots are filled): with ``fed``, every one of ``tokens`` is fed first, else
+    only the last (the others are in the cache)."""
+    cache = copy.deepcopy(cache)
+    feed = list(tokens) if fed else list(tokens[-1:])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(count):
+            positions = torch.arange(position, position + len(feed))
+            logits, _ = model(torch.tensor([feed]), positions[None], cache)
+            position += len(feed)
+            feed = [int(logits[0].argmax())]  # logits: [1, V], the last token's
+            out.append(feed[0])
+    return out
 
 
 def test_a_waiting_question_whose_reader_left_never_starts(engine):
