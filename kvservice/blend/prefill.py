@@ -134,10 +134,6 @@ class BlendResult:
     plan: RecomputePlan | None = field(default=None, repr=False)
     token_ids: torch.Tensor | None = field(default=None, repr=False)
 
-    @property
-    def next_position(self) -> int:
-        return self.num_tokens
-
 
 @dataclass
 class _Pass:

@@ -55,8 +55,6 @@ HEADER_PROBE_BYTES = 16 << 10
 FLAG_V_ROTATED = 1  # version 2's flags byte: V stored turned by a Hadamard matrix
 K_PRE_ROPE = 0
 K_POST_ROPE = 1
-QUANT_NONE = RAW  # version 1's names for its two kinds
-QUANT_INT8_PER_TOKEN = INT8
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}

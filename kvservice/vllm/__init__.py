@@ -7,7 +7,7 @@ vLLM V1 KV connector.
   runs inside vLLM's worker process on the weights vLLM already holds (see its docstring
   for why, and what a second copy would cost).
 * ``engine``: ``VllmEngine``, requests in every mode (full / prefix / reuse / blend) through
-  one vLLM ``AsyncLLM``; ``runtime`` and ``answer``: the inference worker's ``ENGINE=vllm``.
+  one vLLM ``AsyncLLM``; ``runtime``: the inference worker's ``ENGINE=vllm``.
 
 Nothing here is imported unless ``ENGINE=vllm`` (or the bench/tests) ask for it: vLLM is
 an optional install (``make vllm``; see the Makefile). Its bench is ``bench/prefill_vllm.py``
