@@ -72,16 +72,22 @@ def greedy_answer(
 
 
 def progressive_logits(
-    model: Transformer, prefill: Callable[[], BlendResult], ratio: float, answer: list[int]
-) -> torch.Tensor:
-    """Teacher-forced logits of progressive blend (``--refresh``): the first position's from
-    the prefill, the later ones over its cache refreshed to ``ratio`` with the first answer
-    token (``kvservice.blend.prefill.refresh``)."""
+    model: Transformer, prefill: Callable[[], BlendResult], ratio: float, answer: list[int],
+    lag: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """Teacher-forced logits of progressive blend (``--refresh``): the first ``lag``
+    positions' over the prefill's own cache, the later ones over its cache refreshed to
+    ``ratio`` with the first answer token (``kvservice.blend.prefill.refresh``) and the
+    answer since. ``lag`` 1: the upgrade before the second token; in the product the answer
+    streams while the upgrade runs, and it lands a few tokens later
+    (``kvservice.serve.batcher``)."""
     result = prefill()
-    if len(answer) < 2:
-        return result.logits[None]
+    if len(answer) <= lag:
+        return teacher_forced_logits(model, result, answer)
+    before = teacher_forced_logits(model, result, answer[:lag])  # positions 0 .. lag-1
     upgraded = refresh(model, result, answer[:1], ratio)
-    return torch.cat([result.logits[None], teacher_forced_logits(model, upgraded, answer[1:])])
+    after = teacher_forced_logits(model, upgraded, answer[1:])  # positions 1 ..
+    return torch.cat([before, after[lag - 1 :]])
 
 
 def progressive_greedy(

@@ -263,7 +263,7 @@ def _mode_row(key, prefill: _Prefill, timings: _Timings, reference: _Reference, 
     if key in args.refresh_keys:
         upgrade = args.refresh_keys[key]
         again = functools.partial(prefill, f"{key}/untimed", mode, ratio)
-        logits = progressive_logits(model, again, upgrade, reference.forced)
+        logits = progressive_logits(model, again, upgrade, reference.forced, args.refresh_lag)
         greedy = progressive_greedy(model, again, upgrade, args.max_new_tokens, stop_ids)
         progressive = {"second_token_s": statistics.median(timings.second[key]),
                        "refresh_ratio": upgrade}  # fmt: skip
@@ -377,6 +377,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(kvservice.blend.prefill.refresh)",
     )  # fmt: skip
     parser.add_argument(
+        "--refresh-lag", type=int, default=1, metavar="N",
+        help="with --refresh: the upgrade lands after N answer tokens (1: before the second; "
+        "in the product the answer streams meanwhile and it lands a few tokens later)",
+    )  # fmt: skip
+    parser.add_argument(
         "--blend", action="append", default=[], metavar="NAME=VALUE",
         help="a blend_prefill setting for every mode, e.g. smooth_window=1 (repeatable)",
     )  # fmt: skip
@@ -406,6 +411,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--plot draws the --ratios curve: give --ratios too")
     args.plan = run_plan(args.modes, args.ratio, args.ratios)
     args.refresh_keys = {}  # progressive runs: key -> the ratio their cache is upgraded to
+    if args.refresh_lag < 1:
+        parser.error(f"--refresh-lag {args.refresh_lag}: at least 1")
     if args.refresh is not None:
         if "blend" not in args.modes or args.engine != "native":
             parser.error("--refresh upgrades a native blend: give blend in --modes")

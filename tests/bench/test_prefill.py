@@ -270,6 +270,15 @@ def test_progressive_logits_and_answer_come_from_the_refreshed_cache(tiny_llama)
     assert logits.shape == (4, later.shape[-1])
     torch.testing.assert_close(logits[0], blend(0.1).logits)
     torch.testing.assert_close(logits[1:], later[0], atol=1e-4, rtol=1e-4)
+    # landing after 3 tokens (as in the product, while the answer streams): the first three
+    # positions over the low ratio's cache, the last over the upgraded one
+    lagged = progressive_logits(tiny_llama, lambda: blend(0.1), 0.5, answer, lag=3)
+    low = blend(0.1)
+    before, _ = tiny_llama(torch.tensor([answer[:2]]), torch.arange(n, n + 2)[None], low.cache,
+                           all_logits=True)  # fmt: skip
+    torch.testing.assert_close(lagged[1:3], before[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lagged[3], later[0, 2], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(lagged[1], logits[1], atol=1e-4)  # the ratios' caches differ
     greedy = progressive_greedy(tiny_llama, lambda: blend(0.1), 0.5, 3, stop_ids=set())
     assert len(greedy) == 3 and greedy[0] == int(blend(0.1).logits.argmax())
 
