@@ -4,8 +4,9 @@ Starts PostgreSQL (+pgvector), the S3 gateway and valkey with their data under D
 records where they are in DATA_DIR/stack.json, migrates, creates the buckets and a first
 admin, then runs the web server, a Celery worker and the inference worker. A service or
 worker that dies is started again on the same port and data; one that keeps dying stops the
-stack with its name and log. Ctrl-C stops everything it started; the data stays for the next
-start.
+stack with its name and the end of its log. Ctrl-C stops everything it started; the data
+stays for the next start, its user's alone (files 0600, directories 0700). A ``MODEL_PATH``
+the inference worker would refuse stops it before anything starts, saying why.
 
 Any of DATABASE_URL, S3_ENDPOINT (+S3_ACCESS_KEY/S3_SECRET_KEY), REDIS_URL set in the
 environment replaces the embedded service of that kind.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from deploy import services
 from deploy.stack import data_dir, read_stack_env, write_stack_env
+from kvservice.model.bundled import ModelPathError, check_checkpoint_dir, check_gguf_file
 from kvservice.paths import kv_disk_dir
 
 BUCKETS = ("documents", "kvcache")
@@ -80,6 +82,7 @@ def stack_env(data: Path, started: list[tuple[int, services.RunningService]]) ->
 
 def start_services(data: Path) -> tuple[list[services.RunningService], dict[str, str]]:
     """Start the embedded services once (no supervision): for benches and tests."""
+    services.keep_private(data)
     started: list[tuple[int, services.RunningService]] = []
     try:
         for port, start in service_starters(data):
@@ -118,7 +121,7 @@ def run_child(
     name: str, argv: list[str], env: dict[str, str], log: Path | None
 ) -> services.RunningService:
     """A worker or the web server as a child process, its output appended to ``log``."""
-    out = open(log, "ab") if log else None  # noqa: SIM115 (the child keeps it)
+    out = services.open_private_log(log) if log else None  # the child keeps it
     try:
         process = subprocess.Popen(
             argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
@@ -165,6 +168,8 @@ class Supervised:
         if len(self.exits) > self.MAX_RESTARTS:
             print(f"\n{self.name} exited {len(self.exits)} times in "
                   f"{self.RESTART_WINDOW_S:.0f} s{where}; stopping.", file=sys.stderr)  # fmt: skip
+            if where:  # the reason is there: show it here, not only in a file
+                print(f"The end of its log:\n{services.log_tail(log, 15)}", file=sys.stderr)
             return False
         print(f"{self.name} exited with {code}{where}; starting it again.", file=sys.stderr)
         try:
@@ -229,9 +234,39 @@ def start_app(children: list[Supervised], env: dict[str, str], data: Path, port:
     children.append(Supervised(partial(run_child, "web server", web_server_argv(port), env, None)))
 
 
+MODEL_PATH_HELP = (
+    "Set MODEL_PATH to a model directory (config.json, *.safetensors, the tokenizer) or a "
+    ".gguf file, or unset it for the bundled model; `python -m kvservice.model.check PATH` "
+    "checks one."
+)
+
+
+def model_path_problem(model_path: str | None) -> str | None:
+    """Why the inference worker would refuse ``MODEL_PATH`` (None: it would not), in the
+    worker's own words: the checks ``kvservice.model.bundled.resolve_llm_path`` makes before
+    it converts a GGUF file. The worker finds out only once the stack is up, then exits until
+    the stack gives up a minute later; the launcher asks before it starts anything."""
+    if not model_path:
+        return None  # the bundled model
+    path = Path(model_path).expanduser()
+    try:
+        if path.suffix.lower() == ".gguf":
+            check_gguf_file(path)
+        else:
+            check_checkpoint_dir(path)
+    except ModelPathError as error:
+        return str(error)
+    return None
+
+
 def main() -> int:
+    os.umask(services.PRIVATE_UMASK)  # what the launcher and its children write: 0600, 0700
+    problem = model_path_problem(os.environ.get("MODEL_PATH"))
+    if problem:
+        print(f"MODEL_PATH: {problem}.\n{MODEL_PATH_HELP}", file=sys.stderr)
+        return 2
     data = data_dir()
-    data.mkdir(parents=True, exist_ok=True)
+    services.keep_private(data)  # what an older launcher left readable
     web_port = int(os.environ.get("PORT", "8000"))
     if not services.port_is_free(web_port):
         print(f"Port {web_port} is in use: set PORT to run another stack.", file=sys.stderr)

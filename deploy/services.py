@@ -15,6 +15,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 HOST = "127.0.0.1"
 
@@ -73,7 +75,7 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def _log_tail(path: Path, lines: int = 30) -> str:
+def log_tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -86,7 +88,7 @@ def _wait_until(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise ServiceStartError(f"{name} exited with {process.returncode}:\n{_log_tail(log)}")
+            raise ServiceStartError(f"{name} exited with {process.returncode}:\n{log_tail(log)}")
         try:
             if check():
                 return
@@ -94,7 +96,7 @@ def _wait_until(
             pass
         time.sleep(0.2)
     process.kill()
-    raise ServiceStartError(f"{name} did not answer within {timeout:.0f} s:\n{_log_tail(log)}")
+    raise ServiceStartError(f"{name} did not answer within {timeout:.0f} s:\n{log_tail(log)}")
 
 
 def die_with_parent(death_signal: int = signal.SIGTERM) -> Callable[[], None] | None:
@@ -112,16 +114,46 @@ def die_with_parent(death_signal: int = signal.SIGTERM) -> Callable[[], None] | 
     return preexec
 
 
+# What the services write under DATA_DIR (valkey's dump and append log hold passages,
+# questions and answer tokens; the logs hold answers too) is their user's alone: files 0600,
+# directories 0700, for the services, the launcher and everything it starts.
+PRIVATE_UMASK = 0o077
+
+
+def keep_private(directory: Path) -> None:
+    """Make ``directory`` and everything under it its owner's alone (0700 directories, 0600
+    files), for data written before the umask was set. Links are left alone: chmod would
+    follow them out of the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in [directory, *directory.rglob("*")]:
+        mode = path.lstat().st_mode
+        if stat.S_ISDIR(mode) and stat.S_IMODE(mode) != 0o700:
+            path.chmod(0o700)
+        elif stat.S_ISREG(mode) and stat.S_IMODE(mode) & 0o077:
+            path.chmod(stat.S_IMODE(mode) & 0o700)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_bytes(data)
+
+
+def open_private_log(log: Path) -> BinaryIO:
+    """``log`` opened for appending, created 0600 in a 0700 directory whatever the umask."""
+    log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return os.fdopen(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+
+
 def _spawn(
     cmd: list[str], log: Path, *, death_signal: int = signal.SIGTERM, **kwargs
 ) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
+    with open_private_log(log) as out:
         # A new session: Ctrl-C in the launcher's terminal reaches the launcher only, which
         # then stops each service in order (Celery before the broker, etc.).
         return subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with_parent(death_signal), **kwargs,
+            preexec_fn=die_with_parent(death_signal), umask=PRIVATE_UMASK, **kwargs,
         )  # fmt: skip
 
 
@@ -151,6 +183,10 @@ def _pg_run_as_kwargs(data: Path) -> dict:
     ensure_user_exists(PG_SYSTEM_USER)
     entry = pwd.getpwnam(PG_SYSTEM_USER)
     ensure_prefix_permissions(data)
+    # That opened DATA_DIR (and the directories above it) to everyone, so that the server's
+    # user reaches its directory: DATA_DIR lets that user's group through and no one else.
+    os.chown(data.parent, -1, entry.pw_gid)
+    data.parent.chmod(0o710)
     bin_dir = _pg_bin()
     ensure_prefix_permissions(bin_dir)
     ensure_folder_permissions(bin_dir, 0o055)
@@ -195,7 +231,8 @@ def start_postgres(
     socket_dir = data  # unix socket next to the data: no clash between stacks
     process = _spawn(
         [str(_pg_bin() / "postgres"), "-D", str(data), "-h", HOST, "-p", str(port),
-         "-k", str(socket_dir), "-c", "max_connections=200"],
+         "-k", str(socket_dir), "-c", "unix_socket_permissions=0700",
+         "-c", "max_connections=200"],
         log, death_signal=signal.SIGINT, **run_as,  # SIGINT: PostgreSQL's fast shutdown
     )  # fmt: skip
     url = f"postgres://ragblend:{password}@{HOST}:{port}/{database}"
@@ -243,18 +280,15 @@ def weed_ports(s3_port: int) -> dict[str, int]:
 
 # Every internal server ``weed mini`` opens (master, volume, filer, admin, their gRPC ports)
 # listens on 127.0.0.1, where any local user can reach it, and the master's HTTP API has no
-# authentication of its own (``/col/delete`` deleted every stored original). So each of them
-# speaks TLS and asks for a client certificate signed by a CA made at each start and kept
-# 0600 under DATA_DIR: only the S3 port, which checks keys, answers without one.
+# authentication of its own (``/col/delete`` deleted every stored original; the admin server's
+# ``/metrics`` named every bucket with its object count and size). So each of them speaks TLS
+# and asks for a client certificate signed by a CA made at each start and kept 0600 under
+# DATA_DIR: only the S3 port, which checks keys, answers without one. Nothing of ours reads
+# weed's metrics; weed's own readiness probe of the admin port takes its TLS refusal as up.
 _WEED_TLS_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker")
+_WEED_HTTPS_COMPONENTS = ("master", "volume", "filer", "admin")
 _WEED_JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing",
                       "jwt.filer_signing.read")  # fmt: skip
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_bytes(data)
 
 
 def _weed_certificates(tls: Path) -> tuple[Path, Path, Path]:
@@ -319,7 +353,7 @@ def _weed_security(data: Path) -> None:
     sections.append(f'[grpc]\nca = "{ca}"\n')
     sections += [f"[grpc.{component}]\n{pair}" for component in (*_WEED_TLS_COMPONENTS, "client")]
     sections += [f'[https.{component}]\n{pair}ca = "{ca}"\n'
-                 for component in ("master", "volume", "filer")]  # fmt: skip
+                 for component in _WEED_HTTPS_COMPONENTS]  # fmt: skip
     sections.append(f'[https.client]\nenabled = true\n{pair}ca = "{ca}"\n')
     _write_private(data / "security.toml", "\n".join(sections).encode())
 
@@ -343,13 +377,13 @@ def start_seaweedfs(
     """An S3 endpoint on 127.0.0.1:port with one admin identity; creates ``buckets``."""
     data = data_dir / "s3"
     data.mkdir(parents=True, exist_ok=True)
-    data.chmod(0o700)  # the volume files themselves are written 0644
+    data.chmod(0o700)  # weed writes its volume files 0644 (0600 under PRIVATE_UMASK)
     log = data_dir / "logs" / "seaweedfs.log"
     ports = weed_ports(port)
     cmd = [
         _weed_binary(), "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
         f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
-        "-webdav=false",
+        "-webdav=false", "-master.telemetry=false",  # weed reports cluster statistics home
         *(f"-{flag}={p}" for flag, p in ports.items()),
     ]  # fmt: skip
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
@@ -392,15 +426,14 @@ def start_valkey(
     data_dir: Path, *, port: int, password: str, timeout: float = 30
 ) -> RunningService:
     data = data_dir / "valkey"
-    data.mkdir(parents=True, exist_ok=True)
+    data.mkdir(mode=0o700, parents=True, exist_ok=True)
     log = data_dir / "logs" / "valkey.log"
     conf = data / "valkey.conf"
     # The password goes in a 0600 file, not on the command line where `ps` shows it.
-    conf.write_text(
+    _write_private(conf, (
         f"bind {HOST}\nport {port}\nrequirepass {password}\ndir {data}\n"
         "appendonly yes\nsave 60 1\nprotected-mode yes\n"
-    )
-    conf.chmod(0o600)
+    ).encode())  # fmt: skip
     process = _spawn([_valkey_binary(), str(conf)], log)
     url = f"redis://:{password}@{HOST}:{port}/0"
 
@@ -420,6 +453,5 @@ def dev_secret(data_dir: Path, name: str, nbytes: int = 24) -> str:
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     value = secrets.token_urlsafe(nbytes)
-    path.write_text(value)
-    path.chmod(0o600)
+    _write_private(path, value.encode())
     return value

@@ -21,6 +21,7 @@ import pytest
 
 from deploy import services
 from tests.conftest import ROOT, wait_for
+from tests.deploy.test_private_data import assert_private
 
 pytestmark = pytest.mark.slow
 
@@ -189,6 +190,9 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
         celery_log = data_dir / "logs" / "celery.log"
         wait_for(lambda: "reap_stale_answers" in celery_log.read_text() and
                  "succeeded" in celery_log.read_text(), timeout=60, what="the reaper task")  # fmt: skip
+
+        # All the stack wrote (logs, valkey's files, beat's schedule) is its user's alone.
+        assert_private(data_dir)
     finally:
         started = _stop(process, log) if process.poll() is None else []
     time.sleep(1)

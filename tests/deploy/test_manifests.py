@@ -6,8 +6,10 @@ Kubernetes schemas, and no environment variable in them that the code does not r
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -277,3 +279,49 @@ def test_manifests_set_only_variables_the_code_reads(rendered) -> None:
             set_here |= {variable["name"] for variable in container.get("env", [])}
     assert set_here, "no environment found in the manifests"
     assert not set_here - read, f"set but read by no code: {sorted(set_here - read)}"
+
+
+# --------------------------------------------------------------------------------------------
+# Private files: every role writes under umask 077
+
+
+def _image_entrypoint() -> list[str]:
+    dockerfile = (DEPLOY / "Dockerfile").read_text().splitlines()
+    (line,) = [line for line in dockerfile if line.startswith("ENTRYPOINT ")]
+    return json.loads(line.removeprefix("ENTRYPOINT "))
+
+
+def test_the_images_entrypoint_runs_the_role_under_umask_077(tmp_path) -> None:
+    """The entrypoint run here, as the image runs it, before a role that writes a file."""
+    written = tmp_path / "written"
+    role = [sys.executable, "-c",
+            "import sys; open(sys.argv[1], 'w').write('x'); print('role', sys.argv[2])",
+            str(written), "with 'quoted' args"]  # fmt: skip
+    result = subprocess.run(_image_entrypoint() + role, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "role with 'quoted' args\n"
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600
+
+
+def test_compose_keeps_the_images_entrypoints() -> None:
+    """No service replaces its image's entrypoint: Ragblend's sets umask 077, valkey's runs
+    valkey-server under umask 0077 (it does so for the command ``valkey-server``)."""
+    compose = _compose()
+    for name, service in compose["services"].items():
+        assert "entrypoint" not in service, name
+    assert compose["services"]["valkey"]["command"][0] == "valkey-server"
+
+
+def test_every_role_runs_through_the_images_entrypoint(rendered) -> None:
+    """``command:`` would replace the image's entrypoint (and its umask); ``args:`` only its
+    CMD. Each pod runs as the image's user, its volumes owned by that user's group."""
+    _, documents = rendered
+    workloads = [*_by_kind(documents, "Deployment").values(), *_by_kind(documents, "Job").values()]
+    assert len(workloads) >= 5
+    for workload in workloads:
+        container = _container(workload)
+        name = workload["metadata"]["name"]
+        assert "command" not in container and container["args"], name
+        pod = workload["spec"]["template"]["spec"]["securityContext"]
+        assert pod["runAsUser"] == 10001 and pod["fsGroup"] == 10001, name

@@ -10,6 +10,7 @@ import stat
 import threading
 from pathlib import Path
 
+import psutil
 from minio import Minio
 
 from deploy import services
@@ -117,3 +118,28 @@ def test_weed_ports_never_take_another_servers_grpc_port(monkeypatch) -> None:
     chosen = [s3, *ports.values()]
     for port in chosen:
         assert port + services.GRPC_OFFSET not in chosen
+
+
+def _listening_ports(pid: int) -> dict[int, str]:
+    """Every TCP port the process listens on, with its address (psutil reads /proc)."""
+    connections = psutil.Process(pid).net_connections(kind="tcp")
+    return {c.laddr.port: c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN}
+
+
+def test_every_port_the_s3_gateway_listens_on_refuses_a_client_without_the_certificate(
+    s3_service,
+) -> None:
+    """Not only the ports weed is told about: every one its process listens on (the admin
+    server's HTTP port served ``/metrics`` in plain HTTP: bucket names, object counts and
+    sizes). Without the certificate: the S3 port checks keys, the others refuse."""
+    assert "-master.telemetry=false" in s3_service.process.args  # nor does it tell anyone else
+    s3_port = int(s3_service.env["S3_ENDPOINT"].rsplit(":", 1)[1])
+    listening = _listening_ports(s3_service.process.pid)
+    assert s3_port in listening and len(listening) > 4, listening
+    assert set(listening.values()) == {"127.0.0.1"}, listening
+    for port in listening:
+        for path in ("/metrics", "/health", "/", "/dir/status"):
+            plain = _plain_http_answer(port, path)
+            assert not plain.startswith((b"HTTP/1.1 2", b"HTTP/1.0 2")), (port, path, plain)
+            if port != s3_port:
+                assert _tls_answer_without_certificate(port, path) == b"", (port, path)
