@@ -65,6 +65,9 @@ def _start_services() -> None:
             # tests (tests/webapp/accounts/test_ratelimits.py) set small ones.
             "LOGIN_RATE_LIMIT": "10000/m",
             "SIGNUP_RATE_LIMIT": "10000/m",
+            # Its tests (tests/webapp/accounts/test_account_lock.py) set the product's 10: the
+            # suite's users (alice, stella) take wrong passwords in many tests within its window.
+            "LOGIN_ACCOUNT_FAILURE_LIMIT": "10000",
         }
     )
 

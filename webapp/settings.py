@@ -123,6 +123,15 @@ AXES_LOCKOUT_TEMPLATE = "accounts/locked.html"
 # Renders AXES_LOCKOUT_TEMPLATE with Retry-After, as the rate limits' 429 (ratelimits.py).
 AXES_LOCKOUT_CALLABLE = "webapp.accounts.ratelimits.axes_lockout_response"
 AXES_VERBOSE = False
+# Per account, from any addresses (webapp/accounts/ratelimits.py): this many wrong passwords
+# for one username within LOGIN_ACCOUNT_LOCKOUT pause its password logins for that long.
+LOGIN_ACCOUNT_FAILURE_LIMIT = env.int("LOGIN_ACCOUNT_FAILURE_LIMIT", default=10)
+LOGIN_ACCOUNT_LOCKOUT = timedelta(minutes=env.int("LOGIN_ACCOUNT_LOCKOUT_MINUTES", default=15))
+if LOGIN_ACCOUNT_FAILURE_LIMIT < 1 or LOGIN_ACCOUNT_LOCKOUT <= timedelta(0):
+    raise ImproperlyConfigured(
+        "LOGIN_ACCOUNT_FAILURE_LIMIT and LOGIN_ACCOUNT_LOCKOUT_MINUTES must be 1 or more, got "
+        f"{LOGIN_ACCOUNT_FAILURE_LIMIT} and {LOGIN_ACCOUNT_LOCKOUT.total_seconds() / 60:g}."
+    )
 # Proxies in front of the web server that append to X-Forwarded-For (1 behind the Kubernetes
 # ingress): who a client is for axes and the rate limits (webapp/accounts/addresses.py).
 TRUSTED_PROXY_COUNT = env.int("TRUSTED_PROXY_COUNT", default=0)
@@ -339,7 +348,8 @@ CELERY_BEAT_SCHEDULE = {
 # root unless absolute). Absent until a validation run writes it.
 RATIO_CURVE_PATH = BASE_DIR / env.str("RATIO_CURVE_PATH", default="docs/ratio_curve.json")
 
-# How long /healthz waits for a Celery worker to answer a ping, and reuses its results.
+# How long /healthz waits for a Celery worker to answer a ping, and reuses a check's failure
+# (never an "up": webapp/health.py).
 HEALTH_PING_TIMEOUT_S = env.float("HEALTH_PING_TIMEOUT_S", default=1.0)
 HEALTH_CACHE_S = env.float("HEALTH_CACHE_S", default=5.0)
 # How long /healthz and /readyz wait for their checks, run at once (webapp/health.py); a check

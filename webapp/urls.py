@@ -6,7 +6,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 
 from webapp import health
-from webapp.accounts.ratelimits import limit_posts
+from webapp.accounts.ratelimits import limit_posts, lock_accounts
 from webapp.api.openai import openai_api
 from webapp.api.v1 import api as api_v1
 from webapp.kdn.api import kdn_api
@@ -22,8 +22,8 @@ urlpatterns = [
     path("api/v1/", api_v1.urls),
     path("v1/", openai_api.urls),  # OpenAI-compatible
     path("kdn/v1/", kdn_api.urls),  # knowledge delivery (docs/kdn.md)
-    # Admin's login page counts against the same per-address limit as ours.
-    path("admin/login/", limit_posts("login")(admin.site.login)),
+    # Admin's login page counts against the same per-address limit as ours, and locks accounts.
+    path("admin/login/", limit_posts("login")(lock_accounts(admin.site.login))),
     path("admin/", admin.site.urls),
     path("", RedirectView.as_view(pattern_name="chat:index"), name="home"),
     # Pages name their icon; a client that asks the conventional path anyway gets it too.

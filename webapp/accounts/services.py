@@ -1,12 +1,15 @@
 """Writes for accounts: users (added by staff, signing up, or through a staff member's invite),
-invites, API keys (create, revoke, authenticate) and their rate limit."""
+the locks on their password logins, invites, API keys (create, revoke, authenticate) and their
+rate limit."""
 
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 from datetime import timedelta
 
+from axes.utils import reset as axes_reset
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.password_validation import validate_password
@@ -15,7 +18,11 @@ from django.core.validators import validate_email
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from webapp import outages
 from webapp.accounts.models import ApiKey, Invite, secret_sha256
+from webapp.accounts.ratelimits import account_unlock
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "rbk_"  # recognisable in logs and secret scanners
 PREFIX_CHARS = 12  # "rbk_" + 8 random characters, shown in the key list
@@ -75,6 +82,20 @@ def user_create(*, username: str, email: str = "", password: str = "") -> tuple[
     except IntegrityError as err:  # the same username created at the same moment
         raise UserCreateError(f"The username “{username}” is taken.") from err
     return user, password
+
+
+def login_unlock(*, username: str) -> bool:
+    """Lift every lock on ``username``'s password logins: the one per account
+    (``ratelimits.lock_accounts``) and django-axes' per address, so they can log in again
+    from anywhere now. Returns False, and logs why, when the cache or the database is down:
+    then the locks end by themselves."""
+    try:
+        account_unlock(username)
+        axes_reset(username=username)
+    except outages.SERVICE_ERRORS as err:
+        log.warning("the login locks of %r are not lifted, a service is down: %s", username, err)
+        return False
+    return True
 
 
 # --- invites ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from django.contrib.auth import views as auth_views
-from django.urls import path, reverse_lazy
+from django.urls import path
 
 from webapp.accounts import views
 
@@ -9,14 +9,7 @@ urlpatterns = [
     path("login/", views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("signup/", views.signup, name="signup"),
-    path(
-        "password/",
-        auth_views.PasswordChangeView.as_view(
-            template_name="accounts/password_change.html",
-            success_url=reverse_lazy("password_change_done"),
-        ),
-        name="password_change",
-    ),
+    path("password/", views.PasswordChangeView.as_view(), name="password_change"),
     path(
         "password/done/",
         auth_views.PasswordChangeDoneView.as_view(
@@ -25,6 +18,7 @@ urlpatterns = [
         name="password_change_done",
     ),
     path("users/", views.user_list, name="users"),
+    path("users/<int:user_id>/unlock", views.user_unlock, name="user_unlock"),
     path("invites/", views.invite_list, name="invites"),
     path("invites/<int:invite_id>/withdraw", views.invite_withdraw, name="invite_withdraw"),
     path("invite/<str:token>/", views.invite_accept, name="invite_accept"),

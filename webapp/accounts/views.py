@@ -2,27 +2,28 @@
 user) and invites page (make an invite link), the page an invite link opens, and self
 sign-up when SIGNUP_ENABLED. A new key's plaintext, a new user's password and a new invite's
 link are shown once, on the page that answers their creation, and never again. Changing one's
-password is Django's PasswordChangeView (urls.py). Logging in and signing up (with an invite
-or without) are rate limited per client address (ratelimits.py)."""
+password is Django's PasswordChangeView. Logging in and signing up (with an invite or without)
+are rate limited per client address, and wrong passwords lock an account's password logins for
+a while (ratelimits.py): staff lift that lock on the users page, and a password change does."""
 
 from __future__ import annotations
 
 from django.conf import settings
 from django.contrib import messages
-from django.contrib.auth import login
+from django.contrib.auth import get_user_model, login
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.forms import UserCreationForm
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.urls import reverse
+from django.urls import reverse, reverse_lazy
 from django.utils.decorators import method_decorator
 from django.views.decorators.http import require_http_methods, require_POST
 
 from webapp.accounts import selectors, services
 from webapp.accounts.decorators import staff_required
 from webapp.accounts.models import ApiKey, Invite
-from webapp.accounts.ratelimits import limit_posts
+from webapp.accounts.ratelimits import limit_posts, lock_accounts
 
 # The backend a new account is signed in with (axes' own backend only checks lockouts).
 SIGN_IN_BACKEND = "django.contrib.auth.backends.ModelBackend"
@@ -65,6 +66,7 @@ def api_key_revoke(request: HttpRequest, api_key_id: int) -> HttpResponse:
 
 
 @method_decorator(limit_posts("login"), name="dispatch")
+@method_decorator(lock_accounts, name="dispatch")
 class LoginView(auth_views.LoginView):
     """Django's login page, which links to sign-up when it is on."""
 
@@ -73,6 +75,19 @@ class LoginView(auth_views.LoginView):
 
     def get_context_data(self, **kwargs) -> dict[str, object]:
         return super().get_context_data(**kwargs) | {"signup_enabled": settings.SIGNUP_ENABLED}
+
+
+class PasswordChangeView(auth_views.PasswordChangeView):
+    """Django's password change, which also lifts a lock on the account's password logins:
+    the wrong passwords tried were guesses at the old one."""
+
+    template_name = "accounts/password_change.html"
+    success_url = reverse_lazy("password_change_done")
+
+    def form_valid(self, form) -> HttpResponse:
+        response = super().form_valid(form)
+        services.login_unlock(username=form.user.get_username())
+        return response
 
 
 @staff_required
@@ -91,10 +106,26 @@ def user_list(request: HttpRequest) -> HttpResponse:
         except services.UserCreateError as err:
             context |= {"error": str(err), "form_values": request.POST}
             status = 422
-    context["users"] = selectors.user_list()
+    context |= {
+        "users": selectors.user_list_with_login_locks(),
+        "login_failure_limit": settings.LOGIN_ACCOUNT_FAILURE_LIMIT,
+        "lockout_minutes": round(settings.LOGIN_ACCOUNT_LOCKOUT.total_seconds() / 60),
+    }
     response = render(request, "accounts/users.html", context, status=status)
     response["Cache-Control"] = "no-store"  # the page may carry a new user's password
     return response
+
+
+@staff_required
+@require_POST
+def user_unlock(request: HttpRequest, user_id: int) -> HttpResponse:
+    """Staff lift the locks on a user's password logins (too many wrong passwords)."""
+    username = get_object_or_404(get_user_model(), pk=user_id).get_username()
+    if services.login_unlock(username=username):
+        messages.success(request, f"Password logins for “{username}” unlocked.")
+    else:
+        messages.error(request, "Nothing was unlocked: a service is down. Try again shortly.")
+    return redirect("users")
 
 
 @limit_posts("signup")
