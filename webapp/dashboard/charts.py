@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
 from kvservice.blend.curve import CurveSeries, ratio_curves_svg
+from webapp.dashboard import wording
 
 WIDTH, HEIGHT = 520, 220
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 52, 16, 30, 42
@@ -114,12 +116,24 @@ class _Frame:
         )
 
 
+CURVE_TITLE = "Answer quality against speed, per recompute ratio"
+# the y axis as ``kvservice.blend.curve`` labels it (for the bench's plots), and in words
+CURVE_Y_LABEL = ("mean KL to full (teacher-forced)", "difference from full (mean KL)")
+
+
 def ratio_curve(series: Sequence[CurveSeries], *, current: str | None = None) -> SafeString:
     """The bench's quality/speed curves, one series per codec, ``current`` (the store's)
-    marked (drawn by ``kvservice.blend.curve``, as ``--plot`` draws one)."""
-    svg = ratio_curves_svg(
-        series, "Teacher-forced KL to full against TTFT, per recompute ratio", current=current
-    )
+    marked (drawn by ``kvservice.blend.curve``, as ``--plot`` draws one); the legend names
+    each codec by its bit widths (short enough for one line of the legend)."""
+    named = {one.codec: wording.codec_in_words(one.codec, short=True) for one in series}
+    for codec, words in named.items():
+        if codec == current:
+            named[codec] = f"{words} (in use)"
+    svg = ratio_curves_svg([replace(one, codec=named[one.codec]) for one in series],
+                           CURVE_TITLE)  # fmt: skip
+    for codec, words in named.items():  # the attribute keeps the codec's name
+        svg = svg.replace(f'data-codec="{escape(words)}"', f'data-codec="{escape(codec)}"')
+    svg = svg.replace(*CURVE_Y_LABEL)
     return mark_safe(svg)  # noqa: S308 - ratio_curves_svg escapes every label
 
 

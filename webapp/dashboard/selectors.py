@@ -3,6 +3,8 @@ heartbeat: tier stats and the loading controller), queue depths, and answer metr
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections import Counter
 from dataclasses import replace
@@ -11,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Q, Sum, Value
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
@@ -25,6 +27,7 @@ from kvservice.blend.curve import (
 )
 from kvservice.serve.heartbeat import read_heartbeat
 from webapp.chat.models import Message
+from webapp.dashboard import wording
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
 from webapp.documents.models import Chunk, Document
 from webapp.redis import redis_client
@@ -33,8 +36,9 @@ QUEUES = ("answers", "ingest", "kv", "inference")
 # fastest first, as the store lists them; a worker with KV_SOURCE=kdn has the knowledge
 # delivery API in S3's place
 TIER_ORDER = ("device", "cpu", "disk", "s3", "kdn")
+# (S3's label is the store's own name: tier_label)
 TIER_LABELS = {
-    "device": "Device", "cpu": "CPU memory", "disk": "Disk", "s3": "MinIO / S3",
+    "device": "GPU memory", "cpu": "CPU memory", "disk": "Local disk",
     "kdn": "Knowledge delivery API",
 }  # fmt: skip
 WARMABLE_TIERS = ("device", "cpu", "disk")
@@ -129,13 +133,14 @@ def store_codec() -> str:
     return StoreConfig.from_env().codec
 
 
-def ratio_curve() -> dict[str, Any]:
+def ratio_curve(running_model: str | None = None) -> dict[str, Any]:
     """The quality/speed curves the bench measured, one ``series`` per codec of the stored
     KV (the JSON at ``RATIO_CURVE_PATH`` and its siblings ``<stem>_<codec>.json``; the
     store's codec first, the first file of a codec kept); ``codec``: the one the store
     writes, and ``points``: its series' (None while it has not been measured), which the
     fidelity target and the audit's predictions read; the ``error`` reading them; the
-    ``command`` that measures the store's codec's curve."""
+    ``command`` that measures the store's codec's curve; ``measured``: a line a series on
+    how it was measured (the files' own notes are the bench's, for engineers)."""
     from kvservice.store.codec import DEFAULT_CODEC
 
     path = Path(settings.RATIO_CURVE_PATH)
@@ -146,6 +151,7 @@ def ratio_curve() -> dict[str, Any]:
         codec = None
         errors.append(str(err))
     series: list[CurveSeries] = []
+    conditions: dict[str, dict[str, Any]] = {}
     for one_path in series_paths(path):
         try:
             one = load_series(one_path)
@@ -154,9 +160,11 @@ def ratio_curve() -> dict[str, Any]:
             continue
         if one is not None and all(s.codec != one.codec for s in series):
             series.append(replace(one, path=str(_shown(one_path))))
+            conditions[one.codec] = _conditions(one_path, one.note)
     series.sort(key=lambda one: one.codec != codec)  # stable: the rest in file order
     current = next((one for one in series if one.codec == codec), None)
     return {
+        "measured": _how_measured(series, conditions, running_model),
         "path": str(_shown(path)),
         "series": series,
         "codec": codec,
@@ -166,6 +174,56 @@ def ratio_curve() -> dict[str, Any]:
             str(_shown(series_path(path, codec or DEFAULT_CODEC, DEFAULT_CODEC))), codec
         ),
     }
+
+
+MEASURED_ON = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def _conditions(path: Path, note: str | None) -> dict[str, Any]:
+    """Where and how a curve was measured, from its bench JSON's ``env`` (and the date its
+    note gives)."""
+    try:
+        env = json.loads(path.read_text()).get("env") or {}
+    except (OSError, ValueError, AttributeError):
+        env = {}
+    date = MEASURED_ON.search(note or "")
+    return {"date": date.group() if date else None,
+            "model": Path(str(env.get("model") or "")).name or None,
+            "questions": env.get("examples"), "threads": env.get("threads"),
+            "device": str(env.get("device") or "cpu").upper()}  # fmt: skip
+
+
+def _how_measured(
+    series: list[CurveSeries], conditions: dict[str, dict[str, Any]], running_model: str | None
+) -> list[dict[str, str]]:
+    """One plain line a curve: its codec in words, when, with which model, over how many
+    questions, on what; a warning where its times were taken with other threads than the
+    first curve's (compare its quality, not its times) or another model than the running one."""
+    lines = []
+    first = conditions.get(series[0].codec, {}) if series else {}
+    for one in series:
+        found = conditions.get(one.codec, {})
+        parts = [
+            f"on {found['date']}" if found.get("date") else None,
+            f"with {found['model']}" if found.get("model") else None,
+            f"over {found['questions']} questions" if found.get("questions") else None,
+            f"on {found['device']} with {found['threads']} thread"
+            f"{'' if found['threads'] == 1 else 's'}"
+            if found.get("threads")
+            else None,
+        ]
+        text = "Measured " + ", ".join(p for p in parts if p) if any(parts) else "Measured"
+        if found.get("threads") and found.get("threads") != first.get("threads"):
+            text += (
+                ". Its times were taken with other threads than the first curve's: compare "
+                "its quality columns with the others, not its times"
+            )
+        model = found.get("model")
+        if model and running_model and model.lower() != running_model.lower():
+            text += f". The model that runs now is {running_model}: these figures are {model}'s"
+        lines.append({"codec": one.codec, "words": wording.codec_in_words(one.codec),
+                      "text": text + "."})  # fmt: skip
+    return lines
 
 
 def _shown(path: Path) -> Path:
@@ -184,6 +242,11 @@ def worker_heartbeat() -> dict[str, Any] | None:
         return None
 
 
+def tier_label(name: str) -> str:
+    """A tier as the operator knows it; the S3 tier by the store it is."""
+    return wording.object_store_name() if name == "s3" else TIER_LABELS.get(name, name)
+
+
 def _hit_rate(hits: int, misses: int) -> float | None:
     return hits / (hits + misses) if hits + misses else None
 
@@ -198,7 +261,7 @@ def tier_rows(heartbeat: dict[str, Any] | None) -> list[dict[str, Any]]:
         rows.append(
             {
                 **tier,
-                "label": TIER_LABELS.get(tier["name"], tier["name"]),
+                "label": tier_label(tier["name"]),
                 "hit_rate": _hit_rate(tier.get("hits", 0), tier.get("misses", 0)),
                 "used_fraction": used / capacity if capacity and used is not None else None,
             }
@@ -235,27 +298,35 @@ def live_state() -> dict[str, Any]:
         "controller": controller,
         "controller_inputs": controller_inputs(heartbeat),
         "queues": queue_depths(),
+        "model_kv": wording.model_kv(heartbeat),
+        "codec_words": wording.codec_in_words(store.get("codec")),
     }
 
 
 def controller_inputs(heartbeat: dict[str, Any] | None) -> dict[str, Any]:
-    """The loading controller's measured inputs, from its snapshot and its last decision."""
+    """The loading controller's measured inputs, from its snapshot and its last decision,
+    with the recompute speed in tokens a second where the model's layers are known."""
     controller = (heartbeat or {}).get("controller") or {}
     decision = controller.get("last_decision") or {}
-    why = decision.get("why") or {}
     bandwidth = controller.get("tier_bandwidth_bytes_per_s") or {}
     order = {name: i for i, name in enumerate(TIER_ORDER)}
     throughput = controller.get("recompute_token_layers_per_s")
+    layers = ((heartbeat or {}).get("model_shape") or {}).get("layers")
     return {
-        "tier_bandwidth": sorted(bandwidth.items(), key=lambda kv: order.get(kv[0], 99)),
+        "tier_bandwidth": [
+            (tier_label(name), speed)
+            for name, speed in sorted(bandwidth.items(), key=lambda kv: order.get(kv[0], 99))
+        ],
         "recompute_token_layers_per_s": throughput,
+        "recompute_tokens_per_s": throughput / layers if throughput and layers else None,
+        "layers": layers,
         "r_min": controller.get("r_min"),
         "decision": decision or None,
-        # The last request was decided before the throughput shown was measured (the first
-        # blend measures it): its rule says "no measurement" beside a measurement.
-        "decided_before_measurement": throughput is not None
-        and str(why.get("rule", "")).startswith("no measurement of recompute throughput"),
-        "why": why,
+        "decision_words": wording.decision_in_words(decision, throughput) if decision else None,
+        "decision_source": wording.SOURCE_WORDS.get(decision.get("source"), decision.get("source")),
+        "cheapest_hidden_tier": tier_label(decision["cheapest_hidden_tier"])
+        if decision.get("cheapest_hidden_tier")
+        else None,
     }
 
 
@@ -263,33 +334,49 @@ def controller_inputs(heartbeat: dict[str, Any] | None) -> dict[str, Any]:
 # Documents and their caches
 
 
-def documents_with_cache_counts(limit: int = 100) -> list[Document]:
+def documents_with_cache_counts(
+    limit: int = 100, *, fingerprint: str | None = None
+) -> list[Document]:
     """Documents (every owner's) with their chunk and ready-KV counts and the bytes their KV
-    objects take as stored (a chunk shared by two documents counts in both), newest first."""
+    objects take as stored (a chunk shared by two documents counts in both), newest first.
+    With the running model's ``fingerprint``, the bytes are those stored for that model, and
+    ``kv_other_count`` counts the chunks whose KV an earlier model stored."""
+    prefix = wording.key_prefix(fingerprint)
+    ready = Q(chunks__kv_status=Chunk.KVStatus.READY)
+    if prefix:
+        mine = Q(chunks__kv_key__startswith=prefix)
+        by_model = {
+            "kv_bytes": Sum("chunks__kv_bytes", filter=mine),
+            "kv_other_count": Count("chunks", filter=ready & ~Q(chunks__kv_key="") & ~mine),
+        }
+    else:  # the model is not known: every stored byte counts
+        by_model = {"kv_bytes": Sum("chunks__kv_bytes"), "kv_other_count": Value(0)}
     return list(
         Document.objects.select_related("owner")
         .annotate(
-            chunk_count=Count("chunks"),
-            kv_ready_count=Count("chunks", filter=Q(chunks__kv_status=Chunk.KVStatus.READY)),
-            kv_bytes=Sum("chunks__kv_bytes"),
-        )
+            chunk_count=Count("chunks"), kv_ready_count=Count("chunks", filter=ready), **by_model
+        )  # fmt: skip
         .order_by("-created_at", "-id")[:limit]
     )
 
 
-def stored_kv_summary() -> dict[str, Any]:
-    """The KV objects stored for every user's chunks, each once: bytes as stored (their
-    codecs'), the tokens they hold, bytes a token and the compression ratio to 16 bits."""
+def stored_kv_summary(model_kv: dict[str, Any], fingerprint: str | None = None) -> dict[str, Any]:
+    """The KV objects stored for every user's chunks, each once (only the running model's,
+    given its ``fingerprint``): bytes as stored (their codecs'), the tokens they hold, bytes a
+    token, and the compression against the model's 16 bits a value (``model_kv``)."""
     from webapp.documents.quotas import stored_kv
 
-    nbytes, tokens = stored_kv(Chunk.objects.all())
+    prefix = wording.key_prefix(fingerprint)
+    chunks = Chunk.objects.filter(kv_key__startswith=prefix) if prefix else Chunk.objects.all()
+    nbytes, tokens = stored_kv(chunks)
     per_token = nbytes / tokens if tokens and nbytes else None
+    fp16 = model_kv["fp16_bytes_per_token"]
     return {
         "bytes": nbytes,
         "tokens": tokens,
         "bytes_per_token": per_token,
-        "fp16_bytes_per_token": settings.KV_BYTES_PER_TOKEN,
-        "compression_ratio": settings.KV_BYTES_PER_TOKEN / per_token if per_token else None,
+        "fp16_bytes_per_token": fp16,
+        "compression_ratio": fp16 / per_token if per_token else None,
     }
 
 

@@ -18,12 +18,22 @@ from django.views.decorators.http import require_GET, require_POST
 from kvservice.blend.curve import predict
 from webapp import health
 from webapp.accounts.decorators import staff_required
-from webapp.dashboard import charts, selectors, services
+from webapp.dashboard import charts, selectors, services, wording
 from webapp.documents.models import Document
 
 POLL_SECONDS = 3
 METRICS_WINDOW = timedelta(days=7)
 TIER_MIX_ANSWERS = 40  # the last answers shown in the tier-mix chart
+SERVICE_NAMES = {  # health.CHECKS' names, as an operator knows the parts
+    "database": "Database (PostgreSQL)", "pgvector": "Passage search (pgvector)",
+    "object_store": "Object store", "broker": "Task queue (valkey)",
+    "web_models": "Web app's embedding model", "celery_worker": "Document workers (Celery)",
+    "inference_worker": "Inference worker", "model": "Language model",
+}  # fmt: skip
+
+
+def _by_tier_label(by_tier: dict[str, object]) -> dict[str, object]:
+    return {selectors.tier_label(name): value for name, value in by_tier.items()}
 
 
 def _metrics(points: list[dict]) -> dict[str, object]:
@@ -50,20 +60,21 @@ def _metrics(points: list[dict]) -> dict[str, object]:
         "summary": selectors.metrics_summary(answers),
         "answer_count": len(answers),
         "ttft_chart": charts.time_series(
-            ttft_by_mode, title="Time to first token per answer", y_label="TTFT (s)"
+            ttft_by_mode, title="Time to first token per answer (worker)", y_label="seconds"
         ),
         "ttft_histogram": charts.histogram(
             {mode: [v for _, v in points] for mode, points in ttft_by_mode.items()},
-            title="TTFT distribution per mode",
-            x_label="TTFT (s)",
+            title="How the times to first token spread, per mode",
+            x_label="seconds to first token",
         ),  # fmt: skip
         "ratio_chart": charts.time_series(
-            ratio_points, title="Recompute ratio used", y_label="ratio", y_max=1.0
+            ratio_points, title="Recompute ratio per answer", y_label="share recomputed", y_max=1.0
         ),
         "tier_chart": charts.stacked_bars(
-            [(f"#{m.id}", m.tiers or {}) for m in recent],
-            title="Which tier served each answer's chunks",
-            y_label="chunks",
+            [(f"#{m.id}", _by_tier_label(m.tiers or {})) for m in recent],
+            title="Which tier served each answer's passages",
+            y_label="passages",
+            palette=_by_tier_label(charts.TIER_COLORS),
         ),  # fmt: skip
         "hourly_chart": charts.bars(
             [(hour.strftime("%H:00"), count) for hour, count in hourly],
@@ -76,11 +87,15 @@ def _metrics(points: list[dict]) -> dict[str, object]:
         "audit_count": len(scored),
         "audit_mean_f1": sum(a.token_f1 for a in scored) / len(scored) if scored else None,
         "fidelity_chart": charts.time_series(
-            {"token F1 vs full": [(a.completed_at or a.created_at, a.token_f1) for a in scored]},
-            title="Agreement of blend answers with full prefill",
-            y_label="token F1",
+            {
+                "words shared with full": [
+                    (a.completed_at or a.created_at, a.token_f1) for a in scored
+                ]
+            },
+            title="Audited blend answers: words shared with full prefill's",
+            y_label="token F1 (0 to 1)",
             y_max=1.0,
-            palette={"token F1 vs full": "#3056d3"},
+            palette={"words shared with full": "#3056d3"},
         ),  # fmt: skip
     }
 
@@ -93,6 +108,12 @@ def _ratio_curve(curve: dict[str, object]) -> dict[str, object]:
         "ratio_curve": curve, "ratio_curve_chart": chart,
         "target_ratio": target, "target_refresh": refresh,
     }  # fmt: skip
+
+
+def _named_checks() -> dict[str, dict]:
+    """``health.run_checks`` by the names an operator knows the parts by."""
+    names = {**SERVICE_NAMES, "object_store": wording.object_store_name()}
+    return {names.get(name, name): check for name, check in health.run_checks().items()}
 
 
 def _live_context() -> dict[str, object]:
@@ -109,15 +130,20 @@ def index(request: HttpRequest) -> HttpResponse:
     if request.htmx:
         return render(request, "dashboard/_live.html", _live_context())
     live = _live_context()
-    curve = selectors.ratio_curve()  # the measured curves: read once for the page
+    beat = live["heartbeat"] or {}
+    # the measured curves: read once for the page
+    curve = selectors.ratio_curve(running_model=beat.get("model"))
+    fingerprint = beat.get("model_fingerprint")  # the running model's KV, not an earlier one's
     context = {
         **live,
         **_metrics(curve["points"] or []),
         **_ratio_curve(curve),
-        "health": health.run_checks(),
-        "documents": selectors.documents_with_cache_counts(),
-        "stored_kv": selectors.stored_kv_summary(),
-        "warmable_tiers": selectors.warmable_tiers(live["heartbeat"]),
+        "health": _named_checks(),
+        "documents": selectors.documents_with_cache_counts(fingerprint=fingerprint),
+        "stored_kv": selectors.stored_kv_summary(live["model_kv"], fingerprint),
+        "warmable_tiers": [
+            (tier, selectors.tier_label(tier)) for tier in selectors.warmable_tiers(beat)
+        ],
     }
     return render(request, "dashboard/index.html", context)
 
@@ -147,8 +173,9 @@ def controller(request: HttpRequest) -> HttpResponse:
         if row.controller_mode == row.ControllerMode.TARGET:
             ratio, refresh = selectors.target_plan(row.fidelity_target)
             reach = (
-                f"no measured curve yet for the store's codec ({selectors.store_codec()}): "
-                "the loading controller decides"
+                "no measured curve yet for the store's codec "
+                f"({wording.codec_in_words(selectors.store_codec())}): the loading controller "
+                "decides"
                 if ratio is None
                 else f"the measured curve gives a ratio of at least {ratio:.3f}"
             )
@@ -177,8 +204,8 @@ def document_evict(request: HttpRequest, document_id: int) -> HttpResponse:
     return _apply(
         request,
         lambda: (
-            f"Evicting {len(services.document_evict(document=document))} cached chunks "
-            f"of “{document.title}” from the worker's local tiers (S3 keeps them)."
+            f"Evicting {len(services.document_evict(document=document))} cached chunks of "
+            f"“{document.title}” from the worker's memory and disk (the object store keeps them)."
         ),
     )
 
@@ -192,7 +219,7 @@ def document_warm(request: HttpRequest, document_id: int) -> HttpResponse:
         request,
         lambda: (
             f"Warming {len(services.document_warm(document=document, tier=tier))} cached "
-            f"chunks of “{document.title}” into {tier}."
+            f"chunks of “{document.title}” into {selectors.tier_label(tier)}."
         ),
     )
 

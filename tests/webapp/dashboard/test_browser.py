@@ -7,9 +7,11 @@ extra); skipped, with the reason, where they are missing."""
 from __future__ import annotations
 
 import json
+import queue
 import time
 
 import pytest
+import torch
 from django.test import Client
 
 from kvservice.store.codec import DEFAULT_CODEC
@@ -22,6 +24,7 @@ from tests.browser import (
 )
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.dashboard.models import FidelityAudit
+from webapp.documents.models import Chunk
 
 pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
@@ -187,7 +190,7 @@ def test_an_operator_sets_a_fidelity_target_and_sees_the_ratio_it_gives(
     assert selectors.target_ratio() == pytest.approx(0.1)
     checked = browser.find_element(By.CSS_SELECTOR, 'input[name="mode"][value="target"]')
     assert checked.is_selected()
-    assert "from r = 0.100" in browser.find_element(By.ID, "target-ratio").text
+    assert "from a ratio of 0.100" in browser.find_element(By.ID, "target-ratio").text
     setting = browser.find_element(By.ID, "controller-setting").text
     assert setting == "fidelity target: mean KL to full ≤ 0.0400"
     ARTIFACTS.mkdir(exist_ok=True)
@@ -226,7 +229,7 @@ def test_an_operator_sets_a_target_that_progressive_blend_meets_first(
     assert "at least 0.100, upgraded to 0.25 after the first token" in saved[0].text
     assert selectors.target_plan() == (pytest.approx(0.1), 0.25)
     shown = browser.find_element(By.ID, "target-ratio").text
-    assert "from r = 0.100, upgraded to 0.25 after the first token" in shown
+    assert "from a ratio of 0.100, upgraded to 0.25 after the first token" in shown
     assert "upgrade to 0.25" in browser.find_element(By.ID, "refresh-setting").text
     refresh = browser.find_element(By.CSS_SELECTOR, 'input[name="refresh_ratio"]')
     assert refresh.get_attribute("value") == "0.25"
@@ -289,3 +292,65 @@ def test_the_dashboard_reads_at_desktop_and_phone_width(
             assert curve.screenshot(str(ARTIFACTS / f"dashboard-curve-{name}.png"))
         finally:
             driver.quit()
+
+
+def _full_page_png(driver, width: int, height: int) -> bytes:
+    """The whole page (not just the window) at ``width`` CSS px, as Chromium draws it."""
+    import base64
+
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+    )
+    tall = driver.execute_script("return document.documentElement.scrollHeight")
+    shot = driver.execute_cdp_cmd(
+        "Page.captureScreenshot",
+        {"captureBeyondViewport": True,
+         "clip": {"x": 0, "y": 0, "width": width, "height": tall, "scale": 1}},
+    )  # fmt: skip
+    return base64.b64decode(shot["data"])
+
+
+def test_the_whole_dashboard_is_screenshotted_as_a_new_operator_sees_it(
+    live_server, staff, alice, worker_heartbeat, settings
+) -> None:
+    """The full page at desktop (1280x800) and phone (390x844) width, with the worker's
+    engine and batch state in its heartbeat and the repository's measured curves: the
+    screenshots (artifacts/dashboard-page-*.png) are what a reviewer reads the page by."""
+    from kvservice.model.buffers import BufferPool
+    from kvservice.model.kernels import KernelChoice
+    from kvservice.serve.batcher import ContinuousBatcher, StepBudget
+    from kvservice.serve.controller import LoadingController
+    from kvservice.serve.heartbeat import write_heartbeat
+    from webapp.redis import redis_client
+
+    pool = BufferPool(limit_bytes=64 << 20)
+    pool.empty((2, 1 << 20), torch.float32)
+    pool.empty((2, 1 << 20), torch.float32)
+    batcher = ContinuousBatcher.__new__(ContinuousBatcher)  # its stats alone: no model
+    batcher._jobs, batcher._work, batcher._waiting = [object()], None, []
+    batcher._incoming = queue.Queue()
+    batcher.steps, batcher.slices, batcher.upgrades_skipped, batcher._decode_s = 40, 12, 0, 0.05
+    batcher.longest_piece_s, batcher.budget, batcher.upgrades_dropped = 0.2, StepBudget(), 0
+    controller = LoadingController(r_min=0.15)  # its first decision came before a measurement
+    controller.choose(num_tokens=1500, num_layers=30, load_bytes_by_tier={"cpu": 2**20})
+    controller.observe_recompute(tokens=512, layers=30, seconds=0.02)
+    kernels = KernelChoice("onednn-bf16", "auto", {}, {}, True, torch.bfloat16).to_dict()
+    shape = {"layers": 30, "kv_heads": 3, "head_dim": 64}  # the bundled model's, as it reports
+    write_heartbeat(redis_client(), **{**worker_heartbeat, "controller": controller.snapshot()},
+                    model_shape=shape, kernels=kernels, pass_graphs={"on": False},
+                    buffers=pool.stats(), batch=batcher.stats())  # fmt: skip
+    settings.RATIO_CURVE_PATH = settings.BASE_DIR / "docs" / "ratio_curve.json"
+    _with_real_rows(staff, alice)
+    Chunk.objects.update(kv_bytes=20 * 2_880)  # 20 tokens a chunk, stored at 2,880 B a token
+    driver = start_chromium("--hide-scrollbars")
+    try:
+        _log_in(driver, live_server, staff)
+        driver.get(f"{live_server.url}/dashboard/")
+        ARTIFACTS.mkdir(exist_ok=True)
+        for name, (width, height) in {"desktop": (1280, 800), "phone": (390, 844)}.items():
+            path = ARTIFACTS / f"dashboard-page-{name}.png"
+            path.write_bytes(_full_page_png(driver, width, height))
+            assert path.stat().st_size > 50_000, path
+    finally:
+        driver.quit()

@@ -17,6 +17,7 @@ from webapp.chat import services as chat
 from webapp.chat.models import Message
 from webapp.dashboard.models import FidelityAudit
 from webapp.redis import redis_client
+from webapp.units import kib
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -93,7 +94,12 @@ def test_fixed_ratio_on_the_dashboard_is_used_by_the_worker_for_the_next_answer(
 
     page = wait_for(live_panel_with_decision, timeout=20, interval=1, what="the last decision")
     assert "inference worker up" in page and 'id="tier-' in page
-    assert f"r = {answer.recompute_ratio:.3f}" in page
+    assert f"recompute ratio {answer.recompute_ratio:.3f}" in page
+    # the worker reports its model's shape: the page's KV a token at 16 bits is that model's
+    shape = read_heartbeat(redis_client())["model_shape"]
+    fp16 = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2
+    full = client.get(reverse("dashboard:index")).content.decode()
+    assert f"In 16 bits a token takes {kib(fp16)}" in full
 
 
 def test_progressive_blend_set_on_the_dashboard_upgrades_the_workers_next_answer(

@@ -165,5 +165,5 @@ def test_audits_show_on_the_dashboard(staff_client, alice) -> None:
                                  token_f1=0.5, status="done")  # fmt: skip
     page = staff_client.get(reverse("dashboard:index")).content.decode()
     section = page.split('id="fidelity"')[1]
-    assert "1 scored" in section and "mean token F1 0.500" in section
+    assert "1 answer scored" in section and "mean token F1 0.500 (words shared" in section
     assert f"#{answer.id}" in section

@@ -82,7 +82,9 @@ def test_the_target_reads_the_curve_of_the_codec_the_store_writes(
     monkeypatch.setenv("KV_CODEC", "int8")  # no curve measured with it
     assert selectors.target_ratio() is None
     response = staff_client.post(reverse("dashboard:controller"), target, follow=True)
-    assert "no measured curve yet for the store&#x27;s codec (int8)" in response.content.decode()
+    assert "no measured curve yet for the store&#x27;s codec (8-bit integers)" in (
+        response.content.decode()
+    )
 
 
 @pytest.mark.parametrize("bad", ["-0.01", "abc", "", "inf"])
