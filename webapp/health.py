@@ -10,9 +10,14 @@
   are not part of it: pages work without them, and questions get a clear error.
 
 Anyone gets the statuses of ``/healthz``; only staff get the details
-(endpoints, worker names and PIDs, the model, error messages, latencies). The checks run at
-most once per ``HEALTH_CACHE_S`` per process: a probe storm does not become a storm of
-Celery broadcast pings.
+(endpoints, worker names and PIDs, the model, error messages, latencies).
+
+Every "up" comes from a check still under way when the request came: a finished check's
+"up" is never reused (a 5 s cache of whole results said "all up" for a valkey frozen since).
+What keeps a probe storm cheap: a request joins each check already under way instead of
+starting another (one Celery broadcast ping at a time per process, one thread per check on a
+frozen service), and a check's failure is reused for ``HEALTH_CACHE_S``, so an outage's
+probes do not each wait out a dead service's timeouts; a "down" is at most that old.
 
 The checks run at once, each in a thread of its own, and both endpoints answer within
 ``HEALTH_TIMEOUT_S`` (3 s): a check with no answer by then is reported down ("no answer
@@ -160,36 +165,55 @@ def _threads() -> ThreadPoolExecutor:
         return _pool
 
 
+class _Run:
+    """One run of a check, shared by the requests that come while it is under way."""
+
+    def __init__(self, check: Callable[[], dict[str, Any]]) -> None:
+        self.ended_at: float | None = None
+        self.future: Future = _threads().submit(self._run, check)
+
+    def _run(self, check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return _run_one(check)
+        finally:  # before the future is done
+            self.ended_at = time.monotonic()
+
+    def answers_now(self, now: float) -> bool:
+        """Under way (it ends after ``now``), or a failure under ``HEALTH_CACHE_S`` old;
+        never a finished "up"."""
+        if not self.future.done():
+            return True
+        failed = self.future.result()["status"] != "up"
+        return failed and now - (self.ended_at or 0.0) < settings.HEALTH_CACHE_S
+
+
+_runs: dict[str, _Run] = {}
+_runs_lock = threading.Lock()
+
+
+def _run_for(name: str, now: float) -> _Run:
+    with _runs_lock:
+        run = _runs.get(name)
+        if run is None or not run.answers_now(now):
+            run = _runs[name] = _Run(CHECKS[name])
+        return run
+
+
 def run_checks(names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
-    """The named checks (all by default), run at once; within ``HEALTH_TIMEOUT_S`` in all."""
-    timeout_s = settings.HEALTH_TIMEOUT_S
-    futures: dict[str, Future] = {
-        name: _threads().submit(_run_one, CHECKS[name]) for name in (names or CHECKS)
-    }
+    """The named checks (all by default), at once, within ``HEALTH_TIMEOUT_S`` in all: each
+    one's run under way, its failure of the last ``HEALTH_CACHE_S``, or a new run."""
+    timeout_s, now = settings.HEALTH_TIMEOUT_S, time.monotonic()
+    futures = {name: _run_for(name, now).future for name in (names or CHECKS)}
     done, _late = wait(futures.values(), timeout=timeout_s)
     late = {"status": "down", "error": f"no answer within {timeout_s:g} s",
             "latency_ms": round(timeout_s * 1000, 1)}  # fmt: skip
-    return {name: f.result() if f in done else dict(late) for name, f in futures.items()}
-
-
-_cached: tuple[float, dict[str, dict[str, Any]]] | None = None
-_cache_lock = threading.Lock()
-
-
-def cached_checks() -> dict[str, dict[str, Any]]:
-    """``run_checks()``, reused for ``HEALTH_CACHE_S`` seconds."""
-    global _cached
-    with _cache_lock:
-        now = time.monotonic()
-        if _cached is None or now - _cached[0] >= settings.HEALTH_CACHE_S:
-            _cached = (now, run_checks())
-        return _cached[1]
+    return {name: dict(f.result() if f in done else late) for name, f in futures.items()}
 
 
 @never_cache
 @require_GET
 def healthz(request: HttpRequest) -> JsonResponse:
-    components = cached_checks()
+    components = run_checks()
     healthy = all(c["status"] == "up" for c in components.values())
     if not request.user.is_staff:
         components = {name: {"status": c["status"]} for name, c in components.items()}

@@ -15,8 +15,10 @@ from kvservice.serve.deadlines import REDIS_COMMAND_TIMEOUT_S, async_redis_from_
 # An answer's readers block in XREAD at most this long per call, then check their deadline.
 STREAM_BLOCK_MS = 5000
 # The socket of a client that blocks in XREAD must wait longer than the block, or the read
-# ends as a ``TimeoutError`` before Redis answers (a command's own timeout is 5 s).
-STREAM_SOCKET_TIMEOUT_S = STREAM_BLOCK_MS / 1000 + 10
+# ends as a ``TimeoutError`` before Redis answers: the block, then a command's own deadline.
+# A frozen valkey then ends an answer's stream 10 s into its read (it took 15 s with 10 s
+# over the block), with an error event for the client (webapp.api, webapp.chat.views).
+STREAM_SOCKET_TIMEOUT_S = STREAM_BLOCK_MS / 1000 + REDIS_COMMAND_TIMEOUT_S
 
 
 @cache

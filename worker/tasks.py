@@ -109,7 +109,9 @@ def precompute_kdn_text(token_ids: list[int], head_ids: list[int], scope: str) -
 
 @shared_task(name="worker.tasks.purge_orphan_objects", ignore_result=True)
 def purge_orphan_objects() -> int:
-    """Delete the S3 objects of deleted documents that S3 did not take at the time."""
+    """Delete the S3 objects of deleted documents that S3 did not take at the time, and the
+    originals no document names (an upload refused after S3 wrote its file)."""
     from webapp.documents.services import purge_orphan_objects as purge
+    from webapp.documents.services import purge_unreferenced_originals
 
-    return purge()
+    return purge() + purge_unreferenced_originals()

@@ -87,21 +87,6 @@ def test_healthz_details_are_for_staff_only(client, django_user_model, settings)
     assert "error" in body["components"]["inference_worker"]  # none runs in this test
 
 
-def test_healthz_reuses_its_results_for_health_cache_s(client, settings) -> None:
-    settings.HEALTH_CACHE_S = 60
-    first, second = run_checks_via(client), run_checks_via(client)
-    assert first is second  # the same results object: the checks did not run again
-    settings.HEALTH_CACHE_S = 0
-    assert run_checks_via(client) is not first
-
-
-def run_checks_via(client):
-    from webapp import health
-
-    client.get("/healthz")
-    return health._cached[1]
-
-
 def test_object_store_check_fails_when_a_bucket_is_missing(settings) -> None:
     settings.S3_KV_BUCKET = "no-such-bucket"
     result = run_checks()["object_store"]

@@ -8,13 +8,16 @@ The figures printed here are those of docs/reliability.md, "Frozen services"."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,13 +41,14 @@ from kvservice.protocol import (
 )
 from kvservice.serve.deadlines import CELERY_RETRY_POLICY, REDIS_COMMAND_TIMEOUT_S, redis_from_url
 from tests.conftest import ROOT, TEST_S3_BUCKETS, wait_for
+from tests.webapp.chat.test_chat import PASSAGES, make_document
 from tests.webapp.chat.test_reaper import wait_until_reaped
 from webapp.chat.models import Conversation, Message
 from webapp.chat.reaper import WORKER_LOST, reap_stale_answers
 from webapp.dispatch import celery_app
 from webapp.documents.models import Document, OrphanObject
 from webapp.outages import is_outage
-from webapp.redis import redis_client
+from webapp.redis import STREAM_SOCKET_TIMEOUT_S, redis_client
 from webapp.storage import S3_CONNECT_TIMEOUT_S, S3_READ_TIMEOUT_S, object_store
 
 # What a request may take with a frozen S3: one read timeout (not retried), its connection,
@@ -170,6 +174,26 @@ def test_healthz_and_readyz_answer_in_time_with_the_broker_down_while_valkey_is_
     assert health.status_code == 503 and components["broker"]["status"] == "down"
     assert components["database"]["status"] == "up"  # the others are still told apart
     assert ready.status_code == 503 and ready.json()["failed"] == ["broker"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_healthz_reports_the_broker_down_at_once_when_valkey_freezes_after_an_up(
+    client, web_on_private_valkey, private_valkey, settings
+) -> None:
+    """The issue's probe: the first /healthz of a frozen valkey said 200 "all up", the results
+    of a /healthz just before, reused for ``HEALTH_CACHE_S`` (5 s in production)."""
+    assert client.get("/healthz").json()["components"]["broker"]["status"] == "up"
+    settings.HEALTH_CACHE_S = 5  # (set after the up: a failure of an earlier test is reused)
+    with frozen(private_valkey):
+        health, took_s = _get(client, "/healthz")
+    print(
+        f"frozen valkey: the first /healthz after an up: {health.status_code} "
+        f"in {took_s:.2f} s, broker {health.json()['components']['broker']['status']}"
+    )
+    assert health.status_code == 503
+    assert health.json()["components"]["broker"]["status"] == "down"
+    assert took_s < settings.HEALTH_TIMEOUT_S + 2
 
 
 @pytest.mark.slow
@@ -309,6 +333,174 @@ def _freeze_mid_answer(
     assert answer.content  # what was streamed before the freeze is kept
     assert request_id not in inflight_entries(client)
     assert worker.poll() is None  # the worker lived through it
+
+
+def _frames_timed(events: AsyncIterator[str], started: float) -> Awaitable[list]:
+    """[(seconds since ``started``, frame)] of a stream, as its client gets them."""
+
+    async def collect() -> list[tuple[float, str]]:
+        return [(time.monotonic() - started, frame) async for frame in events]
+
+    return collect()
+
+
+async def _streams_over_a_freeze(valkey: services.RunningService, answer: Message) -> dict:
+    """Both APIs' streams and the browser's of one pending answer, valkey frozen 1 s in until
+    all ended (at most 25 s, as in the issue's probe); {stream: [(s, frame)]}."""
+    from webapp.api.openai import _completion_events
+    from webapp.api.v1 import _query_events
+    from webapp.chat.views import _event_stream
+
+    started = time.monotonic()
+    streams = {
+        "/api/v1/query": _frames_timed(_query_events(answer, []), started),
+        "/v1/chat/completions": _frames_timed(_completion_events(answer, "ragblend"), started),
+        "the browser's stream": _frames_timed(_event_stream(answer), started),
+    }
+    tasks = {name: asyncio.ensure_future(frames) for name, frames in streams.items()}
+    await asyncio.sleep(1)
+    with frozen(valkey):
+        await asyncio.wait(tasks.values(), timeout=25)
+        thawed_s = time.monotonic() - started
+    for name, task in tasks.items():  # still running (a hang): report it, then end it
+        if not task.done():
+            task.cancel()
+            print(f"frozen valkey: {name} still streaming at the thaw ({thawed_s:.1f} s)")
+    return {name: task.result() for name, task in tasks.items() if not task.cancelled()}
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_every_answer_stream_ends_with_an_error_event_while_valkey_is_frozen(
+    web_on_private_valkey, private_valkey, pending_answer
+) -> None:
+    """The issue's probe: valkey frozen 1 s into a stream. The stream used to break at 15.4 s
+    (the XREAD's socket timeout raised through the response: "Response ended prematurely");
+    now each API ends it with its own error, one XREAD deadline after the freeze (the block,
+    then a command's timeout: 10 s, where the browser's ``failed`` came at 15 s)."""
+    received = asyncio.run(_streams_over_a_freeze(private_valkey, pending_answer))
+    limit_s = 1 + STREAM_SOCKET_TIMEOUT_S + 3  # the freeze, one read's deadline, a busy machine
+    for name, frames in received.items():
+        ended_s = frames[-1][0]
+        print(f"frozen valkey: {name} ended after {ended_s:.1f} s with {frames[-1][1]!r}")
+        assert ended_s < limit_s, (name, ended_s)
+    assert set(received) == {"/api/v1/query", "/v1/chat/completions", "the browser's stream"}
+    assert received["the browser's stream"][-1][1].startswith("event: failed")
+    query = [frame for _s, frame in received["/api/v1/query"]]
+    assert query[-1].startswith("event: error\n") and "service_unavailable" in query[-1]
+    completion = [frame for _s, frame in received["/v1/chat/completions"]]
+    assert completion[-1] == "data: [DONE]\n\n"
+    error = json.loads(completion[-2].split("data: ", 1)[1])["error"]
+    assert error["code"] == "service_unavailable" and "not responding" in error["message"]
+
+
+Timeline = list[tuple[float, str]]  # (time.monotonic(), what the client got)
+
+
+def _read_query_stream(base_url: str, auth: str, timeline: Timeline) -> None:
+    """A streamed /api/v1/query as a program reads it (requests), each line as it comes."""
+    import requests
+
+    try:
+        with requests.post(
+            f"{base_url}/api/v1/query", json={"question": "Which rice for a risotto?",
+            "stream": True}, headers={"Authorization": auth}, stream=True, timeout=120,
+        ) as response:  # fmt: skip
+            for line in response.iter_lines(chunk_size=None):
+                if line:
+                    timeline.append((time.monotonic(), line.decode()))
+        timeline.append((time.monotonic(), "the stream ended"))
+    except Exception as err:  # noqa: BLE001 - what the client got is the result
+        timeline.append((time.monotonic(), f"{type(err).__name__}: {err}"))
+
+
+def _read_completion_stream(base_url: str, auth: str, timeline: Timeline) -> None:
+    """A streamed /v1/chat/completions as OpenAI's own client reads it."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=auth.removeprefix("Bearer "),
+                           timeout=120, max_retries=0)  # fmt: skip
+    messages = [{"role": "user", "content": "Which rice for a risotto?"}]
+    try:
+        for chunk in client.chat.completions.create(
+            model="ragblend", messages=messages, stream=True
+        ):
+            timeline.append((time.monotonic(), f"chunk {chunk.choices[0].delta.model_dump()}"))
+        timeline.append((time.monotonic(), "the stream ended"))
+    except Exception as err:  # noqa: BLE001
+        timeline.append((time.monotonic(), f"{type(err).__name__}: {err}"))
+
+
+def _streams_over_http_over_a_freeze(
+    base_url: str, auth: str, valkey: services.RunningService
+) -> dict[str, Timeline]:
+    """Both streams started; 1 s after both began, valkey frozen for 25 s. {API: timeline},
+    times in seconds since the freeze."""
+    timelines: dict[str, Timeline] = {"/api/v1/query": [], "/v1/chat/completions": []}
+    readers = [threading.Thread(target=read, args=(base_url, auth, timeline), daemon=True)
+               for read, timeline in zip((_read_query_stream, _read_completion_stream),
+                                         timelines.values(), strict=True)]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    wait_for(lambda: all(timelines.values()), timeout=180, what="both streams to begin")
+    time.sleep(1)
+    with frozen(valkey):
+        froze = time.monotonic()
+        time.sleep(25)
+    for reader in readers:
+        reader.join(60)
+    return {name: [(round(at - froze, 1), got) for at, got in timeline]
+            for name, timeline in timelines.items()}  # fmt: skip
+
+
+def _healthz_over_http_over_a_freeze(base_url: str, valkey: services.RunningService) -> Timeline:
+    """/healthz once the broker is up again, then at once after valkey froze; [(seconds since
+    the freeze, "status broker ...")]."""
+    import requests
+
+    def probe() -> tuple[float, str]:
+        health = requests.get(f"{base_url}/healthz", timeout=30)
+        broker = health.json()["components"]["broker"]["status"]
+        return time.monotonic(), f"{health.status_code} broker {broker}"
+
+    before = wait_for(lambda: (got := probe())[1].endswith("broker up") and got, timeout=30,
+                      interval=0.5, what="the broker up again")  # fmt: skip
+    with frozen(valkey):
+        froze = time.monotonic()
+        after = probe()
+    return [(round(at - froze, 1), got) for at, got in (before, after)]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_over_http_both_streams_end_with_their_error_and_healthz_says_the_broker_is_down(
+    django_db_blocker, private_valkey, api_auth, django_user_model, tmp_path
+) -> None:
+    """The issue's probes as a client sees them, on uvicorn: valkey frozen 1 s into a streamed
+    query and completion, for 25 s. Before: both connections cut at +15 s ("Response ended
+    prematurely"), and /healthz said the broker was up (its results of just before)."""
+    from tests.e2e.test_browser_chat import running_asgi_server
+
+    make_document(django_user_model.objects.get(username="alice"), "notes",
+                  list(PASSAGES.values()))  # fmt: skip
+    env = {"REDIS_URL": private_valkey.env["REDIS_URL"], "HEALTH_CACHE_S": "5"}
+    with running_asgi_server(django_db_blocker, tmp_path / "uvicorn.log", **env) as base_url:
+        got = _streams_over_http_over_a_freeze(
+            base_url, api_auth["HTTP_AUTHORIZATION"], private_valkey
+        )
+        got["/healthz"] = _healthz_over_http_over_a_freeze(base_url, private_valkey)
+    for name, timeline in got.items():
+        print(f"frozen valkey over HTTP, {name}: " + "; ".join(f"{at:+.1f} s {what[:160]}"
+                                                             for at, what in timeline))  # fmt: skip
+    query = got["/api/v1/query"]
+    error_at = next((at for at, line in query if line == "event: error"), None)
+    assert error_at is not None and error_at < 25, query
+    assert "service_unavailable" in query[-2][1], query
+    assert query[-1][1] == "the stream ended", query
+    completion = got["/v1/chat/completions"]
+    assert completion[-1][1].startswith("APIError: Lost the connection"), completion
+    assert completion[-1][0] < 25, completion
+    assert got["/healthz"][1][1] == "503 broker down"  # the up of just before not reused
 
 
 # --- S3 frozen -------------------------------------------------------------------------------

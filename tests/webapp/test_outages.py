@@ -6,6 +6,7 @@ debug page never shows the service passwords."""
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from pathlib import Path
 
@@ -220,3 +221,50 @@ def test_logging_in_works_with_the_rate_limits_cache_down(
         )
         assert response.status_code == 302
     assert "the login rate limit is not counted, the cache is down" in caplog.text
+
+
+def _frames(events) -> list[str]:
+    async def collect() -> list[str]:
+        return [frame async for frame in events]
+
+    return asyncio.run(collect())
+
+
+def _pending_answer(owner) -> Message:
+    conversation = Conversation.objects.create(owner=owner, title="t", source="api")
+    return Message.objects.create(
+        conversation=conversation, role=Message.Role.ASSISTANT, status=Message.Status.PENDING
+    )
+
+
+@pytest.mark.django_db
+def test_the_apis_answer_stream_ends_with_an_error_event_when_redis_is_down(
+    alice, valkey_down
+) -> None:
+    """Its response began (200, ``start``): the lost stream is an ``error`` event in the
+    API's shape, saying where the answer will be, not a connection cut mid-stream."""
+    from webapp.api.v1 import _query_events
+
+    answer = _pending_answer(alice)
+    frames = _frames(_query_events(answer, []))
+    assert frames[0].startswith("event: start")
+    assert frames[-1].startswith("event: error\n")
+    error = json.loads(frames[-1].split("data: ", 1)[1])
+    assert error["code"] == "service_unavailable"
+    assert f"/api/v1/conversations/{answer.conversation_id}" in error["message"]
+    assert PASSWORD not in "".join(frames)
+
+
+@pytest.mark.django_db
+def test_the_openai_stream_ends_with_an_error_object_and_done_when_redis_is_down(
+    alice, valkey_down
+) -> None:
+    """OpenAI's clients raise the ``{"error": ...}`` object of a stream; ``[DONE]`` ends it."""
+    from webapp.api.openai import _completion_events
+
+    answer = _pending_answer(alice)
+    frames = _frames(_completion_events(answer, "ragblend"))
+    assert frames[-1] == "data: [DONE]\n\n"
+    error = json.loads(frames[-2].split("data: ", 1)[1])["error"]
+    assert error["code"] == "service_unavailable" and error["type"] == "server_error"
+    assert "not responding" in error["message"] and set(error) >= {"message", "type", "param"}

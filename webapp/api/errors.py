@@ -86,6 +86,23 @@ def normalize(exc: Exception) -> ApiError:
     return ApiError(500, "internal_error", "Something went wrong on our side.")
 
 
+STREAM_LOST = (
+    "Lost the connection to the answer's stream: a service Ragblend needs is not responding. "
+    "The answer is still recorded as it ends: read it with GET /api/v1/conversations/"
+    "{conversation_id} in a moment."
+)
+
+
+def stream_error(exc: Exception, *, conversation_id: int) -> ApiError:
+    """The error that ends a stream which failed after its response began (its status is sent
+    already; the error goes in the stream, in the API's own shape): a lost service says that
+    the answer goes on, and where to read it; anything else as ``normalize`` has it."""
+    error = normalize(exc)
+    if error.code == "service_unavailable":
+        return unavailable(STREAM_LOST.format(conversation_id=conversation_id))
+    return error
+
+
 def install_error_handlers(api: NinjaAPI, render: Callable[[ApiError], dict[str, Any]]) -> None:
     def handle(request: HttpRequest, exc: Exception) -> HttpResponse:
         error = normalize(exc)

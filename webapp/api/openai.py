@@ -20,7 +20,7 @@ from kvservice.protocol import AnswerOutcome
 from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
 from webapp.api.auth import API_AUTH
-from webapp.api.errors import ApiError, install_error_handlers, unavailable
+from webapp.api.errors import ApiError, install_error_handlers, stream_error, unavailable
 from webapp.api.schemas import Id, Text
 from webapp.api.services import completion_ask
 from webapp.api.v1 import event_stream_response, scope_of
@@ -40,7 +40,7 @@ openai_api = NinjaAPI(
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 429: "rate_limit_error", 500: "server_error", 502: "server_error",
-                504: "timeout"}  # fmt: skip
+                503: "server_error", 504: "timeout"}  # fmt: skip
 
 
 def _openai_error(error: ApiError) -> dict[str, Any]:
@@ -132,6 +132,8 @@ def _chunk(answer: Message, model: str, delta: dict, finish: str | None = None) 
 
 
 async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
+    """OpenAI's chunks, then ``[DONE]``; an error ends it as OpenAI's stream does, with an
+    ``{"error": ...}`` object (OpenAI's clients raise it), then ``[DONE]`` for the others."""
     yield sse(None, _chunk(answer, model, {"role": "assistant", "content": ""}))
     try:
         async for kind, payload in answers.answer_events(str(answer.request_id)):
@@ -141,18 +143,18 @@ async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
             if kind == "queue":  # OpenAI's stream has no such event: a comment keeps it open
                 yield ": waiting for the model\n\n"
                 continue
-            result = AnswerOutcome.from_event(kind, payload)
+            result = AnswerOutcome.from_event(kind, payload)  # the last event
             if not result.ok:
-                error = ApiError(502, "generation_failed", result.error)
-                yield sse(None, _openai_error(error))
-                return
+                yield sse(None, _openai_error(ApiError(502, "generation_failed", result.error)))
+                continue
             last = _chunk(answer, model, {}, finish=result.metrics.get("finish_reason", "stop"))
             extras = await sync_to_async(_extras)(answer, result)
             last |= {"usage": _usage(result.metrics)} | extras
             yield sse(None, last)
     except AnswerTimeout as err:
         yield sse(None, _openai_error(ApiError(504, "timeout", str(err))))
-        return
+    except Exception as err:  # a service lost mid-stream: the client gets an end, not a cut
+        yield sse(None, _openai_error(stream_error(err, conversation_id=answer.conversation_id)))
     yield sse(None, "[DONE]")
 
 

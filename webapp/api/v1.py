@@ -22,7 +22,13 @@ from kvservice.serve.heartbeat import read_heartbeat
 from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
 from webapp.api.auth import API_AUTH
-from webapp.api.errors import ApiError, error_responses, install_error_handlers, unavailable
+from webapp.api.errors import (
+    ApiError,
+    error_responses,
+    install_error_handlers,
+    stream_error,
+    unavailable,
+)
 from webapp.api.schemas import (
     CacheStatsOut,
     CollectionIn,
@@ -36,6 +42,7 @@ from webapp.api.schemas import (
     DocumentOut,
     QueryIn,
     QueryOut,
+    Text,
     UsageOut,
 )
 from webapp.chat import services as chat
@@ -119,6 +126,23 @@ def document_usage(request: HttpRequest):
 def document_detail(request: HttpRequest, document_id: int):
     """One of your documents, or one in a collection shared with you (``read_only``)."""
     return _document_out(_get_document_for_user(request, document_id), request.user)
+
+
+class DocumentPatch(Schema):
+    title: Text  # its new name; runs of spaces become one
+
+
+@documents_router.patch(
+    "/{document_id}", response={200: DocumentOut, **error_responses(400, 403, 404)}
+)
+def document_update(request: HttpRequest, document_id: int, payload: DocumentPatch):
+    """Rename one of your documents (``title``: not empty, at most 255 characters)."""
+    document = _get_document_for_user(request, document_id, change=True)
+    try:
+        document_services.document_rename(document=document, title=payload.title)
+    except document_services.RenameRefused as err:
+        raise ApiError(400, "invalid_request", str(err)) from err
+    return _document_out(document, request.user)
 
 
 @documents_router.delete("/{document_id}", response={204: None, **error_responses(403, 404)})
@@ -249,6 +273,9 @@ async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator
                                                 "message": result.error})  # fmt: skip
     except AnswerTimeout as err:
         yield sse("error", {"code": "timeout", "message": str(err)})
+    except Exception as err:  # a service lost mid-stream: the client gets an end, not a cut
+        error = stream_error(err, conversation_id=answer.conversation_id)
+        yield sse("error", {"code": error.code, "message": error.message})
 
 
 def event_stream_response(events: AsyncIterator[str]) -> StreamingHttpResponse:

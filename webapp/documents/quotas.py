@@ -7,13 +7,18 @@ KV bytes are the bytes actually stored: each distinct object of the user's chunk
 its codec wrote it (``Chunk.kv_bytes``), so ``kv_bytes_per_token`` and the compression
 ratio to 16 bits (``KV_BYTES_PER_TOKEN``, the model's fp16 bytes a token) are measured, not
 assumed. The KV the token quota allows is priced at the measured bytes a token (at fp16's
-until anything is stored)."""
+until anything is stored).
+
+A check and the write it allows are one step: ``hold_quota`` takes the owner's lock in the
+caller's transaction, and the check under it sees every write committed before it (30 uploads
+at once with room for 20 stored 27 to 30 without it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.db import connection
 from django.db.models import Sum
 
 from webapp.documents.models import Chunk, Document
@@ -95,8 +100,20 @@ def _kdn_stored(owner, chunks) -> tuple[int, int]:
     return totals["tokens"] or 0, totals["nbytes"] or 0
 
 
+def hold_quota(owner_id: int) -> None:
+    """Hold ``owner_id``'s quota until the caller's transaction ends: who checks it under this
+    lock and then writes (a document, a document's chunks) is not overtaken by another who
+    checked before that write. A transaction-scoped advisory lock rather than a row lock on
+    the user: nothing else that touches the user (a login, a row pointing at them) waits."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"quota:{owner_id}"]
+        )
+
+
 def upload_refusal(owner) -> str:
-    """Why ``owner`` may not add a document now ("" when they may)."""
+    """Why ``owner`` may not add a document now ("" when they may); final under
+    ``hold_quota``."""
     usage = usage_of(owner)
     if usage.max_documents and usage.documents >= usage.max_documents:
         return (
@@ -109,7 +126,8 @@ def upload_refusal(owner) -> str:
 
 
 def tokens_refusal(owner, *, document_id: int, new_tokens: int) -> str:
-    """Why a document of ``new_tokens`` tokens does not fit ``owner``'s quota ("" if it does)."""
+    """Why a document of ``new_tokens`` tokens does not fit ``owner``'s quota ("" if it does);
+    final under ``hold_quota``."""
     usage = usage_of(owner, excluding_document=document_id)
     if usage.max_tokens and usage.tokens + new_tokens > usage.max_tokens:
         return (

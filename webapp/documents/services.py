@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
+from itertools import islice
 from pathlib import PurePath
 from typing import Any
 
@@ -22,7 +24,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.postgres.search import SearchVector
 from django.core.files.uploadedfile import UploadedFile
-from django.db import IntegrityError, connection, transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from minio.error import S3Error
@@ -60,8 +62,15 @@ def _on_commit(fn: Callable[[], object]) -> None:
 # Upload
 
 
+ORIGINALS_PREFIX = "originals/"
+# An original that no document names is removed (``purge_unreferenced_originals``) once it
+# is older than this. An upload names what it stored within milliseconds, under the key's lock
+# besides; the margin is for what does not take that lock.
+UNREFERENCED_ORIGINAL_GRACE = timedelta(minutes=15)
+
+
 def original_object_key(*, owner_id: int, content_sha256: str) -> str:
-    return f"originals/{owner_id}/{content_sha256}"
+    return f"{ORIGINALS_PREFIX}{owner_id}/{content_sha256}"
 
 
 def _title_from(name: str) -> str:
@@ -131,12 +140,17 @@ def _store_original(*, key: str, data: bytes, name: str) -> None:
 
 
 def document_upload_result(*, owner: AbstractBaseUser, uploaded_file: UploadedFile) -> UploadResult:
-    """Store one uploaded file and queue its ingest; ``UploadRefused`` (nothing stored) when
+    """Store one uploaded file and queue its ingest; ``UploadRefused`` (nothing kept) when
     it is empty, too large, of a type we do not read, or over the owner's quota.
 
     The same content uploaded twice by one user is one document: the existing one is
     returned, marked ``duplicate`` so the user can be told. (A ``failed`` row without an
-    original, left by a refusal from before refusals stored nothing, is taken over.)"""
+    original, left by a refusal from before refusals stored nothing, is taken over.)
+
+    The quota is checked before anything is stored, and again under ``quotas.hold_quota``
+    with the row's insert: an upload that a concurrent one took the room of is refused then,
+    and its original removed. The original is written under its key's lock
+    (``lock_original_key``), so the purges never remove it from under an upload."""
     name = uploaded_file.name or "Untitled"
     sha, size, data = _read_upload(uploaded_file, settings.MAX_UPLOAD_BYTES)
     existing = Document.objects.filter(owner=owner, content_sha256=sha).first()
@@ -144,23 +158,49 @@ def document_upload_result(*, owner: AbstractBaseUser, uploaded_file: UploadedFi
         return UploadResult(existing, duplicate=True)
     detected = _detect_or_refuse(owner=owner, name=name, size=size, data=data)
     key = original_object_key(owner_id=owner.pk, content_sha256=sha)
-    _store_original(key=key, data=data, name=name)
     fields = {"title": _title_from(name), "original_name": name[:255], "detected_type": detected,
               "size_bytes": size, "status": Status.QUEUED, "stage": Stage.UPLOADED,
               "progress": 0, "error_message": "", "object_key": key,
               "ingest_attempts": 0}  # fmt: skip
     try:
         with transaction.atomic():
-            if existing is not None:
-                Document.objects.filter(pk=existing.pk).update(**fields, updated_at=timezone.now())
-                document = Document.objects.get(pk=existing.pk)
-            else:
-                document = Document.objects.create(owner=owner, content_sha256=sha, **fields)
-            _enqueue_ingest(document.pk)
-    except IntegrityError:
-        # The same content arrived twice at once (two tabs); the other request won.
-        return UploadResult(Document.objects.get(owner=owner, content_sha256=sha), duplicate=True)
-    return UploadResult(document)
+            lock_original_key(key)
+            existing = Document.objects.filter(owner=owner, content_sha256=sha).first()
+            if existing is not None and existing.object_key:
+                return UploadResult(existing, duplicate=True)  # the same file, sent at once
+            _store_original(key=key, data=data, name=name)
+            return UploadResult(_insert_within_quota(owner, sha, existing, fields))
+    except TransientError:
+        # The gateway may still write what it was sent (a frozen one does once it runs
+        # again, after this request gave up): recorded, the purge removes it.
+        _forget_objects(originals=[key])
+        raise
+
+
+def _insert_within_quota(
+    owner: AbstractBaseUser, sha: str, existing: Document | None, fields: dict[str, Any]
+) -> Document:
+    """The document's row, if the owner's quota still has room once it is held; otherwise
+    its original (just stored, named by no row) is removed and the upload refused."""
+    quotas.hold_quota(owner.pk)
+    if over_quota := quotas.upload_refusal(owner):
+        _remove_refused_original(fields["object_key"])
+        raise UploadRefused(over_quota)
+    if existing is not None:
+        Document.objects.filter(pk=existing.pk).update(**fields, updated_at=timezone.now())
+        document = Document.objects.get(pk=existing.pk)
+    else:
+        document = Document.objects.create(owner=owner, content_sha256=sha, **fields)
+    _enqueue_ingest(document.pk)
+    return document
+
+
+def _remove_refused_original(key: str) -> None:
+    try:
+        object_store().remove_object(settings.S3_DOCUMENTS_BUCKET, key)
+    except (S3Error, urllib3.exceptions.HTTPError, OSError) as err:
+        # Left to the purge of unreferenced originals.
+        log.warning("could not remove the refused original %s: %s", key, err)
 
 
 def _enqueue_ingest(document_id: int) -> None:
@@ -184,12 +224,16 @@ def document_fail(*, document_id: int, message: str, stage: str | None = None) -
 
 
 def document_retry(*, document: Document) -> Document:
-    """Queue a failed document again from its stored original."""
+    """Queue a failed document again from its stored original, if the owner's quota has
+    room for it (a failed document does not count; retried, it does again)."""
     if document.status != Status.FAILED:
         return document
     if not document.object_key:
         raise RetryNotPossible("This file was refused at upload; upload a corrected file instead.")
     with transaction.atomic():
+        quotas.hold_quota(document.owner_id)
+        if over_quota := quotas.upload_refusal(document.owner_id):
+            raise RetryNotPossible(over_quota)
         _update(document.pk, status=Status.QUEUED, stage=Stage.UPLOADED, progress=0,
                 error_message="", ingest_attempts=0)  # fmt: skip
         Chunk.objects.filter(document=document, kv_status=Chunk.KVStatus.FAILED).update(
@@ -276,7 +320,7 @@ def document_ingest(*, document_id: int) -> None:
         return
     _update(document_id, stage=Stage.EMBEDDING, progress=PROGRESS[Stage.EMBEDDING])
     vectors = embed_texts([c.text for c in chunks])
-    _write_chunks(document_id, chunks, vectors)
+    _write_chunks(document_id, chunks, vectors, owner_id=document.owner_id)
 
 
 def _parse_and_chunk(document: Document) -> list[Any]:
@@ -306,14 +350,22 @@ def _parse_and_chunk(document: Document) -> list[Any]:
     return chunks
 
 
-def _write_chunks(document_id: int, chunks: list[Any], vectors: list[Any]) -> None:
+def _write_chunks(
+    document_id: int, chunks: list[Any], vectors: list[Any], *, owner_id: int
+) -> None:
     """Replace the document's chunks with these, keeping the KV keys of chunks whose tokens
     are unchanged (a retry, a re-ingest), and queue the KV step; objects no chunk names any
-    more are forgotten and purged."""
+    more are forgotten and purged. The owner's token quota is checked again with the write
+    (documents ingested at once each found room for themselves alone)."""
     with transaction.atomic():
+        quotas.hold_quota(owner_id)  # before the row's lock: every writer takes them so
         locked = Document.objects.select_for_update().filter(pk=document_id).first()
         if locked is None or locked.status != Status.PROCESSING:
             return  # deleted (or reset) while we worked
+        tokens = sum(chunk.token_count for chunk in chunks)
+        if over := quotas.tokens_refusal(owner_id, document_id=document_id, new_tokens=tokens):
+            document_fail(document_id=document_id, message=over)
+            return
         previous = {
             sha: key
             for sha, key in Chunk.objects.select_for_update()
@@ -351,11 +403,21 @@ def _enqueue_precompute(chunk_ids: Sequence[int]) -> None:
 # KV precompute
 
 
+def _lock_object(key: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [key])
+
+
 def lock_kv_key(key: str) -> None:
     """Serialize everything that decides a KV object's fate (store it and point a chunk at
     it, or find it unreferenced and delete it) on one transaction-scoped advisory lock."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [key])
+    _lock_object(key)
+
+
+def lock_original_key(key: str) -> None:
+    """The same for an original: an upload holds it from storing the object to committing
+    the row that names it, a purge while it finds the object unreferenced and removes it."""
+    _lock_object(key)
 
 
 def document_precompute_kv(
@@ -533,6 +595,7 @@ def purge_orphan_objects(*, keys: Iterable[str] | None = None, limit: int = 500)
                     lock_kv_key(orphan.key)
                     in_use = kv_key_in_use(orphan.key)
                 else:
+                    lock_original_key(orphan.key)
                     in_use = Document.objects.filter(object_key=orphan.key).exists()
                 if not in_use:
                     _remove_object(orphan)
@@ -545,6 +608,55 @@ def purge_orphan_objects(*, keys: Iterable[str] | None = None, limit: int = 500)
             )
             break
     return settled
+
+
+def purge_unreferenced_originals(
+    *, grace: timedelta = UNREFERENCED_ORIGINAL_GRACE, limit: int = 500
+) -> int:
+    """Remove the originals in the bucket that no document names, written more than
+    ``grace`` ago: what an upload refused or failed after its object was written left (a
+    gateway that stopped answering writes what it was sent once it runs again, after the
+    upload gave up), whether or not an ``OrphanObject`` recorded it. Returns how many were
+    removed; stops at the first failure (S3 down: the rest waits for the next run)."""
+    removed = 0
+    try:
+        for keys in _batches(_originals_written_before(timezone.now() - grace), 500):
+            named = set(
+                Document.objects.filter(object_key__in=keys).values_list("object_key", flat=True)
+            )
+            for key in (key for key in keys if key not in named):
+                if removed >= limit:
+                    return removed
+                removed += _remove_unreferenced_original(key)
+    except (S3Error, urllib3.exceptions.HTTPError, OSError) as err:
+        log.warning("the purge of unreferenced originals stopped (next run goes on): %s", err)
+    return removed
+
+
+def _originals_written_before(cutoff: datetime) -> Iterator[str]:
+    listed = object_store().list_objects(
+        settings.S3_DOCUMENTS_BUCKET, prefix=ORIGINALS_PREFIX, recursive=True
+    )
+    for item in listed:
+        if item.last_modified is not None and item.last_modified < cutoff:
+            yield item.object_name
+
+
+def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    iterator = iter(items)
+    while batch := list(islice(iterator, size)):
+        yield batch
+
+
+def _remove_unreferenced_original(key: str) -> int:
+    """Remove ``key`` unless a document names it by now (an upload stores and names it under
+    the same lock, so none is between the two here); 1 if removed."""
+    with transaction.atomic():
+        lock_original_key(key)
+        if Document.objects.filter(object_key=key).exists():
+            return 0
+        object_store().remove_object(settings.S3_DOCUMENTS_BUCKET, key)
+    return 1
 
 
 def document_delete(*, document: Document) -> None:
@@ -565,6 +677,32 @@ def document_delete(*, document: Document) -> None:
         shared = object_key and Document.objects.filter(object_key=object_key).exists()
         forgotten = _forget_objects(originals=[] if shared else [object_key], kv_keys=kv_keys)
     purge_orphan_objects(keys=forgotten)  # what S3 does not take now is retried later
+
+
+# --------------------------------------------------------------------------------------------
+# Rename (the caller checks that the user owns the document)
+
+TITLE_MAX_CHARS = Document._meta.get_field("title").max_length
+
+
+class RenameRefused(ValueError):
+    """A name a document cannot take (shown to the user as is)."""
+
+
+def document_rename(*, document: Document, title: str) -> Document:
+    """Give the document a new name (its title; runs of spaces become one);
+    ``RenameRefused`` for an empty or too long one."""
+    title = " ".join(title.split())
+    if not title:
+        raise RenameRefused("Give the document a name.")
+    if len(title) > TITLE_MAX_CHARS:
+        raise RenameRefused(
+            f"A document's name can be at most {TITLE_MAX_CHARS} characters; this one has "
+            f"{len(title)}."
+        )
+    _update(document.pk, title=title)
+    document.refresh_from_db(fields=["title", "updated_at"])
+    return document
 
 
 # --------------------------------------------------------------------------------------------

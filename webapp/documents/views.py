@@ -1,5 +1,6 @@
 """The documents page: upload (several files, drag and drop), live status, retry, delete,
-download of the original; a document's own page, read-only for a user it is shared with.
+download of the original; a document's own page (where its owner renames it), read-only for
+a user it is shared with.
 
 ``GET documents/`` serves the full page, or only the list partial to htmx (which polls it
 while anything is still processing)."""
@@ -92,14 +93,9 @@ def document_list(request: HttpRequest) -> HttpResponse:
     return redirect("documents:list")
 
 
-@login_required
-@require_GET
-def document_detail(request: HttpRequest, document_id: int) -> HttpResponse:
-    """Its owner sees the collections it is in and can change them; a user it is shared with
-    sees whose it is and through which collections, and nothing to change."""
-    document = get_document_for_user(request, document_id)
+def _detail_context(request: HttpRequest, document: Document) -> dict[str, object]:
     is_owner = document.owner_id == request.user.pk
-    context = {
+    context: dict[str, object] = {
         "document": document,
         "is_owner": is_owner,
         "chunks": selectors.document_chunks(document=document),
@@ -113,7 +109,39 @@ def document_detail(request: HttpRequest, document_id: int) -> HttpResponse:
         context["shared_through"] = selectors.collections_sharing(
             document=document, user=request.user
         )
-    return render(request, "documents/detail.html", context)
+    return context
+
+
+@login_required
+@require_GET
+def document_detail(request: HttpRequest, document_id: int) -> HttpResponse:
+    """Its owner sees the collections it is in and can change them, and can rename it; a user
+    it is shared with sees whose it is and through which collections, and nothing to change."""
+    document = get_document_for_user(request, document_id)
+    return render(request, "documents/detail.html", _detail_context(request, document))
+
+
+@login_required
+@require_POST
+def document_rename(request: HttpRequest, document_id: int) -> HttpResponse:
+    """From the document's page, its owner only. htmx gets the heading back (renamed, or the
+    error with the name as typed: a 200, since htmx swaps no 4xx); without JavaScript, the
+    page again, or the page with the error (400) and the name as typed."""
+    document = get_document_for_user(request, document_id, change=True)
+    typed = request.POST.get("title", "")
+    try:
+        services.document_rename(document=document, title=typed)
+    except services.RenameRefused as err:
+        context = {"document": document, "is_owner": True, "typed": typed, "rename_error": err}
+        if request.htmx:
+            return render(request, "documents/_title.html", context)
+        page = _detail_context(request, document) | context
+        return render(request, "documents/detail.html", page, status=400)
+    if request.htmx:
+        context = {"document": document, "is_owner": True, "renamed": True}
+        return render(request, "documents/_title.html", context)
+    messages.success(request, f"Renamed to “{document.title}”.")
+    return redirect("documents:detail", document_id=document.pk)
 
 
 @login_required
@@ -140,6 +168,8 @@ def document_retry(request: HttpRequest, document_id: int) -> HttpResponse:
     try:
         services.document_retry(document=document)
     except services.RetryNotPossible as err:
+        if request.htmx:  # in the list it swaps in (a flashed message would wait for a reload)
+            return _list_response(request, errors=[str(err)])
         messages.error(request, str(err))
     if request.htmx:
         return _list_response(request)

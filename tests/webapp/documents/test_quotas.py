@@ -89,3 +89,29 @@ def test_usage_counts_the_kv_bytes_actually_stored_each_object_once(user, client
     mine = client.get("/api/v1/documents/usage", **bearer(user)).json()
     assert mine["kv_bytes"] == 500_000 and mine["kv_bytes_per_token"] == 5_000
     assert mine["compression_ratio"] == round(settings.KV_BYTES_PER_TOKEN / 5_000, 2)
+
+
+def test_a_retry_past_the_document_quota_is_refused_with_the_reason(user, settings) -> None:
+    """A failed document does not count against the quota; retried, it would again."""
+    settings.QUOTA_DOCUMENTS = 1
+    failed = services.document_upload(owner=user, uploaded_file=upload("a.txt",
+                                      files.text_bytes("a")))  # fmt: skip
+    services.document_fail(document_id=failed.pk, message="Storage was unavailable.")
+    failed.refresh_from_db()
+    services.document_upload(owner=user, uploaded_file=upload("b.txt", files.text_bytes("b")))
+    with pytest.raises(services.RetryNotPossible, match="quota of 1 documents"):
+        services.document_retry(document=failed)
+    failed.refresh_from_db()
+    assert failed.status == Document.Status.FAILED and quotas.usage_of(user).documents == 1
+
+
+def test_a_refused_retry_says_why_in_the_list_htmx_swaps_in(user, alice_client, settings) -> None:
+    settings.QUOTA_DOCUMENTS = 1
+    failed = services.document_upload(owner=user, uploaded_file=upload("a.txt",
+                                      files.text_bytes("a")))  # fmt: skip
+    services.document_fail(document_id=failed.pk, message="Storage was unavailable.")
+    services.document_upload(owner=user, uploaded_file=upload("b.txt", files.text_bytes("b")))
+    response = alice_client.post(f"/documents/{failed.pk}/retry", HTTP_HX_REQUEST="true")
+    html = response.content.decode()
+    assert response.status_code == 200 and 'id="document-list"' in html
+    assert '<p class="error" role="alert">You have reached your quota of 1 documents' in html
