@@ -135,12 +135,15 @@ def kdn_put(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
         stored = result.get(timeout=settings.KDN_PUT_WAIT_S)
     except CeleryTimeout as err:
         raise StillComputing("The KV is still being computed; PUT the text again.") from err
-    StoredText.objects.update_or_create(
-        owner=owner, tokens_sha256=token_ids_sha256(tokenized.token_ids),
-        head_hash=tokenized.head_hash,
-        defaults={"kv_key": stored["key"], "token_count": stored["tokens"],
-                  "kv_bytes": stored["stored_bytes"]},
-    )  # fmt: skip
+    with transaction.atomic():  # checked again where it counts: the quota held to the write
+        quotas.hold_quota(owner.pk)
+        _check_quota(owner, tokenized)
+        StoredText.objects.update_or_create(
+            owner=owner, tokens_sha256=token_ids_sha256(tokenized.token_ids),
+            head_hash=tokenized.head_hash,
+            defaults={"kv_key": stored["key"], "token_count": stored["tokens"],
+                      "kv_bytes": stored["stored_bytes"]},
+        )  # fmt: skip
     return stored
 
 

@@ -176,3 +176,28 @@ def test_the_two_calls_are_in_the_openapi_schema(alice_auth) -> None:
     fetch = schema["paths"]["/kdn/v1/fetch"]["post"]
     assert "application/octet-stream" in fetch["responses"]["200"]["content"]
     assert "404" in fetch["responses"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_puts_never_pass_the_token_quota(
+    celery_worker_process, alice, alice_auth, settings
+) -> None:
+    """Two texts PUT at once with room for one: one is stored, the other refused. The race is
+    made certain as for uploads (tests/webapp/documents/test_quota_races.py): both had checked
+    the quota before either wrote, and both wrote."""
+    from tests.webapp.documents.test_quota_races import race
+    from webapp.documents import quotas
+    from webapp.kdn import services
+    from webapp.kdn.models import StoredText
+
+    _put(Client(), alice_auth, OTHER)  # the KV worker is up, its model loaded
+    texts = [PASSAGE, PASSAGE.replace("Rhine", "Rhône")]
+    one = max(len(services.tokenize([text], None)[0].token_ids) for text in texts)
+    settings.QUOTA_TOKENS = quotas.usage_of(alice).tokens + one + one // 2
+    results = race("kdn_storedtext", [
+        lambda text=text: services.kdn_put(owner=alice, text=text) for text in texts
+    ])  # fmt: skip
+    refused = [r for r in results if isinstance(r, services.KdnRefused)]
+    assert len(refused) == 1 and refused[0].code == "quota_exceeded", results
+    assert StoredText.objects.filter(owner=alice).count() == 2  # OTHER and one of the two
+    assert quotas.usage_of(alice).tokens <= settings.QUOTA_TOKENS
