@@ -21,6 +21,13 @@ from kvservice.prompt import chunk_token_ids
 # at such a place costs little, since chunks hold many sentences.
 _SENTENCE_END = re.compile(r"(?<=[.!?…])[\"'”’)\]]*\s+(?=\S)")
 _PARAGRAPH = re.compile(r"\n\s*\n")
+# The start of a list item as the parsers write it: "3. ", "b) ", "iv. ", "1.2.3 ", "- ". It
+# starts a line of its own in a chunk, and its number is no sentence of its own.
+LIST_ITEM = re.compile(
+    r"^(?:[-*•]|\(?(?:\d{1,3}(?:\.\d{1,3})*|[a-zA-Z]|[ivxlcdmIVXLCDM]{1,7})[.)]"
+    r"|\d{1,3}(?:\.\d{1,3})+)[ \t]+(?=\S)"
+)
+_LIST_LINE = re.compile(r"\n(?=" + LIST_ITEM.pattern.removeprefix("^") + ")")
 
 
 @dataclass(frozen=True)
@@ -59,17 +66,27 @@ def tokenize(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 
 
 def split_sentences(text: str) -> list[str]:
-    """Sentences in order; a paragraph break ends a sentence (and is kept as a marker)."""
+    """Sentences in order; a paragraph break ends a sentence (and is kept as a marker), and
+    so does a line break before a list item (kept as a marker too: the item stays on a line
+    of its own)."""
     pieces: list[str] = []
-    for p_index, paragraph in enumerate(_PARAGRAPH.split(text)):
-        paragraph = paragraph.strip()
-        if not paragraph:
-            continue
-        sentences = [s.strip() for s in _SENTENCE_END.split(paragraph) if s.strip()]
-        if p_index and pieces:
-            sentences[0] = "\n\n" + sentences[0]
-        pieces.extend(sentences)
+    for paragraph in _PARAGRAPH.split(text):
+        for l_index, line in enumerate(_LIST_LINE.split(paragraph.strip())):
+            sentences = _line_sentences(line)
+            if sentences and pieces:
+                sentences[0] = ("\n" if l_index else "\n\n") + sentences[0]
+            pieces.extend(sentences)
     return pieces
+
+
+def _line_sentences(line: str) -> list[str]:
+    """The sentences of a line, a list item's number ("3.") kept with its first sentence."""
+    item = LIST_ITEM.match(line)
+    label, rest = (item.group(0).strip(), line[item.end() :]) if item else ("", line)
+    sentences = [s.strip() for s in _SENTENCE_END.split(rest.strip()) if s.strip()]
+    if label:
+        sentences[:1] = [f"{label} {sentences[0]}" if sentences else label]
+    return sentences
 
 
 def _split_long(sentence: str, tokenizer: Any, max_tokens: int) -> list[str]:
@@ -128,43 +145,119 @@ def _join(sentences: list[str]) -> str:
     for sentence in sentences:
         if not text:
             text = sentence.lstrip("\n")
-        elif sentence.startswith("\n\n"):
+        elif sentence.startswith("\n"):
             text += sentence
         else:
             text += " " + sentence
     return text.strip()
 
 
+def keep_together(sentences: list[str]) -> list[list[str]]:
+    """The sentences in runs that a chunk boundary should not cut where a chunk can hold
+    them: a list with the line before it (its heading, or "To return a parcel:") and a
+    heading above that line; every other sentence a run of its own. A question asks for
+    "the third step of returning a parcel": the passage must hold both."""
+    runs: list[list[str]] = []
+    loose = 0  # how many of the last runs are single sentences, which a list may take along
+    in_list = False
+    for at, sentence in enumerate(sentences):
+        starts_line = at == 0 or sentence.startswith("\n")
+        if starts_line and LIST_ITEM.match(sentence.lstrip("\n")):
+            if not in_list:
+                taken = _introduction_length(sentences, at, loose)
+                introduction = [s for run in runs[len(runs) - taken :] for s in run]
+                del runs[len(runs) - taken :]
+                runs.append(introduction)
+                in_list = True
+            runs[-1].append(sentence)
+            loose = 0
+        elif in_list and not starts_line:
+            runs[-1].append(sentence)  # an item's second sentence
+        else:
+            in_list = False
+            runs.append([sentence])
+            loose += 1
+    return runs
+
+
+def _introduction_length(sentences: list[str], first_item: int, available: int) -> int:
+    """How many sentences before a list go with it: the one before it, and the heading
+    above that one (a paragraph of one line with no full stop)."""
+    if available == 0:
+        return 0
+    before = first_item - 1
+    if available >= 2 and not _is_heading(sentences, before) and _is_heading(sentences, before - 1):
+        return 2
+    return 1
+
+
+_SENTENCE_MARKS = (".", "!", "?", "…", ":", ";")
+
+
+def _is_heading(sentences: list[str], at: int) -> bool:
+    if at < 0:
+        return False
+    whole_paragraph = (at == 0 or sentences[at].startswith("\n\n")) and (
+        at + 1 == len(sentences) or sentences[at + 1].startswith("\n\n")
+    )
+    return whole_paragraph and not sentences[at].rstrip().endswith(_SENTENCE_MARKS)
+
+
+Units = list[tuple[str, int]]  # sentences with their token counts
+
+
+def _measured(runs: list[list[str]], tokenizer: Any, max_tokens: int) -> list[Units]:
+    """Each run's sentences with their token counts, a sentence longer than a chunk cut."""
+    counts = [len(ids) for ids in tokenize(tokenizer, [s for run in runs for s in run])]
+    measured: list[Units] = []
+    at = 0
+    for run in runs:
+        units: Units = []
+        for sentence, count in zip(run, counts[at : at + len(run)], strict=True):
+            if count <= max_tokens:
+                units.append((sentence, count))
+                continue
+            for piece in _split_long(sentence, tokenizer, max_tokens):
+                units.append((piece, len(tokenize(tokenizer, [piece])[0])))
+        measured.append(units)
+        at += len(run)
+    return measured
+
+
+def _pack(runs: list[Units], max_tokens: int) -> list[list[str]]:
+    """Sentences packed greedily into groups of at most ``max_tokens`` tokens; a run of
+    several that fits in a chunk but not in what is left of this one starts the next."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    current_tokens = 0
+    for run in runs:
+        # +1: the space joining two sentences may merge into a token of its own.
+        run_tokens = sum(count + 1 for _, count in run)
+        if len(run) > 1 and current and current_tokens + run_tokens > max_tokens >= run_tokens:
+            groups.append(current)
+            current, current_tokens = [], 0
+        for sentence, count in run:
+            if current and current_tokens + count + 1 > max_tokens:
+                groups.append(current)
+                current, current_tokens = [], 0
+            current.append(sentence)
+            current_tokens += count + 1
+    if current:
+        groups.append(current)
+    return groups
+
+
 def chunk_text(text: str, *, tokenizer: Any, max_tokens: int = 512) -> list[TextChunk]:
-    """Greedily pack whole sentences into chunks of at most ``max_tokens`` tokens."""
+    """Pack whole sentences into chunks of at most ``max_tokens`` tokens, a list kept with
+    its heading (``keep_together``)."""
     if max_tokens < 8:
         raise ValueError("max_tokens must be at least 8")
     sentences = split_sentences(text)
     if not sentences:
         return []
-    counts = [len(ids) for ids in tokenize(tokenizer, sentences)]
-    units: list[tuple[str, int]] = []
-    for sentence, count in zip(sentences, counts, strict=True):
-        if count <= max_tokens:
-            units.append((sentence, count))
-            continue
-        for piece in _split_long(sentence, tokenizer, max_tokens):
-            units.append((piece, len(tokenize(tokenizer, [piece])[0])))
-
-    groups: list[list[str]] = []
-    current: list[str] = []
-    current_tokens = 0
-    for sentence, count in units:
-        # +1: the space joining two sentences may merge into a token of its own.
-        if current and current_tokens + count + 1 > max_tokens:
-            groups.append(current)
-            current, current_tokens = [], 0
-        current.append(sentence)
-        current_tokens += count + 1
-    if current:
-        groups.append(current)
-
-    groups = [part for group in groups for part in _fit(group, tokenizer, max_tokens)]
+    runs = _measured(keep_together(sentences), tokenizer, max_tokens)
+    groups = [part for group in _pack(runs, max_tokens)
+              for part in _fit(group, tokenizer, max_tokens)]  # fmt: skip
     texts = [t for t in (_join(group) for group in groups) if t]
     # The stored ids come from the one function the inference side uses for a chunk's ids.
     return [

@@ -12,7 +12,7 @@ import re
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import filetype
 from charset_normalizer import from_bytes
@@ -298,7 +298,8 @@ def parse_docx(data: bytes, limits: DocxLimits) -> ParsedDocument:
 
     try:
         document = docx.Document(io.BytesIO(data))
-        blocks = [p.text for p in document.paragraphs]
+        numbering = WordNumbering(document)
+        blocks = [numbering.numbered(paragraph) for paragraph in document.paragraphs]
         for table in document.tables:
             for row in table.rows:
                 blocks.append(" | ".join(cell.text for cell in row.cells))
@@ -310,6 +311,256 @@ def parse_docx(data: bytes, limits: DocxLimits) -> ParsedDocument:
     except Exception as err:  # noqa: BLE001 - lxml and python-docx raise many kinds
         raise ParseError("This Word file could not be read: it looks damaged.") from err
     return ParsedDocument(text=normalize_text("\n\n".join(blocks)), title=title)
+
+
+# --------------------------------------------------------------------------------------------
+# List numbers. A Word file stores none (Word counts them as it lays the page out) and an
+# HTML list only its kind, yet a text refers to them ("go back to step 3") and a question asks
+# for "the third step": each parser writes them into the text, as the reader sees them.
+
+BULLET = "-"  # what a bulleted item starts with, whatever the format's bullet glyph
+_ROMAN = [(1000, "m"), (900, "cm"), (500, "d"), (400, "cd"), (100, "c"), (90, "xc"),
+          (50, "l"), (40, "xl"), (10, "x"), (9, "ix"), (5, "v"), (4, "iv"), (1, "i")]  # fmt: skip
+
+
+def list_number(number: int, number_format: str, *, word_letters: bool = True) -> str:
+    """``number`` as a list writes it, in Word's ``numFmt`` names: ``decimal``, ``decimalZero``
+    (01), ``lowerLetter``/``upperLetter``, ``lowerRoman``/``upperRoman``, ``ordinal`` (1st),
+    ``none``. Past z, Word repeats the letter (27: aa, 28: bb) and HTML counts on (27: aa,
+    28: ab): ``word_letters`` says which. Any other format (Word has sixty, most of them
+    national) and a number a format cannot write (0 in letters) are written in digits: the
+    number is kept."""
+    if number_format == "none":
+        return ""
+    if number_format in ("lowerLetter", "upperLetter") and number > 0:
+        letters = _word_letters(number) if word_letters else _html_letters(number)
+        return letters.upper() if number_format == "upperLetter" else letters
+    if number_format in ("lowerRoman", "upperRoman") and 0 < number < 4000:
+        roman = _roman(number)
+        return roman.upper() if number_format == "upperRoman" else roman
+    if number_format == "decimalZero" and 0 <= number < 10:
+        return f"0{number}"
+    if number_format == "ordinal" and number > 0:
+        teens = number % 100 in (11, 12, 13)
+        return f"{number}{'th' if teens else {1: 'st', 2: 'nd', 3: 'rd'}.get(number % 10, 'th')}"
+    return str(number)
+
+
+def _roman(number: int) -> str:
+    digits = []
+    for value, letters in _ROMAN:
+        count, number = divmod(number, value)
+        digits.append(letters * count)
+    return "".join(digits)
+
+
+def _word_letters(number: int) -> str:
+    return chr(ord("a") + (number - 1) % 26) * ((number - 1) // 26 + 1)
+
+
+def _html_letters(number: int) -> str:
+    letters = ""
+    while number > 0:
+        number, digit = divmod(number - 1, 26)
+        letters = chr(ord("a") + digit) + letters
+    return letters
+
+
+_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+_LEVEL_FIELD = re.compile(r"%([1-9])")
+
+
+def _w_val(element, child: str) -> str | None:
+    """The ``w:val`` of ``element``'s child ``w:<child>`` (``child`` may be a path)."""
+    if element is None:
+        return None
+    found = element.find(_W + child.replace("/", "/" + _W))
+    return None if found is None else found.get(f"{_W}val")
+
+
+def _w_int(value: str | None, default: int | None = None) -> int | None:
+    """A number of the file, or ``default`` where it is missing or no number: a damaged list
+    loses its numbers, not the document."""
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
+
+
+@dataclass(frozen=True)
+class WordListLevel:
+    """One level of a Word list definition (``w:lvl``): how its numbers are written, where
+    they start, and its text, with a field for each level above it and its own ("%1.%2.")."""
+
+    number_format: str = "decimal"
+    text: str = "%1."
+    start: int = 1
+    legal: bool = False  # w:isLgl: every level's number in digits (1.1.3, not 1.a.iii)
+
+    @classmethod
+    def from_xml(cls, lvl) -> WordListLevel:
+        return cls(
+            number_format=_w_val(lvl, "numFmt") or "decimal",
+            text=_w_val(lvl, "lvlText") or "",
+            start=_w_int(_w_val(lvl, "start"), 0) or 0,  # Word's default start is 0
+            legal=lvl.find(f"{_W}isLgl") is not None,
+        )
+
+
+def _levels(parent) -> dict[int, WordListLevel]:
+    return {
+        _w_int(lvl.get(f"{_W}ilvl"), 0) or 0: WordListLevel.from_xml(lvl)
+        for lvl in parent.findall(f"{_W}lvl")
+    }
+
+
+@dataclass(frozen=True)
+class WordList:
+    """A list of the document (``w:num``): the definition it counts with, that definition's
+    levels with this list's overrides, and the levels it starts afresh (Word's "Restart
+    numbering" writes a new list with a ``w:startOverride``)."""
+
+    definition: str
+    levels: dict[int, WordListLevel]
+    restarts: frozenset[int]
+
+
+def _word_definitions(numbering) -> tuple[dict[str, dict[int, WordListLevel]], dict[str, str]]:
+    """Each list definition's levels (``w:abstractNum``), and which definition each counts
+    with: its own, or, where it only names a list style (``w:numStyleLink``), the one that
+    defines that style (``w:styleLink``)."""
+    definitions: dict[str, dict[int, WordListLevel]] = {}
+    style_links: dict[str, str] = {}
+    defining: dict[str, str] = {}
+    for abstract in numbering.findall(f"{_W}abstractNum"):
+        key = abstract.get(f"{_W}abstractNumId", "")
+        definitions[key] = _levels(abstract)
+        if (style := _w_val(abstract, "numStyleLink")) is not None:
+            style_links[key] = style
+        if (style := _w_val(abstract, "styleLink")) is not None:
+            defining[style] = key
+    counted_with = {key: defining.get(style_links.get(key, ""), key) for key in definitions}
+    return definitions, counted_with
+
+
+def _word_lists(numbering) -> dict[str, WordList]:
+    definitions, counted_with = _word_definitions(numbering)
+    lists: dict[str, WordList] = {}
+    for num in numbering.findall(f"{_W}num"):
+        definition = counted_with.get(_w_val(num, "abstractNumId") or "")
+        if definition is None:
+            continue
+        levels, restarts = dict(definitions[definition]), set()
+        for override in num.findall(f"{_W}lvlOverride"):
+            level = _w_int(override.get(f"{_W}ilvl"), 0) or 0
+            replaced = override.find(f"{_W}lvl")
+            if replaced is not None:
+                levels[level] = WordListLevel.from_xml(replaced)
+            start = _w_int(_w_val(override, "startOverride"))
+            if start is not None:
+                levels[level] = replace(levels.get(level, WordListLevel()), start=start)
+                restarts.add(level)
+        lists[num.get(f"{_W}numId", "")] = WordList(definition, levels, frozenset(restarts))
+    return lists
+
+
+def _word_style_lists(styles) -> tuple[dict[str, tuple[str, int | None]], str]:
+    """The list (``numId``, level) each paragraph style puts its paragraphs in, its own or
+    the one of a style it is based on; and the default paragraph style."""
+    own: dict[str, tuple[str, int | None]] = {}
+    based_on: dict[str, str] = {}
+    default = ""
+    for style in styles.findall(f"{_W}style"):
+        if style.get(f"{_W}type", "paragraph") != "paragraph":
+            continue
+        style_id = style.get(f"{_W}styleId", "")
+        if style.get(f"{_W}default") in ("1", "true", "on"):
+            default = style_id
+        num_id = _w_val(style, "pPr/numPr/numId")
+        if num_id is not None:
+            own[style_id] = (num_id, _w_int(_w_val(style, "pPr/numPr/ilvl")))
+        based_on[style_id] = _w_val(style, "basedOn") or ""
+    resolved: dict[str, tuple[str, int | None]] = {}
+    for style_id in based_on:
+        ancestor, seen = style_id, set()
+        while ancestor and ancestor not in own and ancestor not in seen:  # a loop is damage
+            seen.add(ancestor)
+            ancestor = based_on.get(ancestor, "")
+        if ancestor in own:
+            resolved[style_id] = own[ancestor]
+    return resolved, default
+
+
+class WordNumbering:
+    """The numbers Word shows before the paragraphs of its lists, counted in document order
+    as Word counts them. python-docx reads the paragraphs but not their numbers, and the
+    libraries that do (docx2python) ignore where a list starts, its restarts and its text
+    ("%1.%2."), so they are counted here. A paragraph is in a list through its own
+    ``w:numPr`` (``numId``, ``ilvl``) or its style's ("List Number"); ``numbering.xml`` maps
+    the ``numId`` to a definition whose levels say how numbers are written. Lists sharing a
+    definition count on together unless one restarts; a level starts afresh when a level
+    above it counts on (1. a. b. 2. a.)."""
+
+    def __init__(self, document) -> None:
+        from docx.opc.constants import RELATIONSHIP_TYPE
+
+        try:
+            numbering = document.part.part_related_by(RELATIONSHIP_TYPE.NUMBERING).element
+        except KeyError:  # no lists in this file
+            numbering = None
+        self.lists = {} if numbering is None else _word_lists(numbering)
+        self.style_lists, self.default_style = _word_style_lists(document.styles.element)
+        self.counters: dict[str, dict[int, int]] = {}  # per definition: level -> number
+        self.started: set[str] = set()
+
+    def numbered(self, paragraph) -> str:
+        """The paragraph's text, after its number ("3. Pack the box.") where it has one."""
+        label = self.label(paragraph._p)
+        text = paragraph.text
+        return f"{label} {text}" if label and text.strip() else text
+
+    def label(self, p) -> str:
+        """The number (or ``BULLET``) before paragraph ``p`` (a ``w:p``); "" for none. Counts:
+        call it once for each paragraph, in document order."""
+        num_id, level = self._list_of(p)
+        word_list = self.lists.get(num_id or "")
+        if word_list is None or level not in word_list.levels:
+            return ""  # not in a list, or numId 0: the style's list switched off
+        counters = self._count(num_id or "", word_list, level)
+        this = word_list.levels[level]
+        if this.number_format == "bullet":
+            return BULLET
+
+        def field(match: re.Match[str]) -> str:
+            above = int(match.group(1)) - 1
+            written = word_list.levels.get(above, WordListLevel())
+            number = counters.get(above, written.start)
+            return list_number(number, "decimal" if this.legal else written.number_format)
+
+        return _LEVEL_FIELD.sub(field, this.text).strip()
+
+    def _list_of(self, p) -> tuple[str | None, int]:
+        style = _w_val(p, "pPr/pStyle") or self.default_style
+        style_num_id, style_level = self.style_lists.get(style, (None, None))
+        num_id = _w_val(p, "pPr/numPr/numId")
+        level = _w_int(_w_val(p, "pPr/numPr/ilvl"))
+        if level is None:
+            level = style_level if style_level is not None else 0
+        return (num_id if num_id is not None else style_num_id), level
+
+    def _count(self, num_id: str, word_list: WordList, level: int) -> dict[int, int]:
+        counters = self.counters.setdefault(word_list.definition, {})
+        if num_id not in self.started:  # a restart takes effect at the list's first paragraph
+            self.started.add(num_id)
+            for restarted in word_list.restarts:
+                counters.pop(restarted, None)
+        if level in counters:
+            counters[level] += 1
+        else:
+            counters[level] = word_list.levels[level].start
+        for deeper in [at for at in counters if at > level]:
+            del counters[deeper]
+        return counters
 
 
 _BLOCK_TAGS = ["p", "div", "li", "tr", "br", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
@@ -365,6 +616,53 @@ def strip_boilerplate(soup) -> None:
         tag.decompose()
 
 
+_HTML_NUMBER_FORMATS = {"1": "decimal", "a": "lowerLetter", "A": "upperLetter",
+                        "i": "lowerRoman", "I": "upperRoman"}  # fmt: skip
+
+
+def _html_int(value) -> int | None:
+    try:
+        return int(str(value).strip())
+    except (TypeError, ValueError):
+        return None
+
+
+def label_list_items(soup) -> None:
+    """Start each item of a numbered list with its number ("3. Lock the gate", "c. Lock
+    the gate" for ``type="a"``), as a browser shows it: ``start``, ``reversed`` and an item's
+    ``value`` included; each item of a bulleted list with ``BULLET``."""
+    for listing in soup.find_all(["ol", "ul"]):
+        items = listing.find_all("li", recursive=False)
+        if listing.name == "ul":
+            for item in items:
+                _prefix(item, BULLET)
+            continue
+        step = -1 if listing.has_attr("reversed") else 1
+        number = _html_int(listing.get("start"))
+        if number is None:
+            number = len(items) if step < 0 else 1
+        number_format = _HTML_NUMBER_FORMATS.get(str(listing.get("type") or "1"), "decimal")
+        for item in items:
+            value = _html_int(item.get("value"))
+            number = number if value is None else value
+            label = list_number(number, number_format, word_letters=False)
+            _prefix(item, f"{label}.")
+            number += step
+
+
+def _prefix(item, label: str) -> None:
+    """Put ``label`` before the item's first words, in the same string: an item whose
+    words are in a paragraph (a Markdown list with blank lines between its items) would
+    otherwise have its label on a line of its own. (Not in a comment: no text.)"""
+    from bs4 import NavigableString
+
+    first = item.find(string=lambda s: type(s) is NavigableString and s.strip())
+    if first is None:
+        item.insert(0, f"{label} ")
+    else:
+        first.replace_with(f"{label} {first.lstrip()}")
+
+
 def _html_to_text(html: str) -> tuple[str, str]:
     from bs4 import BeautifulSoup
 
@@ -377,12 +675,7 @@ def _html_to_text(html: str) -> tuple[str, str]:
     if soup.head is not None:
         soup.head.decompose()
     strip_boilerplate(soup)
-    # A numbered list keeps its numbers ("3. Lock the gate"), which the text refers to.
-    for ordered in soup.find_all("ol"):
-        start = str(ordered.get("start") or "1")
-        first = int(start) if start.isdigit() else 1
-        for number, item in enumerate(ordered.find_all("li", recursive=False), start=first):
-            item.insert(0, f"{number}. ")
+    label_list_items(soup)
     # Block elements end a line, so sentences of separate paragraphs never run together.
     for block in soup.find_all(_BLOCK_TAGS):
         block.append("\n\n")
