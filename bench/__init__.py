@@ -20,7 +20,9 @@ This package sits above the product (``kvservice``, ``webapp``) and the dev stac
 * ``api``: ``python -m bench.api``, TTFT as the user sees it, through a running stack's API;
 * ``routing``: ``python -m bench.routing``, cache-aware against random routing, two workers;
 * ``serving``: ``python -m bench.serving``, many users at once: Poisson arrivals through the
-  streamed API per mode and rate (vLLM's own server as a mode), and the capacity.
+  streamed API per mode and rate (vLLM's own server as a mode), and the capacity;
+* ``follow_ups``: ``python -m bench.follow_ups``, retrieval of follow-ups, of questions asked
+  mid-conversation and of two-part questions (tests/data/follow_ups, tune and held-out halves).
 
 Shared helpers: ``data`` (the shared data folder, Musique passages), ``stats`` (quantile,
 bootstrap interval), ``timing`` (device-synchronized timers), ``s3`` (the SeaweedFS gateway

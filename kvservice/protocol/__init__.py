@@ -25,6 +25,7 @@ from kvservice.protocol.events import (
     answer_stream,
     decode_events,
     first_token_time_s,
+    last_token_time_s,
     publish_event,
     request_stop,
     stop_key,
@@ -65,6 +66,6 @@ __all__ = [
     "STREAM_TTL_S", "WARM_TASK", "WORKERS_KEY", "AnswerOutcome", "ChunkRef", "GenerateRequest",
     "PassageUse", "TokenEvent", "Turn", "answer_stream", "decode_events", "first_token_time_s",
     "inflight_abandon", "inflight_add", "inflight_entries", "inflight_has", "inflight_overdue",
-    "inflight_remove", "mark_alive", "publish_event", "request_stop", "stop_key",
-    "stop_requested", "worker_alive", "worker_alive_key",
+    "inflight_remove", "last_token_time_s", "mark_alive", "publish_event", "request_stop",
+    "stop_key", "stop_requested", "worker_alive", "worker_alive_key",
 ]  # fmt: skip

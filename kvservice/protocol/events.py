@@ -57,6 +57,17 @@ def first_token_time_s(client: Any, request_id: str) -> float | None:
     return None
 
 
+def last_token_time_s(client: Any, request_id: str) -> float | None:
+    """When the answer's last token entered its stream (Unix seconds, the stream server's
+    clock, as ``first_token_time_s``), or None when it holds no token among its last
+    entries (only ``done`` or ``error`` follow the last token)."""
+    entries = client.xrevrange(answer_stream(request_id), count=FIRST_ENTRIES)
+    for entry_id, kind, _payload in decode_events([(None, entries)]):
+        if kind == "token":
+            return int(entry_id.split("-")[0]) / 1000
+    return None
+
+
 def decode_events(reply: Any):
     for _name, entries in reply or []:
         for entry_id, fields in entries:

@@ -203,7 +203,7 @@ def _outcome(
     return AnswerOutcome.answered(
         streamed.status, text=text, withheld=withheld, metrics=metrics, audit_of=request.audit_of,
         passages=citing.passage_uses(
-            text, passages, fitted.chunk_ids, metrics.get("chunk_tiers") or {}
+            text, passages, fitted.chunk_ids, metrics.get("chunk_tiers") or {}, request.question
         ),
     )  # fmt: skip
 

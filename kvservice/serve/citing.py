@@ -7,6 +7,7 @@ found"), the chat records them, the APIs report them, the answer benchmark measu
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,15 @@ _BEFORE_NUMBERS = frozenset(
     "no nr nos fig figs p pp vol vols ch sec art para tel ext min max approx ca".split()
 )
 _ENDING_ABBREVIATIONS = frozenset("a.m p.m".split())
+# A list item's number or letter ("2.", "b.", "iv.", "1.3.", "(2)", "3)"): no sentence of
+# its own, and no word of the item (the "3" of "3. Ask at the desk" says nothing of an
+# answer's "3 months").
+_LIST_LABEL = r"\(?(?:\d{1,3}(?:\.\d{1,3})*|[A-Za-z]|[ivxlcdmIVXLCDM]{1,4})[.)]"
+_LIST_MARKER = re.compile(_LIST_LABEL)
+_LEADING_LIST_MARKER = re.compile(r"^\s*(?:[-*•]|" + _LIST_LABEL + r")(?:\s+|$)")
+# Words that tell no sentence of a passage from another, beside the stop words: pronouns,
+# which stand for what the sentence names ("After two months they go to charity").
+_PRONOUNS = frozenset("he she him his her hers they them theirs we us our i me my".split())
 # Words too common to tell one sentence from another.
 _STOP_WORDS = frozenset(
     "a an and are as at be by can do does for from has have how in is it its of on or that the "
@@ -72,8 +82,8 @@ def _abbreviates(token: str, following: str) -> bool:
 def _ends_sentence(text: str, mark: re.Match[str]) -> bool:
     """Whether the candidate ``mark`` (a ``_SENTENCE_END`` match) ends a sentence: always
     ! ? and …; a line break unless the next line goes on in lowercase (a PDF's wrapped line);
-    a period unless it marks an abbreviation or a list number at the start of a line
-    ("2. Lock the door"), or a lowercase word follows it."""
+    a period unless it marks an abbreviation, or a lowercase word follows it (not a list
+    item's letter: "b. Keep the receipt")."""
     following = text[mark.end() :].lstrip(" \t")
     if mark.group() == "\n":  # a line wrapped inside a sentence goes on in lowercase
         return not following[:1].islower()
@@ -83,17 +93,19 @@ def _ends_sentence(text: str, mark: re.Match[str]) -> bool:
     token = before.group() if before else ""
     if token and _abbreviates(token, following):
         return False
-    line_start = text.rfind("\n", 0, mark.start()) + 1
-    if token.isdigit() and not text[line_start : mark.start() - len(token)].strip():
-        return False
-    return not following[:1].islower()
+    return not following[:1].islower() or bool(_LEADING_LIST_MARKER.match(following))
 
 
 def sentences(text: str) -> list[tuple[int, int]]:
-    """(start, end) of each sentence of ``text``, surrounding spaces left out. Periods of
-    decimals, e-mail addresses, URLs and abbreviations end none (``_ends_sentence``)."""
+    """(start, end) of each sentence of ``text``, surrounding spaces left out; a list item
+    is one with its number ("2. Lock the door."). Periods of decimals, e-mail addresses,
+    URLs and abbreviations end none (``_ends_sentence``), nor does a list number: the chunker
+    joins a PDF's lines with spaces, so "desk. 2. Lost items are kept" has its "2." in the
+    middle of a line, where it was read as a sentence of its own and highlighted alone."""
     spans, start = [], 0
     for mark in _SENTENCE_END.finditer(text):
+        if _LIST_MARKER.fullmatch(text[start : mark.end()].strip()):
+            continue  # a list item's number: the item goes on after it
         if _ends_sentence(text, mark):
             spans.append((start, mark.end()))
             start = mark.end()
@@ -112,44 +124,88 @@ def _trimmed(text: str, start: int, end: int) -> tuple[int, int] | None:
 
 def claim_for(answer: str, rank: int) -> str:
     """The answer's text that cites passage ``rank``: the sentences carrying ``[rank]`` (the
-    whole answer when the marker stands alone after the last sentence)."""
+    whole answer when the marker stands alone after the last sentence, or on a numbered line
+    of its own: "1. The officer is Olga Brandt.\n2. [1]")."""
     claims = [
         answer[start:end]
         for start, end in sentences(answer)
-        if f"[{rank}]" in answer[start:end] and _words(CITATION_MARK.sub("", answer[start:end]))
+        if f"[{rank}]" in answer[start:end] and _terms(CITATION_MARK.sub("", answer[start:end]))
     ]
     return " ".join(claims) or answer
 
 
-def supporting_sentence(passage: str, claim: str) -> tuple[int, int] | None:
-    """The span of the passage's sentence sharing the most words with ``claim`` (None when
-    none shares any): what the passage panel highlights."""
-    wanted = _words(CITATION_MARK.sub("", claim))
-    best, best_overlap = None, 0
-    for start, end in sentences(passage):
-        overlap = len(wanted & _words(passage[start:end]))
-        if overlap > best_overlap:
-            best, best_overlap = (start, end), overlap
+def _terms(sentence: str) -> set[str]:
+    """The words of a sentence that tell it apart, as ``supporting_sentence`` compares them:
+    without its list number, stop words, pronouns or a number's leading zeros ("07:15" is
+    "7:15"), and without a plural's "s" ("leaves" and "leave", "days" and "day" are one)."""
+    terms = set()
+    for word in _words(_LEADING_LIST_MARKER.sub("", sentence)) - _PRONOUNS:
+        if word.isdigit():
+            word = word.lstrip("0") or "0"
+        elif len(word) > 3 and word.endswith("s") and not word.endswith("ss"):
+            word = word[:-1]
+        terms.add(word)
+    return terms
+
+
+def supporting_sentence(passage: str, claim: str, question: str = "") -> tuple[int, int] | None:
+    """The span of the passage's sentence (a list item with its number) that holds the fact
+    ``claim`` states: what the passage panel highlights. None when no sentence shares a word
+    with the claim.
+
+    The claim's facts are its words the question does not hold (the "60 days" of "Lost
+    items are kept for 60 days", asked "How long are lost items kept?"): each counts three
+    times a question's word (which tells what the question is about: the "morning" of a
+    question about the morning sailing, beside a sentence on the evening one). A word counts
+    less the more sentences of the passage hold it ("sailing" in each of them tells none
+    apart), a number twice. Counting the claim's words alone picked a title line that
+    repeated the question's words, the evening sailing's sentence for a question about the
+    morning one (a tie, the first won), and a list number sharing a digit with the answer."""
+    spans = sentences(passage)
+    held = [_terms(passage[start:end]) for start, end in spans]
+    claim = CITATION_MARK.sub("", claim)
+    said = set().union(*(_terms(claim[start:end]) for start, end in sentences(claim)))
+    asked = _terms(question)
+    facts = said - asked
+    sentences_holding = Counter(term for terms in held for term in terms)
+
+    def weight(terms: set[str]) -> float:
+        return sum((2.0 if t.isdigit() else 1.0) / sentences_holding[t] for t in terms)
+
+    best, best_score = None, 0.0
+    for span, terms in zip(spans, held, strict=True):
+        if not said & terms:
+            continue
+        score = 3 * weight(facts & terms) + weight(asked & terms)
+        if score > best_score:
+            best, best_score = span, score
     return best
 
 
-def highlights(answer: str, passages: Sequence[str]) -> dict[int, tuple[int, int]]:
+def highlights(
+    answer: str, passages: Sequence[str], question: str = ""
+) -> dict[int, tuple[int, int]]:
     """For each passage the answer cites (rank -> span), its supporting sentence."""
     spans = {}
     for rank in cited_ranks(answer, len(passages)):
-        span = supporting_sentence(passages[rank - 1], claim_for(answer, rank))
+        span = supporting_sentence(passages[rank - 1], claim_for(answer, rank), question)
         if span is not None:
             spans[rank] = span
     return spans
 
 
 def passage_uses(
-    text: str, passages: Sequence[str], chunk_ids: Sequence[int], chunk_tiers: dict[str, str]
+    text: str,
+    passages: Sequence[str],
+    chunk_ids: Sequence[int],
+    chunk_tiers: dict[str, str],
+    question: str = "",
 ) -> list[PassageUse]:
-    """Per passage of the prompt, in rank order: whether the answer ``text`` cites it, the
-    sentence of it that supports the answer, and the tier its KV came from."""
+    """Per passage of the prompt, in rank order: whether the answer ``text`` (to
+    ``question``) cites it, the sentence of it that supports the answer, and the tier its KV
+    came from."""
     cited = set(cited_ranks(text, len(passages)))
-    spans = highlights(text, passages)
+    spans = highlights(text, passages, question)
     return [
         PassageUse(
             rank=rank,

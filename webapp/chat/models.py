@@ -94,6 +94,9 @@ class Message(models.Model):
     # stream, retrieval and the queue included), which the page shows.
     ttft_s = models.FloatField(null=True, blank=True)
     ttft_seen_s = models.FloatField(null=True, blank=True)
+    # From ``asked_at`` to the answer's last words on its stream, as the user saw it
+    # (``webapp.answer_stream.total_seen_s``), which the page shows as "answered in".
+    total_seen_s = models.FloatField(null=True, blank=True)
     second_token_s = models.FloatField(null=True, blank=True)
     total_s = models.FloatField(null=True, blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
@@ -137,14 +140,6 @@ class Message(models.Model):
     def was_cut(self) -> bool:
         """It reached the longest answer the model may write, and was cut there."""
         return self.finish_reason == "length"
-
-    @property
-    def total_seen_s(self) -> float | None:
-        """Seconds from the question's submit to the answer's end as the user saw it: to its
-        first words as seen, then the worker's time from its first token to its end."""
-        if self.ttft_seen_s is None or self.ttft_s is None or self.total_s is None:
-            return None
-        return self.ttft_seen_s + max(self.total_s - self.ttft_s, 0.0)
 
     @property
     def earlier_attempts(self) -> list[Message]:

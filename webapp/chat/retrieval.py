@@ -23,9 +23,11 @@ too little to lift a long chunk's cosine over the bar. The share and the thresho
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from django.contrib.postgres.search import SearchQuery, SearchRank
@@ -34,6 +36,7 @@ from django.db.models import Case, Count, Expression, F, FloatField, Q, QuerySet
 from django.db.models.functions import Greatest
 from pgvector.django import CosineDistance
 
+from webapp.documents.embeddings import embed_texts
 from webapp.documents.models import SEARCH_CONFIG, Chunk, Document
 from webapp.documents.selectors import EVERYTHING, Scope, documents_searchable
 
@@ -46,6 +49,21 @@ _WORD = re.compile(r"\w{2,}", re.UNICODE)
 # than name what it is about, and that PostgreSQL's English stop words keep: a passage states
 # "every four years", not "often", and a word no passage holds counts as the rarest.
 QUESTION_WORDS = frozenset({"much", "mani", "often"})
+# An ordinal asks for an item of a numbered list, which states the number ("3. Sign the
+# sheet"), not the word: "third" is found as either, one term of the question ("third|3"),
+# the number only where it starts a line as a list's does (not "day 3" in a sentence).
+# The noun it counts ("the third step") names the kind of answer, as QUESTION_WORDS do: a
+# list says "3.", not "step", and a missing word counts as the rarest.
+ORDINAL_WORDS = ("first second third fourth fifth sixth seventh eighth ninth tenth eleventh "
+                 "twelfth thirteenth fourteenth fifteenth sixteenth seventeenth eighteenth "
+                 "nineteenth twentieth").split()  # fmt: skip
+_NUMBERED_ORDINAL = re.compile(r"(\d{1,4})(?:st|nd|rd|th)", re.IGNORECASE)  # "3rd"
+_COUNTED_NOUN = re.compile(
+    rf"\b((?:{'|'.join(ORDINAL_WORDS)}|\d{{1,4}}(?:st|nd|rd|th))\s+)"
+    r"(?:step|item|point|stage|task|instruction|entry|phase|thing)s?\b",
+    re.IGNORECASE,
+)
+EITHER = "|"  # between the forms of one term: "third|3"
 # Where a question asks a second thing ("Which moon has an ocean, and which rice goes into a
 # risotto?"): a passage answering one part holds half the words, and is scored on that part.
 _CLAUSE_BREAK = re.compile(
@@ -71,28 +89,52 @@ def full_text_query(question: str) -> SearchQuery | None:
     words = _WORD.findall(question)
     if not words:
         return None
+    words += [number for number in map(ordinal_number, words) if number]
     return SearchQuery(" or ".join(words), search_type="websearch", config=SEARCH_CONFIG)
+
+
+def question_parts(question: str) -> list[str]:
+    """The parts of a question that asks several things (most ask one: itself)."""
+    return [part.strip() for part in _CLAUSE_BREAK.split(question) if part.strip()]
 
 
 def question_clauses(question: str) -> list[list[str]]:
     """Each part of the question (most have one) as its words stand in the full-text index
     (stemmed, no stop words), less ``QUESTION_WORDS``; parts without such words left out."""
-    parts = [part for part in _CLAUSE_BREAK.split(question) if part.strip()]
+    parts = question_parts(question)
     if not parts:
         return []
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT tsvector_to_array(to_tsvector(%s::regconfig, part))"
             " FROM unnest(%s::text[]) WITH ORDINALITY AS parts(part, at) ORDER BY at",
-            [SEARCH_CONFIG, parts],
+            [SEARCH_CONFIG, [_COUNTED_NOUN.sub(r"\1", part) for part in parts]],
         )
-        clauses = [[t for t in terms if t not in QUESTION_WORDS] for (terms,) in cursor]
+        clauses = [[_either(t) for t in terms if t not in QUESTION_WORDS] for (terms,) in cursor]
     return [terms for terms in clauses if terms]
+
+
+def ordinal_number(word: str) -> str | None:
+    """The number an ordinal stands for ("third", "3rd": "3"); None for any other word."""
+    word = word.lower()
+    if word in ORDINAL_WORDS:
+        return str(ORDINAL_WORDS.index(word) + 1)
+    numbered = _NUMBERED_ORDINAL.fullmatch(word)
+    return numbered.group(1) if numbered else None
+
+
+def _either(term: str) -> str:
+    number = ordinal_number(term)
+    return f"{term}{EITHER}{number}" if number else term
 
 
 def _holds(term: str) -> Q:
     # 'simple' leaves a stemmed term as it is (no second stemming, no stop words)
-    return Q(search_vector=SearchQuery(term, config="simple"))
+    word, _, number = term.partition(EITHER)
+    holds = Q(search_vector=SearchQuery(word, config="simple"))
+    if number:  # an ordinal (``_either``): the word, or the number that starts a list's line
+        holds |= Q(text__regex=rf"(^|\n)[ \t]*{number}[.)][ \t]")
+    return holds
 
 
 def term_weights(chunks: QuerySet[Chunk], terms: Sequence[str]) -> dict[str, float]:
@@ -231,6 +273,40 @@ def retrieve_chunks(
     # the same text in two documents is cited once
     return first_distinct(candidates, lambda c: c.token_ids_sha256, lambda c: c.score,
                           min_score, top_k)  # fmt: skip
+
+
+@dataclass
+class Retrieved:
+    """A question's passages, best first, and the parts of a question in several parts that
+    no passage answers (their own search kept none), to be named in the answer."""
+
+    chunks: list[Chunk]
+    parts_not_found: list[str] = field(default_factory=list)
+
+
+def retrieve_question(
+    *, user, question: str, top_k: int, min_score: float = 0.0, scope: Scope = EVERYTHING
+) -> Retrieved:
+    """:func:`retrieve_chunks` for the question; one that asks several things ("When does the
+    office open and who do I call for keys?") is also searched part by part, and the parts'
+    passages are taken in turn, each part's best first, then the whole question's: searched
+    whole, one part's several close passages filled the places, and the other part's
+    passage was not among them (tests/data/follow_ups, bench/follow_ups.py)."""
+    parts = [part for part in question_parts(question) if question_clauses(part)]
+    queries = [question, *parts] if len(parts) > 1 else [question]
+    vectors = embed_texts(queries)
+    found = [
+        retrieve_chunks(user=user, question=query, query_embedding=vector, top_k=top_k,
+                        min_score=min_score, scope=scope)
+        for query, vector in zip(queries, vectors, strict=True)
+    ]  # fmt: skip
+    if len(found) == 1:
+        return Retrieved(found[0])
+    in_turn = itertools.chain.from_iterable(itertools.zip_longest(*found[1:], found[0]))
+    chunks = first_distinct((c for c in in_turn if c is not None), lambda c: c.token_ids_sha256,
+                            lambda c: c.score, min_score, top_k)  # fmt: skip
+    return Retrieved(chunks, [part for part, kept in zip(parts, found[1:], strict=True)
+                              if not kept])  # fmt: skip
 
 
 def first_distinct(

@@ -24,7 +24,8 @@ from kvservice.protocol import (
 )
 from kvservice.serve import routing
 from webapp import dispatch, outages
-from webapp.answer_stream import ttft_seen_s
+from webapp.answer_stream import total_seen_s, ttft_seen_s
+from webapp.chat.follow_ups import follow_up_chunks
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.requests import (
     REGENERATE_TEMPERATURE,
@@ -32,11 +33,10 @@ from webapp.chat.requests import (
     generate_request,
     mode_allowed,
 )
-from webapp.chat.retrieval import has_ready_chunks, retrieve_chunks
+from webapp.chat.retrieval import has_ready_chunks, retrieve_question
 from webapp.chat.selectors import answers_of
 from webapp.dashboard.selectors import request_ratios
 from webapp.dashboard.services import fidelity_maybe_audit, fidelity_record
-from webapp.documents.embeddings import embed_texts
 from webapp.documents.kv import kv_scope_for
 from webapp.documents.models import Chunk, Document
 from webapp.documents.parsing import CONTROL_CHARS
@@ -90,6 +90,26 @@ SCOPE_GONE = (
     "exist, or are no longer shared with you. Choose others under “Search in” (or none, to "
     "search all your own documents), then ask again."
 )
+# The same for a program (the API's conversations): the request's parameters, not the page's
+# "Search in" (GET /api/v1/collections lists the collections, shared ones too).
+API_NOTHING_OF_YOUR_OWN = (
+    "I found nothing to answer from: you have no ready documents of your own, and a "
+    "conversation searches only those unless the request names collections shared with you "
+    "in collection_ids (GET /api/v1/collections lists them). Name one there (or upload your "
+    "own), then ask again."
+)
+API_NOTHING_IN_SCOPE = (
+    "I found nothing to answer from: the collections and documents this conversation searches "
+    "have no ready documents. Name others in collection_ids or document_ids, or wait until "
+    "they are ready."
+)
+API_SCOPE_GONE = (
+    "I searched nothing: the collections and documents this conversation searches no longer "
+    "exist, or are no longer shared with you. Name others in collection_ids or document_ids "
+    "(or empty lists, to search all your own documents), then ask again."
+)
+_API_WORDING = {NOTHING_OF_YOUR_OWN: API_NOTHING_OF_YOUR_OWN,
+                NOTHING_IN_SCOPE: API_NOTHING_IN_SCOPE, SCOPE_GONE: API_SCOPE_GONE}  # fmt: skip
 NOT_IN_DOCUMENTS = (
     "I could not find this in your documents: no passage is close enough to the question. "
     "Try other words, or upload a document that covers it."
@@ -221,7 +241,7 @@ def chat_ask(
     if conversation.title == "New conversation":
         conversation.title = title_from(question)
     conversation.save(update_fields=["title", "updated_at"])
-    return _answer(user=user, answer=answer, question=question, history=history)
+    return _answer(user=user, answer=answer, asked=asked, history=history)
 
 
 def _check_can_ask(user, mode: str) -> None:
@@ -248,23 +268,47 @@ def _pending_answer(conversation: Conversation, mode: str, *, sampled: bool = Fa
     )
 
 
-def _answer(*, user, answer: Message, question: str, history: list[Turn]) -> Message:
-    """Retrieve the passages for the pending ``answer`` and, once committed, queue its
-    generation (or say that nothing was found)."""
+def _answer(*, user, answer: Message, asked: Message, history: list[Turn]) -> Message:
+    """Retrieve the passages for the pending ``answer`` to the question ``asked`` and, once
+    committed, queue its generation (or say that nothing was found)."""
     conversation = answer.conversation
     topic = [turn.content for turn in history if turn.role == Message.Role.USER]
-    citations = _retrieve(
-        user=user, answer=answer, question=question, topic=topic, scope=conversation.scope
+    citations, parts_not_found = _retrieve(
+        user=user, answer=answer, question=asked.content, topic=topic, scope=conversation.scope
     )
     if not citations:  # nothing to answer from: say so, rather than let the model invent
         text = _nothing_found_text(user, conversation)
         transaction.on_commit(lambda: _answer_nothing_found(answer, text))
         return answer
+    question = question_naming_parts_not_found(asked.content, parts_not_found)
     transaction.on_commit(lambda: _send(answer, question, history, citations))
     return answer
 
 
+def question_naming_parts_not_found(question: str, parts: Sequence[str]) -> str:
+    """The question as the model reads it: a part that no passage answers is named after it,
+    so that the answer says so instead of leaving it out. Of four wordings, this is the one
+    the bundled SmolLM2-135M acted on at all ("The sources answer only part of this
+    question..."); it ignored the others, and answered the found part alone."""
+    if not parts:
+        return question
+    named = "; ".join(f"“{part.rstrip('?. ')}”" for part in parts)
+    return (
+        f"{question}\nThe sources answer only part of this question. Say that you could not "
+        f"find {named} in the documents."
+    )
+
+
 def _nothing_found_text(user, conversation: Conversation) -> str:
+    """Why nothing was found, and what to do: in a program's conversation (the API), with the
+    request's parameters for what the page calls "Search in"."""
+    text = _nothing_found_reason(user, conversation)
+    if conversation.source == Conversation.Source.API:
+        return _API_WORDING.get(text, text)
+    return text
+
+
+def _nothing_found_reason(user, conversation: Conversation) -> str:
     scope = conversation.scope
     if has_ready_chunks(user, scope):
         return NOT_IN_DOCUMENTS
@@ -299,31 +343,29 @@ def inference_backlog() -> int:
 
 def _retrieve(
     *, user, answer: Message, question: str, topic: Sequence[str] = (), scope: Scope = EVERYTHING
-) -> list[Citation]:
-    """The passages for the question, best first. A question of its own is searched alone,
-    so the relevance check ("not found") and its passages are those of a fresh conversation.
-    A follow-up (``topic``: the earlier questions it refers to, ``conversation_history``) is
-    also searched with them joined on ("And what about the Osprey?" means little on its
-    own), and the passages of both searches are ranked by their scores: the joined search
-    adds the passages the question alone scores too low; each search's full text reads its
-    own words (the relevance score counts the question's words a passage holds). Joining the
-    previous question to every question gave new topics the last topic's passages (16 of 22
-    questions given other passages than in a fresh conversation), and 0 of 5 unanswerable
-    questions mid-conversation were "not found" (1 of 5 in a fresh one:
+) -> tuple[list[Citation], list[str]]:
+    """The passages for the question, best first, and the parts of a question in several
+    that none answers. A question of its own is searched alone (each part of one in several:
+    ``retrieve_question``), so the relevance check ("not found") and its passages are those
+    of a fresh conversation. A follow-up (``topic``: the earlier questions it refers to,
+    ``conversation_history``) is also searched with them joined on ("And what about the
+    Osprey?" means little on its own), and the passages of both searches are ranked by their
+    scores (``follow_ups.follow_up_chunks``). Joining the previous question to every
+    question gave new topics the last topic's passages (16 of 22 questions given other
+    passages than in a fresh conversation), and 0 of 5 unanswerable questions
+    mid-conversation were "not found" (1 of 5 in a fresh one:
     tests/webapp/chat/test_follow_ups.py)."""
-    queries = [question] + (["\n".join([*topic, question])] if topic else [])
-    best: dict[str, Chunk] = {}  # by content: the better score of the two searches
-    for query, vector in zip(queries, embed_texts(queries), strict=True):
-        for chunk in retrieve_chunks(
-            user=user, question=query,
-            query_embedding=vector, top_k=settings.RETRIEVAL_TOP_K,
-            min_score=settings.RETRIEVAL_MIN_SCORE, scope=scope,
-        ):  # fmt: skip
-            known = best.get(chunk.token_ids_sha256)
-            if known is None or chunk.score > known.score:
-                best[chunk.token_ids_sha256] = chunk
-    chunks = sorted(best.values(), key=lambda chunk: -chunk.score)
-    return Citation.objects.bulk_create(
+    top_k, min_score = settings.RETRIEVAL_TOP_K, settings.RETRIEVAL_MIN_SCORE
+    parts_not_found: list[str] = []
+    if topic:
+        chunks = follow_up_chunks(user=user, question=question, topic=topic, top_k=top_k,
+                                  min_score=min_score, scope=scope)  # fmt: skip
+    else:
+        retrieved = retrieve_question(
+            user=user, question=question, top_k=top_k, min_score=min_score, scope=scope
+        )
+        chunks, parts_not_found = retrieved.chunks, retrieved.parts_not_found
+    citations = Citation.objects.bulk_create(
         [
             Citation(
                 message=answer,
@@ -336,9 +378,10 @@ def _retrieve(
                 similarity=round(chunk.similarity, 4),
                 text_rank=round(chunk.text_rank, 4),
             )
-            for rank, chunk in enumerate(chunks[: settings.RETRIEVAL_TOP_K], start=1)
+            for rank, chunk in enumerate(chunks[:top_k], start=1)
         ]
     )
+    return citations, parts_not_found
 
 
 @transaction.atomic
@@ -367,7 +410,7 @@ def chat_regenerate(*, user, answer: Message, mode: str | None = None) -> Messag
     answer.replaced_by = new_answer
     answer.save(update_fields=["replaced_by"])
     history = conversation_history(conversation, before=question)
-    return _answer(user=user, answer=new_answer, question=question.content, history=history)
+    return _answer(user=user, answer=new_answer, asked=question, history=history)
 
 
 def chat_stop(*, answer: Message) -> None:
@@ -426,6 +469,9 @@ def _record_metrics(answer: Message, metrics: dict[str, Any]) -> None:
     answer.ttft_s = metrics.get("ttft_s")
     answer.ttft_seen_s = ttft_seen_s(
         asked_at=answer.asked_at, request_id=str(answer.request_id), worker_ttft_s=answer.ttft_s
+    )
+    answer.total_seen_s = total_seen_s(
+        asked_at=answer.asked_at, request_id=str(answer.request_id), ttft_seen=answer.ttft_seen_s
     )
     answer.second_token_s = metrics.get("second_token_s")
     answer.total_s = metrics.get("total_s")

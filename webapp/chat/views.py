@@ -57,8 +57,9 @@ def _get_answer_for_user(request: HttpRequest, message_id: int) -> Message:
 def conversation_list(request: HttpRequest) -> HttpResponse:
     services.chat_warm_recent(user=request.user)
     conversations = browser_conversations(request)
-    # the bundled demo model (no MODEL_PATH): staff are told, with the line that sets another
-    demo_model = request.user.is_staff and not settings.MODEL_PATH
+    # the bundled demo model (no MODEL_PATH): everyone is told its answers are weak; staff
+    # get the line that sets another, users are told their operator can
+    demo_model = not settings.MODEL_PATH
     return render(
         request, "chat/index.html", {"conversations": conversations, "demo_model": demo_model}
     )

@@ -73,7 +73,7 @@ class FakeInferenceWorker:
         chunk_ids = [chunk["chunk_id"] for chunk in request["chunks"]]
         outcome = AnswerOutcome.answered(
             "done", text=text, withheld=withheld, metrics=metrics,
-            passages=passage_uses(text, passages, chunk_ids, tiers),
+            passages=passage_uses(text, passages, chunk_ids, tiers, request["question"]),
         )  # fmt: skip
         self._report(request, outcome)
         publish_event(self.client, request_id, "done", **outcome.to_dict())

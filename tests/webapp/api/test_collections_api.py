@@ -164,3 +164,25 @@ def test_a_document_shared_with_you_reads_through_the_api_and_only_its_owner_del
     kitchen.shared_with.remove(bob)
     assert client.get(url, **bearer(bob)).status_code == 404
     assert client.delete(url, **alice_auth).status_code == 204
+
+
+def test_a_key_holder_with_only_shared_collections_is_told_of_collection_ids(
+    client, alice, bob, kitchen, worker
+) -> None:
+    """Not the page's "Search in": a program names collections in its request."""
+    documents.collection_share(collection=kitchen, usernames=["bob"])
+    bob_auth = bearer(bob)
+    body = _query(client, bob_auth, question="Which rice goes into a risotto?").json()
+    completion = client.post(
+        "/v1/chat/completions",
+        {"model": "ragblend", "messages": [{"role": "user", "content": "Risotto rice?"}]},
+        content_type="application/json", **bob_auth,
+    ).json()  # fmt: skip
+    for answer in (body["answer"], completion["choices"][0]["message"]["content"]):
+        assert "collection_ids" in answer and "Search in" not in answer
+    assert body["citations"] == [] and body["metrics"]["not_found"] is True
+    scoped = _query(client, bob_auth, question="Which rice goes into a risotto?",
+                    collection_ids=[kitchen.pk]).json()  # fmt: skip
+    assert [c["text"] for c in scoped["citations"] + scoped["also_retrieved"]] == [
+        PASSAGES["cooking"]
+    ]  # what the hint says works

@@ -1,4 +1,5 @@
-"""The first page tells an admin when the bundled demo model answers, and how to set another."""
+"""The first page tells everyone when the bundled demo model answers (its answers are weak),
+and how another is set: an admin the command, a user that the operator can."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def test_no_demo_notice_once_a_model_is_set(client, staff, settings):
     assert 'id="demo-model"' not in _first_page(client, staff)
 
 
-def test_users_are_not_shown_the_operators_notice(client, alice, settings):
+def test_users_are_told_too_and_that_the_operator_sets_another(client, alice, settings):
     settings.MODEL_PATH = ""
+    page = _first_page(client, alice)
+    notice = page.split('id="demo-model"')[1].split("</div>")[0]
+    assert "This is the demo model." in notice and "answers are often wrong" in notice
+    assert "operator can switch to a stronger model" in notice and "MODEL_PATH" in notice
+    assert "make dev" not in notice  # the command is the operator's, not the user's
+
+
+def test_no_demo_notice_for_users_once_a_model_is_set(client, alice, settings):
+    settings.MODEL_PATH = "/models/Qwen3-4B"
     assert 'id="demo-model"' not in _first_page(client, alice)

@@ -124,7 +124,7 @@ def test_each_question_of_a_conversation_is_searched_on_its_own_first(alice) -> 
     "question",
     ["And what about the Osprey?", "What about the Skua?", "Who built it?", "And in winter?",
      "What is her extension?", "Why?", "How far ahead must it be booked?",
-     "On which day does it go?", "And the minus eighty freezers?"],
+     "On which day does it go?", "And the minus eighty freezers?", "What if mine breaks?"],
 )  # fmt: skip
 def test_a_short_question_that_refers_back_is_a_follow_up(question) -> None:
     assert is_follow_up(question)
@@ -139,3 +139,24 @@ def test_a_short_question_that_refers_back_is_a_follow_up(question) -> None:
 )  # fmt: skip
 def test_a_question_with_its_own_subject_is_not_a_follow_up(question) -> None:
     assert not is_follow_up(question)
+
+
+HARWICK = STATION.parent / "follow_ups"  # bench/follow_ups.py's documents, a paragraph a chunk
+
+
+def test_a_follow_up_is_given_the_passage_of_the_person_asked_about_first(alice) -> None:
+    """ "And what is her e-mail?" after "Who is the safety officer?": every person's passage
+    holds an e-mail, the safety officer's comes first only with the conversation."""
+    text = (HARWICK / "contacts.md").read_text()
+    contacts = [p.strip() for p in text.split("\n\n") if not p.startswith("#")]
+    make_document(alice, "contacts.md", contacts)
+    officer = next(text for text in contacts if "safety officer" in text)
+    conversation = services.conversation_create(owner=alice)
+    services.chat_ask(user=alice, conversation=conversation, question="Who is the safety officer?")
+    answer = services.chat_ask(
+        user=alice, conversation=conversation, question="And what is her e-mail?"
+    )
+    assert answer.citations.order_by("rank").first().text == officer
+    fresh = services.chat_ask(user=alice, conversation=services.conversation_create(owner=alice),
+                              question="And what is her e-mail?")  # fmt: skip
+    assert fresh.citations.order_by("rank").first().text != officer

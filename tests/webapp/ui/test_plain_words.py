@@ -19,6 +19,8 @@ pytestmark = pytest.mark.django_db
 def test_users_read_plain_timing_and_staff_the_engine_terms(client, alice, staff) -> None:
     for user in (alice, staff):
         conversation = make_answers(user)[0].conversation
+        # to the last words on the stream, as the record has it
+        conversation.messages.filter(ttft_seen_s__isnull=False).update(total_seen_s=0.9)
         client.force_login(user)
         page = client.get(reverse("chat:conversation", args=[conversation.id])).content.decode()
         if user.is_staff:  # the time the user saw, the worker's beside it

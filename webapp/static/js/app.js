@@ -60,16 +60,19 @@
     document.querySelectorAll(".open[id]").forEach(function (element) { setOpen(element, false); });
   });
 
-  // The cited sentence a third of the way down the panel (a passage taller than the panel
-  // would otherwise show its top, and the highlight, say a footer's, out of sight).
+  // The cited sentence a third of the way down the panel below its title, which stays at
+  // the top (a passage taller than the panel would otherwise show its top, and the
+  // highlight, say a footer's, out of sight).
   function scrollToHighlight(panel) {
     const mark = panel.querySelector("mark.cited-sentence");
     if (!mark) {
       panel.scrollTop = 0;
       return;
     }
+    const head = panel.querySelector(".panel-head");
+    const covered = head ? head.offsetHeight : 0;
     const offset = mark.getBoundingClientRect().top - panel.getBoundingClientRect().top;
-    panel.scrollTop += offset - panel.clientHeight / 3;
+    panel.scrollTop += offset - covered - (panel.clientHeight - covered) / 3;
   }
 
   document.addEventListener("htmx:afterSwap", function (event) {

@@ -1,0 +1,89 @@
+"""A question that asks two things ("When does the office open and who do I call for keys?")
+is given the passage answering each part, each part's first; a part that no passage answers
+is named to the model, so that the answer says it was not found instead of leaving it out.
+Without the model: the passages each question is given and the request queued for the
+worker (the model's answer to such a request: kvservice's prompt tests)."""
+
+from __future__ import annotations
+
+import pytest
+from django.conf import settings
+from django.test import TestCase
+
+from tests.webapp.chat.test_chat import make_document
+from tests.webapp.chat.test_scope import _queued_requests
+from webapp.chat import services
+from webapp.chat.retrieval import question_parts, retrieve_question
+
+pytestmark = pytest.mark.django_db
+
+# An office handbook with many passages on when the office opens, and a few on keys: the
+# whole question's search fills its places with the first part's passages.
+OPENING = [
+    "The office opens at 8:00 on weekdays and closes at 18:00.",
+    "On public holidays the office opens at 10:00 and closes at noon.",
+    "In August the office opens at 9:00 and closes at 15:00.",
+    "On the first Monday of the month the office opens at 11:00, after the staff meeting.",
+    "The office opens at 9:00 on Saturdays and is closed on Sundays.",
+    "During the Christmas week the office opens only on the 27th and the 28th, from 10:00.",
+    "The office's front door opens with a staff badge from 7:00; visitors wait until the "
+    "office opens.",
+]
+KEYS = [
+    "For keys, call the caretaker, Sam Booth, on extension 300.",
+    "Spare keys to the bike shed hang in the kitchen.",
+    "Keys to the meeting rooms must be returned by 18:00.",
+]
+
+
+def _office(owner) -> None:
+    make_document(owner, "office.md", OPENING + KEYS)
+
+
+def test_a_question_is_split_where_it_asks_a_second_thing() -> None:
+    assert question_parts("When does the office open and who do I call for keys?") == [
+        "When does the office open", "who do I call for keys?"
+    ]  # fmt: skip
+    assert question_parts("Who is the HR advisor? And when is the library open?") == [
+        "Who is the HR advisor", "And when is the library open?"
+    ]  # fmt: skip
+    assert question_parts("Which boat seats twelve and sails on Thursdays?") == [
+        "Which boat seats twelve and sails on Thursdays?"
+    ]
+
+
+def test_each_part_of_a_two_part_question_gets_its_passage_first(alice, queue) -> None:
+    """Searched whole, this question was given six passages on opening hours and none on
+    keys (each part scores alike, and the first part has six close passages)."""
+    _office(alice)
+    conversation = services.conversation_create(owner=alice)
+    question = "When does the office open and who do I call for keys?"
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        answer = services.chat_ask(user=alice, conversation=conversation, question=question)
+    given = [c.text for c in answer.citations.order_by("rank")]
+    assert given[0] in OPENING and given[1] == KEYS[0]  # each part's best passage, first
+    assert len(given) == settings.RETRIEVAL_TOP_K and OPENING[0] in given
+    (request,) = _queued_requests(queue)
+    assert request["question"] == question  # every part found: asked as the user wrote it
+
+
+def test_a_part_no_passage_answers_is_named_to_the_model(alice, queue) -> None:
+    _office(alice)
+    conversation = services.conversation_create(owner=alice)
+    question = "When does the office open on weekdays, and where can I park my bike?"
+    with TestCase.captureOnCommitCallbacks(execute=True):
+        answer = services.chat_ask(user=alice, conversation=conversation, question=question)
+    assert answer.citations.order_by("rank").first().text == OPENING[0]
+    (request,) = _queued_requests(queue)
+    assert request["question"].startswith(question)
+    assert "“where can I park my bike”" in request["question"]
+    assert "could not find “where can I park my bike” in the documents" in request["question"]
+    assert "When does the office open" not in request["question"][len(question) :]
+
+
+def test_a_question_in_one_part_is_searched_as_before(alice) -> None:
+    _office(alice)
+    retrieved = retrieve_question(user=alice, question="Who do I call for keys?", top_k=6,
+                                  min_score=settings.RETRIEVAL_MIN_SCORE)  # fmt: skip
+    assert retrieved.chunks[0].text == KEYS[0]
+    assert retrieved.parts_not_found == []
