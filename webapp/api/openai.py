@@ -113,13 +113,15 @@ def _usage(metrics: dict[str, Any]) -> dict[str, int]:
 def _extras(answer: Message, result: AnswerOutcome) -> dict[str, Any]:
     """``citations`` (what the answer cites), ``also_retrieved`` and ``ragblend`` (with
     ``withheld``: the words of an answer no passage supports, whose content is "not found";
-    a stream sent them, then marked them withdrawn)."""
+    a stream sent them, then marked them withdrawn; ``parts_not_found``: the parts of the
+    question no passage answers)."""
     return {
         **answers.sources_of(answer, result),
         "ragblend": {
             "conversation_id": answer.conversation_id,
             "message_id": answer.pk,
             "withheld": result.withheld,
+            "parts_not_found": answer.parts_not_found,
             "metrics": answers.metrics_of(answer, result.metrics),
         },  # fmt: skip
     }

@@ -125,6 +125,9 @@ class QueryOut(Schema):
     # The model's words when no passage supports them: ``answer`` is then "not found" and
     # ``metrics.citation`` "unsupported" (a stream sent the words, then marked them withdrawn).
     withheld: str = ""
+    # The parts of a question in several parts that no passage answers ("where can I park
+    # my bike"): the answer covers the others only.
+    parts_not_found: list[str] = []
     citations: list[CitationOut]  # the passages the answer cites
     also_retrieved: list[CitationOut] = []  # given to the model, not cited
     metrics: MetricsOut
@@ -149,6 +152,7 @@ class MessageOut(Schema):
     role: Literal["user", "assistant"]
     content: str
     withheld: str = ""  # an unsupported answer's words (as QueryOut.withheld)
+    parts_not_found: list[str] = []  # as QueryOut.parts_not_found
     status: str
     error: str
     mode: str

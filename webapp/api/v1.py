@@ -247,6 +247,7 @@ def _query_out(answer: Message, result: AnswerOutcome) -> dict:
     return {
         "answer": result.text,
         "withheld": result.withheld,
+        "parts_not_found": answer.parts_not_found,
         **answers.sources_of(answer, result),
         "metrics": answers.metrics_of(answer, result.metrics),
         "conversation_id": answer.conversation_id,
@@ -317,7 +318,7 @@ def _message_out(message: Message) -> dict:
     has_metrics = message.role == Message.Role.ASSISTANT and not message.is_open
     return {
         "id": message.pk, "role": message.role, "content": message.content,
-        "withheld": message.withheld_text,
+        "withheld": message.withheld_text, "parts_not_found": message.parts_not_found,
         "status": message.status, "error": message.error_message, "mode": message.mode,
         "created_at": message.created_at,
         **answers.sources_of(message),

@@ -80,6 +80,10 @@ class Message(models.Model):
     # The model's words when no passage supports them: the answer is then "not found"
     # (``content``, kvservice.serve.citing.UNSUPPORTED), and these are kept apart, marked as such.
     withheld_text = models.TextField(blank=True)
+    # The parts of a question in several parts that no passage answers (retrieval's
+    # ``parts_not_found``): the page and the API say so with the answer, whatever the model
+    # wrote (the bundled model, told, mostly left them out or dropped the part it could answer).
+    parts_not_found = models.JSONField(default=list, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.DONE)
     error_message = models.TextField(blank=True)
     # The inference request that produced this answer (its token stream's name in Redis).

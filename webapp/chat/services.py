@@ -280,23 +280,12 @@ def _answer(*, user, answer: Message, asked: Message, history: list[Turn]) -> Me
         text = _nothing_found_text(user, conversation)
         transaction.on_commit(lambda: _answer_nothing_found(answer, text))
         return answer
-    question = question_naming_parts_not_found(asked.content, parts_not_found)
+    if parts_not_found:  # said with the answer, by the product rather than the model
+        answer.parts_not_found = [part.rstrip("?. ") for part in parts_not_found]
+        answer.save(update_fields=["parts_not_found"])
+    question = asked.content
     transaction.on_commit(lambda: _send(answer, question, history, citations))
     return answer
-
-
-def question_naming_parts_not_found(question: str, parts: Sequence[str]) -> str:
-    """The question as the model reads it: a part that no passage answers is named after it,
-    so that the answer says so instead of leaving it out. Of four wordings, this is the one
-    the bundled SmolLM2-135M acted on at all ("The sources answer only part of this
-    question..."); it ignored the others, and answered the found part alone."""
-    if not parts:
-        return question
-    named = "; ".join(f"“{part.rstrip('?. ')}”" for part in parts)
-    return (
-        f"{question}\nThe sources answer only part of this question. Say that you could not "
-        f"find {named} in the documents."
-    )
 
 
 def _nothing_found_text(user, conversation: Conversation) -> str:
