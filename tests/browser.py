@@ -90,3 +90,45 @@ def click_and_wait_for_next_page(driver: Any, element: Any, timeout: float = 30)
 
     element.click()
     WebDriverWait(driver, timeout).until(gone)
+
+
+# An answer the page shows recorded (a stopped one too).
+ANSWER_DONE = ".msg.assistant[data-status=done], .msg.assistant[data-status=stopped]"
+
+
+def ask(driver: Any, question: str, timeout: float = 60) -> Any:
+    """Ask ``question`` in the open conversation with the keyboard; the answer's element
+    once the page shows it recorded."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from tests.conftest import wait_for
+
+    before = len(driver.find_elements(By.CSS_SELECTOR, ANSWER_DONE))
+    driver.find_element(By.NAME, "question").send_keys(question, Keys.ENTER)
+    wait_for(lambda: len(driver.find_elements(By.CSS_SELECTOR, ANSWER_DONE)) > before,
+             timeout=timeout, what=f"the answer to {question!r}")  # fmt: skip
+    return driver.find_elements(By.CSS_SELECTOR, ANSWER_DONE)[-1]
+
+
+def open_citation(driver: Any, answer: Any) -> str:
+    """Click ``answer``'s [1]; the highlighted text, once the citation panel has scrolled
+    it into view."""
+    from selenium.webdriver.common.by import By
+
+    from tests.conftest import wait_for
+
+    driver.execute_script("document.getElementById('citation-panel').innerHTML = ''")
+    answer.find_element(By.CSS_SELECTOR, "a.cite").click()
+    mark = wait_for(
+        lambda: driver.find_elements(By.CSS_SELECTOR, "#citation-panel mark.cited-sentence"),
+        timeout=15, what="the highlighted passage",
+    )[0]  # fmt: skip
+    in_view = (
+        "const m = arguments[0].getBoundingClientRect();"
+        "const p = document.getElementById('citation-overlay').getBoundingClientRect();"
+        "return m.top >= p.top && m.bottom <= p.bottom"
+    )
+    wait_for(lambda: driver.execute_script(in_view, mark), timeout=5,
+             what="the panel to scroll to the highlight")  # fmt: skip
+    return mark.text

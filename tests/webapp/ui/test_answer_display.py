@@ -24,7 +24,16 @@ from kvservice.protocol import (
     stop_requested,
 )
 from kvservice.serve.citing import passage_uses
-from tests.browser import log_in, needs_chromium, screenshot, start_chromium, start_phone
+from tests.browser import (
+    ANSWER_DONE,
+    ask,
+    log_in,
+    needs_chromium,
+    open_citation,
+    screenshot,
+    start_chromium,
+    start_phone,
+)
 from tests.conftest import wait_for
 from tests.e2e.test_browser_chat import running_asgi_server
 from tests.webapp.api.fake_worker import FakeInferenceWorker
@@ -52,7 +61,6 @@ OFFICER = ("The", " safety", " officer", " is", " Olga", " Brandt.", "\n[1]")
 NUMBERED = ("1.", " The", " ticket", " office", " keeps", " it.", "\n2.", " [1]")
 FIRST_STEP = ("1.", " The", " first", " step", " is", " to", " bring", " what", " you",
               " find", " to", " the", " ticket", " office.")  # fmt: skip
-DONE = ".msg.assistant[data-status=done], .msg.assistant[data-status=stopped]"
 
 
 class RealisticWorker(FakeInferenceWorker):
@@ -119,39 +127,6 @@ def _open_conversation(driver, base_url: str, owner) -> None:
     driver.get(f"{base_url}{reverse('chat:conversation', args=[conversation.id])}")
 
 
-def _ask(driver, question: str):
-    """Ask ``question`` with the keyboard; the answer once the page shows it recorded."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-
-    before = len(driver.find_elements(By.CSS_SELECTOR, DONE))
-    driver.find_element(By.NAME, "question").send_keys(question, Keys.ENTER)
-    wait_for(lambda: len(driver.find_elements(By.CSS_SELECTOR, DONE)) > before, timeout=60,
-             what=f"the answer to {question!r}")  # fmt: skip
-    return driver.find_elements(By.CSS_SELECTOR, DONE)[-1]
-
-
-def _open_citation(driver, answer) -> str:
-    """Click the answer's [1]; the highlighted text once the panel has scrolled to it."""
-    from selenium.webdriver.common.by import By
-
-    driver.execute_script("document.getElementById('citation-panel').innerHTML = ''")
-    answer.find_element(By.CSS_SELECTOR, "a.cite").click()
-    mark = wait_for(
-        lambda: driver.find_elements(By.CSS_SELECTOR, "#citation-panel mark.cited-sentence"),
-        timeout=15, what="the highlighted passage",
-    )[0]  # fmt: skip
-    in_view = (
-        "const m = arguments[0].getBoundingClientRect();"
-        "const p = document.getElementById('citation-overlay').getBoundingClientRect();"
-        "return m.top >= p.top && m.bottom <= p.bottom"
-    )
-    wait_for(lambda: driver.execute_script(in_view, mark), timeout=5,
-             what="the panel to scroll to the highlight")  # fmt: skip
-    time.sleep(0.3)  # the scroll settled, for the screenshot
-    return mark.text
-
-
 # Whether the title is whole in the panel: inside it, on top (nothing over any of its
 # corners), and not cut at its right edge; and the cited sentence below it, not under it.
 TITLE_WHOLE = """
@@ -197,24 +172,25 @@ def test_highlight_line_breaks_regenerate_and_stop_on_a_desktop(chat_server, wor
         _open_conversation(driver, chat_server, alice)
 
         worker.words = ("They", " stay", " 2", " months", " [1].")
-        answer = _ask(driver, "How long are found items kept?")
-        highlighted = _open_citation(driver, answer)
+        answer = ask(driver, "How long are found items kept?")
+        highlighted = open_citation(driver, answer)
+        time.sleep(0.3)  # the scroll settled, for the screenshot
         screenshot(driver, "item1_after_desktop.png")
         assert highlighted == STEP_2  # not "2." alone
         screenshot(driver, "item5_after_desktop.png")
         _assert_title_whole(driver)
 
         worker.words = OFFICER
-        answer = _ask(driver, "Who is the safety officer?")
+        answer = ask(driver, "Who is the safety officer?")
         screenshot(driver, "item2_after_desktop.png")
         assert not answer.find_elements(By.CSS_SELECTOR, ".bubble li")
         assert driver.execute_script(CITATION_ON_NEXT_LINE, answer)
 
         worker.words = NUMBERED
-        answer = _ask(driver, "Who keeps found property?")
+        answer = ask(driver, "Who keeps found property?")
         assert not answer.find_elements(By.CSS_SELECTOR, ".bubble li")
         assert _first_paragraph(answer) == "1. The ticket office keeps it. [1]"
-        done_ids = f"return [...document.querySelectorAll({DONE!r})].map(e => e.id)"
+        done_ids = f"return [...document.querySelectorAll({ANSWER_DONE!r})].map(e => e.id)"
         earlier = set(driver.execute_script(done_ids))
         answer.find_element(By.CSS_SELECTOR, "button.regenerate").click()
         (again_id,) = wait_for(
@@ -250,14 +226,15 @@ def test_highlight_line_breaks_and_a_whole_title_on_a_phone(chat_server, worker,
     try:
         _open_conversation(driver, chat_server, alice)
         worker.words = OFFICER
-        answer = _ask(driver, "Who is the safety officer?")
+        answer = ask(driver, "Who is the safety officer?")
         screenshot(driver, "item2_after_phone.png")
         assert not answer.find_elements(By.CSS_SELECTOR, ".bubble li")
         assert driver.execute_script(CITATION_ON_NEXT_LINE, answer)
 
         worker.words = ("They", " stay", " 2", " months", " [1].")
-        answer = _ask(driver, "How long are found items kept?")
-        highlighted = _open_citation(driver, answer)
+        answer = ask(driver, "How long are found items kept?")
+        highlighted = open_citation(driver, answer)
+        time.sleep(0.3)  # the scroll settled, for the screenshot
         screenshot(driver, "item1_after_phone.png")
         screenshot(driver, "item5_after_phone.png")
         assert highlighted == STEP_2

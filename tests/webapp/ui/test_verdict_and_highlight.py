@@ -10,8 +10,15 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from tests.browser import log_in, needs_chromium, screenshot, start_chromium, start_phone
-from tests.conftest import wait_for
+from tests.browser import (
+    ask,
+    log_in,
+    needs_chromium,
+    open_citation,
+    screenshot,
+    start_chromium,
+    start_phone,
+)
 from tests.e2e.test_browser_chat import running_asgi_server
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import make_document
@@ -55,39 +62,6 @@ def browser():
     driver.quit()
 
 
-def _ask(browser, question: str):
-    """Ask ``question`` with the keyboard; the recorded answer, once the page shows it."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-
-    done = "#messages .msg.assistant[data-status=done]"
-    before = len(browser.find_elements(By.CSS_SELECTOR, done))
-    browser.find_element(By.NAME, "question").send_keys(question, Keys.ENTER)
-    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, done)) > before, timeout=60,
-             what=f"the answer to {question!r}")  # fmt: skip
-    return browser.find_elements(By.CSS_SELECTOR, done)[-1]
-
-
-def _open_citation(browser, answer) -> str:
-    """Click the answer's [1]; the highlighted sentence, once the panel shows it in view."""
-    from selenium.webdriver.common.by import By
-
-    browser.execute_script("document.getElementById('citation-panel').innerHTML = ''")
-    answer.find_element(By.CSS_SELECTOR, "a.cite").click()
-    mark = wait_for(
-        lambda: browser.find_elements(By.CSS_SELECTOR, "#citation-panel mark.cited-sentence"),
-        timeout=15, what="the highlighted passage",
-    )[0]  # fmt: skip
-    in_view = (
-        "const m = arguments[0].getBoundingClientRect();"
-        "const p = document.getElementById('citation-overlay').getBoundingClientRect();"
-        "return m.top >= p.top && m.bottom <= p.bottom"
-    )
-    wait_for(lambda: browser.execute_script(in_view, mark), timeout=5,
-             what="the panel to scroll to the highlight")  # fmt: skip
-    return mark.text
-
-
 def test_highlights_whole_sentences_and_one_verdict_per_answer(
     browser, chat_server, worker, alice
 ) -> None:
@@ -100,8 +74,8 @@ def test_highlights_whole_sentences_and_one_verdict_per_answer(
     scroller = browser.execute_script("return document.getElementById('citation-overlay')")
 
     worker.words = ("Revenue", " was", " 48.2", " million", " euros.")
-    answer = _ask(browser, "What revenue did the cooperative report in 2024?")
-    assert _open_citation(browser, answer) == REVENUE  # not "... revenue of 48."
+    answer = ask(browser, "What revenue did the cooperative report in 2024?")
+    assert open_citation(browser, answer) == REVENUE  # not "... revenue of 48."
     assert browser.execute_script("return arguments[0].scrollTop", scroller) > 0
     # the file name and the URL break inside the panel (they ran past its right edge)
     widths = "return [arguments[0].scrollWidth, arguments[0].clientWidth]"
@@ -110,11 +84,11 @@ def test_highlights_whole_sentences_and_one_verdict_per_answer(
     screenshot(browser, "highlight-decimal.png")
 
     worker.words = ("Write", " to", " helpdesk@brightwater.coop.")
-    answer = _ask(browser, "Which e-mail address takes questions about the annual report?")
-    assert _open_citation(browser, answer) == HELPDESK  # not "... helpdesk@brightwater."
+    answer = ask(browser, "Which e-mail address takes questions about the annual report?")
+    assert open_citation(browser, answer) == HELPDESK  # not "... helpdesk@brightwater."
 
     worker.words = ("The", " answer", " is:", " 4")
-    answer = _ask(browser, "How many ferries sail from Brightwater on Sundays?")
+    answer = ask(browser, "How many ferries sail from Brightwater on Sundays?")
     bubble = answer.find_element(By.CSS_SELECTOR, ".bubble")
     assert "could not find this in your documents" in bubble.text
     assert "The answer is: 4" not in bubble.text  # folded away, not beside the verdict
@@ -147,8 +121,8 @@ def test_on_a_phone_the_panel_scrolls_to_the_highlight_and_close_stays_in_sight(
     overlay = phone.find_element(By.ID, "citation-overlay")
 
     worker.words = ("Write", " to", " helpdesk@brightwater.coop.")
-    answer = _ask(phone, "Which e-mail address takes questions about the annual report?")
-    assert _open_citation(phone, answer) == HELPDESK
+    answer = ask(phone, "Which e-mail address takes questions about the annual report?")
+    assert open_citation(phone, answer) == HELPDESK
     assert phone.execute_script("return arguments[0].scrollTop", overlay) > 0  # scrolled
     close = overlay.find_element(By.CSS_SELECTOR, ".panel-close")
     in_sight = phone.execute_script(
