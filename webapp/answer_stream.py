@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from typing import Any
 
@@ -77,16 +77,7 @@ def ttft_seen_s(
     so never less than that one, nor otherwise more than the time passed since the submit
     (the two clocks, web and stream server, may differ). None when unknown: no submit time,
     no token, or Redis not answering."""
-    if asked_at is None:
-        return None
-    try:
-        first = first_token_time_s(redis_client(), request_id)
-    except outages.SERVICE_ERRORS:
-        return None
-    if first is None:
-        return None
-    asked = asked_at.timestamp()
-    return max(_milliseconds_down(min(first - asked, time.time() - asked)), worker_ttft_s or 0.0)
+    return _seen_since(asked_at, request_id, first_token_time_s, floor=worker_ttft_s or 0.0)
 
 
 def total_seen_s(
@@ -103,18 +94,25 @@ def total_seen_s(
     its first token comes before the first words on the stream, and the time between the two
     was counted twice (3.9 s shown 3.85 s after Enter with the bundled model, 26.8 s shown at
     17.5 s with a slower one)."""
-    if asked_at is None or ttft_seen is None:
+    if ttft_seen is None:
+        return None
+    return _seen_since(asked_at, request_id, last_token_time_s, floor=ttft_seen)
+
+
+def _seen_since(
+    asked_at: datetime | None, request_id: str, token_time: Callable, *, floor: float
+) -> float | None:
+    """Seconds from ``asked_at`` to the stream's time of a token (``token_time(client,
+    request_id)``: the first's or the last's), at most the time passed since ``asked_at``
+    (to the millisecond below) and at least ``floor``; None when unknown."""
+    if asked_at is None:
         return None
     try:
-        last = last_token_time_s(redis_client(), request_id)
+        at = token_time(redis_client(), request_id)
     except outages.SERVICE_ERRORS:
         return None
-    if last is None:
+    if at is None:
         return None
     asked = asked_at.timestamp()
-    return max(_milliseconds_down(min(last - asked, time.time() - asked)), ttft_seen)
-
-
-def _milliseconds_down(seconds: float) -> float:
-    """``seconds`` to the millisecond below: a time never more than passed stays so."""
-    return math.floor(seconds * 1000) / 1000
+    passed = min(at - asked, time.time() - asked)
+    return max(math.floor(passed * 1000) / 1000, floor)
