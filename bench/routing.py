@@ -9,7 +9,7 @@ Two real inference workers (``python -m kvservice.serve.server``) then answer th
 the two sets' examples alternating, ``--rounds`` times over, one at a time, under each policy
 in turn, each policy with freshly started workers (cold memory tiers):
 
-* ``cache-aware``: the queue ``kvservice.serve.routing.choose_queue`` picks, as the web app does;
+* ``cache-aware``: the queue ``kvservice.protocol.routing.choose_queue`` picks, as the web app does;
 * ``random``: one of the two workers' own queues, uniformly.
 
 Each worker's memory tier holds about one set (``KV_CPU_CAPACITY_BYTES``; no disk tier), the
@@ -116,9 +116,9 @@ def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any
         GenerateRequest,
         answer_stream,
         decode_events,
+        routing,
         worker_alive,
     )
-    from kvservice.serve import routing
 
     client = redis.Redis.from_url(env["REDIS_URL"])
     sender = Celery("routebench", broker=env["REDIS_URL"])

@@ -227,7 +227,7 @@ def start_app(children: list[Supervised], env: dict[str, str], data: Path, port:
     children.append(Supervised(partial(run_child, "celery worker", argv, env, logs / "celery.log")))
     # INFERENCE_WORKERS=2: two inference workers sharing the S3 tier, each with its own
     # memory and disk tiers; questions go to the one that holds their chunks
-    # (kvservice.serve.routing).
+    # (kvservice.protocol.routing).
     for name, worker_env, log in inference_workers(env, data, logs):
         argv = [sys.executable, "-m", "kvservice.serve.server"]
         children.append(Supervised(partial(run_child, name, argv, worker_env, log)))

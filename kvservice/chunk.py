@@ -15,18 +15,14 @@ system prompt never serves stale KV.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from kvservice.protocol.keys import token_ids_sha256
 
-def token_ids_sha256(token_ids: Sequence[int]) -> str:
-    """Content hash of a token sequence (little-endian int32), the chunk's identity."""
-    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids)
-    return hashlib.sha256(data).hexdigest()
+__all__ = ["ChunkKV", "LayeredKV", "token_ids_sha256"]
 
 
 class LayeredKV(Protocol):

@@ -225,7 +225,7 @@ def _work_left(client) -> dict[str, int]:
     """What the live workers still have to do: tasks queued for either worker, tasks a Celery
     worker took and has not finished (they are acknowledged late), answers being generated."""
     from kvservice.protocol import INFLIGHT_KEY
-    from kvservice.serve.routing import backlog
+    from kvservice.protocol.routing import backlog
 
     work = {
         "queued for the Celery worker": sum(client.llen(queue) for queue in CELERY_QUEUES),

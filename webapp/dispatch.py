@@ -37,7 +37,7 @@ def on_commit(send: Callable[[], object]) -> None:
 
 def ask(request: GenerateRequest, queue: str | None = None) -> None:
     """A question (or an audit's re-run) to the inference workers' shared queue, or to one
-    worker's own (``kvservice.serve.routing``). Raises what the broker raises."""
+    worker's own (``kvservice.protocol.routing``). Raises what the broker raises."""
     celery_app.send_task(
         GENERATE_TASK, args=[request.to_dict()], queue=queue or settings.INFERENCE_QUEUE
     )

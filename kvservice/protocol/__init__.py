@@ -14,6 +14,9 @@ no torch (the web app reads it without loading the engine).
 - ``inflight``: which worker is writing which answer, and whether it still lives; the web
   side's reaper ends the answers of dead, lost or stuck workers.
 - The heartbeat (kvservice/serve/heartbeat.py) carries the worker's live state for the dashboard.
+- ``keys``: a chunk's content hash (``token_ids_sha256``), which both sides name chunks by.
+- ``routing``: which worker's queue a question goes to (each worker advertises the chunks it
+  holds hot); imported as the module ``kvservice.protocol.routing``.
 
 The names below are the package's whole surface: import them from ``kvservice.protocol``.
 """
@@ -47,6 +50,7 @@ from kvservice.protocol.inflight import (
     worker_alive,
     worker_alive_key,
 )
+from kvservice.protocol.keys import token_ids_sha256
 from kvservice.protocol.outcome import AnswerOutcome, PassageUse
 from kvservice.protocol.requests import (
     EVICT_TASK,
@@ -67,5 +71,5 @@ __all__ = [
     "PassageUse", "TokenEvent", "Turn", "answer_stream", "decode_events", "first_token_time_s",
     "inflight_abandon", "inflight_add", "inflight_entries", "inflight_has", "inflight_overdue",
     "inflight_remove", "last_token_time_s", "mark_alive", "publish_event", "request_stop",
-    "stop_key", "stop_requested", "worker_alive", "worker_alive_key",
+    "stop_key", "stop_requested", "token_ids_sha256", "worker_alive", "worker_alive_key",
 ]  # fmt: skip

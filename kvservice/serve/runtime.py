@@ -21,12 +21,12 @@ from kvservice.config import WorkerConfig
 from kvservice.model.buffers import KV_BUFFERS
 from kvservice.prompt import Prompt
 from kvservice.protocol import TokenEvent
+from kvservice.protocol.routing import chunk_digest
 from kvservice.serve.batcher import PrefillTimes
 from kvservice.serve.controller import ChunkLoad, LoadingController
 from kvservice.serve.engine import Engine, Request
 from kvservice.serve.planning import PlannedRequest
 from kvservice.serve.prefix import PrefixKV, boundaries
-from kvservice.serve.routing import chunk_digest
 
 log = logging.getLogger(__name__)
 

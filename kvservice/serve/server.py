@@ -5,8 +5,8 @@ queue and a queue of its own. Run: ``python -m kvservice.serve.server`` (``make 
 It is a Celery worker with a thread pool: each task thread hands its request to the shared
 runtime and streams the result; a heartbeat thread tells /healthz and the dashboard that the
 worker is alive and which model it holds, and tells the web side which chunks it holds hot
-(``kvservice.serve.routing``: questions over them are sent to this worker's own queue). No Django
-here: configuration comes from the environment only (``make dev`` passes the dev stack's
+(``kvservice.protocol.routing``: questions over them are sent to this worker's own queue). No
+Django here: configuration comes from the environment only (``make dev`` passes the dev stack's
 addresses to the workers it starts).
 """
 
@@ -37,9 +37,9 @@ from kvservice.protocol import (
     inflight_remove,
     mark_alive,
 )
+from kvservice.protocol.routing import advertise_hot, worker_queue
 from kvservice.serve.deadlines import celery_options, redis_from_url
 from kvservice.serve.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
-from kvservice.serve.routing import advertise_hot, worker_queue
 
 log = logging.getLogger("kvservice.serve.server")
 
@@ -168,7 +168,8 @@ def warm(keys: list[str], tier: str) -> int:
 
 
 def _advertise_hot(client: redis.Redis) -> None:
-    """Tell the web side which chunks this worker holds in memory (``kvservice.serve.routing``)."""
+    """Tell the web side which chunks this worker holds in memory
+    (``kvservice.protocol.routing``)."""
     hot = getattr(runtime, "hot_digests", None)  # the vLLM runtime has no store of its own
     try:
         advertise_hot(client, WORKER_ID, hot() if hot else [], config.queue)

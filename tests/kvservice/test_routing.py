@@ -14,9 +14,9 @@ from kvservice.protocol import (
     WORKERS_KEY,
     ChunkRef,
     mark_alive,
+    routing,
     worker_alive_key,
 )
-from kvservice.serve import routing
 
 
 @pytest.fixture

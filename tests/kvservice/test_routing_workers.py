@@ -23,9 +23,9 @@ from kvservice.protocol import (
     GenerateRequest,
     answer_stream,
     decode_events,
+    routing,
     worker_alive,
 )
-from kvservice.serve import routing
 from tests.conftest import ROOT, wait_for
 
 PASSAGES = json.loads((ROOT / "tests" / "data" / "musique_passages.json").read_text())["passages"]

@@ -42,7 +42,7 @@ from kvservice.protocol import (
     request_stop,
     worker_alive,
 )
-from kvservice.serve.routing import requeue_orphans
+from kvservice.protocol.routing import requeue_orphans
 from webapp.chat.models import Message
 from webapp.redis import redis_client
 

@@ -13,7 +13,6 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from kvservice.chunk import token_ids_sha256
 from kvservice.protocol import (
     AnswerOutcome,
     PassageUse,
@@ -21,8 +20,9 @@ from kvservice.protocol import (
     inflight_has,
     publish_event,
     request_stop,
+    routing,
+    token_ids_sha256,
 )
-from kvservice.serve import routing
 from webapp import dispatch, outages
 from webapp.answer_stream import total_seen_s, ttft_seen_s
 from webapp.chat.follow_ups import follow_up_chunks

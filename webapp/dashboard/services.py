@@ -17,9 +17,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from kvservice.chunk import token_ids_sha256
-from kvservice.protocol import AnswerOutcome, GenerateRequest
-from kvservice.serve import routing
+from kvservice.protocol import AnswerOutcome, GenerateRequest, routing, token_ids_sha256
 from webapp import dispatch
 from webapp.chat.models import Message
 from webapp.chat.requests import conversation_history, generate_request

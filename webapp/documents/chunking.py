@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from kvservice.chunk import token_ids_sha256
 from kvservice.prompt import chunk_token_ids
+from kvservice.protocol import token_ids_sha256
 
 # A sentence ends at . ! ? (optionally followed by closing quotes/brackets) before whitespace;
 # paragraph breaks always end one. Abbreviations split wrongly now and then; a chunk boundary

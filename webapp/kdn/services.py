@@ -20,8 +20,8 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, When
 
-from kvservice.chunk import token_ids_sha256
 from kvservice.prompt import chunk_token_ids
+from kvservice.protocol import token_ids_sha256
 from kvservice.store.keys import ChunkKey
 from webapp import dispatch
 from webapp.documents import quotas

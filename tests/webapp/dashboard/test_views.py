@@ -21,9 +21,9 @@ from kvservice.protocol import (
     INFERENCE_QUEUE,
     WARM_TASK,
     mark_alive,
+    routing,
     worker_alive_key,
 )
-from kvservice.serve import routing
 from kvservice.serve.controller import LoadingController
 from kvservice.serve.heartbeat import heartbeat_key, write_heartbeat
 from kvservice.store.codec import DEFAULT_CODEC

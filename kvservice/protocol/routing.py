@@ -30,7 +30,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvservice.chunk import token_ids_sha256
 from kvservice.protocol import (
     INFERENCE_QUEUE,
     WORKERS_KEY,
@@ -38,6 +37,7 @@ from kvservice.protocol import (
     inflight_entries,
     worker_alive_key,
 )
+from kvservice.protocol.keys import token_ids_sha256
 
 HOT_PREFIX = "ragblend:inference:hot:"
 HOT_TTL_S = 15  # a worker rewrites its set every few seconds; a dead one's set expires
