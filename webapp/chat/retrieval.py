@@ -65,10 +65,16 @@ _COUNTED_NOUN = re.compile(
 )
 EITHER = "|"  # between the forms of one term: "third|3"
 # Where a question asks a second thing ("Which moon has an ocean, and which rice goes into a
-# risotto?"): a passage answering one part holds half the words, and is scored on that part.
+# risotto?", "When does it open and does it have a cafe?"): a passage answering one part holds
+# half the words, and is scored on that part. A second yes/no question is told from a plain
+# "and" by its verb and subject ("and is there", "and can I"; not "cats and dogs").
+_SECOND_QUESTION = (
+    r"(?:who|what|when|where|which|why|how)\b"
+    r"|(?:is|are|was|were|does|do|did|can|could|will|would|should|has|have|may|must)\s+"
+    r"(?:it|there|they|she|he|i|we|you|the|a|an|this|that|these|those|my|our|your|its)\b"
+)
 _CLAUSE_BREAK = re.compile(
-    r"[?!;]+\s+|,\s*(?:and|or|but)\s+|\s+and\s+(?=(?:who|what|when|where|which|why|how)\b)",
-    re.IGNORECASE,
+    rf"[?!;]+\s+|,\s*(?:and|or|but)\s+|\s+and\s+(?=(?:{_SECOND_QUESTION}))", re.IGNORECASE
 )
 
 

@@ -50,6 +50,16 @@ def test_a_question_is_split_where_it_asks_a_second_thing() -> None:
     assert question_parts("Which boat seats twelve and sails on Thursdays?") == [
         "Which boat seats twelve and sails on Thursdays?"
     ]
+    # a second yes/no question, by its verb and subject
+    assert question_parts("When does the pool open on Mondays and does it have a sauna?") == [
+        "When does the pool open on Mondays", "does it have a sauna?"
+    ]  # fmt: skip
+    assert question_parts("Who runs the pottery class and can I bring my own clay?") == [
+        "Who runs the pottery class", "can I bring my own clay?"
+    ]  # fmt: skip
+    for one in ("Are cats and dogs allowed in the garden?",
+                "What do the kiln and the wheel cost to rent?"):  # fmt: skip
+        assert question_parts(one) == [one]
 
 
 def test_each_part_of_a_two_part_question_gets_its_passage_first(alice, queue) -> None:
