@@ -663,6 +663,17 @@ def _prefix(item, label: str) -> None:
         first.replace_with(f"{label} {first.lstrip()}")
 
 
+def separate_table_cells(soup) -> None:
+    """A table row's cells with " | " between them, as a Word table's are read: without it
+    "Sunday" and "Closed" ran together ("SundayClosed") in passages and on the page."""
+    for row in soup.find_all("tr"):
+        for between in [c for c in row.children if isinstance(c, str) and not c.strip()]:
+            between.extract()  # the source's line breaks between cells (Markdown's)
+        cells = row.find_all(["td", "th"], recursive=False)
+        for cell in cells[:-1]:
+            cell.append(" | ")
+
+
 def _html_to_text(html: str) -> tuple[str, str]:
     from bs4 import BeautifulSoup
 
@@ -676,6 +687,7 @@ def _html_to_text(html: str) -> tuple[str, str]:
         soup.head.decompose()
     strip_boilerplate(soup)
     label_list_items(soup)
+    separate_table_cells(soup)
     # Block elements end a line, so sentences of separate paragraphs never run together.
     for block in soup.find_all(_BLOCK_TAGS):
         block.append("\n\n")

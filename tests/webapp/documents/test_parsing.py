@@ -111,6 +111,19 @@ def test_docx_tables_are_included() -> None:
     assert "48 metres" in parsing.parse(files.docx_bytes(), parsing.DOCX).text
 
 
+def test_html_and_markdown_table_cells_do_not_run_together() -> None:
+    html = (
+        "<h1>Pool hours</h1><table><tr><th>Day</th><th>Lanes</th></tr>"
+        "<tr><td>Tuesday</td><td>7:00 to 21:00</td></tr><tr><td>Sunday</td><td>Closed</td></tr>"
+        "</table>"
+    )
+    text = parsing.parse_html(html).text
+    assert "Day | Lanes" in text and "Tuesday | 7:00 to 21:00" in text
+    assert "Sunday | Closed" in text and "SundayClosed" not in text
+    markdown = "# Pool\n\n| Day | Lanes |\n|---|---|\n| Sunday | Closed |\n"
+    assert "Sunday | Closed" in parsing.parse_markdown(markdown).text
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
