@@ -14,6 +14,7 @@ environment replaces the embedded service of that kind.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from pathlib import Path
 from deploy import services
 from deploy.stack import data_dir, read_stack_env, write_stack_env
 from kvservice.model.bundled import ModelPathError, check_checkpoint_dir, check_gguf_file
+from kvservice.model.families import ModelConfig, UnsupportedModelError
 from kvservice.paths import kv_disk_dir
 
 BUCKETS = ("documents", "kvcache")
@@ -254,8 +256,11 @@ def model_path_problem(model_path: str | None) -> str | None:
             check_gguf_file(path)
         else:
             check_checkpoint_dir(path)
-    except ModelPathError as error:
-        return str(error)
+            ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    except (ModelPathError, UnsupportedModelError) as error:
+        return str(error) if isinstance(error, ModelPathError) else f"model path {path}: {error}"
+    except ValueError as error:  # config.json is not JSON
+        return f"model path {path}: config.json cannot be read ({error})"
     return None
 
 

@@ -22,6 +22,11 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
+# What every supported family's config.json names (the rest have defaults).
+_REQUIRED_KEYS = ("num_attention_heads", "hidden_size", "vocab_size", "num_hidden_layers",
+                  "intermediate_size")  # fmt: skip
+
+
 class UnsupportedModelError(ValueError):
     """A checkpoint this engine would run wrongly; refused at load time."""
 
@@ -83,6 +88,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({ACTIVATIONS})")
         if hf.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError("pretraining_tp > 1 is not supported")
+        missing = [key for key in _REQUIRED_KEYS if key not in hf]
+        if missing:
+            raise UnsupportedModelError(f"config.json has no {', '.join(missing)}")
         n_heads, dim = hf["num_attention_heads"], hf["hidden_size"]
         fields = dict(
             vocab_size=hf["vocab_size"],

@@ -5,6 +5,7 @@ exiting when the stack stops for it."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -43,11 +44,31 @@ def test_the_launcher_gives_the_workers_reasons_for_a_bad_model_path(tmp_path) -
         assert reason in str(refused.value) and str(path) in str(refused.value)
     model = tmp_path / "model"
     model.mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    for name in ("model.safetensors", "tokenizer.json"):
         (model / name).write_text("{}")
+    config = {"model_type": "llama", "num_attention_heads": 2, "hidden_size": 32,
+              "vocab_size": 8, "num_hidden_layers": 1, "intermediate_size": 8}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
     assert resolve_llm_path(str(model)) == model
     assert devstack.model_path_problem(str(model)) is None
     assert devstack.model_path_problem(None) is None  # the bundled model
+
+
+def test_the_launcher_refuses_a_model_family_the_engine_does_not_run(tmp_path) -> None:
+    """A BERT checkpoint passed the launcher's check; the worker refused it at load and the
+    stack stopped 36 s later. The launcher reads the config as the worker's loader does."""
+    model = tmp_path / "bert"
+    model.mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model / name).write_text("{}")
+    (model / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    said = devstack.model_path_problem(str(model))
+    assert said is not None and str(model) in said and "'bert' is not supported" in said
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    said = devstack.model_path_problem(str(model))
+    assert said is not None and "config.json has no num_attention_heads" in said
+    (model / "config.json").write_text("{not json")
+    assert "config.json cannot be read" in devstack.model_path_problem(str(model))
 
 
 @pytest.mark.parametrize("kind", ["missing", "not a model"])
