@@ -219,8 +219,9 @@ def _how_measured(
                 "its quality columns with the others, not its times"
             )
         model = found.get("model")
-        if model and running_model and model.lower() != running_model.lower():
-            text += f". The model that runs now is {running_model}: these figures are {model}'s"
+        if model and running_model and not wording.same_model(model, running_model):
+            running = wording.model_name(running_model)
+            text += f". The model that runs now is {running}: these figures are {model}'s"
         lines.append({"codec": one.codec, "words": wording.codec_in_words(one.codec),
                       "text": text + "."})  # fmt: skip
     return lines

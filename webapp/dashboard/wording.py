@@ -5,6 +5,7 @@ as a sentence (the worker writes its own rule for engineers; the page says what 
 from __future__ import annotations
 
 import json
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,21 @@ from kvservice.store.codec import CODECS, FP8, INT8, RAW
 from webapp.units import seconds
 
 FP16_BYTES = 2  # the "16 bits" the stored KV's compression is measured against
+# A converted GGUF model's folder ends with the file's identity (kvservice.model.gguf): not
+# part of the model's name ("smollm2-135m-instruct-q4-1-5d9b714f3e2ca41e").
+_IDENTITY_SUFFIX = re.compile(r"-[0-9a-f]{12,}$")
+
+
+def model_name(name: str | None) -> str:
+    """The model's name as an operator knows it (without a converted file's identity)."""
+    return _IDENTITY_SUFFIX.sub("", name or "")
+
+
+def same_model(one: str | None, other: str | None) -> bool:
+    """Whether two names are of one model (a GGUF's quantization and identity aside: the
+    bundled "smollm2-135m-instruct-q4-1-5d9b..." is the curve's "smollm2-135m-instruct")."""
+    one, other = model_name(one).lower(), model_name(other).lower()
+    return one == other or one.startswith(other + "-") or other.startswith(one + "-")
 
 
 # --------------------------------------------------------------------------------------------

@@ -165,3 +165,17 @@ def test_every_named_codec_reads_as_bit_widths() -> None:
     short = wording.codec_in_words(DEFAULT_CODEC, short=True)
     assert short == "4-bit keys, 3-bit values (early layers: 4-bit values)"
     assert wording.codec_in_words("someone-elses") == "someone-elses"
+
+
+def test_the_running_model_is_named_as_its_operator_knows_it() -> None:
+    """The bundled model runs from a converted GGUF whose folder ends with the file's
+    identity: the page named it so, and said the curve measured with the same model was
+    another's."""
+    from webapp.dashboard import wording
+
+    bundled = "smollm2-135m-instruct-q4-1-5d9b714f3e2ca41e"
+    assert wording.model_name(bundled) == "smollm2-135m-instruct-q4-1"
+    assert wording.same_model("smollm2-135m-instruct", bundled)
+    assert wording.same_model("Qwen3-4B", "qwen3-4b")
+    assert not wording.same_model("smollm2-135m-instruct", "qwen3-4b")
+    assert not wording.same_model("smollm2-1.7b", "smollm2-135m-instruct")

@@ -8,12 +8,13 @@ from django import template
 
 from webapp import units
 from webapp.dashboard.selectors import tier_label
-from webapp.dashboard.wording import codec_in_words
+from webapp.dashboard.wording import codec_in_words, model_name
 
 register = template.Library()
 register.filters.update(units.register.filters)
 register.filter("codec_words", codec_in_words)
 register.filter("tier_name", tier_label)
+register.filter("model_name", model_name)
 
 
 @register.filter
