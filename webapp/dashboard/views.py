@@ -72,7 +72,7 @@ def _metrics(points: list[dict]) -> dict[str, object]:
         ),
         "tier_chart": charts.stacked_bars(
             [(f"#{m.id}", _by_tier_label(m.tiers or {})) for m in recent],
-            title="Which tier served each answer's passages",
+            title="Which tier served each answer's passages (answers by number, oldest first)",
             y_label="passages",
             palette=_by_tier_label(charts.TIER_COLORS),
         ),  # fmt: skip
