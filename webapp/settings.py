@@ -347,6 +347,9 @@ CELERY_BEAT_SCHEDULE = {
 # written by `python -m kvservice.bench --ratios ... --json PATH` (relative to the repository
 # root unless absolute). Absent until a validation run writes it.
 RATIO_CURVE_PATH = BASE_DIR / env.str("RATIO_CURVE_PATH", default="docs/ratio_curve.json")
+# The serving bench's reports (python -m bench.serving --json): the dashboard shows the newest
+# one's capacity per mode (relative to the repository root unless absolute).
+SERVING_BENCH_DIR = BASE_DIR / env.str("SERVING_BENCH_DIR", default="docs")
 
 # How long /healthz waits for a Celery worker to answer a ping, and reuses a check's failure
 # (never an "up": webapp/health.py).

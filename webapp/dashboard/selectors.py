@@ -478,3 +478,31 @@ def fidelity_audits(*, since: datetime, limit: int = 500) -> list[FidelityAudit]
     return list(
         FidelityAudit.objects.filter(created_at__gte=since).order_by("-created_at")[:limit]
     )[::-1]
+
+
+def last_serving_bench() -> dict[str, Any] | None:
+    """The newest serving bench report under ``SERVING_BENCH_DIR`` (``serving_*.json``, by
+    when it started): per mode, its capacity (questions a minute) and its run with every
+    question at once; None when there is none or none can be read."""
+    newest: dict[str, Any] | None = None
+    for path in sorted(Path(settings.SERVING_BENCH_DIR).glob("serving_*.json")):
+        try:
+            report = json.loads(path.read_text())
+            started = datetime.strptime(report["started"], "%Y%m%d-%H%M%S")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if report.get("bench") != "serving" or (newest and started <= newest["started"]):
+            continue
+        newest = {"started": started, "path": _shown(path), "report": report}
+    if newest is None:
+        return None
+    report = newest.pop("report")
+    unloaded = report.get("unloaded_blend") or {}
+    newest["target_ttft_s"] = unloaded.get("target_ttft_p95_s")
+    newest["unloaded_ttft_s"] = unloaded.get("ttft_median_s")
+    newest["modes"] = [
+        {"mode": mode, "capacity_per_min": entry.get("capacity_per_min"),
+         "burst": next((run for run in entry.get("runs", []) if run.get("burst")), None)}
+        for mode, entry in (report.get("modes") or {}).items()
+    ]  # fmt: skip
+    return newest

@@ -144,6 +144,7 @@ def index(request: HttpRequest) -> HttpResponse:
         "warmable_tiers": [
             (tier, selectors.tier_label(tier)) for tier in selectors.warmable_tiers(beat)
         ],
+        "serving_bench": selectors.last_serving_bench(),
     }
     return render(request, "dashboard/index.html", context)
 

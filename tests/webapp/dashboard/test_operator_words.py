@@ -179,3 +179,32 @@ def test_the_running_model_is_named_as_its_operator_knows_it() -> None:
     assert wording.same_model("Qwen3-4B", "qwen3-4b")
     assert not wording.same_model("smollm2-135m-instruct", "qwen3-4b")
     assert not wording.same_model("smollm2-1.7b", "smollm2-135m-instruct")
+
+
+def test_the_last_serving_benchs_capacity_is_shown(staff_client, settings, tmp_path) -> None:
+    """The newest serving bench report (by when it started, not by name) gives each mode's
+    capacity and its all-at-once run; none: the page says how to measure one."""
+    settings.SERVING_BENCH_DIR = tmp_path
+    page = staff_client.get(reverse("dashboard:index")).content.decode()
+    assert "No serving bench report yet" in page
+
+    def report(started: str, blend_capacity: float | None) -> dict:
+        burst = {"burst": 16, "rate_per_min": None, "answers_per_min": 45.48,
+                 "ttft_s": {"p95": 16.89}, "max_pause_s": 1.74}  # fmt: skip
+        return {
+            "bench": "serving", "started": started,
+            "unloaded_blend": {"ttft_median_s": 0.893, "target_ttft_p95_s": 3.57},
+            "modes": {"blend": {"capacity_per_min": blend_capacity, "runs": [burst]},
+                      "full": {"capacity_per_min": None, "runs": []}},
+        }  # fmt: skip
+
+    (tmp_path / "serving_b.json").write_text(json.dumps(report("20261127-090000", 3.0)))
+    (tmp_path / "serving_a.json").write_text(json.dumps(report("20261128-200953", 8.0)))
+    (tmp_path / "serving_c.json").write_text("{not json")  # skipped, not a 500
+    text = _visible_text(staff_client.get(reverse("dashboard:index")).content.decode())
+    section = text.split("Serving capacity", 1)[1].split("Workers and services", 1)[0]
+    assert "2026-11-28 20:09" in section and "8 questions a minute" in section
+    assert "3 questions a minute" not in section  # the older report
+    assert "45.5 (16 questions)" in section and "16.89 s" in section and "1.74 s" in section
+    assert "below the lowest rate tried" in section  # full: no capacity
+    assert "within 3.57 s (4 times an answer's alone, 893.0 ms)" in section
