@@ -54,10 +54,6 @@ PAUSE_TARGET_S = 0.3
 MIN_SLICE_S = 0.05
 LONG_PIECE_S = 0.3  # a piece of work longer than this while answers stream is logged
 LOADING_WAIT_S = 0.002  # a prefill waiting for its KV with nothing else to run: this sleep
-# A progressive upgrade's share of a step, at most (a prefill may take the whole budget): at
-# the budget's 0.3 s, upgrades made the pauses between words pass 0.5 s at 8 questions a
-# minute and slowed the web side's retrieval (docs/serving.md).
-UPGRADE_SLICE_S = 0.1
 # why a progressive blend's upgrade did not happen (the answer's metrics say it)
 UPGRADE_SKIPPED = "other questions were waiting"
 UPGRADE_DROPPED = "the answer ended before its upgrade"
@@ -164,13 +160,12 @@ class _Work:
 class ContinuousBatcher:
     def __init__(
         self, model: Transformer, tokenizer, *, max_batch: int = 8, threads: int | None = None,
-        budget: StepBudget = AUTO_BUDGET, upgrade_slice_s: float = UPGRADE_SLICE_S,
+        budget: StepBudget = AUTO_BUDGET,
     ) -> None:  # fmt: skip
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.budget = budget
-        self.upgrade_slice_s = upgrade_slice_s
         # The batch's torch threads: by default the count of the thread that builds it.
         self.threads = threads or torch.get_num_threads()
         self._incoming: queue.Queue[Job] = queue.Queue()
@@ -304,8 +299,6 @@ class ContinuousBatcher:
         began, layer_s, ran = time.perf_counter(), 0.0, False
         while True:
             limit = self._slice_s()
-            if self._upgrade_is_next():  # the lowest priority: a smaller share of the step
-                limit = min(limit, self.upgrade_slice_s)
             if ran and time.perf_counter() - began + layer_s > limit:
                 break
             work = self._next_work()
@@ -323,11 +316,6 @@ class ContinuousBatcher:
                 break
         if ran and self._jobs:
             self.slices += 1
-
-    def _upgrade_is_next(self) -> bool:
-        """Whether ``_next_work`` would give the upgrade (no prefill under way or to start)."""
-        starts = bool(self._waiting) and len(self._jobs) < self.max_batch
-        return self._work is None and not starts and self._upgrade is not None
 
     def _note_piece(self, seconds: float) -> None:
         """The longest piece of prefill work run between two pauses while answers streamed

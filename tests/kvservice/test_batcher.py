@@ -173,31 +173,6 @@ def test_a_progressive_upgrade_lands_while_its_answer_streams(engine):
     assert answer.tokens == expected
 
 
-def test_an_upgrade_takes_a_smaller_share_of_a_step_than_a_prefill(engine):
-    """With a step budget that would hold a whole upgrade, the upgrade still runs in slices
-    of its own size (here a layer a step): its answer streams a token a layer meanwhile.
-    Before, it ran whole in the first step and landed after the answer's second token."""
-    prompt = engine.format.build(PASSAGES[:3], "When was the evening boat stopped?")
-    chunks = engine.precompute(prompt.chunk_ids)
-    request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=48))
-    answer, landed = _Answer(), []
-    job = answer.job(
-        engine, request, refresh=engine._refresher(0.6),
-        on_refresh=lambda outcome: landed.append((outcome, len(answer.tokens))),
-    )  # fmt: skip
-    batcher = ContinuousBatcher(
-        engine.model, engine.tokenizer, budget=StepBudget(30.0), upgrade_slice_s=1e-6
-    ).start()
-    try:
-        batcher.submit(job)
-        assert answer.done.wait(300)
-    finally:
-        batcher.close()
-    layers = engine.model.config.n_layers
-    assert len(landed) == 1 and isinstance(landed[0][0], float), landed
-    assert landed[0][1] >= layers // 2, (landed, layers)  # a step a layer (or a few)
-
-
 def _greedy(model, cache, position, tokens, count, fed=False) -> list[int]:
     """``count`` greedy tokens after ``tokens`` over a copy of ``cache`` (whose first
     ``position`` slots are filled): with ``fed``, every one of ``tokens`` is fed first, else
