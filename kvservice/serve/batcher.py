@@ -136,7 +136,6 @@ class Job:
     # Filled in by the batcher:
     started: float = 0.0
     ttft_s: float | None = None
-    prefill_result: BlendResult | None = None
     tokens: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     detokenizer: Detokenizer | None = None
@@ -147,12 +146,10 @@ class Job:
 
 @dataclass
 class _Work:
-    """A job's pending prefill (``first`` is None) or progressive upgrade (``first``: its
-    first token, already in the batch), paused between layers."""
+    """A job's pending prefill or progressive upgrade, paused between layers."""
 
     job: Job
     steps: Generator[None, None, BlendResult]
-    first: int | None = None
     began: float = field(default_factory=time.perf_counter)
     compute_s: float = 0.0
 
@@ -376,7 +373,6 @@ class ContinuousBatcher:
         if job.on_prefill is not None:
             wall = time.perf_counter() - work.began
             job.on_prefill(result, PrefillTimes(work.began - job.started, work.compute_s, wall))
-        job.prefill_result = result
         job.generator = new_generator(job.sampling.seed, self.model.device)
         job.detokenizer = Detokenizer(self.tokenizer)
         job.history = TokenHistory(job.prompt_ids)
@@ -396,7 +392,7 @@ class ContinuousBatcher:
                 log.exception("refresh failed; the answer goes on from its first-pass cache")
         self._add_row(job, result, token)  # copies the cache: the upgrade then changes its own
         if upgrade is not None:
-            self._upgrade = _Work(job, upgrade, first=token)
+            self._upgrade = _Work(job, upgrade)
 
     def _upgraded(self, work: _Work, result: BlendResult) -> None:
         """An upgrade done (``result``: the cache after the prompt and the first token): the
@@ -497,7 +493,6 @@ class ContinuousBatcher:
         self._next_tokens = (
             new_token if self._next_tokens is None else torch.cat([self._next_tokens, new_token])
         )
-        job.prefill_result = None  # its cache now lives in the batch
         self.max_rows_seen = max(self.max_rows_seen, rows + 1)
 
     def _new_slots(self, rows: int, needed: int, dtype: torch.dtype) -> KVCache:
