@@ -26,7 +26,7 @@ from pathlib import Path
 
 from deploy import services
 from deploy.stack import data_dir, read_stack_env, write_stack_env
-from kvservice.model.bundled import ModelPathError, check_checkpoint_dir, check_gguf_file
+from kvservice.model.bundled import ModelPathError, check_model_path, is_gguf
 from kvservice.model.families import ModelConfig, UnsupportedModelError
 from kvservice.paths import kv_disk_dir
 
@@ -245,20 +245,23 @@ MODEL_PATH_HELP = (
 
 def model_path_problem(model_path: str | None) -> str | None:
     """Why the inference worker would refuse ``MODEL_PATH`` (None: it would not), in the
-    worker's own words: the checks ``kvservice.model.bundled.resolve_llm_path`` makes before
-    it converts a GGUF file. The worker finds out only once the stack is up, then exits until
-    the stack gives up a minute later; the launcher asks before it starts anything."""
+    worker's own words: ``check_model_path``, then, for a checkpoint dir, its config as the
+    loader reads it (a GGUF's architecture is checked as it is converted). The worker finds
+    out only once the stack is up, then exits until the stack gives up a minute later; the
+    launcher asks before it starts anything."""
     if not model_path:
         return None  # the bundled model
     path = Path(model_path).expanduser()
     try:
-        if path.suffix.lower() == ".gguf":
-            check_gguf_file(path)
-        else:
-            check_checkpoint_dir(path)
-            ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-    except (ModelPathError, UnsupportedModelError) as error:
-        return str(error) if isinstance(error, ModelPathError) else f"model path {path}: {error}"
+        check_model_path(path)
+    except ModelPathError as error:
+        return str(error)
+    if is_gguf(path):
+        return None
+    try:
+        ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    except UnsupportedModelError as error:
+        return f"model path {path}: {error}"
     except ValueError as error:  # config.json is not JSON
         return f"model path {path}: config.json cannot be read ({error})"
     return None

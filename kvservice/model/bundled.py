@@ -216,7 +216,18 @@ def resolve_llm_path(model_path: str | None, cache_dir: Path | None = None) -> P
     the bundled SmolLM2 (converted likewise)."""
     if not model_path:
         return check_checkpoint_dir(smollm2_checkpoint(cache_dir))
-    path = Path(model_path).expanduser()
-    if path.suffix.lower() == ".gguf":
-        return check_checkpoint_dir(gguf_checkpoint(check_gguf_file(path), cache_dir))
-    return check_checkpoint_dir(path)
+    path = check_model_path(Path(model_path).expanduser())
+    if is_gguf(path):
+        return check_checkpoint_dir(gguf_checkpoint(path, cache_dir))
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf"
+
+
+def check_model_path(path: Path) -> Path:
+    """Raise ``ModelPathError`` unless ``path`` (``MODEL_PATH``) is a GGUF file or a
+    checkpoint dir this engine reads: what ``resolve_llm_path`` checks before converting
+    anything (the dev launcher asks it before starting the worker)."""
+    return check_gguf_file(path) if is_gguf(path) else check_checkpoint_dir(path)
