@@ -12,12 +12,11 @@ import time
 
 import pytest
 from django.urls import reverse
-from django.utils import timezone
 
 from kvservice.protocol import AnswerOutcome, answer_stream, publish_event
-from tests.webapp.chat.test_chat import make_document
+from tests.webapp.chat.test_chat import pending_answer
 from webapp.chat import services
-from webapp.chat.models import Citation, Conversation, Message
+from webapp.chat.models import Message
 from webapp.redis import redis_client
 
 pytestmark = pytest.mark.django_db
@@ -27,17 +26,7 @@ PASSAGE = "The harbour master of Kestrel Quay is Ines Varga. Her office is above
 
 def _pending(owner, *, asked_at=None) -> Message:
     """A question and its pending answer over the passage, as ``chat_ask`` leaves them."""
-    document = make_document(owner, "Kestrel Quay contacts", [PASSAGE])
-    conversation = Conversation.objects.create(owner=owner, title="Contacts")
-    Message.objects.create(conversation=conversation, role="user", content="Who is it?")
-    answer = Message.objects.create(
-        conversation=conversation, role="assistant", status="pending", mode="blend",
-        asked_at=asked_at or timezone.now(),
-    )  # fmt: skip
-    chunk = document.chunks.get()
-    Citation.objects.create(message=answer, rank=1, chunk=chunk, document=document,
-                            document_title=document.title, text=chunk.text)  # fmt: skip
-    return answer
+    return pending_answer(owner, "Kestrel Quay contacts", PASSAGE, "Who is it?", asked_at=asked_at)
 
 
 def _record(answer: Message, content: str, **metrics) -> Message:

@@ -43,6 +43,26 @@ def make_document(owner, title: str, texts: list[str]) -> Document:
     return document
 
 
+def pending_answer(owner, title: str, passage: str, question: str, *, asked_at=None) -> Message:
+    """A question and its pending answer over one passage (a document titled ``title``), the
+    passage cited, as ``chat_ask`` leaves them (without retrieval or a worker)."""
+    from django.utils import timezone
+
+    from webapp.chat.models import Conversation
+
+    document = make_document(owner, title, [passage])
+    conversation = Conversation.objects.create(owner=owner, title=title)
+    Message.objects.create(conversation=conversation, role="user", content=question)
+    answer = Message.objects.create(
+        conversation=conversation, role="assistant", status="pending", mode="blend",
+        asked_at=asked_at or timezone.now(),
+    )  # fmt: skip
+    chunk = document.chunks.get()
+    Citation.objects.create(message=answer, rank=1, chunk=chunk, document=document,
+                            document_title=document.title, text=chunk.text)  # fmt: skip
+    return answer
+
+
 @pytest.fixture
 def alice(django_user_model):
     return django_user_model.objects.create_user(username="alice", password="alice-passphrase")

@@ -16,9 +16,9 @@ from django.utils import timezone
 
 from kvservice.protocol import AnswerOutcome, publish_event
 from kvservice.serve.citing import UNSUPPORTED, passage_uses, verdict
-from tests.webapp.chat.test_chat import PASSAGES, make_document
+from tests.webapp.chat.test_chat import PASSAGES, pending_answer
 from webapp.chat import services
-from webapp.chat.models import Citation, Conversation, Message
+from webapp.chat.models import Message
 from webapp.redis import redis_client
 
 pytestmark = pytest.mark.django_db
@@ -29,17 +29,7 @@ QUESTION = "Which rice goes into a risotto?"
 def _pending_answer(owner, *, asked_at=None) -> Message:
     """A question and its pending answer over the cooking passage, as ``chat_ask`` leaves
     them (without retrieval or a worker)."""
-    document = make_document(owner, "Kitchen notes", [PASSAGES["cooking"]])
-    conversation = Conversation.objects.create(owner=owner, title="Risotto")
-    Message.objects.create(conversation=conversation, role="user", content=QUESTION)
-    answer = Message.objects.create(
-        conversation=conversation, role="assistant", status="pending", mode="blend",
-        asked_at=asked_at or timezone.now(),
-    )  # fmt: skip
-    chunk = document.chunks.get()
-    Citation.objects.create(message=answer, rank=1, chunk=chunk, document=document,
-                            document_title=document.title, text=chunk.text)  # fmt: skip
-    return answer
+    return pending_answer(owner, "Kitchen notes", PASSAGES["cooking"], QUESTION, asked_at=asked_at)
 
 
 def _record(answer: Message, words: str, **metrics) -> Message:

@@ -12,7 +12,6 @@ from django.urls import reverse
 
 from tests.browser import log_in, needs_chromium, screenshot, start_chromium
 from tests.conftest import wait_for
-from tests.e2e.test_browser_chat import running_asgi_server
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import make_document
 from webapp.chat.models import Conversation, Message
@@ -24,13 +23,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 QUEUE = "inference-attempts-test"  # the stand-in's own: a real worker never takes it
 # What the worker streams for an answer cut at the cap (kvservice.serve.sampling.AnswerText).
 CUT_ANSWER = ("The Gannet", " seats six", " and the", " Osprey…", " [1]")
-
-
-@pytest.fixture
-def chat_server(django_db_blocker, tmp_path):
-    with running_asgi_server(django_db_blocker, tmp_path / "uvicorn.log", INFERENCE_QUEUE=QUEUE,
-                             HEARTBEAT_KEY=f"ragblend:test:{QUEUE}") as url:  # fmt: skip
-        yield url
 
 
 @pytest.fixture

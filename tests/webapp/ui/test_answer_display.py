@@ -35,7 +35,6 @@ from tests.browser import (
     start_phone,
 )
 from tests.conftest import wait_for
-from tests.e2e.test_browser_chat import running_asgi_server
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import make_document
 from webapp.chat.models import Conversation, Message
@@ -105,13 +104,6 @@ class RealisticWorker(FakeInferenceWorker):
         rest = "".join(written[max(len(written) - self.held_words, 0) :])
         publish_event(self.client, request_id, "token", text=rest)
         return written, stopped
-
-
-@pytest.fixture
-def chat_server(django_db_blocker, tmp_path):
-    with running_asgi_server(django_db_blocker, tmp_path / "uvicorn.log", INFERENCE_QUEUE=QUEUE,
-                             HEARTBEAT_KEY=f"ragblend:test:{QUEUE}") as url:  # fmt: skip
-        yield url
 
 
 @pytest.fixture

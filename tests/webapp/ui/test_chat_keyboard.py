@@ -15,7 +15,6 @@ from django.urls import reverse
 
 from tests.browser import log_in, needs_chromium, screenshot, start_chromium
 from tests.conftest import wait_for
-from tests.e2e.test_browser_chat import running_asgi_server
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import make_document
 from webapp.chat.models import Conversation, Message
@@ -26,13 +25,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 QUEUE = "inference-ui-test"  # the stand-in's own: a real worker of the session never takes it
 # A long answer, some tokens new lines, so that it grows taller than the window as it streams.
 WORDS = tuple(f" word{i}" + ("\n" if i % 4 == 3 else "") for i in range(48)) + (" [1].",)
-
-
-@pytest.fixture
-def chat_server(django_db_blocker, tmp_path):
-    with running_asgi_server(django_db_blocker, tmp_path / "uvicorn.log", INFERENCE_QUEUE=QUEUE,
-                             HEARTBEAT_KEY=f"ragblend:test:{QUEUE}") as url:  # fmt: skip
-        yield url
 
 
 @pytest.fixture

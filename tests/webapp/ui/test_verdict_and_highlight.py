@@ -19,7 +19,6 @@ from tests.browser import (
     start_chromium,
     start_phone,
 )
-from tests.e2e.test_browser_chat import running_asgi_server
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import make_document
 from webapp.chat.models import Conversation
@@ -40,13 +39,6 @@ PASSAGE = " ".join(
                   "Shag", "Gull", "Heron", "Kittiwake")]
     + [REVENUE, HELPDESK, "The cooperative has members in every harbour town.", TIMETABLES]
 )  # fmt: skip
-
-
-@pytest.fixture
-def chat_server(django_db_blocker, tmp_path):
-    with running_asgi_server(django_db_blocker, tmp_path / "uvicorn.log", INFERENCE_QUEUE=QUEUE,
-                             HEARTBEAT_KEY=f"ragblend:test:{QUEUE}") as url:  # fmt: skip
-        yield url
 
 
 @pytest.fixture
