@@ -24,6 +24,7 @@ from tests.conftest import wait_for
 from tests.webapp.api.conftest import bearer
 from tests.webapp.documents import files
 from tests.webapp.documents.conftest import upload
+from webapp import dispatch
 from webapp.documents import quotas, services
 from webapp.documents.models import Chunk, Document
 from webapp.storage import object_store
@@ -31,23 +32,37 @@ from webapp.storage import object_store
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _waiting_on_locks() -> int:
-    """Backends of this database (other than this one) waiting for a lock."""
+@pytest.fixture(autouse=True)
+def queued(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """The tasks these writes queue, kept here: the suite's Celery worker, when another test
+    started it, would otherwise ingest the same documents beside the race."""
+    sent: dict[str, list] = {"ingest": [], "precompute": []}
+    monkeypatch.setattr(dispatch, "ingest_on_commit", sent["ingest"].append)
+    monkeypatch.setattr(dispatch, "precompute_on_commit", sent["precompute"].append)
+    return sent
+
+
+def _waiting_on_locks(pids: list[int]) -> int:
+    """How many of these backends wait for a lock."""
     with connection.cursor() as cursor:
         # The activity is read once a transaction unless its snapshot is dropped.
         cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'"
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s) AND wait_event_type = 'Lock'",
+            [pids],
         )
         return cursor.fetchone()[0]
 
 
-def _in_thread(call: Callable[[], Any]) -> Callable[[], Any]:
-    """``call`` for a worker thread, which closes the thread's own database connection."""
+def _in_thread(call: Callable[[], Any], pids: list[int]) -> Callable[[], Any]:
+    """``call`` for a worker thread: it names its database backend in ``pids`` first, and
+    closes the thread's own connection at the end."""
 
     def run() -> Any:
         try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                pids.append(cursor.fetchone()[0])
             return call()
         finally:
             connections.close_all()
@@ -58,14 +73,15 @@ def _in_thread(call: Callable[[], Any]) -> Callable[[], Any]:
 def race(table: str, calls: list[Callable[[], Any]]) -> list[Any]:
     """Run ``calls`` at once while ``table`` takes no writes, until every one of them waits
     for a lock; their results (or what they raised), in order."""
+    pids: list[int] = []
     with ThreadPoolExecutor(len(calls)) as pool:
         with transaction.atomic():
             with connection.cursor() as cursor:
                 cursor.execute(f"LOCK TABLE {table} IN SHARE MODE")
-            futures = [pool.submit(_in_thread(call)) for call in calls]
+            futures = [pool.submit(_in_thread(call, pids)) for call in calls]
             wait_for(
-                lambda: _waiting_on_locks() == len(calls) or any(f.done() for f in futures),
-                timeout=120, what=f"{len(calls)} writers waiting on {table}",
+                lambda: _waiting_on_locks(pids) == len(calls) or any(f.done() for f in futures),
+                timeout=240, what=f"{len(calls)} writers waiting on {table}",
             )  # fmt: skip
         return [f.exception() or f.result() for f in futures]
 
@@ -76,7 +92,7 @@ def _originals_of(owner) -> list[str]:
     return [item.object_name for item in found]
 
 
-def test_concurrent_uploads_never_pass_the_document_quota(user, settings) -> None:
+def test_concurrent_uploads_never_pass_the_document_quota(user, settings, queued) -> None:
     settings.QUOTA_DOCUMENTS = 20
     auth = bearer(user)
 
@@ -92,13 +108,15 @@ def test_concurrent_uploads_never_pass_the_document_quota(user, settings) -> Non
     assert all("quota of 20 documents" in r["message"] for r in refusals), refusals
     assert Document.objects.filter(owner=user).count() == 20
     assert quotas.usage_of(user).documents == 20
+    stored = Document.objects.filter(owner=user).values_list("pk", flat=True)
+    assert sorted(queued["ingest"]) == sorted(stored)  # each accepted upload, and only those
     # A refused upload keeps no original: one object per document.
     assert sorted(_originals_of(user)) == sorted(
         Document.objects.filter(owner=user).values_list("object_key", flat=True)
     )
 
 
-def test_concurrent_ingests_never_pass_the_token_quota(user, settings) -> None:
+def test_concurrent_ingests_never_pass_the_token_quota(user, settings, queued) -> None:
     """Each document alone fits the quota, two do not: of four ingested at once, one gets its
     chunks and three fail, saying why."""
     documents = [
@@ -110,6 +128,7 @@ def test_concurrent_ingests_never_pass_the_token_quota(user, settings) -> None:
     services.document_ingest(document_id=documents[0].pk)  # measures one document's tokens
     one = quotas.usage_of(user).tokens
     Chunk.objects.all().delete()
+    queued["precompute"].clear()
     Document.objects.filter(pk=documents[0].pk).update(status=Document.Status.QUEUED)
     settings.QUOTA_TOKENS = one + one // 2
 
@@ -124,3 +143,6 @@ def test_concurrent_ingests_never_pass_the_token_quota(user, settings) -> None:
     failed = Document.objects.filter(owner=user, status=Document.Status.FAILED)
     assert all("left in your quota" in d.error_message for d in failed)
     assert not Chunk.objects.filter(document__in=failed).exists()
+    # Only the written document's chunks go on to their KV.
+    written = Chunk.objects.filter(document__status=Document.Status.PROCESSING)
+    assert sorted(sum(queued["precompute"], [])) == sorted(written.values_list("pk", flat=True))
