@@ -113,7 +113,7 @@ def musique_cases(path: Path, examples: int, passages: int) -> list[Case]:
 
 
 def run(cases: list[Case], engine: Any, sampling: Any) -> list[Outcome]:
-    from kvservice.prompt import Prompt
+    from kvservice.protocol.prompt import Prompt
     from kvservice.serve.engine import Request
 
     fmt, outcomes = engine.format, []
@@ -193,12 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from kvservice.blend.planning import FREQUENCY_PENALTY, REPETITION_PENALTY
     from kvservice.model.bundled import resolve_llm_path
+    from kvservice.model.sampling import SamplingParams
     from kvservice.model.transformer import Transformer
-    from kvservice.prompt import TURN_MARKERS, PromptFormat
+    from kvservice.protocol.prompt import TURN_MARKERS, PromptFormat
     from kvservice.serve.engine import Engine
-    from kvservice.serve.planning import FREQUENCY_PENALTY, REPETITION_PENALTY
-    from kvservice.serve.sampling import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -48,8 +48,9 @@ from kvservice.blend import attention
 from kvservice.blend.prefill import blend_prefill
 from kvservice.model.bundled import default_cache_dir, resolve_llm_path
 from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS, FusedLinear
-from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.prompt import PromptFormat
 
 
 @dataclass
@@ -141,8 +142,8 @@ def metered_products() -> Iterator[ProductMeter]:
 @torch.no_grad()
 def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) -> dict:
     prompt = example_prompt(fmt, example, args.passages)
-    head_kv = precompute_head(model, prompt.head_ids)
-    chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
+    producer = KVProducer(model, prompt.head_ids)
+    head_kv, chunks = producer.head_kv, producer.compute(prompt.chunk_ids)
 
     def prefill(mode: str) -> None:
         result = blend_prefill(

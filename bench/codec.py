@@ -16,7 +16,7 @@ difference to ``fp16``'s on the same prompts and how many examples got worse (by
 1e-4), and ``entropy_bytes_per_token``: what an order-0 entropy coder (per layer and
 section, e.g. CacheGen's arithmetic coder) would reach at best on the codes, as a bound.
 
-A codec is a name in ``kvservice.store.codec.CODECS`` or a kivi spec such as
+A codec is a name in ``kvservice.protocol.codecs.CODECS`` or a kivi spec such as
 ``kivi:k=4@0.25/2:v=2:kg=64:vg=32`` (K 4 bits below a quarter of the depth then 2 bits;
 V 2 bits; groups of 64 tokens for K, 32 channels for V; ``clip=0|1`` each group's range
 searched for the least error or not, ``rot=1`` V turned by a Hadamard matrix).
@@ -60,11 +60,12 @@ from bench.stats import quantile
 from kvservice.blend.prefill import blend_prefill
 from kvservice.chunk import ChunkKV
 from kvservice.model.bundled import default_cache_dir, resolve_llm_path
-from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat, preamble_from_env, preamble_passages
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.codecs import KIVI, Codec, codec_by_name, kivi
+from kvservice.protocol.prompt import PromptFormat, preamble_from_env, preamble_passages
 from kvservice.serve.engine import stop_token_ids
 from kvservice.store import codec as codecs
-from kvservice.store.codec import KIVI, Codec, codec_by_name, kivi
 from kvservice.store.format import (
     decode_chunk,
     decode_header,
@@ -150,8 +151,8 @@ def decode_speed(
 @torch.no_grad()
 def run_example(model, tokenizer, fmt, example, args, stop_ids, codec_list) -> dict:
     prompt = example_prompt(fmt, example, args.passages)
-    head_kv = precompute_head(model, prompt.head_ids)
-    chunks = precompute_chunks(model, fmt.storage_ids, prompt.chunk_ids)  # --kv-preamble
+    producer = KVProducer(model, fmt.storage_ids)  # --kv-preamble
+    head_kv, chunks = producer.heads.get(prompt.head_ids), producer.compute(prompt.chunk_ids)
     extra = max(args.max_new_tokens, GAP_TOKENS)
 
     def prefill(sources: Sequence[ChunkKV], mode: str):

@@ -29,8 +29,8 @@ import torch
 from kvservice.blend.graphs import graphs_from_env
 from kvservice.model.decode_graph import STABLE_STEPS, DecodeGraph
 from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS, FusedLinear
-from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 from kvservice.model.transformer import KVCache, RMSNorm, Transformer
+from kvservice.tools.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -44,8 +44,9 @@ from kvservice.blend.prefill import BlendResult, BlendSettings, blend_prefill
 from kvservice.blend.selection import attention_importance, select_recompute
 from kvservice.chunk import ChunkKV
 from kvservice.model.bundled import default_cache_dir, resolve_llm_path
-from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.engine import stop_token_ids
 
 
@@ -75,8 +76,8 @@ def with_true_kv(
 @torch.no_grad()
 def diagnose_example(model, fmt, example, args, stop_ids) -> dict:
     prompt = example_prompt(fmt, example, args.passages)
-    head_kv = precompute_head(model, prompt.head_ids)
-    chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
+    producer = KVProducer(model, prompt.head_ids)
+    head_kv, chunks = producer.head_kv, producer.compute(prompt.chunk_ids)
     extra = GAP_TOKENS
 
     def prefill(sources, mode="reuse") -> BlendResult:

@@ -48,8 +48,9 @@ from bench.prefill import GAP_TOKENS, TF_TOKENS, blend_settings
 from bench.stats import quantile
 from kvservice.blend.prefill import BlendSettings, blend_prefill
 from kvservice.model.kernels import DEFAULT_PRECISION
-from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat, stop_token_ids
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.prompt import PromptFormat, stop_token_ids
 
 MAX_NEW_TOKENS = 48  # the answer checked for the fact: a sentence or two
 
@@ -132,8 +133,8 @@ def run_case(model, tokenizer, formats, case: Case, runs, stop_ids) -> dict[str,
     head, question = list(base.head_ids), base.question_ids(case.question)
     chunk_kv, wants_nb = {}, any(kv_name == "nb" for kv_name, *_ in runs.values())
     for name, fmt in formats.items():
-        storage_kv = precompute_head(model, fmt.storage_ids)
-        plain = precompute_chunks(model, fmt.storage_ids, passages, head_kv=storage_kv)
+        producer = KVProducer(model, fmt.storage_ids)
+        storage_kv, plain = producer.head_kv, producer.compute(passages)
         chunk_kv[name] = plain
         if name == "off" and wants_nb:  # each chunk after its predecessor where it has one
             marker = fmt.passage_marker(2)
@@ -142,7 +143,7 @@ def run_case(model, tokenizer, formats, case: Case, runs, stop_ids) -> dict[str,
                 if case.follows[i] else plain[i]
                 for i, ids in enumerate(passages)
             ]  # fmt: skip
-    head_kv = precompute_head(model, head)
+    head_kv = KVProducer(model, head).head_kv
     extra = max(MAX_NEW_TOKENS, GAP_TOKENS)
 
     def prefill(mode: str, ratio: float, kvs=None, settings: BlendSettings | None = None):

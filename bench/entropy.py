@@ -56,12 +56,12 @@ from bench.codec import (
     write_json,
 )
 from bench.prefill import example_prompt
-from kvservice.model.transformer import precompute_chunks
+from kvservice.model.producer import KVProducer
+from kvservice.protocol.codecs import KIVI, Codec
 from kvservice.store import codec as codecs
-from kvservice.store.codec import KIVI, Codec
 from kvservice.store.format import ChunkHeader, decode_header, encode_chunk
 
-K_SECTION, V_SECTION = 0, 3  # the code sections in a kivi layer block (codec.section_sizes)
+K_SECTION, V_SECTION = 0, 3  # the code sections in a kivi layer block (codecs.section_sizes)
 FREQ_MAX = 0xFFFF  # an ans table's frequencies are uint16
 LENGTH = struct.Struct("<II")  # a payload's two lengths: stored other bytes, then their own
 
@@ -504,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows: list[dict] = []
     for index, example in enumerate(examples):
         prompt = example_prompt(fmt, example, args.passages)
-        chunks = precompute_chunks(model, fmt.storage_ids, prompt.chunk_ids)
+        chunks = KVProducer(model, fmt.storage_ids).compute(prompt.chunk_ids)
         row: dict = {"chunk_tokens": sum(chunk.num_tokens for chunk in chunks), "codecs": {}}
         for codec in codec_list:
             objects = [encode_chunk(c, codec=codec, narrow_to=torch.float16) for c in chunks]

@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.long_context import bench_graphs, synthetic_prompt
 from bench.staging import StoreBench
 from kvservice.blend.prefill import blend_prefill
-from kvservice.model.synthetic import random_model, synthetic_config
-from kvservice.model.transformer import precompute_chunks, precompute_head
+from kvservice.model.producer import KVProducer
+from kvservice.tools.synthetic import random_model, synthetic_config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     try:
         with torch.no_grad():
-            head_kv = precompute_head(model, head)
-            chunks = precompute_chunks(model, head, chunk_ids)
+            producer = KVProducer(model, head)
+            head_kv, chunks = producer.head_kv, producer.compute(chunk_ids)
             bench.stage(chunks)
             for mode in args.modes.split(","):
 

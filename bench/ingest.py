@@ -68,9 +68,9 @@ def bench_kv(chunks_ids: list[list[int]], batch: int) -> dict:
     import torch
 
     from kvservice.store.format import encode_chunk
-    from webapp.documents import kv
+    from worker.kv import kv_producer
 
-    producer = kv.kv_producer()
+    producer = kv_producer()
     producer.compute(chunks_ids[:2])  # warm-up
     compute_s = encode_s = 0.0
     nbytes = 0
@@ -102,7 +102,7 @@ def bench_twenty(passages: list[str], chunk_tokens: int, batch: int) -> dict:
     from webapp.documents import parsing
     from webapp.documents.chunking import chunk_text, llm_tokenizer
     from webapp.documents.embeddings import embed_texts
-    from webapp.documents.kv import kv_producer
+    from worker.kv import kv_producer
 
     tokenizer, producer = llm_tokenizer(), kv_producer()
     start = time.perf_counter()

@@ -35,7 +35,7 @@ from deploy import services
 from deploy.devstack import manage, start_services, stop_all
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.kdn.client import KdnClient, KdnError, KdnFetch
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
 
 BENCH_USER = "bench"
 

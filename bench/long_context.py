@@ -1,5 +1,5 @@
 """The long-context benchmark: TTFT, memory and loading of the prefill modes on a random-weight
-model of a real model's shape (``kvservice.model.synthetic``), at any context length.
+model of a real model's shape (``kvservice.tools.synthetic``), at any context length.
 
     python -m kvservice.bench --synthetic llama3-8b [--layers N] --context 16384 --chunks 12 \\
         --modes full,reuse,blend --ratio 0.15 [--device cuda] [--dtype bfloat16] --json out.json
@@ -48,12 +48,13 @@ from bench.timing import cpu_name, synchronize, timed
 from kvservice.blend.graphs import PassGraphs, graphs_from_env, graphs_report, use_pass_graphs
 from kvservice.blend.prefill import BlendSettings, Mode, blend_prefill
 from kvservice.chunk import ChunkKV
-from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
-from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
-from kvservice.store.codec import codec_by_name
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.codecs import codec_by_name
 from kvservice.store.config import StoreConfig
 from kvservice.store.format import encode_chunk
 from kvservice.store.loader import DECODE_LAYERS
+from kvservice.tools.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 
 HEAD_TOKENS = 32  # the system prompt's stand-in, before the chunks
 QUESTION_TOKENS = 32
@@ -104,8 +105,8 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
         model.config.vocab_size, args.context, args.chunks, seed=args.seed
     )
     prompt_tokens = len(head) + sum(map(len, chunk_ids)) + len(question)
-    head_kv = precompute_head(model, head)
-    chunks = precompute_chunks(model, head, chunk_ids)
+    producer = KVProducer(model, head)
+    head_kv, chunks = producer.head_kv, producer.compute(chunk_ids)
     for tier in {args.tier, *args.run_tiers.values()}:  # before any timing
         bench_of(args, tier).stage(chunks)
     plan: dict[str, tuple[Mode, float]] = args.plan

@@ -37,8 +37,9 @@ from bench.prefill import (
 from bench.stats import quantile
 from kvservice.blend.prefill import blend_prefill
 from kvservice.model.bundled import default_cache_dir, resolve_llm_path
-from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.engine import stop_token_ids
 
 
@@ -48,8 +49,8 @@ def _example(model, fmt, example, args, stop_ids) -> dict:
     per: dict[str, dict] = {}
     for precision in ("float32", "auto"):
         model.prepare_kernels(precision)
-        head_kv = precompute_head(model, prompt.head_ids)
-        chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
+        producer = KVProducer(model, prompt.head_ids)  # this precision's
+        head_kv, chunks = producer.head_kv, producer.compute(prompt.chunk_ids)
 
         def prefill(mode, chunks=chunks, head_kv=head_kv):
             return blend_prefill(

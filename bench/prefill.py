@@ -21,8 +21,8 @@ on the same prompt: a mean can hide a few prompts that blend gets badly wrong.
 
 ``--ratios 0.05,0.10,...`` also runs blend at each ratio (run keys ``blend@0.05``) and adds
 the ``curve`` users choose a ratio from: TTFT relative to full against fidelity, for full,
-reuse and each blend ratio; ``--plot curve.svg`` draws it (``kvservice.blend.curve``, which the
-dashboard draws it with too).
+reuse and each blend ratio; ``--plot curve.svg`` draws it (``webapp.dashboard.curve_chart``,
+which the dashboard draws it with too).
 
 ``--first``/``--examples`` pick the examples: the blend defaults were tuned on 0-19 and are
 reported on 20-39; ``--blend NAME=VALUE`` passes a ``blend_prefill`` setting (e.g.
@@ -63,16 +63,17 @@ from bench.opcount import count_ops
 from bench.staging import TIERS, after_full, bench_of, parse_link_rate
 from bench.stats import bootstrap_ci, quantile
 from bench.timing import cpu_name, timed
-from kvservice.blend.curve import ratio_curve_svg
 from kvservice.blend.prefill import MODES, BlendResult, BlendSettings, Mode, blend_prefill, refresh
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.model.bundled import default_cache_dir, resolve_llm_path
 from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
-from kvservice.model.synthetic import SYNTHETIC_CONFIGS
-from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import Prompt, PromptFormat, preamble_from_env, preamble_passages
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.prompt import Prompt, PromptFormat, preamble_from_env, preamble_passages
 from kvservice.serve.engine import stop_token_ids
 from kvservice.store.config import StoreConfig
+from kvservice.tools.synthetic import SYNTHETIC_CONFIGS
+from webapp.dashboard.curve_chart import ratio_curve_svg
 from webapp.dashboard.fidelity import token_f1
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions using the given passages."
@@ -122,11 +123,12 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     """One Musique example: every run of ``args.plan`` timed (:func:`_timed_runs`), then
     each one's fidelity to full prefill's answer (:func:`_mode_row`)."""
     prompt = example_prompt(fmt, example, args.passages)
-    chunks = precompute_chunks(model, fmt.storage_ids, prompt.chunk_ids)  # --kv-preamble
+    producer = KVProducer(model, fmt.storage_ids)  # --kv-preamble
+    chunks = producer.compute(prompt.chunk_ids)
     texts = [text + fmt.chunk_separator for text in passage_texts(example, args.passages)]
     for tier in {args.tier, *args.run_tiers.values()}:  # before any timing
         bench_of(args, tier).stage(chunks, texts=texts, head=fmt.head_text)
-    prefill = _Prefill(model, prompt, precompute_head(model, prompt.head_ids), chunks, args)
+    prefill = _Prefill(model, prompt, producer.heads.get(prompt.head_ids), chunks, args)
     timings = _timed_runs(model, hf_model, prompt, prefill, args)
     full = timings.results["full"] if "full" in timings.results else prefill("full", "full")
     reference = _Reference.of(model, tokenizer, full, args, stop_ids)

@@ -40,12 +40,14 @@ from bench.data import passage_texts
 from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT
 from bench.timing import cpu_name
 from kvservice.model.bundled import default_cache_dir, resolve_llm_path
-from kvservice.model.transformer import Transformer, precompute_chunks
-from kvservice.prompt import Prompt, PromptFormat, preamble_passages
-from kvservice.serve.compute_threads import run_in_passing_thread, single_threaded
+from kvservice.model.producer import KVProducer
+from kvservice.model.sampling import SamplingParams
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.prompt import Prompt, PromptFormat, preamble_passages
 from kvservice.serve.engine import Engine, Request
-from kvservice.serve.sampling import SamplingParams
-from kvservice.store import ChunkKey, StoreConfig, TieredStore
+from kvservice.store import StoreConfig, TieredStore
+from kvservice.store.compute_threads import run_in_passing_thread, single_threaded
 
 
 def _prompts(args: argparse.Namespace, fmt: PromptFormat) -> list[Prompt]:
@@ -74,8 +76,9 @@ def main(args: argparse.Namespace) -> dict:
             model_dir, device="cpu", dtype=torch.float32, precision=args.precision,
             kernel=args.kernel,
         )  # fmt: skip
+        producer = KVProducer(model, fmt.storage_ids)
         for prompt in prompts:
-            for chunk in precompute_chunks(model, fmt.storage_ids, prompt.chunk_ids):
+            for chunk in producer.compute(prompt.chunk_ids):
                 store.put(chunk, tiers=["disk"])
         return model
 

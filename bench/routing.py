@@ -22,6 +22,7 @@ stop at the end, also on failure.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import random
@@ -60,18 +61,20 @@ def _precompute_into_s3(sets: list[list[dict]], scopes: list[str], model_dir: Pa
     load."""
     from transformers import AutoTokenizer
 
-    from kvservice.model.transformer import Transformer, precompute_chunks
-    from kvservice.prompt import PromptFormat
+    from kvservice.model.producer import KVProducer
+    from kvservice.model.transformer import Transformer
+    from kvservice.protocol.prompt import PromptFormat
     from kvservice.store import StoreConfig, TieredStore
 
     model = Transformer.from_pretrained(model_dir, device="cpu")
     prompt = PromptFormat.for_tokenizer(AutoTokenizer.from_pretrained(model_dir))
     only_s3 = {**env, "KV_CPU_CAPACITY_BYTES": "0", "KV_DISK_CAPACITY_BYTES": "0"}
     store = TieredStore.from_config(StoreConfig.from_env(only_s3))
+    producer = KVProducer(model, list(prompt.storage_ids))
     written = 0
     for questions, scope in zip(sets, scopes, strict=True):
         for item in questions:
-            for chunk in precompute_chunks(model, list(prompt.storage_ids), item["chunks"]):
+            for chunk in producer.compute(item["chunks"]):
                 store.put(chunk, tiers=[], scope=scope)
                 written += 1
     return written
@@ -112,10 +115,9 @@ def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any
 
     from kvservice.protocol import (
         GENERATE_TASK,
+        RECORD_QUEUE,
         ChunkRef,
         GenerateRequest,
-        answer_stream,
-        decode_events,
         routing,
         worker_alive,
     )
@@ -144,11 +146,16 @@ def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any
                     mode="blend", recompute_ratio=BLEND_RATIO, max_new_tokens=1,
                 )  # fmt: skip
                 sender.send_task(GENERATE_TASK, args=[request.to_dict()], queue=queue)
-                name = answer_stream(request.request_id)
 
-                def final(name=name):
-                    events = decode_events([(name, client.xrange(name))])
-                    return next((p for _, k, p in events if k in ("done", "error")), None)
+                def final(request_id=request.request_id):
+                    """The worker's report (its record task's message: no web side runs here
+                    to record it and end the stream)."""
+                    for raw in client.lrange(RECORD_QUEUE, 0, -1):
+                        args = json.loads(base64.b64decode(json.loads(raw)["body"]))[0]
+                        if args[2:] == [request_id]:
+                            client.lrem(RECORD_QUEUE, 1, raw)
+                            return args[1]
+                    return None
 
                 metrics = _wait(final, 300, "an answer").get("metrics") or {}
                 tiers = list(metrics.get("chunk_tiers", {}).values())

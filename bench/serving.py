@@ -407,7 +407,7 @@ def _api_event(answer: Answer, event: str, data: str, at_s: float) -> bool:
 def product_messages(passages: Sequence[str], question: str) -> list[dict[str, str]]:
     """The product's prompt as chat messages (``PromptFormat.for_tokenizer``): its system
     prompt, then ``Sources:``, each passage after its ``[n]`` marker, and the question."""
-    from kvservice.prompt import SOURCES_INTRO, SYSTEM_PROMPT
+    from kvservice.protocol.prompt import SOURCES_INTRO, SYSTEM_PROMPT
 
     sources = "".join(
         ("" if n == 1 else "\n\n") + f"[{n}]\n{text}" for n, text in enumerate(passages, 1)
@@ -444,7 +444,7 @@ class VllmApi:
     async def ask(self, answer: Answer) -> None:
         """Stream the answer to the product's prompt over the question's passages; where
         Ragblend's retrieval found none, no model runs (as in the product: ``not_found``)."""
-        from kvservice.prompt import TURN_MARKERS
+        from kvservice.protocol.prompt import TURN_MARKERS
 
         if not self.passages[answer.question]:
             answer.ok, answer.metrics = True, {"not_found": True}
@@ -659,7 +659,8 @@ class WorkerReports:
     """Each answer's report as the inference worker sent it: the ``done`` event on the
     answer's Redis stream (``prefill_s``, ``load_s``, ``chunk_tiers``… which the API's done
     event leaves out), found through the answer's ``request_id`` in the stack's database,
-    with ``record_s``: from that event to the answer being recorded. Needs the stack's
+    with ``record_s``: from that event to the answer being recorded (at most 0: the record
+    task appends the event once the answer is stored). Needs the stack's
     DATA_DIR (this process then runs Django on it), read once the run has ended."""
 
     def __init__(self, data_dir: Path) -> None:
@@ -691,14 +692,14 @@ class WorkerReports:
 
     @staticmethod
     def _report(message: Any) -> dict[str, Any]:
-        from kvservice.protocol import answer_stream, decode_events
+        from kvservice.protocol import Done, answer_stream, decode_events
         from webapp.redis import redis_client
 
         entries = redis_client().xrange(answer_stream(str(message.request_id)))
-        for entry_id, kind, payload in decode_events([(None, entries)]):
-            if kind != "done":
+        for entry_id, event in decode_events([(None, entries)]):
+            if not isinstance(event, Done):
                 continue
-            report = dict(payload.get("metrics") or {})
+            report = event.outcome.metrics.to_dict()
             done_at = int(entry_id.split("-")[0]) / 1000
             if message.completed_at is not None:
                 report["record_s"] = round(message.completed_at.timestamp() - done_at, 4)

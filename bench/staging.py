@@ -13,7 +13,7 @@ The GPU regime on this machine (``--tier s3 --s3-mbps N|auto``): S3 is read thro
 throttling proxy (``bench.throttle``) at N MB/s, or, per example, at the rate that makes the
 prompt's fp16 KV take as long to read as the example's full prefill took (``auto``; ``4xauto``
 four times that). The loading controller then chooses per chunk whether to read it or to
-recompute it whole (``kvservice.serve.controller.choose_loads``), given the link's rate and the
+recompute it whole (``kvservice.blend.controller.choose_loads``), given the link's rate and the
 recompute throughput of the example's full prefill; ``--load-all`` reads every chunk.
 """
 
@@ -32,13 +32,13 @@ import torch
 
 from bench.s3 import gateway_unless_configured
 from bench.throttle import ThrottlingProxy
+from kvservice.blend.controller import ChunkLoad, LoadingController, LoadPlan, choose_ratio
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.serve.controller import ChunkLoad, LoadingController, LoadPlan, choose_ratio
+from kvservice.protocol.keys import ChunkKey
+from kvservice.store import KVLoader, LoadBatch, LoadStats
 from kvservice.store.config import StoreConfig
 from kvservice.store.device import DeviceTier
 from kvservice.store.disk import DiskTier
-from kvservice.store.keys import ChunkKey
-from kvservice.store.loader import KVLoader, LoadBatch, LoadStats
 from kvservice.store.memory import MemoryTier
 from kvservice.store.s3 import S3Tier
 from kvservice.store.tiered import TieredStore

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from bench.s3 import gateway_unless_configured
+from kvservice.blend.controller import LoadingController
 from kvservice.chunk import ChunkKV
-from kvservice.serve.controller import LoadingController
 from kvservice.store.config import StoreConfig
 from kvservice.store.loader import KVLoader
 from kvservice.store.tiered import TieredStore

@@ -35,8 +35,9 @@ from bench.stats import quantile
 from bench.timing import cpu_name, timed
 from kvservice.blend.prefill import blend_prefill
 from kvservice.model.bundled import default_cache_dir, resolve_llm_path
-from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat
+from kvservice.model.producer import KVProducer
+from kvservice.model.transformer import Transformer
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.engine import stop_token_ids
 from kvservice.serve.prefix import PrefixKV
 
@@ -46,7 +47,7 @@ RUNS = ("full", "blend", "reuse", "turn_kv")
 def conversation(model, fmt, head_kv, examples, args, stop_ids) -> list[dict]:
     """One conversation over ``examples[0]``'s passages: a row per turn."""
     chunk_ids = [fmt.chunk_ids(text) for text in passage_texts(examples[0], args.passages)]
-    chunks = precompute_chunks(model, fmt.storage_ids, chunk_ids)
+    chunks = KVProducer(model, fmt.storage_ids).compute(chunk_ids)
     segments = fmt.numbered(chunk_ids)
     sources = [part for chunk in chunks for part in (None, chunk)]  # markers computed fresh
     context = len(fmt.head_ids) + sum(map(len, segments))
@@ -154,7 +155,7 @@ def main(argv=None) -> dict:
     model = Transformer.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     fmt = PromptFormat.for_tokenizer(tokenizer)
-    head_kv = precompute_head(model, fmt.head_ids)
+    head_kv = KVProducer(model, fmt.head_ids).head_kv
     stop_ids = stop_token_ids(tokenizer)
     examples = json.loads(args.data.read_text())
     rows = []

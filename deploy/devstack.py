@@ -29,6 +29,7 @@ from deploy.stack import data_dir, read_stack_env, write_stack_env
 from kvservice.model.bundled import ModelPathError, check_model_path, is_gguf
 from kvservice.model.families import ModelConfig, UnsupportedModelError
 from kvservice.paths import kv_disk_dir
+from kvservice.protocol import environment
 
 BUCKETS = ("documents", "kvcache")
 
@@ -52,20 +53,20 @@ def service_starters(data: Path) -> list[tuple[int, Callable[[], services.Runnin
     not started here."""
     ports = {k: v for k, v in read_stack_env(data).items() if k.endswith("_PORT")}
     starters: list[tuple[int, Callable[[], services.RunningService]]] = []
-    if not os.environ.get("DATABASE_URL"):
+    if not environment.read("DATABASE_URL"):
         port = _port(ports, "POSTGRES_PORT")
         password = services.dev_secret(data, "postgres_password")
         starters.append(
             (port, partial(services.start_postgres, data, port=port, password=password))
         )
-    if not os.environ.get("S3_ENDPOINT"):
+    if not environment.read("S3_ENDPOINT"):
         port = _port(ports, "S3_PORT", offset=10000)
-        secret = os.environ.get("S3_SECRET_KEY") or services.dev_secret(data, "s3_secret_key")
+        secret = environment.read("S3_SECRET_KEY") or services.dev_secret(data, "s3_secret_key")
         starters.append((port, partial(
             services.start_seaweedfs, data, port=port, buckets=BUCKETS, secret_key=secret,
-            access_key=os.environ.get("S3_ACCESS_KEY", "ragblend"),
+            access_key=environment.read("S3_ACCESS_KEY") or "ragblend",
         )))  # fmt: skip
-    if not os.environ.get("REDIS_URL"):
+    if not environment.read("REDIS_URL"):
         port = _port(ports, "VALKEY_PORT")
         password = services.dev_secret(data, "valkey_password")
         starters.append((port, partial(services.start_valkey, data, port=port, password=password)))
@@ -189,16 +190,18 @@ def inference_workers(
     """(name, environment, log) of each inference worker ``INFERENCE_WORKERS`` asks for: the
     first is ``inference@host`` as always, the next ``inference2@host`` and so on, each with
     its own disk tier."""
-    count = int(env.get("INFERENCE_WORKERS", "1"))
-    if count < 1:
-        raise SystemExit(f"INFERENCE_WORKERS must be at least 1, not {count}")
+    try:
+        count = environment.read("INFERENCE_WORKERS", env)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     workers = []
     for index in range(1, count + 1):
         suffix = "" if index == 1 else str(index)
         worker_env = {
             **env,
             "INFERENCE_NODE_NAME": f"inference{suffix}@%h",
-            "KV_DISK_DIR": env.get("KV_DISK_DIR", str(kv_disk_dir(data))) + suffix,
+            "KV_DISK_DIR": (environment.read("KV_DISK_DIR", env) or str(kv_disk_dir(data)))
+            + suffix,
         }
         name = "inference worker" + (f" {index}" if count > 1 else "")
         workers.append((name, worker_env, logs / f"inference{suffix}.log"))
@@ -223,7 +226,7 @@ def start_app(children: list[Supervised], env: dict[str, str], data: Path, port:
     # The Celery worker also runs beat (-B): the periodic reaper of answers nobody will
     # finish. One beat per deployment; production runs it as its own process.
     argv = [celery, "-A", "worker", "worker", "-Q", "answers,ingest,kv",
-            "--concurrency", os.environ.get("CELERY_CONCURRENCY", "2"),
+            "--concurrency", str(environment.read("CELERY_CONCURRENCY")),
             "--hostname", "ingest@%h", "--loglevel", "INFO",
             "-B", "--schedule", str(data / "celerybeat-schedule")]  # fmt: skip
     children.append(Supervised(partial(run_child, "celery worker", argv, env, logs / "celery.log")))
@@ -238,7 +241,7 @@ def start_app(children: list[Supervised], env: dict[str, str], data: Path, port:
 
 MODEL_PATH_HELP = (
     "Set MODEL_PATH to a model directory (config.json, *.safetensors, the tokenizer) or a "
-    ".gguf file, or unset it for the bundled model; `python -m kvservice.model.check PATH` "
+    ".gguf file, or unset it for the bundled model; `python -m kvservice.tools.check_model PATH` "
     "checks one."
 )
 
@@ -269,13 +272,13 @@ def model_path_problem(model_path: str | None) -> str | None:
 
 def main() -> int:
     os.umask(services.PRIVATE_UMASK)  # what the launcher and its children write: 0600, 0700
-    problem = model_path_problem(os.environ.get("MODEL_PATH"))
+    problem = model_path_problem(environment.read("MODEL_PATH"))
     if problem:
         print(f"MODEL_PATH: {problem}.\n{MODEL_PATH_HELP}", file=sys.stderr)
         return 2
     data = data_dir()
     services.keep_private(data)  # what an older launcher left readable
-    web_port = int(os.environ.get("PORT", "8000"))
+    web_port = environment.read("PORT")
     if not services.port_is_free(web_port):
         print(f"Port {web_port} is in use: set PORT to run another stack.", file=sys.stderr)
         return 2

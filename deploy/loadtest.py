@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import psutil
 
+from kvservice.protocol import environment
+
 SENTENCES = [
     "The harbour of Veldmark was rebuilt in 1893 after the great storm.",
     "Its lighthouse keeper, Ada Brandt, kept a log of every ship for forty years.",
@@ -173,7 +175,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('PORT', '8000')}")
+    parser.add_argument("--url", default=f"http://127.0.0.1:{environment.read('PORT')}")
     parser.add_argument("--users", type=int, default=20)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     parser.add_argument("--settle", type=float, default=420.0, help="seconds to let answers end")

@@ -2,29 +2,20 @@
 (``WorkerConfig.from_env``): a bad value stops the worker with a message naming the variable,
 before the model loads. Nothing else in the worker reads the environment for these.
 
-| variable | what |
-|---|---|
-| ``REDIS_URL`` | the broker and the answer streams (required) |
-| ``MODEL_PATH`` | a model directory or ``.gguf`` file (default: the bundled SmolLM2-135M) |
-| ``ENGINE`` | ``native`` (default) or ``vllm`` |
-| ``ENGINE_PRECISION``, ``ENGINE_KERNEL`` | the native engine's products (kvservice.model.kernels) |
-| ``ENGINE_COMPILE`` | ``on`` (default), ``off``: CUDA graphs of passes (kvservice.blend.graphs) |
-| ``ENGINE_BUFFER_BYTES`` | CPU buffers kept for the next request (kvservice.model.buffers; 1 GiB) |
-| ``INFERENCE_CONCURRENCY`` | answers written at once (8); as many more wait in the worker's line |
-| ``INFERENCE_QUEUE``, ``INFERENCE_NODE_NAME`` | serving |
-| ``ENGINE_STEP_BUDGET`` | prefill work per batch step beside the open answers (``auto``) |
-| ``KV_SOURCE``, ``KDN_URL`` | chunk KV from S3 (default) or the knowledge delivery API |
-| ``BLEND_REFRESH_RATIO`` | progressive blend's ratio after the first token (unset: off) |
-| ``PREFIX_CACHE_BYTES`` | the prefix cache's capacity (default 1 GiB) |
-| ``KV_PREAMBLE`` | chunk KV stored after the retrieval preamble (kvservice.prompt) |
-| ``HEARTBEAT_KEY`` | the Redis key of the worker's heartbeat (kvservice.serve.heartbeat) |
-| ``VLLM_*`` | ``ENGINE=vllm``'s settings (kvservice.vllm.engine.VllmSettings) |
-| the store's | kvservice/store/config.py (``StoreConfig``) |
+Its variables (``REDIS_URL``, ``MODEL_PATH``, ``ENGINE``, ``ENGINE_*``, ``INFERENCE_*``,
+``KV_SOURCE``, ``KV_PREAMBLE``, ``HEARTBEAT_KEY``, the store's and ``VLLM_*``) are declared in
+``kvservice.protocol.environment`` with their types, defaults and docs, where the web app reads
+the ones it shares with the worker (docs/configuration.md lists them all).
+
+At start the worker also compares its chunk keys with the stored chunks'
+(``stored_keys_disagreement``): a worker whose model or ``KV_PREAMBLE`` differs from what
+ingest stored chunks with says so, by name, in its log and heartbeat.
 """
 
 from __future__ import annotations
 
-import os
+import itertools
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,19 +23,19 @@ from typing import Any
 
 from kvservice.blend.graphs import graphs_from_env
 from kvservice.kdn.client import KvSource
-from kvservice.model.buffers import DEFAULT_LIMIT_BYTES
 from kvservice.model.bundled import default_cache_dir
-from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
-from kvservice.prompt import preamble_from_env
-from kvservice.protocol import INFERENCE_QUEUE
+from kvservice.model.kernels import DEFAULT_PRECISION
+from kvservice.protocol import environment
+from kvservice.protocol.heartbeat import HEARTBEAT_KEY
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.prompt import PromptFormat, preamble_from_env
 from kvservice.serve.batcher import StepBudget
 from kvservice.serve.engine import refresh_ratio_from_env
-from kvservice.serve.heartbeat import HEARTBEAT_KEY
 from kvservice.serve.prefix import DEFAULT_CAPACITY_BYTES
 from kvservice.store import StoreConfig
-from kvservice.store.config import parse_size
+from kvservice.store.buffers import DEFAULT_LIMIT_BYTES
 
-ENGINES = ("native", "vllm")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,7 +54,7 @@ class WorkerConfig:
     kv_source: KvSource = KvSource()
     refresh_ratio: float | None = None
     step_budget: StepBudget = StepBudget()  # ENGINE_STEP_BUDGET: prefill work per batch step
-    prefix_cache_bytes: int = 1 << 30
+    prefix_cache_bytes: int = DEFAULT_CAPACITY_BYTES  # PREFIX_CACHE_BYTES
     store: StoreConfig | None = None  # None: StoreConfig.from_env() where it is needed
     kv_preamble: bool = False
     heartbeat_key: str = HEARTBEAT_KEY
@@ -79,62 +70,147 @@ class WorkerConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerConfig:
-        """The configuration; a ``ValueError`` saying what to set for a bad or missing one
-        (the worker then exits with status 2, as when its model cannot load)."""
-        env = os.environ if environ is None else environ
-        redis_url = env.get("REDIS_URL", "")
+        """The configuration, from ``environ`` (default: the process environment) through
+        ``kvservice.protocol.environment``; a ``ValueError`` saying what to set for a bad or
+        missing one (the worker then exits with status 2, as when its model cannot load)."""
+
+        def read(name: str) -> Any:
+            return environment.read(name, environ)
+
+        redis_url = read("REDIS_URL")
         if not redis_url:
             raise ValueError(
                 "REDIS_URL is not set (make dev sets it, and the other service addresses, for "
                 "the workers it starts; by hand, export what DATA_DIR/stack.json lists)."
             )
-        engine = env.get("ENGINE", "native").strip().lower() or "native"
-        if engine not in ENGINES:
-            raise ValueError(f"ENGINE must be 'native' or 'vllm', not {engine!r}")
-        if engine == "vllm" and (env.get("KV_SOURCE") or "s3").strip().lower() != "s3":
+        engine = read("ENGINE")
+        if engine == "vllm" and read("KV_SOURCE") != "s3":
             raise ValueError(
                 "KV_SOURCE=kdn works with ENGINE=native only: ENGINE=vllm's KV connector reads "
                 "the store itself (unset KV_SOURCE and give the worker S3 credentials)"
             )
-        precision = env.get("ENGINE_PRECISION", "").strip() or DEFAULT_PRECISION
-        if precision not in PRECISIONS:
-            raise ValueError(f"ENGINE_PRECISION must be one of {PRECISIONS}, not {precision!r}")
-        kernel = env.get("ENGINE_KERNEL", "").strip() or None
-        if kernel is not None and kernel not in KERNELS:
-            raise ValueError(f"ENGINE_KERNEL must be one of {KERNELS}, not {kernel!r}")
         return cls(
             redis_url=redis_url,
-            model_path=env.get("MODEL_PATH") or None,
+            model_path=read("MODEL_PATH") or None,
             model_cache_dir=default_cache_dir(),
-            concurrency=int(env.get("INFERENCE_CONCURRENCY", "8")),
-            queue=env.get("INFERENCE_QUEUE", INFERENCE_QUEUE),
+            concurrency=read("INFERENCE_CONCURRENCY"),
+            queue=read("INFERENCE_QUEUE"),
             engine=engine,
-            node_name=env.get("INFERENCE_NODE_NAME", "inference@%h"),
-            precision=precision,
-            kernel=kernel,
-            graphs=graphs_from_env(env),
-            buffer_bytes=_size(env, "ENGINE_BUFFER_BYTES", DEFAULT_LIMIT_BYTES),
-            kv_source=KvSource.from_env(env),
-            refresh_ratio=refresh_ratio_from_env(env),
-            step_budget=StepBudget.from_env(env),
-            prefix_cache_bytes=_size(env, "PREFIX_CACHE_BYTES", DEFAULT_CAPACITY_BYTES),
-            store=StoreConfig.from_env(env),
-            kv_preamble=preamble_from_env(env),
-            heartbeat_key=env.get("HEARTBEAT_KEY") or HEARTBEAT_KEY,
-            vllm=_vllm_settings(env) if engine == "vllm" else None,
+            node_name=read("INFERENCE_NODE_NAME"),
+            precision=read("ENGINE_PRECISION"),
+            kernel=read("ENGINE_KERNEL"),
+            graphs=graphs_from_env(environ),
+            buffer_bytes=read("ENGINE_BUFFER_BYTES"),
+            kv_source=KvSource.from_env(environ),
+            refresh_ratio=refresh_ratio_from_env(environ),
+            step_budget=StepBudget.from_env(environ),
+            prefix_cache_bytes=read("PREFIX_CACHE_BYTES"),
+            store=StoreConfig.from_env(environ),
+            kv_preamble=preamble_from_env(environ),
+            heartbeat_key=read("HEARTBEAT_KEY"),
+            vllm=_vllm_settings(environ) if engine == "vllm" else None,
         )
 
 
-def _size(env: Mapping[str, str], name: str, default: int) -> int:
-    """A size variable (``512MiB``, ``2GiB``, bytes); unset or blank: ``default``."""
-    raw = env.get(name, "")
-    try:
-        return parse_size(raw) if raw.strip() else default
-    except ValueError as err:
-        raise ValueError(f"{name}: {err}") from err
-
-
-def _vllm_settings(env: Mapping[str, str]) -> Any:
+def _vllm_settings(environ: Mapping[str, str] | None) -> Any:
     from kvservice.vllm.engine import VllmSettings  # vLLM's module only where it runs
 
-    return VllmSettings.from_env(env)
+    return VllmSettings.from_env(environ)
+
+
+# --- do this worker's chunk keys match the stored chunks'? ------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyInputs:
+    """What this worker's chunk keys are made of (``ChunkKey``'s first two parts): the model's
+    fingerprint (``MODEL_PATH``) and the hash of what chunk KV is computed after (the prompt
+    head, and the retrieval preamble with ``KV_PREAMBLE=on``). ``ENGINE_PRECISION`` and
+    ``KV_CODEC`` are not in the key: a chunk made at another precision or stored in another
+    codec is read as it is, so they cannot make keys disagree."""
+
+    fingerprint: str
+    head_hash: str  # with this worker's KV_PREAMBLE
+    other_preamble_head: str  # what the other KV_PREAMBLE setting would give
+    kv_preamble: bool
+    model_path: str | None
+
+
+def stored_keys_disagreement(s3: Any, ours: KeyInputs, sample: int = 200) -> str | None:
+    """Why this worker's chunk keys would match none of the chunks stored in ``s3`` (an
+    ``S3Tier``), naming the variable that differs; None when some stored chunk has this
+    worker's model and head, or nothing is stored yet. A few listings, at start only.
+
+    It warns rather than refuses: a stack moving to another model or ``KV_PREAMBLE`` holds
+    the old chunks until its documents are ingested again, and meanwhile a worker with the
+    new setting answers correctly (each miss is computed); refusing would take the product
+    down mid-migration. The warning says what costs the time."""
+    key = ChunkKey.for_tokens(ours.fingerprint, ours.head_hash, []).to_string()
+    model_prefix = key[: key.index("/") + 1]  # "<fingerprint>/"
+    if _stored_under(s3, key[: key.rindex("/") + 1], 1):  # "<fingerprint>/<head>/"
+        return None
+    same_model = _stored_under(s3, model_prefix, sample)
+    stored = same_model or _stored_under(s3, "", sample)
+    if not stored:
+        return None
+    return _disagreement(stored, ours)
+
+
+def _stored_under(s3: Any, prefix: str, limit: int) -> list[ChunkKey]:
+    """Up to ``limit`` keys stored under ``prefix`` (below the store's own prefix)."""
+    names = s3.client.list_objects(s3.bucket, prefix=s3.config.s3_prefix + prefix, recursive=True)
+    keys = []
+    for entry in itertools.islice(names, limit):
+        try:
+            keys.append(ChunkKey.from_string(entry.object_name[len(s3.config.s3_prefix) :]))
+        except ValueError:  # not a chunk object
+            continue
+    return keys
+
+
+def _disagreement(stored: list[ChunkKey], ours: KeyInputs) -> str:
+    """The message for stored chunks none of which has this worker's model and head."""
+    mine = "on" if ours.kv_preamble else "off"
+    theirs = "off" if ours.kv_preamble else "on"
+    cost = "so every passage's KV is computed again at each question, and none is reused"
+    if any(k.model_fingerprint == ours.fingerprint for k in stored):
+        if any(k.head_hash == ours.other_preamble_head for k in stored):
+            return (
+                f"the stored chunks were made with KV_PREAMBLE={theirs}, this worker has "
+                f"KV_PREAMBLE={mine}: its chunk keys match none of them, {cost} (give ingest "
+                "and the inference worker the same KV_PREAMBLE)"
+            )
+        return (
+            f"the stored chunks of this model were made after another prompt head "
+            f"({stored[0].head_hash[:12]}, this worker's is {ours.head_hash[:12]}: another "
+            f"system prompt or chat template): its chunk keys match none of them, {cost}"
+        )
+    model = ours.model_path or "the bundled model"
+    return (
+        f"the stored chunks were made with another MODEL_PATH (model fingerprint "
+        f"{stored[0].model_fingerprint[:12]}), this worker has MODEL_PATH={model} (fingerprint "
+        f"{ours.fingerprint[:12]}): its chunk keys match none of them, {cost} (give ingest "
+        "and the inference worker the same MODEL_PATH, or ingest the documents again)"
+    )
+
+
+def check_stored_keys(runtime: Any, cfg: WorkerConfig) -> str | None:
+    """``stored_keys_disagreement`` for a loaded runtime (either engine's), logged as a
+    warning; None also where there is no S3 tier to compare with (``KV_SOURCE=kdn``) or S3
+    cannot be listed now (the check is advice, never a reason not to start)."""
+    s3 = runtime.store.durable
+    if s3 is None:
+        return None
+    other = PromptFormat.for_tokenizer(runtime.tokenizer, preamble=not cfg.kv_preamble)
+    key = runtime.chunk_key([])
+    ours = KeyInputs(
+        key.model_fingerprint, key.head_hash, other.storage_hash, cfg.kv_preamble, cfg.model_path
+    )
+    try:
+        problem = stored_keys_disagreement(s3, ours)
+    except Exception as err:  # noqa: BLE001 - S3 down or refusing: the loader copes later
+        log.warning("the stored chunks' keys were not checked: %s", err)
+        return None
+    if problem:
+        log.warning("chunk keys: %s", problem)
+    return problem

@@ -1,10 +1,7 @@
 """Where a Ragblend process keeps its local state when nothing says otherwise: the one place
-the KV store, the dev stack (``deploy.stack``) and the web settings take these defaults from.
-
-| variable | default | meaning |
-|---|---|---|
-| ``DATA_DIR`` | ``.ragblend`` (working directory) | all local state, the disk tier's included |
-| ``KV_DISK_DIR`` | ``DATA_DIR/kv-disk`` | the local-disk KV tier (``kvservice.store.config``) |
+the KV store, the dev stack (``deploy.stack``) and the web settings take these defaults from:
+``DATA_DIR`` (all local state), and the local-disk KV tier under it, ``DATA_DIR/kv-disk``,
+unless ``KV_DISK_DIR`` says otherwise (both declared in ``kvservice.protocol.environment``).
 
 The disk tier sits under ``DATA_DIR`` because that is where a deployment gives local state its
 room: the dev stack's data directory, and the sized ``/data`` volume of the Compose and
@@ -15,18 +12,18 @@ converted weights shared by every stack of a machine:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
-DEFAULT_DATA_DIR = ".ragblend"
+from kvservice.protocol import environment
+
+DEFAULT_DATA_DIR = environment.variable("DATA_DIR").default
 KV_DISK_SUBDIR = "kv-disk"
 
 
 def data_dir(environ: Mapping[str, str] | None = None) -> Path:
     """``DATA_DIR`` (from ``environ``, else the process environment), absolute."""
-    env = os.environ if environ is None else environ
-    return Path(env.get("DATA_DIR", DEFAULT_DATA_DIR)).resolve()
+    return Path(environment.read("DATA_DIR", environ)).resolve()
 
 
 def kv_disk_dir(data: Path) -> Path:

@@ -14,6 +14,8 @@ from datetime import datetime
 from typing import Any
 
 from kvservice.protocol import (
+    End,
+    StreamEvent,
     answer_stream,
     decode_events,
     first_token_time_s,
@@ -22,8 +24,6 @@ from kvservice.protocol import (
 from webapp import outages
 from webapp.redis import STREAM_BLOCK_MS, async_redis_client, redis_client
 
-Event = tuple[str, str, dict[str, Any]]  # (stream entry id, type, payload)
-
 
 class AnswerTimeout(Exception):
     """No complete answer within the deadline."""
@@ -31,10 +31,12 @@ class AnswerTimeout(Exception):
 
 async def stream_events(
     request_id: str, last_id: str = "0", *, timeout_s: float | None = None
-) -> AsyncIterator[Event | None]:
-    """Each event after ``last_id`` until ``done``/``error`` (included), and None after each
-    wait of up to ``STREAM_BLOCK_MS`` that brought nothing (the caller's moment to keep its
-    connection alive). With ``timeout_s``, raises ``AnswerTimeout`` once it has passed."""
+) -> AsyncIterator[tuple[str, StreamEvent] | None]:
+    """(stream entry id, event) of each event after ``last_id`` until the end (``Done`` or
+    ``Error``, included: appended once the answer is recorded, so the caller may read the
+    record at once), and None after each wait of up to ``STREAM_BLOCK_MS`` that brought
+    nothing (the caller's moment to keep its connection alive). With ``timeout_s``, raises
+    ``AnswerTimeout`` once it has passed."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     client = async_redis_client()
     try:
@@ -51,10 +53,10 @@ async def stream_events(
             if not reply:
                 yield None
                 continue
-            for entry_id, kind, payload in decode_events(reply):
+            for entry_id, event in decode_events(reply):
                 last_id = entry_id
-                yield entry_id, kind, payload
-                if kind in ("done", "error"):
+                yield entry_id, event
+                if isinstance(event, End):
                     return
     finally:
         await client.aclose()

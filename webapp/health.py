@@ -38,7 +38,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from kvservice.serve.heartbeat import read_heartbeat
+from kvservice.protocol.heartbeat import read_heartbeat
 from webapp import dispatch
 from webapp.documents.embeddings import embedder_loaded
 from webapp.redis import redis_client
@@ -156,7 +156,7 @@ _pool_lock = threading.Lock()
 
 def _threads() -> ThreadPoolExecutor:
     """The checks' threads. A check past the deadline keeps its thread until its client's own
-    timeout ends it (kvservice.serve.deadlines, webapp.storage): a few seconds, so a pool of a few
+    timeout ends it (kvservice.protocol.deadlines, webapp.storage): a few seconds, so a pool of a few
     rounds' worth of threads is never all taken by a service that hangs."""
     global _pool
     with _pool_lock:

@@ -1,5 +1,5 @@
 """The web app's Redis clients (token streams, stop flags, heartbeats), created lazily, with
-the deadlines of ``kvservice.serve.deadlines`` (2 s to connect, 5 s a command, no retry of a
+the deadlines of ``kvservice.protocol.deadlines`` (2 s to connect, 5 s a command, no retry of a
 timeout): a frozen valkey costs a request one command timeout, then a 503."""
 
 from __future__ import annotations
@@ -10,7 +10,11 @@ import redis
 import redis.asyncio
 from django.conf import settings
 
-from kvservice.serve.deadlines import REDIS_COMMAND_TIMEOUT_S, async_redis_from_url, redis_from_url
+from kvservice.protocol.deadlines import (
+    REDIS_COMMAND_TIMEOUT_S,
+    async_redis_from_url,
+    redis_from_url,
+)
 
 # An answer's readers block in XREAD at most this long per call, then check their deadline.
 STREAM_BLOCK_MS = 5000

@@ -15,6 +15,8 @@ import threading
 from celery import Celery
 from celery.signals import celeryd_init, worker_process_init
 
+from kvservice.protocol import environment
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 # The pool processes run at a lower priority than inference (``yield_to_inference``), so on a
 # busy machine their OpenMP threads are often not scheduled; spinning threads then wait on a
@@ -66,7 +68,7 @@ def share_cores() -> int:
     import torch
 
     share = max(1, (os.cpu_count() or 1) // _pool_size)
-    threads = int(os.environ.get("WORKER_TORCH_THREADS") or share)
+    threads = environment.read("WORKER_TORCH_THREADS") or share
     torch.set_num_threads(threads)
     return threads
 
@@ -77,7 +79,7 @@ def yield_to_inference() -> int:
     on, when both run on the same cores. Measured on 2 cores: a blended 3.7k-token prefill
     took 2.27 s alone, 7.01 s beside two busy KV-precompute processes at the same priority,
     and 2.69 s beside the same two at nice 10. Returns the new niceness."""
-    return os.nice(max(0, int(os.environ.get("WORKER_NICE", "10"))))
+    return os.nice(environment.read("WORKER_NICE"))
 
 
 # Set while no warm-up is loading models. Tasks wait for it: a task importing transformers
@@ -99,7 +101,7 @@ def warm_up(**_kwargs) -> None:
     once they are loaded (``warm_key``). ``WORKER_WARM_UP=0`` turns the loading off."""
     share_cores()
     yield_to_inference()
-    if os.environ.get("WORKER_WARM_UP", "1") == "0":
+    if not environment.read("WORKER_WARM_UP"):
         _mark_warm(True)  # nothing to wait for: the first task loads the models
         return
     _warm_up_done.clear()
@@ -109,7 +111,7 @@ def warm_up(**_kwargs) -> None:
 def _load_models() -> None:
     try:
         from webapp.documents.embeddings import embedder
-        from webapp.documents.kv import kv_producer
+        from worker.kv import kv_producer
 
         kv_producer()
         embedder()

@@ -71,12 +71,14 @@ def precompute_kv(self, chunk_ids: list[int]) -> None:
     import logging
 
     from webapp.documents import services
-    from webapp.documents.kv import KVUnavailable
     from worker.celery import wait_for_warm_up
+    from worker.kv import KVUnavailable, kv_producer, kv_store
 
     wait_for_warm_up()
     try:
-        services.document_precompute_kv(chunk_ids=chunk_ids)
+        services.document_precompute_kv(
+            chunk_ids=chunk_ids, producer=kv_producer(), store=kv_store()
+        )
     except _transient_errors() as exc:
         if self.request.retries >= self.max_retries:
             services.document_fail_kv(
@@ -102,9 +104,11 @@ def precompute_kdn_text(token_ids: list[int], head_ids: list[int], scope: str) -
     a failure is the PUT's error rather than a retry here."""
     from webapp.kdn.services import kdn_compute
     from worker.celery import wait_for_warm_up
+    from worker.kv import kv_producer, kv_store
 
     wait_for_warm_up()
-    return kdn_compute(token_ids=token_ids, head_ids=head_ids, scope=scope)
+    return kdn_compute(token_ids=token_ids, head_ids=head_ids, scope=scope,
+                       producer=kv_producer(), store=kv_store())  # fmt: skip
 
 
 @shared_task(name="worker.tasks.purge_orphan_objects", ignore_result=True)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from kvservice.model import cuda_graph
 from kvservice.model.transformer import KVCache, Transformer
+from kvservice.protocol import environment
 
 log = logging.getLogger(__name__)
 
@@ -313,13 +314,10 @@ def _round_up(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
-def graphs_from_env(environ: Mapping[str, str]) -> bool:
-    """``ENGINE_COMPILE``: ``on`` (default; recorded passes where the model runs on CUDA) or
-    ``off``."""
-    value = (environ.get("ENGINE_COMPILE") or "on").strip().lower()
-    if value not in ("on", "off"):
-        raise ValueError(f"ENGINE_COMPILE must be 'on' or 'off', not {value!r}")
-    return value == "on"
+def graphs_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """``ENGINE_COMPILE`` (``kvservice.protocol.environment``): ``on`` (default; recorded
+    passes where the model runs on CUDA) or ``off``."""
+    return environment.read("ENGINE_COMPILE", environ) == "on"
 
 
 def use_pass_graphs(

@@ -49,7 +49,7 @@ def rotate_into(
 def joined_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """``[..., n_0 + n_1 + ..., D]``: tensors ``[..., n_j, D]`` that lie side by side along
     their tokens in one buffer (the loader decodes a request's chunks so:
-    ``loader._joint_slots``) seen as one, without a copy; None where they do not."""
+    ``joined.joint_slots``) seen as one, without a copy; None where they do not."""
     first = parts[0]
     step, at = first.stride(-2), first.storage_offset()
     for part in parts:

@@ -136,6 +136,18 @@ class BlendResult:
 
 
 @dataclass
+class Completion:
+    """One request's answer, from either engine (``kvservice.serve.engine``,
+    ``kvservice.vllm.engine``)."""
+
+    token_ids: list[int]
+    text: str
+    ttft_s: float
+    finish_reason: str
+    prefill: BlendResult | None = None
+
+
+@dataclass
 class _Pass:
     """One pass over the layers: ``active`` slots are computed from layer 0 on, attending to
     the whole cache; the rest of the cache is read as it stands."""

@@ -32,12 +32,15 @@ import torch
 import urllib3
 
 from kvservice.chunk import ChunkKV
-from kvservice.kdn.stream import MAGIC, PREAMBLE, VERSION, StreamReader
-from kvservice.store.base import Tier, TierStats, read_fully
+from kvservice.kdn.stream import StreamReader
+from kvservice.protocol import environment
+from kvservice.protocol.errors import ChunkCorrupt, ChunkTruncated, StoreUnavailable
+from kvservice.protocol.kdn_stream import MAGIC, PREAMBLE, VERSION
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.objects import read_fully
+from kvservice.store.base import Tier, TierStats
 from kvservice.store.config import StoreConfig
-from kvservice.store.errors import ChunkCorrupt, ChunkTruncated, StoreUnavailable
 from kvservice.store.format import Buffer, ChunkHeader
-from kvservice.store.keys import ChunkKey
 from kvservice.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -65,16 +68,16 @@ class KdnConfig:
     timeout_s: float = 600.0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> KdnConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KdnConfig:
         """``KDN_URL`` (the web server, e.g. http://127.0.0.1:8000) and ``KDN_KEY`` (an API
-        key), each named in the error when missing; ``KDN_TIMEOUT_S`` optional."""
-        missing = [name for name in ("KDN_URL", "KDN_KEY") if not env.get(name)]
+        key), each named in the error when missing; ``KDN_TIMEOUT_S`` optional. From
+        ``environ``, else the process environment (``kvservice.protocol.environment``)."""
+        url, key = (environment.read(name, environ) for name in ("KDN_URL", "KDN_KEY"))
+        missing = [name for name, value in (("KDN_URL", url), ("KDN_KEY", key)) if not value]
         if missing:
             raise ValueError(f"the knowledge delivery client needs {' and '.join(missing)}")
-        return cls(env["KDN_URL"], env["KDN_KEY"], float(env.get("KDN_TIMEOUT_S") or 600))
-
-
-KV_SOURCES = ("s3", "kdn")
+        timeout_s = environment.read("KDN_TIMEOUT_S", environ)
+        return cls(url, key, 600.0 if timeout_s is None else timeout_s)
 
 
 @dataclass(frozen=True)
@@ -89,23 +92,17 @@ class KvSource:
     timeout_s: float = 60.0
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> KvSource:
-        kind = (env.get("KV_SOURCE") or "s3").strip().lower()
-        if kind not in KV_SOURCES:
-            raise ValueError(f"KV_SOURCE must be one of {', '.join(KV_SOURCES)}, not {kind!r}")
-        if kind == "s3":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KvSource:
+        if environment.read("KV_SOURCE", environ) == "s3":
             return cls()
-        url = (env.get("KDN_URL") or "").strip()
+        url = environment.read("KDN_URL", environ)
         if not url:
             raise ValueError(
                 "KV_SOURCE=kdn needs KDN_URL: the web server whose knowledge delivery API the "
                 "worker reads chunk KV through (e.g. http://127.0.0.1:8000)"
             )
-        try:
-            timeout_s = float(env.get("KDN_TIMEOUT_S") or 60)
-        except ValueError as err:
-            raise ValueError(f"KDN_TIMEOUT_S: {err}") from err
-        return cls("kdn", url, timeout_s)
+        timeout_s = environment.read("KDN_TIMEOUT_S", environ)
+        return cls("kdn", url, 60.0 if timeout_s is None else timeout_s)
 
 
 class KdnLayeredKV:
@@ -208,8 +205,8 @@ class KdnClient:
         )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> KdnClient:
-        config = KdnConfig.from_env(env)
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KdnClient:
+        config = KdnConfig.from_env(environ)
         return cls(config.url, config.key, timeout_s=config.timeout_s)
 
     def _request(

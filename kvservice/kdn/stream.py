@@ -1,190 +1,15 @@
-"""The knowledge delivery stream: the binary body of ``POST /kdn/v1/fetch``.
-
-Several stored chunk objects (``kvservice.store.format``) sent as one stream in the order an
-engine consumes them: every chunk's header first, then layer 0 of every chunk, layer 1 of
-every chunk, ..., then every chunk's token ids. Each part is the stored object's own bytes,
-so the store's codec travels as it is (a default-codec layer is about a quarter of fp16's)
-and the client checks every layer against the crc32 its header gives.
-
-```
-preamble       16 bytes: magic "RBKD", version (u16, 1), reserved (u16), chunks N (u32),
-               layers L (u32); little-endian
-headers        for each chunk j, in the request's order: its object's header, verbatim
-               (header_len bytes, a multiple of 64: ``format.decode_header`` reads it)
-layers         for i in 0..L-1, for j in 0..N-1: layer block i of chunk j
-               (``header_j.layer_size(i)`` bytes, its codec's sections; crc32 in the header)
-token ids      for each chunk j: 4 * num_tokens_j bytes, int32 little-endian (crc32 and
-               sha256 in the header)
-```
-
-Every length follows from the preamble and the headers, so the body needs no framing and a
-reader knows where it is at every byte; ``content_length`` gives the whole body's size
-before the first layer is sent (the HTTP ``Content-Length``).
-
-The server side (:class:`ObjectStreams`) reads each object with one streamed GET from the
-store's S3 tier, a layer at a time, and never holds more than one layer of one chunk. The
-client side is :class:`StreamReader` (``kvservice.kdn.client`` drives it over HTTP).
-"""
+"""The knowledge delivery stream's client side: :class:`StreamReader` parses the body of
+``POST /kdn/v1/fetch`` and decodes each layer into tensors. The stream's format and its
+server side (bytes only) are in ``kvservice.protocol.kdn_stream``."""
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
-from typing import Protocol
-
 import torch
 
-from kvservice.store.base import read_fully
-from kvservice.store.errors import ChunkCorrupt, ChunkTruncated
-from kvservice.store.format import (
-    ChunkHeader,
-    decode_header,
-    decode_layer,
-    decode_token_ids,
-    header_length,
-)
-from kvservice.store.keys import ChunkKey
-
-MAGIC = b"RBKD"
-VERSION = 1
-PREAMBLE = struct.Struct("<4sHHII")  # magic, version, reserved, chunks, layers
-_HEADER_START = 128  # a header is at least this long (its fixed part, 64-byte aligned)
-OPEN_THREADS = 8  # objects opened at once: each open is a round trip to S3
-
-
-class Readable(Protocol):
-    def readinto(self, buffer: memoryview) -> int: ...
-
-
-class StreamMissing(LookupError):
-    """A requested object is not in the store; ``index`` is its place in the request."""
-
-    def __init__(self, index: int, key: ChunkKey) -> None:
-        super().__init__(f"chunk {index} ({key}) is not stored")
-        self.index, self.key = index, key
-
-
-def content_length(headers: Sequence[ChunkHeader]) -> int:
-    """Bytes of the whole stream of these objects."""
-    return PREAMBLE.size + sum(h.header_len + h.layers_bytes + 4 * h.num_tokens for h in headers)
-
-
-def _read_exact(stream: Readable, nbytes: int, what: str) -> bytearray:
-    buffer = bytearray(nbytes)
-    got = read_fully(stream, memoryview(buffer))
-    if got < nbytes:
-        raise ChunkTruncated(f"{what}: the stream ended after {got} of {nbytes} bytes")
-    return buffer
-
-
-def read_header(stream: Readable, what: str) -> tuple[bytes, ChunkHeader]:
-    """One object's header from the start of ``stream``: (its bytes, parsed and verified)."""
-    start = _read_exact(stream, _HEADER_START, what)
-    header_len = header_length(start)
-    raw = bytes(start) + bytes(_read_exact(stream, header_len - _HEADER_START, what))
-    return raw, decode_header(raw)
-
-
-class ObjectStreams:
-    """The server side: one streamed read per object (``tier.open_stream``), opened and its
-    header read and checked by :meth:`open`, so that a missing object is known before the
-    response starts; then :meth:`layers` yields the stream's parts in order. ``close`` ends
-    every read (also when the client went away halfway)."""
-
-    def __init__(self, tier, keys: Sequence[ChunkKey]) -> None:
-        self.tier, self.keys = tier, list(keys)
-        self.headers: list[ChunkHeader] = []
-        self._raw_headers: list[bytes] = []
-        self._streams: list[Readable] = []
-        self._exits = ExitStack()
-
-    def open(self) -> ObjectStreams:
-        """Open every object's read and read its header, the objects at once (each open is a
-        round trip to S3); raises :class:`StreamMissing` for the first object not stored,
-        having closed what it opened."""
-        workers = max(1, min(OPEN_THREADS, len(self.keys)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="kdn-open") as pool:
-            opened = list(pool.map(self._open_one, self.keys))
-        for result in opened:
-            if not isinstance(result, BaseException):
-                self._exits.push(result[0].__exit__)
-        try:
-            for index, result in enumerate(opened):
-                if isinstance(result, BaseException):
-                    raise result
-                _, stream, raw, header = result
-                if stream is None:
-                    raise StreamMissing(index, self.keys[index])
-                self._streams.append(stream)
-                self._raw_headers.append(raw)
-                self.headers.append(header)
-            layers = {h.num_layers for h in self.headers}
-            if len(layers) > 1:
-                raise ChunkCorrupt(f"the objects have different layer counts: {sorted(layers)}")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def _open_one(self, key: ChunkKey) -> tuple | BaseException:
-        """(the read's context manager, the reader or None where missing, header bytes,
-        header), or the error; a read whose header failed is closed."""
-        manager = self.tier.open_stream(key, 0)
-        try:
-            stream = manager.__enter__()
-        except BaseException as err:
-            return err
-        if stream is None:
-            return manager, None, b"", None
-        try:
-            raw, header = read_header(stream, str(key))
-            header.check_key(key)
-        except BaseException as err:
-            manager.__exit__(None, None, None)
-            return err
-        return manager, stream, raw, header
-
-    @property
-    def num_layers(self) -> int:
-        return self.headers[0].num_layers if self.headers else 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(h.num_tokens for h in self.headers)
-
-    @property
-    def content_length(self) -> int:
-        return content_length(self.headers)
-
-    def preamble_and_headers(self) -> bytes:
-        preamble = PREAMBLE.pack(MAGIC, VERSION, 0, len(self.headers), self.num_layers)
-        return preamble + b"".join(self._raw_headers)
-
-    def layer(self, index: int) -> list[bytearray]:
-        """Layer ``index`` of every object, in the request's order (one read each)."""
-        return [
-            _read_exact(stream, header.layer_size(index), f"{header.key} layer {index}")
-            for stream, header in zip(self._streams, self.headers, strict=True)
-        ]
-
-    def token_sections(self) -> list[bytearray]:
-        return [
-            _read_exact(stream, 4 * header.num_tokens, f"{header.key} token ids")
-            for stream, header in zip(self._streams, self.headers, strict=True)
-        ]
-
-    def parts(self) -> Iterator[list[bytes | bytearray]]:
-        """The stream after :meth:`open`, one list of parts per step: preamble and headers,
-        each layer of every object, the token ids."""
-        yield [self.preamble_and_headers()]
-        for index in range(self.num_layers):
-            yield self.layer(index)
-        yield self.token_sections()
-
-    def close(self) -> None:
-        self._exits.close()
+from kvservice.protocol.errors import ChunkCorrupt
+from kvservice.protocol.kdn_stream import MAGIC, PREAMBLE, VERSION, read_exact, read_header
+from kvservice.protocol.objects import Readable
+from kvservice.store.format import ChunkHeader, decode_layer, decode_token_ids
 
 
 class StreamReader:
@@ -204,13 +29,13 @@ class StreamReader:
 
     def read_headers(self) -> list[ChunkHeader]:
         magic, version, _, count, layers = PREAMBLE.unpack(
-            bytes(_read_exact(self.body, PREAMBLE.size, "the stream's preamble"))
+            bytes(read_exact(self.body, PREAMBLE.size, "the stream's preamble"))
         )
         if magic != MAGIC:
             raise ChunkCorrupt(f"not a knowledge delivery stream (magic {magic!r})")
         if version != VERSION:
             raise ChunkCorrupt(f"stream version {version}; this reader knows {VERSION}")
-        self.headers = [read_header(self.body, f"header {j}")[1] for j in range(count)]
+        self.headers = [read_header(self.body, f"header {j}", ChunkHeader)[1] for j in range(count)]
         if any(h.num_layers != layers for h in self.headers):
             raise ChunkCorrupt("a header's layer count differs from the preamble's")
         self.num_layers = layers
@@ -221,7 +46,7 @@ class StreamReader:
             raise ValueError(f"layers are read in order: {self._next_layer} next, not {index}")
         out = []
         for header in self.headers:
-            block = _read_exact(self.body, header.layer_size(index), f"{header.key} layer {index}")
+            block = read_exact(self.body, header.layer_size(index), f"{header.key} layer {index}")
             out.append(decode_layer(header, index, block, verify=True, dtype=self.dtype))
         self._next_layer += 1
         return out
@@ -230,6 +55,6 @@ class StreamReader:
         if self._next_layer != self.num_layers:
             raise ValueError("the token ids come after every layer")
         return [
-            decode_token_ids(h, _read_exact(self.body, 4 * h.num_tokens, f"{h.key} token ids"))
+            decode_token_ids(h, read_exact(self.body, 4 * h.num_tokens, f"{h.key} token ids"))
             for h in self.headers
         ]

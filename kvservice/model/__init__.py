@@ -1,2 +1,2 @@
 """The model: the transformer, its kernels, checkpoint loading (safetensors, GGUF), the
-model families, the bundled model, the model checker, and the one KV producer."""
+model families, the bundled model, and the one KV producer."""

@@ -12,7 +12,7 @@ and CI never reach a model hub.
 
 ``resolve_llm_path`` is the one place that decides which LLM checkpoint a process runs:
 ``MODEL_PATH`` (a local HF checkpoint dir or a ``.gguf`` file of a family the engine runs;
-check one with ``python -m kvservice.model.check``) or the bundled one.
+check one with ``python -m kvservice.tools.check_model``) or the bundled one.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from kvservice.protocol import environment
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files a converted directory must hold to count as complete (the rename is atomic, so this
@@ -49,8 +51,8 @@ class ModelPathError(ValueError):
 
 def default_cache_dir() -> Path:
     """``$RAGBLEND_MODEL_CACHE`` or ``~/.cache/ragblend/models``."""
-    env = os.environ.get("RAGBLEND_MODEL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ragblend" / "models"
+    told = environment.read("RAGBLEND_MODEL_CACHE")
+    return told if told is not None else Path.home() / ".cache" / "ragblend" / "models"
 
 
 def smollm2_gguf_path() -> Path:

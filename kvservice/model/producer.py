@@ -1,6 +1,6 @@
 """The one way stored KV is made: each chunk's KV computed after a fixed head, as blending
 expects it (``kvservice.model.transformer.precompute_chunks``: K before RoPE, at the chunk's own
-positions after the head). The ingest worker (webapp/documents/kv.py), the engine (a chunk
+positions after the head). The ingest worker (worker/kv.py), the engine (a chunk
 whose stored KV is missing, ``Engine.precompute``) and the knowledge delivery API's worker
 (webapp/kdn/services.py) all go through ``KVProducer``, so an object one of them stores is
 the object the others would have stored.
@@ -13,27 +13,46 @@ from collections.abc import Sequence
 
 from kvservice.chunk import ChunkKV
 from kvservice.model.transformer import Transformer, head_hash, precompute_chunks, precompute_head
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
+
+
+class HeadKVCache:
+    """Each prompt head's KV on one model, computed at its first use (a head may be long) and
+    kept: the one cache of it, read by the producer (chunks are computed after a head), the
+    native engine (a prompt starts with one) and the vLLM connector's blender. A model has
+    a head or two (the prompt's, and the one chunks are stored after when ``KV_PREAMBLE``
+    differs), so nothing is evicted."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self._kv: dict[tuple[int, ...], ChunkKV] = {}
+        self._lock = threading.Lock()
+
+    def get(self, head_ids: Sequence[int]) -> ChunkKV:
+        head = tuple(head_ids)
+        with self._lock:  # held while computing: a second asker waits for the first's
+            kv = self._kv.get(head)
+            if kv is None:
+                kv = self._kv[head] = precompute_head(self.model, list(head))
+            return kv
 
 
 class KVProducer:
     """Chunks' KV after ``head_ids`` on ``model``, and their store keys. The head's own KV
-    is computed once, at the first chunks (it may be long), and kept."""
+    comes from ``heads`` (its own cache unless one is given)."""
 
-    def __init__(self, model: Transformer, head_ids: Sequence[int]) -> None:
+    def __init__(
+        self, model: Transformer, head_ids: Sequence[int], heads: HeadKVCache | None = None
+    ) -> None:
         self.model = model
         self.head_ids = list(head_ids)
         self.head_hash = head_hash(self.head_ids)
         self.fingerprint: str = model.fingerprint
-        self._head_kv: ChunkKV | None = None
-        self._head_lock = threading.Lock()
+        self.heads = heads if heads is not None else HeadKVCache(model)
 
     @property
     def head_kv(self) -> ChunkKV:
-        with self._head_lock:
-            if self._head_kv is None:
-                self._head_kv = precompute_head(self.model, self.head_ids)
-            return self._head_kv
+        return self.heads.get(self.head_ids)
 
     def key(self, token_ids: Sequence[int], scope: str = "") -> ChunkKey:
         return ChunkKey.for_tokens(self.fingerprint, self.head_hash, list(token_ids), scope)
@@ -51,7 +70,9 @@ class KVProducer:
 
     def after(self, head_ids: Sequence[int]) -> KVProducer:
         """The producer for another head on the same model (itself for its own head)."""
-        return self if list(head_ids) == self.head_ids else KVProducer(self.model, head_ids)
+        if list(head_ids) == self.head_ids:
+            return self
+        return KVProducer(self.model, head_ids, self.heads)
 
 
 def length_groups(lengths: Sequence[int], *, min_fill: float = 0.8) -> list[list[int]]:

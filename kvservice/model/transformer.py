@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvservice.chunk import ChunkKV, token_ids_sha256
-from kvservice.model.buffers import KV_BUFFERS
 from kvservice.model.checkpoint import checkpoint_config, checkpoint_state
 from kvservice.model.families import ModelConfig, UnsupportedModelError
 from kvservice.model.kernels import FusedLinear, KernelChoice, candidates, prepare
+from kvservice.store.buffers import KV_BUFFERS
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ class KVCache:
         3.7k-token SmolLM2 prefill on 2 cores); the rest is zeroed, since masked slots still
         enter attention with weight 0 and must not hold NaN."""
         shape = (config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim)
-        # kept buffers on the CPU (no fresh pages per request: kvservice.model.buffers)
+        # kept buffers on the CPU (no fresh pages per request: kvservice.store.buffers)
         self.k = KV_BUFFERS.empty(shape, dtype, device)  # [L, B, H_kv, C, D], rotated
         self.v = KV_BUFFERS.empty(shape, dtype, device)  # [L, B, H_kv, C, D]
         self.k[:, :, :, written_before_read:] = 0

@@ -2,19 +2,21 @@
 ``AnswerOutcome``, built here and nowhere else.
 
 The inference worker builds the outcome of every answer it writes (``AnswerOutcome.answered``
-or ``.failed``), with what it measured and, per passage, whether the answer cites it, the
-sentence that supports it and the tier its KV came from: worked out once, where the passages
-are. The outcome travels twice, as the same dict: in the answer stream's ``done`` event (for
-readers waiting on the answer) and in the ``RECORD_TASK`` report (the record, made even if
-nobody is watching). The web side ends answers no worker will finish with
-``AnswerOutcome.failed``, answers with no passage to read with ``.nothing_retrieved``, and
-reads events with ``from_event``.
+or ``.failed``), with what it measured (``AnswerMetrics``) and, per passage, whether the answer
+cites it, the sentence that supports it and the tier its KV came from: worked out once, where
+the passages are. The outcome travels once: in the ``RECORD_TASK`` report, so the answer is
+stored even if nobody is watching; the web side's record task then ends the answer's stream
+with it (``kvservice.protocol.events``: ``Done``, or ``Error``), so readers waiting on the
+stream end when the answer is recorded. The web side ends answers no worker will finish with
+``AnswerOutcome.failed``, answers with no passage to read with ``.nothing_retrieved``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from kvservice.protocol.metrics import AnswerMetrics
 
 DONE, STOPPED, ERROR = "done", "stopped", "error"
 
@@ -37,8 +39,8 @@ class AnswerOutcome:
 
     ``text`` is the answer as recorded: the model's words, except for an answer no passage
     supports, whose words are ``withheld`` and whose text says "not found"
-    (``kvservice.serve.citing.verdict``). ``metrics`` is what the worker measured (its keys are
-    listed in docs/architecture.md, "What an answer records"); ``passages`` the passages the
+    (``kvservice.serve.citing.verdict``). ``metrics`` is what the worker measured
+    (``AnswerMetrics``; none for an answer no worker wrote); ``passages`` the passages the
     prompt kept, in rank order; ``audit_of`` is set on a fidelity re-run of another answer.
     """
 
@@ -46,7 +48,7 @@ class AnswerOutcome:
     text: str = ""
     withheld: str = ""
     error: str = ""
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: AnswerMetrics = field(default_factory=AnswerMetrics)
     passages: list[PassageUse] = field(default_factory=list)
     audit_of: int | None = None
 
@@ -74,17 +76,19 @@ class AnswerOutcome:
     @classmethod
     def nothing_retrieved(cls, text: str, mode: str) -> AnswerOutcome:
         """The web app's answer when no passage was close enough to read: no generation."""
-        metrics = {"mode": mode, "ttft_s": None, "total_s": None, "chunk_tiers": {},
-                   "prompt_tokens": 0, "completion_tokens": 0, "finish_reason": "stop",
-                   "nothing_retrieved": True, "citation": "not_found"}  # fmt: skip
+        metrics = AnswerMetrics(
+            mode=mode, prompt_tokens=0, completion_tokens=0, finish_reason="stop",
+            nothing_retrieved=True, citation="not_found",
+        )  # fmt: skip
         return cls(status=DONE, text=text, metrics=metrics)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"metrics": self.metrics.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AnswerOutcome:
-        """The outcome ``to_dict`` wrote; fields this version does not know are left out."""
+        """The outcome ``to_dict`` wrote; fields this version does not know are left out, and
+        metrics of the wrong type raise ``ValueError`` (``AnswerMetrics.from_dict``)."""
         passages = [
             PassageUse(**{**p, "highlight": tuple(p["highlight"]) if p.get("highlight") else None})
             for p in data.get("passages") or []
@@ -94,16 +98,7 @@ class AnswerOutcome:
             text=data.get("text") or "",
             withheld=data.get("withheld") or "",
             error=data.get("error") or "",
-            metrics=data.get("metrics") or {},
+            metrics=AnswerMetrics.from_dict(data.get("metrics") or {}),
             passages=passages,
             audit_of=data.get("audit_of"),
-        )
-
-    @classmethod
-    def from_event(cls, kind: str, payload: dict[str, Any]) -> AnswerOutcome:
-        """The outcome an answer stream's last event carries (``done`` or ``error``)."""
-        if kind == "done":
-            return cls.from_dict(payload)
-        return cls.failed(
-            payload.get("message") or payload.get("error") or "", payload.get("text", "")
         )

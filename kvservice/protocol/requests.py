@@ -10,7 +10,9 @@ from typing import Any
 INFERENCE_QUEUE = "inference"
 GENERATE_TASK = "kvservice.generate"
 # The worker reports each finished answer with this task, on a queue of its own: a report
-# never waits behind a document's ingest (the Celery worker serves ``answers`` first).
+# never waits behind a document's ingest (the Celery worker serves ``answers`` first). Args:
+# [message id, ``AnswerOutcome.to_dict()``, request id]; the task stores the outcome, then
+# ends the answer's stream with it (the outcome's one journey: ``kvservice.protocol.events``).
 RECORD_TASK = "worker.chat.record_answer"
 RECORD_QUEUE = "answers"
 # Cache actions the dashboard sends to the inference worker (it owns the tiers):
@@ -22,7 +24,7 @@ WARM_TASK = "kvservice.warm"  # args: [list of ChunkKey strings, tier name] -> l
 class ChunkRef:
     chunk_id: int
     token_ids: list[int]
-    kv_scope: str = ""  # whose KV objects to read and write (kvservice.store.keys.ChunkKey)
+    kv_scope: str = ""  # whose KV objects to read and write (kvservice.protocol.keys.ChunkKey)
     # What a worker reading KV through the knowledge delivery API (KV_SOURCE=kdn) asks for:
     # the chunk's text (the API finds KV by text), and a token the web app signed for this
     # request's user, valid until the request's timeout (the worker holds no key of its own).

@@ -1,2 +1,3 @@
-"""Serving one request in the inference worker: the server, the runtimes, planning, the
-engine and its batch, sampling, citing, the prefix cache, the loading controller, routing."""
+"""The inference worker with the native engine: the server, the runtime, the engine and its
+batch, citing, the prefix cache. What it shares with the vLLM engine (a request's plan, the
+loading controller, decoding) lies below, in ``blend`` and ``model``."""

@@ -1,8 +1,10 @@
 """One request, start to finish, inside the inference worker, for either engine: plan it
-(``kvservice.serve.planning``: what fits the context, chunk keys, sampling, the ratio's policy), let
+(``kvservice.blend.planning``: what fits the context, chunk keys, sampling, the ratio's policy), let
 the runtime run the plan (``Runtime.plan``: where its chunks' KV comes from, the engine's
 request), stream each token to Redis, and end with the answer's outcome
 (``kvservice.protocol.AnswerOutcome``): its verdict, what it made of each passage, its metrics.
+The outcome is returned for the record task (``kvservice.serve.server``), which carries it to
+the web side; the web side ends the stream with it once it is stored.
 
 The engines differ only behind ``Runtime``: the native one (``kvservice.serve.runtime``) loads the
 chunks through the store's tiers and blends in ``kvservice.serve.engine``; the vLLM one
@@ -18,18 +20,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvservice.prompt import PromptFormat
+from kvservice.blend.controller import LoadingController, RatioDecision
+from kvservice.blend.planning import FittedContext, PlannedRequest, plan_request
+from kvservice.model.sampling import AnswerText
 from kvservice.protocol import (
+    AnswerMetrics,
     AnswerOutcome,
     GenerateRequest,
+    Queue,
+    Token,
     TokenEvent,
     publish_event,
     stop_requested,
 )
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve import citing
-from kvservice.serve.controller import LoadingController, RatioDecision
-from kvservice.serve.planning import FittedContext, PlannedRequest, plan_request
-from kvservice.serve.sampling import AnswerText
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ class AnswerPlan(Protocol):
 
 class Runtime(Protocol):
     """What the inference worker holds for its lifetime, whichever the engine; the planner
-    reads the first four and ``chunk_key`` (``kvservice.serve.planning.Plannable``)."""
+    reads the first four and ``chunk_key`` (``kvservice.blend.planning.Plannable``)."""
 
     prompt: PromptFormat
     context_len: int
@@ -85,8 +90,9 @@ class Streamed:
 
 def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> AnswerOutcome:
     """Answer ``request``: tokens to its Redis stream as they come (through ``AnswerText``:
-    a repeat ends the answer, one cut at the token cap ends cleanly), then ``done`` with the
-    outcome (or ``error``); returns the outcome for the record."""
+    a repeat ends the answer, one cut at the token cap ends cleanly); returns the outcome
+    (failed, with the words streamed so far, when anything raised) for the record, which
+    ends the stream once stored."""
     started = time.perf_counter()
     streamed = Streamed()
     try:
@@ -100,18 +106,14 @@ def answer_request(runtime: Runtime, request: GenerateRequest, redis: Any) -> An
     except Exception as err:
         log.exception("request %s failed", request.request_id)
         message = f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
-        text = streamed.answer.text
-        publish_event(redis, request.request_id, "error", message=message, text=text)
-        return AnswerOutcome.failed(message, text, audit_of=request.audit_of)
-    outcome = _outcome(runtime, planned, plan, streamed, passages, engine_metrics, started)
-    publish_event(redis, request.request_id, "done", **outcome.to_dict())
-    return outcome
+        return AnswerOutcome.failed(message, streamed.answer.text, audit_of=request.audit_of)
+    return _outcome(runtime, planned, plan, streamed, passages, engine_metrics, started)
 
 
 def _publish_place(redis: Any, request_id: str, ahead: int | None) -> None:
     """The question's place in the engine's line on its stream (``queue``: questions ahead
     of it, 0 next; None once it starts), for the page and the API to show."""
-    publish_event(redis, request_id, "queue", ahead=ahead)
+    publish_event(redis, request_id, Queue(ahead=ahead))
 
 
 def _stream(
@@ -128,7 +130,7 @@ def _stream(
             out.completion_tokens += 0 <= event.token_id and event.token_id not in stop_ids
             out.finish_reason = event.finish_reason or out.finish_reason
             if shown := out.answer.push(event.text):
-                publish_event(redis, request.request_id, "token", text=shown)
+                publish_event(redis, request.request_id, Token(text=shown))
                 out.last_words_at = time.perf_counter()
             if out.answer.repeated:
                 break  # the rest would say it again
@@ -156,7 +158,7 @@ def _last_words(
         streamed.judged = citing.verdict(answer.text, passages, request.question)
         words.append(streamed.judged.streamed)
     for text in filter(None, words):
-        publish_event(redis, request.request_id, "token", text=text)
+        publish_event(redis, request.request_id, Token(text=text))
         streamed.last_words_at = time.perf_counter()
 
 
@@ -175,7 +177,7 @@ def _outcome(
     citation = judged.citation if judged is not None else None
     withheld = judged.withheld if judged is not None else ""
     whole_prefix = served_from_prefix(fitted, engine_metrics)
-    metrics: dict[str, Any] = {
+    measured: dict[str, Any] = {
         "mode": request.mode,
         "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
         "ttft_s": _seconds_since(started, streamed.first_token_at),
@@ -199,11 +201,12 @@ def _outcome(
         **engine_metrics,
     }
     if plan.decision is not None and not whole_prefix:
-        metrics["controller"] = {"source": plan.decision.source, "why": plan.decision.why}
+        measured["controller"] = {"source": plan.decision.source, "why": plan.decision.why}
+    metrics = AnswerMetrics.from_dict(measured)  # the engine's measures checked by name
     return AnswerOutcome.answered(
         streamed.status, text=text, withheld=withheld, metrics=metrics, audit_of=request.audit_of,
         passages=citing.passage_uses(
-            text, passages, fitted.chunk_ids, metrics.get("chunk_tiers") or {}, request.question
+            text, passages, fitted.chunk_ids, metrics.chunk_tiers, request.question
         ),
     )  # fmt: skip
 

@@ -34,9 +34,7 @@ import torch
 
 from kvservice.blend.prefill import LOADING, BlendResult
 from kvservice.model.decode_graph import DecodeGraph
-from kvservice.model.transformer import KVCache, Transformer
-from kvservice.serve.compute_threads import use_threads
-from kvservice.serve.sampling import (
+from kvservice.model.sampling import (
     Detokenizer,
     SamplingParams,
     StopStrings,
@@ -44,10 +42,12 @@ from kvservice.serve.sampling import (
     new_generator,
     sample_next,
 )
+from kvservice.model.transformer import KVCache, Transformer
+from kvservice.protocol import environment
+from kvservice.store.compute_threads import use_threads
 
 log = logging.getLogger(__name__)
 
-BUDGET_ENV = "ENGINE_STEP_BUDGET"
 # ``auto``: a step (decode rows and a prefill slice) aims at this long; the slice gets what
 # the measured decode step leaves, and at least MIN_SLICE_S.
 PAUSE_TARGET_S = 0.3
@@ -68,22 +68,10 @@ class StepBudget:
     seconds: float | None = None  # None: auto; math.inf: off
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> StepBudget:
-        """``ENGINE_STEP_BUDGET``: ``auto`` (default), ``off``, or seconds (``0.2``)."""
-        text = (environ.get(BUDGET_ENV) or "auto").strip().lower()
-        if text == "auto":
-            return cls()
-        if text == "off":
-            return cls(math.inf)
-        try:
-            seconds = float(text.removesuffix("s"))
-        except ValueError:
-            seconds = -1.0
-        if not 0.0 < seconds < math.inf:
-            raise ValueError(
-                f"{BUDGET_ENV}={text!r}: expected auto, off, or seconds above 0 like 0.2"
-            )
-        return cls(seconds)
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StepBudget:
+        """``ENGINE_STEP_BUDGET``: ``auto`` (default), ``off``, or seconds (``0.2``), as
+        ``kvservice.protocol.environment`` reads it."""
+        return cls(environment.read("ENGINE_STEP_BUDGET", environ))
 
     def slice_s(self, decode_s: float) -> float:
         """The slice's time for a step whose decode rows take ``decode_s``."""
@@ -226,7 +214,7 @@ class ContinuousBatcher:
     # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        # the one thread with an OpenMP team (kvservice.serve.compute_threads)
+        # the one thread with an OpenMP team (kvservice.store.compute_threads)
         use_threads(self.threads)
         while not self._stop.is_set():
             try:

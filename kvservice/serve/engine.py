@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvservice.blend.prefill import (
     BlendResult,
+    Completion,
     Mode,
     Steps,
     blend_prefill_steps,
@@ -31,9 +32,10 @@ from kvservice.blend.prefill import (
 )
 from kvservice.chunk import ChunkKV, LayeredKV
 from kvservice.model.producer import KVProducer
-from kvservice.model.transformer import Transformer, precompute_head
-from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
-from kvservice.protocol import TokenEvent
+from kvservice.model.sampling import SamplingParams
+from kvservice.model.transformer import Transformer
+from kvservice.protocol import TokenEvent, environment
+from kvservice.protocol.prompt import Prompt, PromptFormat, stop_token_ids
 from kvservice.serve.batcher import (
     AUTO_BUDGET,
     ContinuousBatcher,
@@ -41,7 +43,6 @@ from kvservice.serve.batcher import (
     PrefillTimes,
     StepBudget,
 )
-from kvservice.serve.sampling import SamplingParams
 
 
 @dataclass
@@ -57,22 +58,11 @@ class Request:
     refresh_ratio: float | None = None
 
 
-REFRESH_ENV = "BLEND_REFRESH_RATIO"
-
-
-def refresh_ratio_from_env(environ: Mapping[str, str]) -> float | None:
-    """``BLEND_REFRESH_RATIO``: progressive blend, a blend's cache upgraded to that ratio
-    before the second token (``kvservice.blend.prefill.refresh``); unset or empty: off."""
-    text = (environ.get(REFRESH_ENV) or "").strip()
-    if not text:
-        return None
-    try:
-        ratio = float(text)
-    except ValueError:
-        raise ValueError(f"{REFRESH_ENV}={text!r}: expected a ratio like 0.25") from None
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"{REFRESH_ENV}={text!r}: a ratio is above 0 and at most 1")
-    return ratio
+def refresh_ratio_from_env(environ: Mapping[str, str] | None = None) -> float | None:
+    """``BLEND_REFRESH_RATIO`` (``kvservice.protocol.environment``): progressive blend, a
+    blend's cache upgraded to that ratio before the second token
+    (``kvservice.blend.prefill.refresh``); unset or empty: off."""
+    return environment.read("BLEND_REFRESH_RATIO", environ)
 
 
 @dataclass(frozen=True)
@@ -82,19 +72,10 @@ class _Place:
     ahead: int | None
 
 
-@dataclass
-class Completion:
-    token_ids: list[int]
-    text: str
-    ttft_s: float
-    finish_reason: str
-    prefill: BlendResult | None = None
-
-
 class Engine:
     """Prefill and decode for the native model. The batcher's thread owns the model's compute
     with ``threads`` torch threads (by default the building thread's count; other threads had
-    best run torch on one core, ``kvservice.serve.compute_threads``): it starts with the first
+    best run torch on one core, ``kvservice.store.compute_threads``): it starts with the first
     request and stops with ``close``."""
 
     def __init__(
@@ -121,24 +102,14 @@ class Engine:
         )
         # Stored chunks' KV, after what they are stored after (PromptFormat.storage_ids)
         self.producer = KVProducer(model, self.format.storage_ids)
-        self._head_kv: ChunkKV | None = None
         self._start_lock = threading.Lock()
         self._started = False
 
     @property
     def head_kv(self) -> ChunkKV:
-        """The prompt head's KV, computed once (it is the same for every request)."""
-        if self.format.head_ids == self.format.storage_ids:
-            return self.producer.head_kv  # one computation for both
-        if self._head_kv is None:
-            self._head_kv = precompute_head(self.model, self.format.head_ids)
-        return self._head_kv
-
-    @property
-    def storage_kv(self) -> ChunkKV:
-        """The KV of what chunks are computed after (``PromptFormat.storage_ids``: the head,
-        or the head and the retrieval preamble), computed once."""
-        return self.producer.head_kv
+        """The prompt head's KV, computed once (it is the same for every request), in the
+        producer's cache (one computation where chunks are stored after the head alone)."""
+        return self.producer.heads.get(self.format.head_ids)
 
     def precompute(self, chunk_ids) -> list[ChunkKV]:
         """Chunks' KV as the store holds it (``kvservice.model.producer``): a chunk whose stored

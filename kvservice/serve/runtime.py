@@ -13,20 +13,22 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvservice.blend.controller import ChunkLoad, LoadingController
 from kvservice.blend.graphs import graphs_report, use_pass_graphs
+from kvservice.blend.planning import PlannedRequest
 from kvservice.blend.prefill import BlendResult, warm_graphs
-from kvservice.config import WorkerConfig
-from kvservice.model.buffers import KV_BUFFERS
-from kvservice.prompt import Prompt
 from kvservice.protocol import TokenEvent
+from kvservice.protocol.prompt import Prompt
 from kvservice.protocol.routing import chunk_digest
 from kvservice.serve.batcher import PrefillTimes
-from kvservice.serve.controller import ChunkLoad, LoadingController
 from kvservice.serve.engine import Engine, Request
-from kvservice.serve.planning import PlannedRequest
 from kvservice.serve.prefix import PrefixKV, boundaries
+from kvservice.store.buffers import KV_BUFFERS
+
+if TYPE_CHECKING:  # built by kvservice.config, the worker's composition root, and handed in
+    from kvservice.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,8 @@ class NativeRuntime:
         """Load the model and warm up in a thread that ends, so that the engine's batcher
         thread is left the one thread with an OpenMP team; this thread and every thread
         started after it (Celery's, the KV loader's) then run torch on one core
-        (``kvservice.serve.compute_threads``)."""
-        from kvservice.serve.compute_threads import run_in_passing_thread, single_threaded
+        (``kvservice.store.compute_threads``)."""
+        from kvservice.store.compute_threads import run_in_passing_thread, single_threaded
 
         run_in_passing_thread(lambda: self._load(cfg), name="model-load")
         single_threaded()
@@ -55,7 +57,7 @@ class NativeRuntime:
         from kvservice.kdn.client import KdnTier, kdn_store
         from kvservice.model.bundled import resolve_llm_path
         from kvservice.model.transformer import Transformer
-        from kvservice.prompt import PromptFormat
+        from kvservice.protocol.prompt import PromptFormat
         from kvservice.serve.engine import Engine
         from kvservice.serve.prefix import PrefixCache
         from kvservice.store import KVLoader, StoreConfig, TieredStore
@@ -129,7 +131,7 @@ class NativeRuntime:
         ]
 
     def chunk_key(self, token_ids: list[int], scope: str = ""):
-        from kvservice.store import ChunkKey
+        from kvservice.protocol.keys import ChunkKey
 
         fingerprint, head = self.model.fingerprint, self.prompt.storage_hash
         return ChunkKey.for_tokens(fingerprint, head, token_ids, scope)
@@ -265,7 +267,7 @@ class NativePlan:
     def _choose_loads(self, prompt: Prompt, located) -> list[bool]:
         """The loading controller's per-chunk choice over the located chunks: a chunk whose
         KV would take longer to arrive than to recompute is recomputed whole
-        (``kvservice.serve.controller.choose_loads``)."""
+        (``kvservice.blend.controller.choose_loads``)."""
         runtime = self.runtime
         tokens = self.fitted.chunks_tokens[self.reused :]
         chunks = [

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from kvservice.config import WorkerConfig
+from kvservice.config import WorkerConfig, check_stored_keys
 from kvservice.protocol import (
     ALIVE_INTERVAL_S,
     EVICT_TASK,
@@ -37,9 +37,9 @@ from kvservice.protocol import (
     inflight_remove,
     mark_alive,
 )
+from kvservice.protocol.deadlines import celery_options, redis_from_url
+from kvservice.protocol.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 from kvservice.protocol.routing import advertise_hot, worker_queue
-from kvservice.serve.deadlines import celery_options, redis_from_url
-from kvservice.serve.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 
 log = logging.getLogger("kvservice.serve.server")
 
@@ -53,6 +53,9 @@ app = Celery("ragblend-inference")
 config: WorkerConfig
 runtime: Any
 _redis: redis.Redis
+# Why this worker's chunk keys match none of the stored chunks' (a setting that differs from
+# ingest's, by name), or None: said at start, and in every heartbeat for the dashboard.
+key_check: str | None = None
 
 
 def redis_client() -> redis.Redis:
@@ -75,7 +78,7 @@ def configure(cfg: WorkerConfig) -> None:
     config = cfg
     _redis = redis_from_url(cfg.redis_url)
     app.conf.update(
-        # deadlines on the broker, results and reports (kvservice.serve.deadlines)
+        # deadlines on the broker, results and reports (kvservice.protocol.deadlines)
         **celery_options(),
         broker_url=cfg.redis_url,
         result_backend=cfg.redis_url,
@@ -104,9 +107,13 @@ def generate(request_data: dict) -> dict:
     try:
         outcome = answer_request(runtime, request, redis_client())
         # Reported while still in flight: an answer out of flight is one whose report is
-        # queued, so the reaper never takes a finished answer for one nobody took.
+        # queued, so the reaper never takes a finished answer for one nobody took. The report
+        # is the outcome's one journey: the record task stores it, then ends the stream with
+        # it (readers then find the answer recorded; nobody polls for the record).
         report = outcome.to_dict()
-        app.send_task(RECORD_TASK, args=[request.message_id, report], queue=RECORD_QUEUE)
+        app.send_task(
+            RECORD_TASK, args=[request.message_id, report, request.request_id], queue=RECORD_QUEUE
+        )
         reported = True
     finally:
         _leave_flight(redis_client(), request, reported=reported)
@@ -123,7 +130,7 @@ _unsettled_lock = threading.Lock()
 
 def _settle(client: redis.Redis, request: GenerateRequest, reported: bool) -> None:
     """A reported answer leaves flight; an unreported one is abandoned to the reaper, which
-    records what its stream holds (``done`` if it got that far) or fails it."""
+    fails it with the words its stream holds."""
     if reported:
         inflight_remove(client, request.request_id)
     else:
@@ -153,7 +160,7 @@ def _settle_left_in_flight(client: redis.Redis) -> None:
 @app.task(name=EVICT_TASK)
 def evict(keys: list[str]) -> int:
     """Drop these chunks from every local tier (S3 keeps the durable copy)."""
-    from kvservice.store import ChunkKey
+    from kvservice.protocol.keys import ChunkKey
 
     for key in keys:
         runtime.store.drop_local(ChunkKey.from_string(key))
@@ -162,7 +169,7 @@ def evict(keys: list[str]) -> int:
 
 @app.task(name=WARM_TASK)
 def warm(keys: list[str], tier: str) -> int:
-    from kvservice.store import ChunkKey
+    from kvservice.protocol.keys import ChunkKey
 
     return sum(bool(runtime.store.warm(ChunkKey.from_string(key), tier)) for key in keys)
 
@@ -186,7 +193,8 @@ def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
             mark_alive(client, WORKER_ID)
             _settle_left_in_flight(client)
             if time.monotonic() - last_status >= HEARTBEAT_INTERVAL_S:
-                write_heartbeat(client, config.heartbeat_key, worker=WORKER_ID, **runtime.status())
+                status = {"key_check": key_check, **runtime.status()}
+                write_heartbeat(client, config.heartbeat_key, worker=WORKER_ID, **status)
                 _advertise_hot(client)
                 last_status = time.monotonic()
         except redis.RedisError as err:
@@ -209,6 +217,8 @@ def main() -> int:
         print(f"inference worker: cannot load the model: {err}", file=sys.stderr)
         return 2
     log.info("model %s loaded", runtime.model_name)
+    global key_check
+    key_check = check_stored_keys(runtime, config)
     stop = threading.Event()
     threading.Thread(target=_heartbeat_forever, args=(_redis, stop), daemon=True).start()
     try:

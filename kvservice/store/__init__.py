@@ -14,34 +14,18 @@ Typical use (engine / inference worker)::
 
 from __future__ import annotations
 
+from kvservice.store.batch import LoadBatch, LoadStats
 from kvservice.store.config import StoreConfig
-from kvservice.store.errors import (
-    ChunkCorrupt,
-    ChunkMissing,
-    ChunkTruncated,
-    ChunkUnavailable,
-    FingerprintMismatch,
-    StoreError,
-    StoreUnavailable,
-)
-from kvservice.store.keys import ChunkKey
-from kvservice.store.loader import KVLoader, LoadBatch, LoadStats, StoreLayeredKV
+from kvservice.store.layered import StoreLayeredKV
+from kvservice.store.loader import KVLoader
 from kvservice.store.tiered import StoreStats, TieredStore
 
 __all__ = [
-    "ChunkCorrupt",
-    "ChunkKey",
-    "ChunkMissing",
-    "ChunkTruncated",
-    "ChunkUnavailable",
-    "FingerprintMismatch",
     "KVLoader",
     "LoadBatch",
     "LoadStats",
     "StoreConfig",
-    "StoreError",
     "StoreLayeredKV",
     "StoreStats",
-    "StoreUnavailable",
     "TieredStore",
 ]

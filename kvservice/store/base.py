@@ -13,25 +13,11 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.objects import Readable
 from kvservice.store.format import Buffer
-from kvservice.store.keys import ChunkKey
-
-
-class Readable(Protocol):
-    def readinto(self, buffer: memoryview) -> int | None: ...
-
-
-def read_fully(stream: Readable, out: memoryview) -> int:
-    """Fill ``out`` from ``stream``; fewer bytes only at the end of the stream."""
-    got = 0
-    while got < len(out):
-        n = stream.readinto(out[got:])
-        if not n:
-            break
-        got += n
-    return got
 
 
 @dataclass(frozen=True)

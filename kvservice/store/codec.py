@@ -1,7 +1,8 @@
 """Chunk KV codecs: how one layer's K and V become bytes in a chunk object, and back.
 
-A codec is a :class:`Codec`: a kind (how values are coded) and, for the grouped integer kind,
-the bit width of K and of V in each layer and the group sizes. The object records the kind,
+A codec is a ``Codec`` (``kvservice.protocol.codecs``): a kind (how values are coded) and,
+for the grouped integer kind, the bit width of K and of V in each layer and the group sizes.
+The object records the kind,
 the group sizes and every layer's bit widths (``kvservice.store.format``), so an object
 decodes by what it says, whatever the codecs are named or tuned to later.
 
@@ -26,7 +27,8 @@ Decoding is torch only (shifts, masks, one fused multiply-add), so it runs the s
 and on CUDA, on the device the object's bytes are on.
 
 The named codecs (``KV_CODEC``) and the measurements that chose the default are in
-:data:`CODECS`; ``python -m bench.codec`` measures them.
+``kvservice.protocol.codecs.CODECS`` (a table the web app reads too); ``python -m bench.codec``
+measures them.
 """
 
 from __future__ import annotations
@@ -34,51 +36,22 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from kvservice.protocol.codecs import (
+    FP8,
+    INT8,
+    KIND_NAMES,
+    KIVI,
+    RAW,
+    Codec,
+    k_groups,
+    v_group_size,
+)
 from kvservice.store.quant import dequantize_per_token, quantize_per_token
 
-RAW = 0
-INT8 = 1  # the value format version 1 wrote for its int8 per-token quantization
-KIVI = 2
-FP8 = 3
-KIND_NAMES = {RAW: "raw", INT8: "int8", KIVI: "kivi", FP8: "fp8"}
-
-SECTION_ALIGN = 16  # inside a layer block: enough for any element type to be viewed in place
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
-
-
-@dataclass(frozen=True)
-class Codec:
-    """A named way of storing chunk KV.
-
-    ``k_bits`` / ``v_bits`` (kivi only) give the bit widths by depth: ``((upto, bits), ...)``
-    where a layer at relative depth ``layer / num_layers < upto`` takes ``bits`` (the first
-    pair that matches)."""
-
-    name: str
-    kind: int
-    k_bits: tuple[tuple[float, int], ...] = ()
-    v_bits: tuple[tuple[float, int], ...] = ()
-    k_group: int = 0
-    v_group: int = 0
-    v_rotate: bool = False  # V turned by a Hadamard matrix before quantizing (recorded)
-    clip: bool = True  # each group's range chosen for the least error (encoder only)
-
-    def layer_bits(self, num_layers: int) -> tuple[tuple[int, int], ...]:
-        """(K bits, V bits) of each layer; (0, 0) for the kinds that have no bit widths."""
-        if self.kind != KIVI:
-            return tuple((0, 0) for _ in range(num_layers))
-        return tuple(
-            (_bits_at(self.k_bits, i / num_layers), _bits_at(self.v_bits, i / num_layers))
-            for i in range(num_layers)
-        )
-
-    @property
-    def quantized(self) -> bool:
-        return self.kind != RAW
 
 
 def describe(kind: int, layer_bits: Sequence[tuple[int, int]], dtype: torch.dtype) -> str:
@@ -91,69 +64,8 @@ def describe(kind: int, layer_bits: Sequence[tuple[int, int]], dtype: torch.dtyp
     return "fp16" if dtype == torch.float16 else f"raw {str(dtype).removeprefix('torch.')}"
 
 
-def _bits_at(schedule: Sequence[tuple[float, int]], depth: float) -> int:
-    for upto, bits in schedule:
-        if depth < upto:
-            return bits
-    return schedule[-1][1]
-
-
-def kivi(
-    name: str, k_bits, v_bits, *, k_group: int = 64, v_group: int = 64, v_rotate: bool = False,
-    clip: bool = True,
-) -> Codec:  # fmt: skip
-    """A kivi codec; ``k_bits``/``v_bits`` an int (every layer) or a depth schedule."""
-
-    def schedule(bits) -> tuple[tuple[float, int], ...]:
-        return ((1.0, bits),) if isinstance(bits, int) else tuple(bits)
-
-    return Codec(name, KIVI, schedule(k_bits), schedule(v_bits), k_group, v_group, v_rotate, clip)
-
-
-FP16 = Codec("fp16", RAW)
-# python -m bench.codec on tuning examples 0-9 (six passages, blend at 0.15), bytes per token
-# of the bundled SmolLM2-135M's objects (fp16: 23,045) and mean tf_kl minus fp16's, blend /
-# reuse: K4 V2 5,066 B +0.0116 / +0.0356; V turned +0.0078 / +0.0296; and clipped +0.0032 /
-# +0.0283; K3 V2 turned 4,346 B +0.0207 / +0.0613; K4 (128-token groups) V3 turned 5,598 B
-# +0.0039 / +0.0162, and clipped +0.0033 / -0.0025: kivi4k3v, the least bytes within +0.005
-# of fp16 for both modes on tuning, but reuse +0.0069 on validation (20-39). Its ~160 bytes a
-# token of headroom, spent where the error is (tuning 0-9, V at 4 bits in one fifth of the
-# layers at a time, reuse): the first fifth -0.0067 (kivi4k3v -0.0024), the others -0.0018 to
-# -0.0034, K at 5 bits in the first fifth +0.0016; the first eighth alone -0.0062 at 5,694 B.
-# That one, kivi4k3v-v4early, is the default: tuning 0-19 blend +0.0007 / reuse -0.0031
-# (kivi4k3v +0.0016 / +0.0006), validation 20-39 +0.0036 / +0.0034 at 5,699 B (kivi4k3v
-# +0.0041 / +0.0069). Objects stored in kivi4k3v decode as they were written.
-CODECS: dict[str, Codec] = {
-    codec.name: codec
-    for codec in (
-        FP16,
-        Codec("int8", INT8),
-        Codec("fp8", FP8),
-        kivi("kivi4", 4, 4),
-        kivi("kivi3", 3, 3),
-        kivi("kivi2", 2, 2),
-        kivi("kivi4k2v", 4, 2, v_rotate=True),
-        kivi("kivi3k2v", 3, 2),
-        kivi("kivi4k3v", 4, 3, k_group=128, v_rotate=True),
-        kivi("kivi4k3v-v4early", 4, ((0.125, 4), (1.0, 3)), k_group=128, v_rotate=True),
-    )
-}
-DEFAULT_CODEC = "kivi4k3v-v4early"
-
-
-def codec_by_name(name: str) -> Codec:
-    try:
-        return CODECS[name]
-    except KeyError:
-        raise ValueError(f"unknown KV codec {name!r} (known: {', '.join(CODECS)})") from None
-
-
 # --------------------------------------------------------------------------------------------
 # Bit packing: 8 codes of ``bits`` bits in ``bits`` bytes, little-endian within each byte run
-
-
-def packed_size(count: int, bits: int) -> int:
-    return math.ceil(count / 8) * bits
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -247,17 +159,13 @@ def quantize_groups(
     return codes.to(torch.int64), step.squeeze(dim), low.squeeze(dim)
 
 
-def _k_groups(tokens: int, group: int) -> int:
-    return math.ceil(tokens / group) if tokens else 0
-
-
 def quantize_k_per_channel(
     k: torch.Tensor, bits: int, group: int, *, clip: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k: [H, T, D] -> (codes [H, T, D], step [H, G, D], minimum [H, G, D]), ``G`` groups of
     ``group`` tokens (the last may be shorter) per channel."""
     heads, tokens, dim = k.shape
-    groups = _k_groups(tokens, group)
+    groups = k_groups(tokens, group)
     pad = groups * group - tokens
     # the last token repeated: the last group's range is its own tokens'
     padded = torch.cat([k, k[:, -1:].expand(heads, pad, dim)], 1) if pad else k
@@ -303,29 +211,6 @@ def rotates_v(codec: Codec, dim: int) -> bool:
     return codec.kind == KIVI and codec.v_rotate and dim & (dim - 1) == 0
 
 
-def _v_group(codec_v_group: int, dim: int) -> int:
-    return codec_v_group if codec_v_group and dim % codec_v_group == 0 else dim
-
-
-def section_sizes(
-    kind: int, bits: tuple[int, int], heads: int, tokens: int, dim: int, *,
-    dtype: torch.dtype, k_group: int, v_group: int,
-) -> list[int]:  # fmt: skip
-    """Byte sizes of one layer block's sections, in order."""
-    values = heads * tokens * dim
-    if kind == RAW:
-        return [values * dtype.itemsize] * 2
-    if kind == INT8:
-        return [values, heads * tokens * 4] * 2
-    if kind == FP8:
-        return [values, heads * tokens * 2] * 2
-    k_bits, v_bits = bits
-    k_params = heads * _k_groups(tokens, k_group) * dim * 2
-    v_params = heads * tokens * (dim // _v_group(v_group, dim)) * 2
-    return [packed_size(values, k_bits), k_params, k_params,
-            packed_size(values, v_bits), v_params, v_params]  # fmt: skip
-
-
 def encode_layer(
     codec: Codec, bits: tuple[int, int], k: torch.Tensor, v: torch.Tensor
 ) -> list[torch.Tensor]:
@@ -343,7 +228,7 @@ def encode_layer(
     k_bits, v_bits = bits
     k_codes, k_step, k_low = quantize_k_per_channel(k, k_bits, codec.k_group, clip=codec.clip)
     v_codes, v_step, v_low = quantize_v_per_token(
-        v, v_bits, _v_group(codec.v_group, dim), clip=codec.clip, rotate=rotates_v(codec, dim)
+        v, v_bits, v_group_size(codec.v_group, dim), clip=codec.clip, rotate=rotates_v(codec, dim)
     )
     return [pack_bits(k_codes, k_bits), k_step, k_low, pack_bits(v_codes, v_bits), v_step, v_low]
 
@@ -404,7 +289,7 @@ def _kivi_k(
     and step per group of tokens (read where they lie: ``[H * G * D]``, or a run's
     ``[n, ...]`` rows of a strided view)."""
     heads, tokens, dim = shape
-    groups = _k_groups(tokens, k_group)
+    groups = k_groups(tokens, k_group)
     lead = step.shape[:-1]  # (): one layer; (n,): a run's layers, each its row
     step, low = (x.view(*lead, -1, groups, 1, dim) for x in _widened_pair(step, low))
     k_codes = unpack_bits(packed, bits, heads * tokens * dim).view(*lead, -1, tokens, dim)
@@ -446,7 +331,7 @@ def _kivi_v(
 ) -> torch.Tensor:  # fmt: skip
     """V ``[H, T, D]`` in float32: per token, a minimum and step per group of channels."""
     heads, tokens, dim = shape
-    groups = dim // _v_group(v_group, dim)
+    groups = dim // v_group_size(v_group, dim)
     if rotated and groups == 1 and dim % 8 == 0:
         return _rotated_v(packed, step, low, bits, heads * tokens, dim).view(shape)
     codes = unpack_bits(packed, bits, heads * tokens * dim).view(heads, tokens, groups, -1)

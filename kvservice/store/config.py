@@ -1,69 +1,51 @@
-"""Store settings, read once from the environment into a dataclass.
+"""Store settings, read once from the environment into a dataclass (``StoreConfig.from_env``).
 
-| variable | default | meaning |
-|---|---|---|
-| ``S3_ENDPOINT`` | unset (no S3 tier) | ``host:port`` of the S3/MinIO endpoint |
-| ``S3_ACCESS_KEY`` / ``S3_SECRET_KEY`` | empty | credentials |
-| ``S3_SECURE`` | ``false`` | use HTTPS |
-| ``KV_S3_BUCKET`` | ``kvcache`` | bucket of chunk objects |
-| ``KV_S3_PREFIX`` | ``kv/`` | key prefix inside the bucket |
-| ``KV_S3_CONNECT_TIMEOUT_S`` / ``KV_S3_READ_TIMEOUT_S`` | ``1`` / ``10`` | per-request timeouts |
-| ``KV_S3_RETRIES`` | ``1`` | retries on connection errors and 5xx |
-| ``KV_S3_DOWN_BACKOFF_S`` | ``5`` | after S3 is found unreachable, fail fast for this long |
-| ``KV_DEVICE_CAPACITY_BYTES`` | ``0`` (off) | device-memory tier (needs CUDA) |
-| ``KV_CPU_CAPACITY_BYTES`` | ``2 GiB`` | CPU-memory tier |
-| ``KV_CPU_PINNED`` | ``auto`` | hold that tier in page-locked memory (``auto``: where CUDA is) |
-| ``KV_DISK_CAPACITY_BYTES`` | ``20 GiB`` | local-disk tier (``0`` turns it off) |
-| ``KV_DISK_DIR`` | ``DATA_DIR/kv-disk`` | local-disk tier directory (``kvservice.paths``) |
-| ``KV_CODEC`` | the default | how new objects store K/V: ``fp16``, ``int8``, ``fp8``, ``kivi4``.. |
-| ``KV_QUANTIZE`` | ``false`` | the switch before ``KV_CODEC``: ``true`` means ``KV_CODEC=int8`` |
-| ``KV_STORE_DTYPE`` | ``float16`` | float32 KV stored (fp16) or decoded as this 16-bit type |
-| ``KV_LOAD_WORKERS`` | ``16`` | background fetch threads of the pipelined loader |
-| ``KV_STREAM_THREADS`` | ``2`` | threads reading the chunks that S3 streams, a layer each in turn |
-| ``KV_PREFETCH_DEPTH`` | ``2`` | layers fetched ahead of the one in use, per chunk |
-| ``KV_LOAD_NICE`` | ``0`` | how far the fetch threads lower their CPU priority (Linux, 0-19) |
+The variables (``S3_*``, ``KV_S3_*``, the tiers' ``KV_*_CAPACITY_BYTES``, ``KV_CODEC``..)
+are declared, with their types, defaults and docs, in ``kvservice.protocol.environment``
+(docs/configuration.md lists them); ``from_env`` maps each onto its field below.
 
-``KV_CODEC`` names a codec of ``kvservice.store.codec.CODECS`` (``fp16`` is unquantized, in
+``KV_CODEC`` names a codec of ``kvservice.protocol.codecs.CODECS`` (``fp16`` is unquantized, in
 ``KV_STORE_DTYPE``); objects already stored keep theirs until re-encoded
-(``manage.py kv_reencode``). ``KV_QUANTIZE=true`` means ``int8`` where ``KV_CODEC`` is unset.
-
-Sizes accept plain bytes or a ``KiB/MiB/GiB`` suffix. A bad value fails at start with the
-variable's name in the message.
+(``python -m worker.kv_reencode``). ``KV_QUANTIZE=true`` means ``int8`` where ``KV_CODEC`` is unset.
+A bad value fails at start with the variable's name in the message.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvservice.paths import DEFAULT_DATA_DIR, data_dir, kv_disk_dir
-from kvservice.store.codec import DEFAULT_CODEC, Codec, codec_by_name
+from kvservice.protocol import environment
+from kvservice.protocol.codecs import DEFAULT_CODEC, Codec, codec_by_name
 
-_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB or plain bytes)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in {"1", "true", "yes", "on"}:
-        return True
-    if lowered in {"0", "false", "no", "off", ""}:
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def _parse_auto_bool(text: str) -> bool | None:
-    return None if text.strip().lower() == "auto" else _parse_bool(text)
+# Each field that the environment sets, and its variable.
+_VARIABLES = {
+    "s3_endpoint": "S3_ENDPOINT",
+    "s3_access_key": "S3_ACCESS_KEY",
+    "s3_secret_key": "S3_SECRET_KEY",
+    "s3_secure": "S3_SECURE",
+    "s3_region": "S3_REGION",
+    "s3_bucket": "KV_S3_BUCKET",
+    "s3_prefix": "KV_S3_PREFIX",
+    "s3_connect_timeout_s": "KV_S3_CONNECT_TIMEOUT_S",
+    "s3_read_timeout_s": "KV_S3_READ_TIMEOUT_S",
+    "s3_retries": "KV_S3_RETRIES",
+    "s3_down_backoff_s": "KV_S3_DOWN_BACKOFF_S",
+    "device_capacity_bytes": "KV_DEVICE_CAPACITY_BYTES",
+    "cpu_capacity_bytes": "KV_CPU_CAPACITY_BYTES",
+    "cpu_pinned": "KV_CPU_PINNED",
+    "disk_capacity_bytes": "KV_DISK_CAPACITY_BYTES",
+    "disk_dir": "KV_DISK_DIR",
+    "quantize": "KV_QUANTIZE",
+    "codec": "KV_CODEC",
+    "store_dtype": "KV_STORE_DTYPE",
+    "load_workers": "KV_LOAD_WORKERS",
+    "stream_threads": "KV_STREAM_THREADS",
+    "prefetch_depth": "KV_PREFETCH_DEPTH",
+    "load_nice": "KV_LOAD_NICE",
+}
 
 
 @dataclass(frozen=True)
@@ -95,43 +77,14 @@ class StoreConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreConfig:
-        env = os.environ if environ is None else environ
-        fields: dict[str, object] = {}
-        spec = [  # (variable, field, parser)
-            ("S3_ENDPOINT", "s3_endpoint", lambda s: s.strip() or None),
-            ("S3_ACCESS_KEY", "s3_access_key", str),
-            ("S3_SECRET_KEY", "s3_secret_key", str),
-            ("S3_SECURE", "s3_secure", _parse_bool),
-            ("S3_REGION", "s3_region", lambda s: s.strip() or None),
-            ("KV_S3_BUCKET", "s3_bucket", str),
-            ("KV_S3_PREFIX", "s3_prefix", str),
-            ("KV_S3_CONNECT_TIMEOUT_S", "s3_connect_timeout_s", float),
-            ("KV_S3_READ_TIMEOUT_S", "s3_read_timeout_s", float),
-            ("KV_S3_RETRIES", "s3_retries", int),
-            ("KV_S3_DOWN_BACKOFF_S", "s3_down_backoff_s", float),
-            ("KV_DEVICE_CAPACITY_BYTES", "device_capacity_bytes", parse_size),
-            ("KV_CPU_CAPACITY_BYTES", "cpu_capacity_bytes", parse_size),
-            ("KV_CPU_PINNED", "cpu_pinned", _parse_auto_bool),
-            ("KV_DISK_CAPACITY_BYTES", "disk_capacity_bytes", parse_size),
-            ("KV_DISK_DIR", "disk_dir", str),
-            ("KV_QUANTIZE", "quantize", _parse_bool),
-            ("KV_CODEC", "codec", lambda s: s.strip().lower()),
-            ("KV_STORE_DTYPE", "store_dtype", str),
-            ("KV_LOAD_WORKERS", "load_workers", int),
-            ("KV_STREAM_THREADS", "stream_threads", int),
-            ("KV_PREFETCH_DEPTH", "prefetch_depth", int),
-            ("KV_LOAD_NICE", "load_nice", int),
-        ]
-        for variable, name, parse in spec:
-            if variable in env:
-                try:
-                    fields[name] = parse(env[variable])
-                except ValueError as err:
-                    raise ValueError(f"{variable}: {err}") from err
-        fields.setdefault("disk_dir", str(kv_disk_dir(data_dir(env))))
-        if fields.get("quantize") and "codec" not in fields:
-            fields["codec"] = "int8"
-        config = cls(**fields)  # type: ignore[arg-type]
+        """The store's variables in ``environ`` (default: the process environment)."""
+        fields = {name: environment.read(each, environ) for name, each in _VARIABLES.items()}
+        fields["s3_endpoint"] = fields["s3_endpoint"] or None
+        if fields["disk_dir"] is None:
+            fields["disk_dir"] = str(kv_disk_dir(data_dir(environ)))
+        if fields["codec"] is None:
+            fields["codec"] = "int8" if fields["quantize"] else DEFAULT_CODEC
+        config = cls(**fields)
         config.validate()
         return config
 

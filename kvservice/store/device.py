@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvservice.protocol.keys import ChunkKey
 from kvservice.store.format import Buffer, as_uint8
-from kvservice.store.keys import ChunkKey
 from kvservice.store.lru import LRUTier
 
 

@@ -8,9 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvservice.store.base import read_fully
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.objects import read_fully
 from kvservice.store.format import Buffer
-from kvservice.store.keys import ChunkKey
 from kvservice.store.lru import LRUTier
 
 SUFFIX = ".kv"

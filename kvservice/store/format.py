@@ -13,15 +13,17 @@ offset 0             header (header_len bytes, a multiple of 64)
   layer_crc32[L]     crc32 of each layer block
   tokens_crc32       crc32 of the token-id section
   header_crc32       crc32 of every header byte before it
-header_len + sum(layer_size[:i])  layer i: its codec's sections (``codec.section_sizes``),
+header_len + sum(layer_size[:i])  layer i: its codec's sections (``codecs.section_sizes``),
                                   each 16-byte aligned; the block 64-byte aligned. raw: K then
                                   V [H_kv, T, D]; kivi: K codes, K steps, K minima, V codes,
                                   V steps, V minima
 tokens_offset                     token ids, int32 little-endian (to recompute after a fault)
 ```
 
-The codec kinds are in ``kvservice.store.codec``; a layer's size follows from the header,
-so a reader never trusts a length it cannot check. All integers are little-endian. A reader
+The codec kinds are in ``kvservice.protocol.codecs``; a layer's size follows from the header,
+so a reader never trusts a length it cannot check. The header is read, without torch, by
+``kvservice.protocol.objects`` (the web app streams objects as bytes); this module writes
+objects and decodes their layers. All integers are little-endian. A reader
 fetches the first ``HEADER_PROBE_BYTES`` (or ``header_len`` if longer), then any layer by
 itself and checks it against its crc32.
 
@@ -41,38 +43,27 @@ from typing import Union
 import torch
 
 from kvservice.chunk import ChunkKV, token_ids_sha256
+from kvservice.protocol import objects
+from kvservice.protocol.codecs import CODECS, FP8, FP16, KIVI, RAW, Codec
+from kvservice.protocol.errors import ChunkCorrupt, ChunkTruncated
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.objects import (
+    FIXED,
+    FIXED_V1,
+    FLAG_V_ROTATED,
+    FORMAT_VERSION,
+    K_PRE_ROPE,
+    MAGIC,
+    ObjectHeader,
+    align,
+    layer_layout,
+)
 from kvservice.store import codec as codecs
-from kvservice.store.codec import FP16, INT8, RAW, Codec
-from kvservice.store.errors import ChunkCorrupt, ChunkTruncated, FingerprintMismatch
-from kvservice.store.keys import ChunkKey
-
-MAGIC = b"RBKV"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-ALIGN = 64
-HEADER_PROBE_BYTES = 16 << 10
-
-FLAG_V_ROTATED = 1  # version 2's flags byte: V stored turned by a Hadamard matrix
-K_PRE_ROPE = 0
-K_POST_ROPE = 1
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
-_START = struct.Struct("<4sHHI")  # magic, version, reserved, header_len: every version
-# version 1: magic, version, reserved, header_len, dtype, k_storage, quant, reserved, layers,
-# kv heads, head dim, tokens, rope base position, tokens sha256, layer_bytes, tokens_offset,
-# total_bytes, fingerprint length, head hash length
-_FIXED_V1 = struct.Struct("<4sHHIBBBBIIIIq32sQQQHH")
-# version 2: as version 1 without layer_bytes (layers differ in size), a flags byte where
-# version 1 had a reserved one, and the K and V group sizes at the end
-_FIXED = struct.Struct("<4sHHIBBBBIIIIq32sQQHHHH")
-
 Buffer = Union[bytes, bytearray, memoryview, torch.Tensor]  # noqa: UP007 (a runtime alias)
-
-
-def _align(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
 
 
 def as_uint8(buf: Buffer) -> torch.Tensor:
@@ -93,97 +84,18 @@ def _crc(buf: Buffer) -> int:
 
 
 @dataclass(frozen=True)
-class LayerLayout:
-    """Where one layer's sections lie in its block: (offset, nbytes) each, and the block's
-    size (64-byte aligned)."""
-
-    sections: tuple[tuple[int, int], ...]
-    size: int
-
-
-def layer_layout(
-    version: int, kind: int, bits: tuple[int, int], heads: int, tokens: int, dim: int, *,
-    dtype: torch.dtype, k_group: int, v_group: int,
-) -> LayerLayout:  # fmt: skip
-    sizes = codecs.section_sizes(kind, bits, heads, tokens, dim, dtype=dtype,
-                                 k_group=k_group, v_group=v_group)  # fmt: skip
-    inner = ALIGN if version == 1 else codecs.SECTION_ALIGN
-    sections, offset = [], 0
-    for size in sizes:
-        sections.append((offset, size))
-        offset = _align(offset + size, inner)
-    return LayerLayout(tuple(sections), _align(offset))
-
-
-@dataclass(frozen=True)
-class ChunkHeader:
-    version: int
-    dtype: torch.dtype  # what K and V decode to
-    k_storage: int
-    rope_base_position: int
-    codec_kind: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_tokens: int
-    tokens_sha256: str
-    model_fingerprint: str
-    head_hash: str
-    header_len: int
-    k_group: int
-    v_group: int
-    v_rotated: bool
-    layer_bits: tuple[tuple[int, int], ...]
-    layer_sizes: tuple[int, ...]
-    tokens_offset: int
-    total_bytes: int
-    layer_crc32: tuple[int, ...]
-    tokens_crc32: int
+class ChunkHeader(ObjectHeader):
+    """The object's header (``kvservice.protocol.objects``) with the torch dtype its K and V
+    decode to."""
 
     @property
-    def key(self) -> ChunkKey:
-        return ChunkKey(self.model_fingerprint, self.head_hash, self.tokens_sha256)
-
-    @property
-    def quantized(self) -> bool:
-        return self.codec_kind != RAW
+    def dtype(self) -> torch.dtype:
+        return _CODE_DTYPES[self.dtype_code]
 
     @property
     def codec_name(self) -> str:
         """What the object is stored as (``codec.describe``: ``fp16``, ``kivi k4v2``..)."""
         return codecs.describe(self.codec_kind, self.layer_bits, self.dtype)
-
-    @property
-    def layers_bytes(self) -> int:
-        """Bytes of every layer block together (what a load moves)."""
-        return sum(self.layer_sizes)
-
-    def layer_offset(self, index: int) -> int:
-        if not 0 <= index < self.num_layers:
-            raise IndexError(f"layer {index} of {self.num_layers}")
-        return self.header_len + sum(self.layer_sizes[:index])
-
-    def layer_size(self, index: int) -> int:
-        return self.layer_sizes[index]
-
-    def layout(self, index: int) -> LayerLayout:
-        return layer_layout(
-            self.version, self.codec_kind, self.layer_bits[index], self.num_kv_heads,
-            self.num_tokens, self.head_dim, dtype=self.dtype, k_group=self.k_group,
-            v_group=self.v_group,
-        )  # fmt: skip
-
-    def check_key(self, key: ChunkKey) -> None:
-        """Raise :class:`FingerprintMismatch` unless this object is the one ``key`` names."""
-        if self.model_fingerprint != key.model_fingerprint:
-            raise FingerprintMismatch(
-                f"object {key} was written by model {self.model_fingerprint!r}, "
-                f"expected {key.model_fingerprint!r}"
-            )
-        if self.head_hash != key.head_hash:
-            raise FingerprintMismatch(f"object {key} has prompt head {self.head_hash!r}")
-        if self.tokens_sha256 != key.tokens_sha256:
-            raise FingerprintMismatch(f"object {key} holds tokens {self.tokens_sha256}")
 
 
 def _stored_codec(chunk: ChunkKV, codec: Codec, narrow_to: torch.dtype | None):
@@ -191,8 +103,8 @@ def _stored_codec(chunk: ChunkKV, codec: Codec, narrow_to: torch.dtype | None):
     to ``narrow_to`` where every value fits; a chunk that cannot be quantized (values beyond
     float16) is stored raw."""
     dtype = chunk.k.dtype
-    if narrow_to is not None and dtype == torch.float32 and codec.kind in (RAW, codecs.KIVI,
-                                                                          codecs.FP8):  # fmt: skip
+    if narrow_to is not None and dtype == torch.float32 and codec.kind in (RAW, KIVI,
+                                                                          FP8):  # fmt: skip
         narrow_k, narrow_v = chunk.k.to(narrow_to), chunk.v.to(narrow_to)
         if bool(narrow_k.isfinite().all()) and bool(narrow_v.isfinite().all()):
             if codec.kind == RAW:
@@ -227,7 +139,7 @@ def encode_chunk(
     if narrow_to is not None and narrow_to not in (torch.float16, torch.bfloat16):
         raise ValueError(f"KV can be narrowed to float16 or bfloat16, not {narrow_to}")
     if codec is None:
-        codec = codecs.CODECS["int8"] if quantize else FP16
+        codec = CODECS["int8"] if quantize else FP16
     chunk, dtype, codec = _stored_codec(chunk, codec, narrow_to)
     num_layers, heads, tokens, dim = chunk.k.shape
     # quantized where the chunk is (a GPU encodes at its speed); sections cross to the host
@@ -240,8 +152,8 @@ def encode_chunk(
         return encode_chunk(chunk, codec=FP16, k_storage=k_storage,
                             rope_base_position=rope_base_position)  # fmt: skip
     layouts = [
-        layer_layout(FORMAT_VERSION, codec.kind, layer_bits[i], heads, tokens, dim, dtype=dtype,
-                     k_group=codec.k_group, v_group=codec.v_group)
+        layer_layout(FORMAT_VERSION, codec.kind, layer_bits[i], heads, tokens, dim,
+                     itemsize=dtype.itemsize, k_group=codec.k_group, v_group=codec.v_group)
         for i in range(num_layers)
     ]  # fmt: skip
     return _assemble(chunk, codec, dtype, layer_bits, layouts, blocks,
@@ -259,8 +171,8 @@ def _assemble(
     head_hash = chunk.head_hash.encode()
     if len(fingerprint) > 0xFFFF or len(head_hash) > 0xFFFF:
         raise ValueError("model fingerprint and head hash must be shorter than 64 KiB")
-    bits_at = _FIXED.size + len(fingerprint) + len(head_hash)
-    header_len = _align(bits_at + 2 * num_layers + 4 * num_layers + 8)
+    bits_at = FIXED.size + len(fingerprint) + len(head_hash)
+    header_len = align(bits_at + 2 * num_layers + 4 * num_layers + 8)
     tokens_offset = header_len + sum(layout.size for layout in layouts)
     total_bytes = tokens_offset + 4 * tokens
 
@@ -277,7 +189,7 @@ def _assemble(
         base += layout.size
     token_bytes = b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk.token_ids)
     view[tokens_offset:total_bytes] = token_bytes
-    fixed = _FIXED.pack(
+    fixed = FIXED.pack(
         MAGIC, FORMAT_VERSION, 0, header_len, _DTYPE_CODES[dtype], k_storage, codec.kind,
         FLAG_V_ROTATED if codecs.rotates_v(codec, dim) else 0,
         num_layers, heads, dim, tokens, rope_base_position, bytes.fromhex(chunk.tokens_sha256),
@@ -302,75 +214,12 @@ def _host_bytes(buf: Buffer, length: int) -> bytes:
 
 def header_length(buf: Buffer) -> int:
     """``header_len`` from the first bytes of an object (at least the fixed part)."""
-    data = _host_bytes(buf, _FIXED_V1.size)
-    if len(data) < _FIXED_V1.size:
-        raise ChunkTruncated(f"object is {len(data)} bytes, shorter than the fixed header")
-    if data[:4] != MAGIC:
-        raise ChunkCorrupt(f"bad magic {data[:4]!r}: not a chunk object")
-    return _START.unpack_from(data)[3]
+    return objects.header_length(_host_bytes(buf, FIXED_V1.size))
 
 
 def decode_header(buf: Buffer) -> ChunkHeader:
     """Parse and verify the header at the start of ``buf`` (which may hold more bytes)."""
-    header_len = header_length(buf)
-    data = _host_bytes(buf, header_len)
-    if len(data) < header_len:
-        raise ChunkTruncated(f"object is {len(data)} bytes, header says {header_len}")
-    version = _START.unpack_from(data)[1]
-    if version not in READABLE_VERSIONS:
-        raise ChunkCorrupt(f"chunk format version {version}; this reader knows "
-                           f"{', '.join(map(str, READABLE_VERSIONS))}")  # fmt: skip
-    if version == 1:
-        (_, _, _, _, dtype_code, k_storage, kind, _, num_layers, heads, dim, tokens, rope_base,
-         tokens_sha, layer_bytes, tokens_offset, total_bytes, fp_len, head_len,
-         ) = _FIXED_V1.unpack_from(data)  # fmt: skip
-        k_group = v_group = flags = 0
-        at = _FIXED_V1.size
-    else:
-        (_, _, _, _, dtype_code, k_storage, kind, flags, num_layers, heads, dim, tokens,
-         rope_base, tokens_sha, tokens_offset, total_bytes, fp_len, head_len, k_group, v_group,
-         ) = _FIXED.unpack_from(data)  # fmt: skip
-        at = _FIXED.size
-    fingerprint = data[at : at + fp_len].decode(errors="replace")
-    head_hash = data[at + fp_len : at + fp_len + head_len].decode(errors="replace")
-    at += fp_len + head_len
-    bits_len = 2 * num_layers if version >= 2 else 0
-    if at + bits_len + 4 * num_layers + 8 > header_len:
-        raise ChunkCorrupt("header too short for its checksum table")
-    flat_bits = data[at : at + bits_len]
-    layer_bits = tuple(zip(flat_bits[0::2], flat_bits[1::2], strict=True)) if bits_len else (
-        ((0, 0),) * num_layers)  # fmt: skip
-    at += bits_len
-    layer_crcs = struct.unpack_from(f"<{num_layers}I", data, at)
-    at += 4 * num_layers
-    tokens_crc, header_crc = struct.unpack_from("<II", data, at)
-    if zlib.crc32(data[: at + 4]) != header_crc:
-        raise ChunkCorrupt("header checksum mismatch")
-    known = (RAW, INT8) if version == 1 else tuple(codecs.KIND_NAMES)
-    if dtype_code not in _CODE_DTYPES or kind not in known:
-        raise ChunkCorrupt(f"unknown dtype code {dtype_code} or codec kind {kind}")
-    if kind == codecs.KIVI and (k_group < 1 or v_group < 1 or any(
-            not (1 <= b <= 8) for pair in layer_bits for b in pair)):  # fmt: skip
-        raise ChunkCorrupt("kivi object with bad group sizes or bit widths")
-    dtype = _CODE_DTYPES[dtype_code]
-    sizes = tuple(
-        layer_layout(version, kind, bits, heads, tokens, dim, dtype=dtype, k_group=k_group,
-                     v_group=v_group).size
-        for bits in layer_bits
-    )  # fmt: skip
-    if version == 1 and any(size != layer_bytes for size in sizes):
-        raise ChunkCorrupt("header sizes are inconsistent")
-    if tokens_offset != header_len + sum(sizes) or total_bytes != tokens_offset + 4 * tokens:
-        raise ChunkCorrupt("header sizes are inconsistent")
-    return ChunkHeader(
-        version=version, dtype=dtype, k_storage=k_storage, rope_base_position=rope_base,
-        codec_kind=kind, num_layers=num_layers, num_kv_heads=heads, head_dim=dim,
-        num_tokens=tokens, tokens_sha256=tokens_sha.hex(), model_fingerprint=fingerprint,
-        head_hash=head_hash, header_len=header_len, k_group=k_group, v_group=v_group,
-        v_rotated=bool(flags & FLAG_V_ROTATED), layer_bits=layer_bits, layer_sizes=sizes,
-        tokens_offset=tokens_offset, total_bytes=total_bytes, layer_crc32=tuple(layer_crcs),
-        tokens_crc32=tokens_crc,
-    )  # fmt: skip
+    return objects.parse_header(_host_bytes(buf, header_length(buf)), ChunkHeader)
 
 
 def decode_layer(
@@ -413,7 +262,7 @@ def decode_layers(
     with ``count`` times the heads, so that decoding costs one call's kernel launches for the
     run instead of one per layer (on a GPU most of a layer's decoding time; not verified:
     for trusted bytes). ``into``: K and V tensors of that shape, in ``dtype`` (views of a
-    request's joint buffers: ``loader._joint_slots``), that a quantized object's layers are
+    request's joint buffers: ``joined.joint_slots``), that a quantized object's layers are
     decoded into and returned."""
     size = header.layer_size(first)
     raw = as_uint8(blocks)
@@ -424,7 +273,7 @@ def decode_layers(
     # the layers' rows where they lie (its first operators widen them into new tensors);
     # the others' sections are gathered into one contiguous tensor each
     sections = [rows[:, at : at + n] for at, n in header.layout(first).sections]
-    if header.codec_kind != codecs.KIVI:
+    if header.codec_kind != KIVI:
         sections = [section.reshape(-1) for section in sections]
     heads, tokens, dim = header.num_kv_heads, header.num_tokens, header.head_dim
     shape = (count * heads, tokens, dim)
@@ -575,9 +424,9 @@ def encoded_size(
 ) -> int:  # fmt: skip
     """Bytes of the layer blocks (what a load moves), without header and tokens."""
     if codec is None:
-        codec = codecs.CODECS["int8"] if quantize else FP16
+        codec = CODECS["int8"] if quantize else FP16
     return sum(
-        layer_layout(FORMAT_VERSION, codec.kind, bits, heads, tokens, dim, dtype=dtype,
-                     k_group=codec.k_group, v_group=codec.v_group).size
+        layer_layout(FORMAT_VERSION, codec.kind, bits, heads, tokens, dim,
+                     itemsize=dtype.itemsize, k_group=codec.k_group, v_group=codec.v_group).size
         for bits in codec.layer_bits(num_layers)
     )  # fmt: skip

@@ -7,9 +7,9 @@ import threading
 from abc import abstractmethod
 from collections import OrderedDict
 
+from kvservice.protocol.keys import ChunkKey
 from kvservice.store.base import Tier, TierStats, buffer_nbytes
 from kvservice.store.format import Buffer
-from kvservice.store.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ import urllib3
 from minio import Minio
 from minio.error import MinioException, S3Error
 
+from kvservice.protocol.errors import StoreUnavailable
+from kvservice.protocol.keys import ChunkKey
 from kvservice.store.base import Tier, TierStats, buffer_nbytes
 from kvservice.store.config import StoreConfig
-from kvservice.store.errors import StoreUnavailable
 from kvservice.store.format import Buffer
-from kvservice.store.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvservice.chunk import ChunkKV
-from kvservice.store.base import Tier, TierStats
-from kvservice.store.codec import Codec, codec_by_name
-from kvservice.store.config import StoreConfig
-from kvservice.store.device import DeviceTier
-from kvservice.store.disk import DiskTier
-from kvservice.store.errors import (
+from kvservice.protocol.codecs import Codec, codec_by_name
+from kvservice.protocol.errors import (
     ChunkCorrupt,
     ChunkMissing,
     ChunkTruncated,
@@ -28,8 +24,13 @@ from kvservice.store.errors import (
     FingerprintMismatch,
     StoreUnavailable,
 )
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.objects import HEADER_PROBE_BYTES
+from kvservice.store.base import Tier, TierStats
+from kvservice.store.config import StoreConfig
+from kvservice.store.device import DeviceTier
+from kvservice.store.disk import DiskTier
 from kvservice.store.format import (
-    HEADER_PROBE_BYTES,
     Buffer,
     ChunkHeader,
     decode_chunk,
@@ -38,7 +39,6 @@ from kvservice.store.format import (
     header_length,
     verify_object,
 )
-from kvservice.store.keys import ChunkKey
 from kvservice.store.memory import MemoryTier
 from kvservice.store.s3 import S3Tier
 

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from kvservice.model.producer import HeadKVCache
     from kvservice.store import TieredStore
     from kvservice.vllm.blender import VllmBackedTransformer
 
@@ -159,7 +160,7 @@ class RagblendConnector(KVConnectorBase_V1):
         self._pending: dict[str, tuple[BlendPlan, int, int, Request]] = {}
         # Worker side
         self.blender_model: VllmBackedTransformer | None = None
-        self._head_kv: dict[tuple[int, ...], Any] = {}
+        self._heads: HeadKVCache | None = None  # the blender model's, once it is set
         self.stats: dict[str, Any] = {
             "requests": 0, "tokens_written": 0, "missing_chunks": 0, "max_loads_per_step": 0,
             "connector_s": 0.0, "load_s": 0.0, "write_s": 0.0,  # connector_s: all of it
@@ -183,7 +184,7 @@ class RagblendConnector(KVConnectorBase_V1):
     def _provided_context(self, request: Request, plan: BlendPlan) -> int:
         """Tokens of the context the connector can provide: the head, then chunks up to the
         first one the store does not hold. Asked once per request (store look-ups)."""
-        from kvservice.store import ChunkKey
+        from kvservice.protocol.keys import ChunkKey
 
         cached = self._matched.get(request.request_id)
         if cached is not None:
@@ -304,8 +305,8 @@ class RagblendConnector(KVConnectorBase_V1):
         """K (rotated) and V ``[L, H_kv, end - start, D]`` of the context, by ``blend_prefill``
         over the provided chunks; the rest of the prompt plays the question."""
         from kvservice.blend.prefill import blend_prefill
-        from kvservice.model.transformer import precompute_head
-        from kvservice.store import ChunkKey
+        from kvservice.model.producer import HeadKVCache
+        from kvservice.protocol.keys import ChunkKey
 
         plan, model = spec.plan, self.blender_model
         assert model is not None
@@ -322,18 +323,18 @@ class RagblendConnector(KVConnectorBase_V1):
                 self.stats["missing_chunks"] += 1
                 sources.append(None)
         self.stats["load_s"] += time.perf_counter() - load_started
-        head = tuple(plan.head_ids)
-        if head and head not in self._head_kv:
-            self._head_kv[head] = precompute_head(model, list(head))
+        head = list(plan.head_ids)
+        if self._heads is None:
+            self._heads = HeadKVCache(model)
         result = blend_prefill(
             model,
-            list(head),
+            head,
             sources,
             spec.prompt_ids[context_end:],
             mode=plan.mode,  # type: ignore[arg-type]
             recompute_ratio=plan.recompute_ratio,
             chunk_ids=plan.chunk_ids[:n_chunks],
-            head_kv=self._head_kv.get(head),
+            head_kv=self._heads.get(head) if head else None,
         )
         span = slice(spec.start, spec.end)
         return result.cache.k[:, 0, :, span], result.cache.v[:, 0, :, span]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -31,11 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvservice.blend.prefill import MODES
-from kvservice.prompt import Prompt, PromptFormat, stop_token_ids
-from kvservice.protocol import TokenEvent
-from kvservice.serve.engine import Completion
-from kvservice.serve.sampling import SamplingParams
+from kvservice.blend.prefill import MODES, Completion
+from kvservice.model.sampling import SamplingParams
+from kvservice.protocol import TokenEvent, environment
+from kvservice.protocol.prompt import Prompt, PromptFormat, stop_token_ids
 from kvservice.store import StoreConfig
 
 log = logging.getLogger(__name__)
@@ -68,22 +66,19 @@ class VllmSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> VllmSettings:
-        env = os.environ if environ is None else environ
+        """``VLLM_*`` in ``environ`` (default: the process environment), as declared in
+        ``kvservice.protocol.environment``."""
 
-        def flag(name: str) -> bool | None:
-            value = env.get(name)
-            return None if value is None else value.strip().lower() in {"1", "true", "yes"}
+        def read(name: str) -> Any:
+            return environment.read(name, environ)
 
-        try:
-            return cls(
-                gpu_memory_utilization=float(env.get("VLLM_GPU_MEMORY_UTILIZATION", "0.3")),
-                max_model_len=int(env.get("VLLM_MAX_MODEL_LEN", "4096")),
-                max_num_seqs=int(env.get("VLLM_MAX_NUM_SEQS", "8")),
-                dtype=env.get("VLLM_DTYPE") or None,
-                enforce_eager=flag("VLLM_ENFORCE_EAGER"),
-            )
-        except ValueError as err:
-            raise ValueError(f"bad VLLM_* setting: {err}") from err
+        return cls(
+            gpu_memory_utilization=read("VLLM_GPU_MEMORY_UTILIZATION"),
+            max_model_len=read("VLLM_MAX_MODEL_LEN"),
+            max_num_seqs=read("VLLM_MAX_NUM_SEQS"),
+            dtype=read("VLLM_DTYPE"),
+            enforce_eager=read("VLLM_ENFORCE_EAGER"),
+        )
 
 
 @dataclass
@@ -209,7 +204,7 @@ class VllmEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def chunk_key(self, token_ids: Sequence[int], head_hash: str | None = None) -> str:
-        from kvservice.store import ChunkKey
+        from kvservice.protocol.keys import ChunkKey
 
         head = self.format.storage_hash if head_hash is None else head_hash
         return ChunkKey.for_tokens(self.fingerprint, head, list(token_ids)).to_string()
@@ -248,7 +243,7 @@ class VllmEngine:
             top_p=sampling.top_p,
             seed=sampling.seed,
             stop_token_ids=sorted(self.stop_ids | set(sampling.stop_token_ids)),
-            # The same decoding as the native engine (kvservice.serve.sampling.apply_penalties and
+            # The same decoding as the native engine (kvservice.model.sampling.apply_penalties and
             # StopStrings follow vLLM's definitions).
             repetition_penalty=sampling.repetition_penalty,
             frequency_penalty=sampling.frequency_penalty,

@@ -17,13 +17,15 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvservice.config import WorkerConfig
-from kvservice.prompt import Prompt, PromptFormat
+from kvservice.blend.planning import PlannedRequest
 from kvservice.protocol import TokenEvent
-from kvservice.serve.planning import PlannedRequest
+from kvservice.protocol.prompt import Prompt, PromptFormat
 from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
+
+if TYPE_CHECKING:  # built by kvservice.config, the worker's composition root, and handed in
+    from kvservice.config import WorkerConfig
 
 
 class VllmRuntime:
@@ -47,9 +49,9 @@ class VllmRuntime:
     def load(self, cfg: WorkerConfig) -> None:
         from transformers import AutoTokenizer
 
+        from kvservice.blend.controller import LoadingController
         from kvservice.model.bundled import resolve_llm_path
         from kvservice.model.checkpoint import checkpoint_config
-        from kvservice.serve.controller import LoadingController
         from kvservice.store import StoreConfig, TieredStore
 
         path = resolve_llm_path(cfg.model_path, cfg.model_cache_dir)
@@ -77,7 +79,7 @@ class VllmRuntime:
         return self.engine.fingerprint if self.engine else ""
 
     def chunk_key(self, token_ids: list[int], scope: str = ""):
-        from kvservice.store import ChunkKey
+        from kvservice.protocol.keys import ChunkKey
 
         return ChunkKey.for_tokens(self.fingerprint, self.prompt.storage_hash, token_ids, scope)
 

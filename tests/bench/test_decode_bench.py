@@ -9,7 +9,7 @@ import torch
 
 from bench.decode import copy_bandwidth, main, parse_args, weight_bytes
 from kvservice.model.kernels import candidates
-from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
+from kvservice.tools.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 from tests.kvservice.conftest import TINY_COMMON
 
 

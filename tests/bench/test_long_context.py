@@ -10,7 +10,7 @@ import torch
 
 from bench.long_context import HEAD_TOKENS, QUESTION_TOKENS, synthetic_prompt
 from bench.prefill import main, parse_args
-from kvservice.model.synthetic import SYNTHETIC_CONFIGS
+from kvservice.tools.synthetic import SYNTHETIC_CONFIGS
 from tests.kvservice.conftest import TINY_COMMON
 
 

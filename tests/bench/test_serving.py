@@ -186,7 +186,7 @@ def test_sse_reader_reads_named_and_unnamed_events_and_multiline_data() -> None:
 
 
 def test_vllm_gets_the_products_prompt_numbered_as_the_worker_numbers_it() -> None:
-    from kvservice.prompt import SYSTEM_PROMPT
+    from kvservice.protocol.prompt import SYSTEM_PROMPT
 
     system, user = product_messages(["Alpha text.", "Beta text."], "Who?")
     assert system == {"role": "system", "content": SYSTEM_PROMPT}

@@ -51,12 +51,12 @@ def collect_stream(request_id: str, timeout_s: float = 240) -> tuple[list[str], 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         reply = client.xread({answer_stream(request_id): last_id}, block=2000, count=256)
-        for entry_id, kind, payload in decode_events(reply):
+        for entry_id, event in decode_events(reply):
             last_id = entry_id
-            if kind == "token":
-                tokens.append(payload["text"])
-            else:
-                return tokens, kind, payload
+            if event.kind == "token":
+                tokens.append(event.text)
+            elif event.kind != "queue":
+                return tokens, event.kind, event.data()
     raise AssertionError("no done/error event on the answer stream")
 
 

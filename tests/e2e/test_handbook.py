@@ -14,7 +14,7 @@ import pytest
 from django.test import TestCase
 
 from bench.answers import loops
-from kvservice.prompt import TURN_MARKERS
+from kvservice.protocol.prompt import TURN_MARKERS
 from kvservice.serve.citing import cited_ranks, says_not_found
 from tests.e2e.test_chat_e2e import collect_stream, upload_ready, wait_recorded
 from webapp.chat import services as chat

@@ -3,9 +3,9 @@ counted in the context budget."""
 
 from __future__ import annotations
 
-from kvservice.prompt import PromptFormat
+from kvservice.blend.planning import HISTORY_MAX_TOKENS, fit_context
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.protocol import ChunkRef, GenerateRequest, Turn
-from kvservice.serve.planning import HISTORY_MAX_TOKENS, fit_context
 
 
 def test_history_is_capped_in_tokens_keeping_the_newest_turns(smollm2_tokenizer) -> None:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvservice.blend.prefill import refresh
-from kvservice.prompt import PromptFormat
+from kvservice.model.sampling import SamplingParams
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.batcher import (
     MIN_SLICE_S,
     PAUSE_TARGET_S,
@@ -24,7 +25,6 @@ from kvservice.serve.batcher import (
     StepBudget,
 )
 from kvservice.serve.engine import Engine, Request
-from kvservice.serve.sampling import SamplingParams
 
 PASSAGES = [
     "The lighthouse on Karsk Point was lit for the first time in 1871 by keeper Ana Vik.",

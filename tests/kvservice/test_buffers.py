@@ -1,4 +1,4 @@
-"""The pool of large CPU buffers a request's KV cache is made in (kvservice.model.buffers)."""
+"""The pool of large CPU buffers a request's KV cache is made in (kvservice.store.buffers)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import gc
 
 import torch
 
-from kvservice.model.buffers import MIN_BYTES, BufferPool
 from kvservice.model.transformer import KVCache
+from kvservice.store.buffers import MIN_BYTES, BufferPool
 
 BIG = (MIN_BYTES // 4 + 1024,)  # float32 elements: just over the pool's least size
 
@@ -80,7 +80,7 @@ def test_buffers_of_the_same_size_are_told_apart() -> None:
 
 
 def test_without_torchs_use_count_the_pool_hands_out_plain_tensors(monkeypatch) -> None:
-    from kvservice.model import buffers
+    from kvservice.store import buffers
 
     monkeypatch.setattr(buffers, "_use_count", None)
     pool = BufferPool(1 << 30)

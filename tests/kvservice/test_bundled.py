@@ -61,9 +61,9 @@ def test_minilm_dir_loads_offline():
 def test_bundled_dir_answers_a_prompt_like_our_engine(smollm2_dir, smollm2, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvservice.prompt import PromptFormat
+    from kvservice.model.sampling import SamplingParams
+    from kvservice.protocol.prompt import PromptFormat
     from kvservice.serve.engine import Engine, Request
-    from kvservice.serve.sampling import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from kvservice.prompt import PromptFormat
-from kvservice.serve.compute_threads import run_in_passing_thread, single_threaded
+from kvservice.model.sampling import SamplingParams
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.engine import Engine, Request
-from kvservice.serve.sampling import SamplingParams
+from kvservice.store.compute_threads import run_in_passing_thread, single_threaded
 
 
 @pytest.fixture

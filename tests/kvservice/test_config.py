@@ -42,3 +42,11 @@ def test_the_prompt_heartbeat_and_vllm_settings_come_from_the_same_mapping() -> 
     assert config.kv_preamble is True and config.heartbeat_key == "hb:test"
     assert config.vllm is None  # only read for ENGINE=vllm
     assert WorkerConfig.from_env(BASE).kv_preamble is False
+
+
+def test_the_vllm_settings_are_read_through_the_registry() -> None:
+    vllm = {**BASE, "ENGINE": "vllm", "VLLM_MAX_MODEL_LEN": "2048", "VLLM_ENFORCE_EAGER": "on"}
+    settings = WorkerConfig.from_env(vllm).vllm
+    assert (settings.max_model_len, settings.enforce_eager, settings.dtype) == (2048, True, None)
+    with pytest.raises(ValueError, match="VLLM_MAX_NUM_SEQS must be a whole number"):
+        WorkerConfig.from_env({**vllm, "VLLM_MAX_NUM_SEQS": "eight"})

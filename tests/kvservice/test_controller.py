@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvservice.serve.controller import ChunkLoad, LoadingController, choose_loads, choose_ratio
+from kvservice.blend.controller import ChunkLoad, LoadingController, choose_loads, choose_ratio
 
 MB = 1 << 20
 # 3000 tokens x 30 layers; recompute at 900k token-layers/s -> full recompute 0.1 s

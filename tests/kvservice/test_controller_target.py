@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice.serve.controller import LoadingController, choose_ratio
+from kvservice.blend.controller import LoadingController, choose_ratio
 
 MB = 1 << 20
 # 3000 tokens x 30 layers; recompute at 900k token-layers/s -> full recompute 0.1 s

@@ -10,8 +10,8 @@ from bench.prefill import main
 from bench.staging import StoreBench
 from kvservice.blend.prefill import blend_prefill
 from kvservice.model.families import ModelConfig
-from kvservice.model.synthetic import SYNTHETIC_CONFIGS, random_model
 from kvservice.model.transformer import Transformer, precompute_chunks, precompute_head
+from kvservice.tools.synthetic import SYNTHETIC_CONFIGS, random_model
 
 from .conftest import TINY_COMMON
 
@@ -132,8 +132,8 @@ def _batch_tokens(model, tokenizer, prompt, budget) -> list[list[int]]:
     import time
 
     from kvservice.blend.prefill import blend_prefill_steps
+    from kvservice.model.sampling import SamplingParams
     from kvservice.serve.batcher import ContinuousBatcher, Job
-    from kvservice.serve.sampling import SamplingParams
 
     head, chunks, question = prompt
     kvs, head_kv = precompute_chunks(model, head, chunks), precompute_head(model, head)

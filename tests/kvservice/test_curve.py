@@ -8,22 +8,23 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from kvservice.blend.curve import (
-    FULL_COLOR,
-    SERIES_COLORS,
+from kvservice.protocol.curve import (
     UNRECORDED_CODEC,
     CurveSeries,
     bench_command,
-    load_curve,
     load_series,
     plan_for_target,
     predict,
-    ratio_curve_svg,
-    ratio_curves_svg,
     ratio_for_target,
     refresh_ratios,
     series_path,
     series_paths,
+)
+from webapp.dashboard.curve_chart import (
+    FULL_COLOR,
+    SERIES_COLORS,
+    ratio_curve_svg,
+    ratio_curves_svg,
 )
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -94,17 +95,17 @@ def test_no_drawable_points_says_so():
     assert _markers(svg) == [] and "No curve points" in svg
 
 
-def test_load_curve_reads_the_bench_json(tmp_path):
+def test_load_series_reads_the_bench_json(tmp_path):
     path = tmp_path / "curve.json"
-    assert load_curve(path) is None  # not measured yet
+    assert load_series(path) is None  # not measured yet
     path.write_text(json.dumps({"modes": {}, "curve": POINTS}))
-    assert load_curve(path) == POINTS
+    assert load_series(path).points == POINTS
     path.write_text(json.dumps({"modes": {}}))  # a bench run without --ratios
     with pytest.raises(ValueError, match="--ratios"):
-        load_curve(path)
+        load_series(path)
     path.write_text("{not json")
     with pytest.raises(ValueError):
-        load_curve(path)
+        load_series(path)
 
 
 def test_ratio_for_target_interpolates_the_first_crossing():

@@ -9,16 +9,16 @@ import threading
 import pytest
 import torch
 
-from kvservice.prompt import TURN_MARKERS, PromptFormat
-from kvservice.serve.batcher import ContinuousBatcher, Job
-from kvservice.serve.engine import Engine, Request
-from kvservice.serve.sampling import (
+from kvservice.model.sampling import (
     SamplingParams,
     StopStrings,
     TokenHistory,
     apply_penalties,
     sample_next,
 )
+from kvservice.protocol.prompt import TURN_MARKERS, PromptFormat
+from kvservice.serve.batcher import ContinuousBatcher, Job
+from kvservice.serve.engine import Engine, Request
 
 PASSAGES = ["Laptops are replaced every four years.", "The VPN is called Skerry."]
 QUESTION = "How often are laptops replaced?"
@@ -64,7 +64,7 @@ def engine(smollm2, smollm2_tokenizer):
 
 
 def _prompt(engine):
-    from kvservice.prompt import Prompt
+    from kvservice.protocol.prompt import Prompt
 
     fmt = engine.format
     segments = fmt.numbered([fmt.chunk_ids(text) for text in PASSAGES])

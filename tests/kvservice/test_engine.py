@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvservice.blend.prefill import refresh_steps
-from kvservice.prompt import PromptFormat
+from kvservice.model.sampling import SamplingParams, sample_next
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.engine import Engine, Request, refresh_ratio_from_env
-from kvservice.serve.sampling import SamplingParams, sample_next
 
 PASSAGES = [
     "Paris is the capital and largest city of France.",
@@ -137,7 +137,7 @@ def test_batched_decode_equals_one_by_one(engine, request_parts):
 
 
 def test_calibration_at_load_measures_what_the_loading_controller_weighs(engine):
-    from kvservice.serve.controller import ChunkLoad, LoadingController
+    from kvservice.blend.controller import ChunkLoad, LoadingController
     from kvservice.serve.runtime import calibrate
 
     controller = LoadingController()

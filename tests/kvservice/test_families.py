@@ -17,10 +17,10 @@ import torch
 from kvservice.blend.prefill import blend_prefill
 from kvservice.blend.selection import selection_layers
 from kvservice.blend.settings import ATTENTION_FROM_DEPTH
-from kvservice.model.check import check
 from kvservice.model.kernels import candidates
 from kvservice.model.transformer import KVCache, Transformer, precompute_chunks
-from kvservice.prompt import PromptFormat, stop_token_ids
+from kvservice.protocol.prompt import PromptFormat, stop_token_ids
+from kvservice.tools.check_model import check
 
 from .conftest import perturbed
 
@@ -215,7 +215,7 @@ def test_check_model_command_passes_gemma3_and_refuses_gpt2_by_name(family_dirs,
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)
     )
     gpt2.save_pretrained(tmp_path / "gpt2")
-    command = [sys.executable, "-m", "kvservice.model.check"]
+    command = [sys.executable, "-m", "kvservice.tools.check_model"]
     refused = subprocess.run(
         [*command, str(tmp_path / "gpt2")], capture_output=True, text=True, timeout=300
     )

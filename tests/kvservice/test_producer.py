@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kvservice.model.producer import KVProducer
-from kvservice.model.transformer import precompute_chunks
-from kvservice.store.keys import ChunkKey
+from kvservice.model.producer import HeadKVCache, KVProducer
+from kvservice.model.transformer import precompute_chunks, precompute_head
+from kvservice.protocol.keys import ChunkKey
 
 
 def test_chunks_batched_by_length_get_the_kv_each_gets_alone(tiny_llama) -> None:
@@ -30,3 +30,14 @@ def test_the_key_names_the_model_the_head_and_the_scope(tiny_llama) -> None:
     assert producer.after([5, 6, 7, 8]) is producer
     other = producer.after([5, 6])
     assert other.head_hash != producer.head_hash and other.model is tiny_llama
+
+
+def test_a_head_is_computed_once_and_kept_for_every_producer_on_the_model(tiny_llama) -> None:
+    heads = HeadKVCache(tiny_llama)
+    producer = KVProducer(tiny_llama, [5, 6, 7, 8], heads)
+    first = producer.head_kv
+    assert heads.get([5, 6, 7, 8]) is first  # the producer's head is the cache's entry
+    torch.testing.assert_close(first.k, precompute_head(tiny_llama, [5, 6, 7, 8]).k)
+    other = producer.after([5, 6])
+    assert other.heads is heads  # another head on the same model: the same cache
+    assert other.head_kv is heads.get((5, 6)) and other.head_kv.token_ids == [5, 6]

@@ -9,8 +9,11 @@ import uuid
 import redis
 
 from kvservice.protocol import (
+    AnswerOutcome,
     ChunkRef,
+    Done,
     GenerateRequest,
+    Token,
     Turn,
     first_token_time_s,
     publish_event,
@@ -36,10 +39,10 @@ def test_the_first_tokens_time_is_read_from_its_stream_entry(redis_service) -> N
     client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
     answered, silent = uuid.uuid4().hex, uuid.uuid4().hex
     before = time.time()
-    publish_event(client, answered, "token", text="Six")
+    publish_event(client, answered, Token(text="Six"))
     time.sleep(0.05)
-    publish_event(client, answered, "done", text="Six")
-    publish_event(client, silent, "done", text="")
+    publish_event(client, answered, Done(AnswerOutcome("done", text="Six")))
+    publish_event(client, silent, Done(AnswerOutcome("done")))
     first = first_token_time_s(client, answered)
     assert first is not None and abs(first - before) < 0.04  # the token's, not "done"'s
     assert first_token_time_s(client, silent) is None

@@ -3,6 +3,7 @@ worker that holds its chunks hot, and when that worker is killed the other answe
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -19,16 +20,33 @@ from celery import Celery
 from deploy.devstack import stop_all
 from kvservice.protocol import (
     GENERATE_TASK,
+    RECORD_QUEUE,
     ChunkRef,
+    End,
     GenerateRequest,
     answer_stream,
     decode_events,
+    outcome_of,
     routing,
     worker_alive,
 )
 from tests.conftest import ROOT, wait_for
 
 PASSAGES = json.loads((ROOT / "tests" / "data" / "musique_passages.json").read_text())["passages"]
+
+
+def _report(client: redis.Redis, request_id: str) -> dict | None:
+    """The answer's outcome: its stream's end, once a web side's record task has stored it,
+    else the worker's report still waiting on the ``answers`` queue (no web side here)."""
+    name = answer_stream(request_id)
+    for _id, event in decode_events([(name, client.xrange(name))]):
+        if isinstance(event, End):
+            return outcome_of(event).to_dict()
+    for raw in client.lrange(RECORD_QUEUE, 0, -1):
+        args = json.loads(base64.b64decode(json.loads(raw)["body"]))[0]
+        if args[2:] == [request_id]:
+            return args[1]
+    return None
 
 
 def _start_worker(shared: str, index: int, tmp_path: Path) -> subprocess.Popen:
@@ -60,20 +78,15 @@ def test_questions_go_to_the_worker_holding_their_chunks_and_survive_its_death(
                 for n, text in enumerate(passages)]  # fmt: skip
 
     def ask(refs: list[ChunkRef], queue: str | None = None) -> dict:
-        """Send a question as the web side does (or to ``queue``); the done event's metrics."""
+        """Send a question as the web side does (or to ``queue``); its outcome's metrics."""
         request = GenerateRequest(
             request_id=str(uuid.uuid4()), question="Which river is named here?", chunks=refs,
             mode="reuse", max_new_tokens=2,
         )  # fmt: skip
         queue = queue or routing.choose_queue(client, refs, shared).queue
         sender.send_task(GENERATE_TASK, args=[request.to_dict()], queue=queue)
-        name = answer_stream(request.request_id)
-
-        def finished() -> dict | None:
-            events = list(decode_events([(name, client.xrange(name))]))
-            return next((p for _, kind, p in events if kind in ("done", "error")), None)
-
-        final = wait_for(finished, timeout=240, interval=0.3, what="the answer")
+        final = wait_for(lambda: _report(client, request.request_id), timeout=240, interval=0.3,
+                         what="the answer")  # fmt: skip
         assert "metrics" in final, final
         return final["metrics"]
 
@@ -114,9 +127,7 @@ def test_questions_go_to_the_worker_holding_their_chunks_and_survive_its_death(
                          queue=routing.worker_queue(first, shared))  # fmt: skip
         wait_for(lambda: not worker_alive(client, first), timeout=20, what="the alive key")
         assert routing.requeue_orphans(client, shared) == 1
-        orphan_stream = answer_stream(orphan.request_id)
-        wait_for(lambda: any(kind == "done" for _, kind, _ in
-                             decode_events([(orphan_stream, client.xrange(orphan_stream))])),
+        wait_for(lambda: (_report(client, orphan.request_id) or {}).get("status") == "done",
                  timeout=240, interval=0.3, what="the requeued question's answer")  # fmt: skip
         assert ask(set_a)["worker"] == other
     finally:

@@ -1,4 +1,4 @@
-"""Random-weight models of a real shape (kvservice.model.synthetic): the Llama-3-8B config is that
+"""Random-weight models of a real shape (kvservice.tools.synthetic): the Llama-3-8B config is that
 model's, and the weights are seeded, in the dtype and on the device asked for."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvservice.model.families import ModelConfig
-from kvservice.model.synthetic import INIT_STD, LLAMA3_8B, random_model, synthetic_config
 from kvservice.model.transformer import RMSNorm, Transformer, rope_inv_freq
+from kvservice.tools.synthetic import INIT_STD, LLAMA3_8B, random_model, synthetic_config
 
 from .conftest import TINY_COMMON
 

@@ -1,7 +1,7 @@
 """Services that stop answering without closing their connections: a private valkey or S3
 gateway is started, then frozen with SIGSTOP (the kernel still accepts connections and
 takes requests; nothing replies), and thawed with SIGCONT. Every call has a deadline
-(kvservice/serve/deadlines.py, webapp/storage.py): /healthz and /readyz answer within
+(kvservice/protocol/deadlines.py, webapp/storage.py): /healthz and /readyz answer within
 ``HEALTH_TIMEOUT_S`` naming the component, an upload is a 503 and a delete goes through within
 seconds, and an answer whose worker lost its broker is ended once the broker is back.
 The figures printed here are those of docs/reliability.md, "Frozen services"."""
@@ -32,6 +32,7 @@ from deploy import services
 from kvservice.protocol import (
     GENERATE_TASK,
     GenerateRequest,
+    Token,
     answer_stream,
     decode_events,
     inflight_add,
@@ -39,7 +40,11 @@ from kvservice.protocol import (
     mark_alive,
     publish_event,
 )
-from kvservice.serve.deadlines import CELERY_RETRY_POLICY, REDIS_COMMAND_TIMEOUT_S, redis_from_url
+from kvservice.protocol.deadlines import (
+    CELERY_RETRY_POLICY,
+    REDIS_COMMAND_TIMEOUT_S,
+    redis_from_url,
+)
 from tests.conftest import ROOT, TEST_S3_BUCKETS, wait_for
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from tests.webapp.chat.test_reaper import wait_until_reaped
@@ -235,7 +240,8 @@ def pending_answer(django_user_model) -> Message:
 
 def _events(client: redis.Redis, request_id: str) -> list[tuple[str, dict]]:
     name = answer_stream(request_id)
-    return [(kind, data) for _id, kind, data in decode_events([(name, client.xrange(name))])]
+    entries = client.xrange(name)
+    return [(event.kind, event.data()) for _id, event in decode_events([(name, entries)])]
 
 
 @pytest.fixture
@@ -261,9 +267,9 @@ def test_a_worker_whose_broker_freezes_gives_its_request_up_and_the_reaper_ends_
     request_id, worker = str(pending_answer.request_id), inference_server.WORKER_ID
     request = GenerateRequest(request_id, "q", [], message_id=pending_answer.id)
     inflight_add(client, worker, request)
-    publish_event(client, request_id, "token", text="The Danube")
+    publish_event(client, request_id, Token(text="The Danube"))
     with frozen(private_valkey):
-        published, publish_s = timed(lambda: publish_event(client, request_id, "token", text="!"))
+        published, publish_s = timed(lambda: publish_event(client, request_id, Token(text="!")))
         _, leave_s = timed(lambda: inference_server._leave_flight(client, request, reported=False))
         assert request_id in inference_server._unsettled  # kept for the heartbeat
     print(f"frozen valkey: a token's publish failed after {publish_s:.2f} s, "

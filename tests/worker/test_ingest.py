@@ -12,14 +12,14 @@ from django.conf import settings
 from django.urls import reverse
 
 from kvservice.chunk import token_ids_sha256
-from kvservice.prompt import PromptFormat
-from kvservice.store import ChunkKey
+from kvservice.protocol.prompt import PromptFormat
+from kvservice.protocol.keys import ChunkKey
 from tests.conftest import wait_for
 from tests.webapp.documents import files
 from tests.webapp.documents.conftest import upload
 from webapp.documents import services
 from webapp.documents.chunking import llm_tokenizer
-from webapp.documents.kv import kv_store
+from worker.kv import kv_store
 from webapp.documents.models import Chunk, Document
 
 pytestmark = pytest.mark.django_db(transaction=True)

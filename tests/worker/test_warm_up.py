@@ -16,7 +16,7 @@ import django
 django.setup()
 from worker import celery, tasks
 from webapp.documents.embeddings import _load_embedder
-from webapp.documents.kv import _build_producer
+from worker.kv import _build_producer
 celery.warm_up()
 print("loading", not celery._warm_up_done.is_set(), flush=True)
 started = time.monotonic()

@@ -13,7 +13,7 @@ from typing import Any
 from asgiref.sync import async_to_sync
 from django.conf import settings
 
-from kvservice.protocol import AnswerOutcome
+from kvservice.protocol import AnswerMetrics, AnswerOutcome, End, StreamEvent, outcome_of
 from webapp.answer_stream import AnswerTimeout, stream_events, ttft_seen_s
 from webapp.chat.models import Message
 
@@ -23,20 +23,20 @@ RATIO_DECIMALS = 3
 
 async def answer_events(
     request_id: str, *, timeout_s: float | None = None
-) -> AsyncIterator[tuple[str, dict]]:
-    """(type, payload) of each event until ``done``/``error`` (included); raises
-    ``AnswerTimeout`` when the end has not come within ``timeout_s`` (default
+) -> AsyncIterator[StreamEvent]:
+    """Each event until the end (``Done`` or ``Error``, included: the answer is recorded by
+    then); raises ``AnswerTimeout`` when the end has not come within ``timeout_s`` (default
     ``API_ANSWER_TIMEOUT_S``)."""
     timeout_s = settings.API_ANSWER_TIMEOUT_S if timeout_s is None else timeout_s
     async for event in stream_events(request_id, timeout_s=timeout_s):
         if event is not None:
-            yield event[1], event[2]
+            yield event[1]
 
 
 async def _wait(request_id: str, timeout_s: float | None) -> AnswerOutcome:
-    async for kind, payload in answer_events(request_id, timeout_s=timeout_s):
-        if kind in ("done", "error"):
-            return AnswerOutcome.from_event(kind, payload)
+    async for event in answer_events(request_id, timeout_s=timeout_s):
+        if isinstance(event, End):
+            return outcome_of(event)
     raise AnswerTimeout("The answer stream ended without a result.")  # pragma: no cover
 
 
@@ -45,9 +45,9 @@ def wait_for_answer(answer: Message, *, timeout_s: float | None = None) -> Answe
     return async_to_sync(_wait)(str(answer.request_id), timeout_s)
 
 
-def tier_counts(metrics: dict[str, Any]) -> dict[str, int]:
+def tier_counts(metrics: AnswerMetrics) -> dict[str, int]:
     """{"cpu": 4, "s3": 2}: how many cited chunks each tier served."""
-    return dict(Counter(str(tier) for tier in (metrics.get("chunk_tiers") or {}).values()))
+    return dict(Counter(str(tier) for tier in metrics.chunk_tiers.values()))
 
 
 def retrieval_of(answer: Message) -> list[dict[str, Any]]:
@@ -68,26 +68,26 @@ def rounded_ratio(ratio: float | None) -> float | None:
     return None if ratio is None else round(ratio, RATIO_DECIMALS)
 
 
-def metrics_of(answer: Message, metrics: dict[str, Any]) -> dict[str, Any]:
-    """The API's metrics object, from the worker's ``done`` payload: its time to first token
-    beside the user's (``ttft_seen_s``), as the chat records them."""
+def metrics_of(answer: Message, metrics: AnswerMetrics) -> dict[str, Any]:
+    """The API's metrics object, from the worker's outcome: its time to first token beside
+    the user's (``ttft_seen_s``), as the chat records them."""
     ttft_seen = ttft_seen_s(
         asked_at=answer.asked_at, request_id=str(answer.request_id),
-        worker_ttft_s=metrics.get("ttft_s"),
+        worker_ttft_s=metrics.ttft_s,
     )  # fmt: skip
     return {
-        "ttft_s": metrics.get("ttft_s"),
+        "ttft_s": metrics.ttft_s,
         "ttft_seen_s": ttft_seen,
-        "total_s": metrics.get("total_s"),
-        "mode": metrics.get("mode") or answer.mode,
-        "recompute_ratio": rounded_ratio(metrics.get("recompute_ratio")),
-        "from_prefix_cache": bool(metrics.get("prefix_cache")),
+        "total_s": metrics.total_s,
+        "mode": metrics.mode or answer.mode,
+        "recompute_ratio": rounded_ratio(metrics.recompute_ratio),
+        "from_prefix_cache": metrics.prefix_cache,
         "tiers": tier_counts(metrics),
-        "prompt_tokens": metrics.get("prompt_tokens"),
-        "completion_tokens": metrics.get("completion_tokens"),
+        "prompt_tokens": metrics.prompt_tokens,
+        "completion_tokens": metrics.completion_tokens,
         "retrieval": retrieval_of(answer),
-        "not_found": bool(metrics.get("nothing_retrieved")),
-        "citation": metrics.get("citation"),
+        "not_found": metrics.nothing_retrieved,
+        "citation": metrics.citation,
     }
 
 

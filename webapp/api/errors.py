@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.http import Http404, HttpRequest, HttpResponse
+from django.http.multipartparser import MultiPartParserError
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
@@ -79,6 +80,8 @@ def normalize(exc: Exception) -> ApiError:
     if isinstance(exc, RequestDataTooBig):  # Django will not read the body: the caller's size
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
         return ApiError(413, "too_large", f"The request body is over {limit:,} bytes.")
+    if isinstance(exc, MultiPartParserError | SuspiciousOperation):  # a body Django won't read
+        return ApiError(400, "bad_request", f"The request body could not be read: {exc}")
     if outages.is_outage(exc):
         log.warning("API request failed: service unavailable: %r", exc)
         return unavailable(outages.MESSAGE)

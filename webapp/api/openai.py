@@ -16,7 +16,7 @@ from django.http import HttpRequest
 from ninja import NinjaAPI, Schema
 from pydantic import ConfigDict, Field
 
-from kvservice.protocol import AnswerOutcome
+from kvservice.protocol import AnswerMetrics, AnswerOutcome, Queue, Token, outcome_of
 from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
 from webapp.api.auth import API_AUTH
@@ -103,11 +103,16 @@ def list_models(request: HttpRequest):
     ]}  # fmt: skip
 
 
-def _usage(metrics: dict[str, Any]) -> dict[str, int]:
-    prompt = int(metrics.get("prompt_tokens") or 0)
-    completion = int(metrics.get("completion_tokens") or 0)
+def _usage(metrics: AnswerMetrics) -> dict[str, int]:
+    prompt = int(metrics.prompt_tokens or 0)
+    completion = int(metrics.completion_tokens or 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _finish_reason(metrics: AnswerMetrics) -> str:
+    """OpenAI's ``finish_reason``: the worker's, "stop" for an answer that reports none."""
+    return metrics.finish_reason or "stop"
 
 
 def _extras(answer: Message, result: AnswerOutcome) -> dict[str, Any]:
@@ -138,18 +143,18 @@ async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
     ``{"error": ...}`` object (OpenAI's clients raise it), then ``[DONE]`` for the others."""
     yield sse(None, _chunk(answer, model, {"role": "assistant", "content": ""}))
     try:
-        async for kind, payload in answers.answer_events(str(answer.request_id)):
-            if kind == "token":
-                yield sse(None, _chunk(answer, model, {"content": payload.get("text", "")}))
+        async for event in answers.answer_events(str(answer.request_id)):
+            if isinstance(event, Token):
+                yield sse(None, _chunk(answer, model, {"content": event.text}))
                 continue
-            if kind == "queue":  # OpenAI's stream has no such event: a comment keeps it open
+            if isinstance(event, Queue):  # OpenAI's stream has none: a comment keeps it open
                 yield ": waiting for the model\n\n"
                 continue
-            result = AnswerOutcome.from_event(kind, payload)  # the last event
+            result = outcome_of(event)  # the last event, once the answer is recorded
             if not result.ok:
                 yield sse(None, _openai_error(ApiError(502, "generation_failed", result.error)))
                 continue
-            last = _chunk(answer, model, {}, finish=result.metrics.get("finish_reason", "stop"))
+            last = _chunk(answer, model, {}, finish=_finish_reason(result.metrics))
             extras = await sync_to_async(_extras)(answer, result)
             last |= {"usage": _usage(result.metrics)} | extras
             yield sse(None, last)
@@ -190,7 +195,7 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
         "choices": [
             {
                 "index": 0,
-                "finish_reason": result.metrics.get("finish_reason", "stop"),
+                "finish_reason": _finish_reason(result.metrics),
                 "message": {"role": "assistant", "content": result.text},
             }
         ],  # fmt: skip

@@ -17,8 +17,8 @@ from ninja import Field as SchemaField
 from ninja import File, NinjaAPI, Query, Router, Schema, UploadedFile
 from ninja.responses import Status
 
-from kvservice.protocol import AnswerOutcome
-from kvservice.serve.heartbeat import read_heartbeat
+from kvservice.protocol import AnswerOutcome, Queue, Token, outcome_of
+from kvservice.protocol.heartbeat import read_heartbeat
 from webapp.answer_stream import AnswerTimeout, sse
 from webapp.api import answers
 from webapp.api.auth import API_AUTH
@@ -259,13 +259,13 @@ async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator
     yield sse("start", {"conversation_id": answer.conversation_id,
                                 "message_id": answer.pk, "citations": citations})  # fmt: skip
     try:
-        async for kind, payload in answers.answer_events(str(answer.request_id)):
-            if kind == "token":
-                yield sse("token", {"text": payload.get("text", "")})
-            elif kind == "queue":
-                yield sse("queue", {"ahead": payload.get("ahead")})
-            elif kind in ("done", "error"):
-                result = AnswerOutcome.from_event(kind, payload)
+        async for event in answers.answer_events(str(answer.request_id)):
+            if isinstance(event, Token):
+                yield sse("token", {"text": event.text})
+            elif isinstance(event, Queue):
+                yield sse("queue", {"ahead": event.ahead})
+            else:  # the end, Done or Error; the answer is recorded by then
+                result = outcome_of(event)
                 if result.ok:
                     out = await sync_to_async(_query_out)(answer, result)  # reads citations
                     yield sse("done", out)

@@ -6,16 +6,16 @@ Two cases, checked every few seconds by Celery beat (``worker.chat.reap_stale_an
   worker (``kvservice.protocol.inflight_add``), and each worker renews a short-lived alive
   key. An entry is ended when its worker's key has expired, when its worker abandoned it
   (Redis stopped answering while it streamed or reported the answer), or when it is still
-  there ``INFLIGHT_GRACE_S`` past its request's timeout: if the worker had already published
-  the answer's last event (it stopped between that and reporting it), that event is
-  recorded; otherwise the answer fails with what it had streamed so far.
+  there ``INFLIGHT_GRACE_S`` past its request's timeout: the answer fails with what it had
+  streamed so far (a stream already ended, by an older worker that ended streams itself,
+  is recorded as it ended).
 * **No worker took the question.** An answer still pending past ``ANSWER_PENDING_LIMIT_S``
   and not in flight anywhere fails; its stop flag is set, so a worker that picks the request
   up late drops it at once. Past ``hard_limit_s()`` it fails in flight or not, whatever the
   entry says (one written by an older worker has no start time).
 
-Either way an ``error`` event goes on the answer's stream, so a browser or program reading it
-learns at once instead of waiting out its own timeout.
+Either way, once the failure is recorded, an ``Error`` event goes on the answer's stream, so
+a browser or program reading it learns at once instead of waiting out its own timeout.
 """
 
 from __future__ import annotations
@@ -32,12 +32,16 @@ from django.utils import timezone
 from kvservice.protocol import (
     INFLIGHT_GRACE_S,
     AnswerOutcome,
+    End,
+    Error,
     GenerateRequest,
+    Token,
     answer_stream,
     decode_events,
     inflight_entries,
     inflight_overdue,
     inflight_remove,
+    outcome_of,
     publish_event,
     request_stop,
     worker_alive,
@@ -56,30 +60,28 @@ OVERDUE = "The model did not finish this answer in time. Ask again in a moment."
 NOBODY_ANSWERED = "No model worker took this question in time. Ask again in a moment."
 
 
-def _stream_so_far(client: Any, request_id: str) -> tuple[str, tuple[str, dict[str, Any]] | None]:
-    """The text streamed so far, and the final event's (type, payload) if there is one."""
+def _stream_so_far(client: Any, request_id: str) -> tuple[str, End | None]:
+    """The text streamed so far, and the stream's end if it has one."""
     text, final, name = [], None, answer_stream(request_id)
-    for _id, kind, payload in decode_events([(name, client.xrange(name))]):
-        if kind == "token":
-            text.append(payload.get("text", ""))
-        elif kind in ("done", "error"):
-            final = (kind, payload)
+    for _id, event in decode_events([(name, client.xrange(name))]):
+        if isinstance(event, Token):
+            text.append(event.text)
+        elif isinstance(event, End):
+            final = event
     return "".join(text), final
 
 
 def _end(client: Any, request_id: str, message_id: int | None, reason: str) -> None:
+    """Record the answer as failed (or as its stream ended), then tell the stream's readers:
+    recorded first, so that a reader that sees the end finds the record."""
     from webapp.chat.services import record_outcome
 
     text, final = _stream_so_far(client, request_id)
-    if final is not None and final[0] == "done":
-        outcome = AnswerOutcome.from_event(*final)
-    else:
-        outcome = AnswerOutcome.failed(reason, text)
-        if final is None:  # readers of the stream learn it now
-            publish_event(client, request_id, "error", error=reason, message=reason, text=text)
+    outcome = outcome_of(final) if final is not None else AnswerOutcome.failed(reason, text)
     request_stop(client, request_id)
-    if message_id is not None:
-        record_outcome(message_id=message_id, outcome=outcome)
+    recorded = message_id is not None and record_outcome(message_id=message_id, outcome=outcome)
+    if final is None and (recorded or message_id is None):  # readers of the stream learn it now
+        publish_event(client, request_id, Error(code="not_answered", message=reason, text=text))
 
 
 def hard_limit_s() -> float:

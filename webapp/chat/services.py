@@ -7,20 +7,24 @@ import logging
 import secrets
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from kvservice.protocol import (
+    AnswerMetrics,
     AnswerOutcome,
+    Done,
     PassageUse,
+    Token,
     Turn,
+    end_of,
     inflight_has,
     publish_event,
     request_stop,
     routing,
+    stream_ended,
     token_ids_sha256,
 )
 from webapp import dispatch, outages
@@ -315,8 +319,8 @@ def _answer_nothing_found(answer: Message, text: str = NOTHING_FOUND) -> None:
     record_outcome(message_id=answer.pk, outcome=outcome)
     request_id = str(answer.request_id)
     try:
-        publish_event(redis_client(), request_id, "token", text=text)
-        publish_event(redis_client(), request_id, "done", **outcome.to_dict())
+        publish_event(redis_client(), request_id, Token(text=text))
+        publish_event(redis_client(), request_id, Done(outcome))
     except outages.SERVICE_ERRORS as err:  # recorded already: a reload shows it
         raise AnswerServiceUnavailable(SEND_FAILED) from err
 
@@ -411,7 +415,7 @@ def chat_stop(*, answer: Message) -> None:
     if not inflight_has(client, request_id):
         outcome = AnswerOutcome.stopped_unstarted()
         if record_outcome(message_id=answer.pk, outcome=outcome):
-            publish_event(client, request_id, "done", **outcome.to_dict())
+            publish_event(client, request_id, Done(outcome))
 
 
 def chat_feedback(*, answer: Message, value: int) -> Message:
@@ -430,7 +434,7 @@ def record_outcome(*, message_id: int | None, outcome: AnswerOutcome) -> bool:
     if outcome.audit_of:  # a fidelity re-run in full prefill, not an answer of its own
         fidelity_record(audit_of=outcome.audit_of, outcome=outcome)
         return False
-    if not outcome.metrics.get("temperature"):  # a sampled attempt differs by chance
+    if not outcome.metrics.temperature:  # a sampled attempt differs by chance
         fidelity_maybe_audit(message_id=message_id, outcome=outcome)  # a share of blend answers
     with transaction.atomic():
         answer = Message.objects.select_for_update().filter(id=message_id).first()
@@ -450,24 +454,41 @@ def record_outcome(*, message_id: int | None, outcome: AnswerOutcome) -> bool:
     return True
 
 
-def _record_metrics(answer: Message, metrics: dict[str, Any]) -> None:
+def _record_metrics(answer: Message, metrics: AnswerMetrics) -> None:
     """What the worker measured, and the time to first token as the user saw it."""
-    answer.mode = metrics.get("mode") or answer.mode
-    answer.recompute_ratio = metrics.get("recompute_ratio")
-    answer.refresh_ratio = metrics.get("refresh_ratio")
-    answer.ttft_s = metrics.get("ttft_s")
+    answer.mode = metrics.mode or answer.mode
+    answer.recompute_ratio = metrics.recompute_ratio
+    answer.refresh_ratio = metrics.refresh_ratio
+    answer.ttft_s = metrics.ttft_s
     answer.ttft_seen_s = ttft_seen_s(
         asked_at=answer.asked_at, request_id=str(answer.request_id), worker_ttft_s=answer.ttft_s
     )
     answer.total_seen_s = total_seen_s(
         asked_at=answer.asked_at, request_id=str(answer.request_id), ttft_seen=answer.ttft_seen_s
     )
-    answer.second_token_s = metrics.get("second_token_s")
-    answer.total_s = metrics.get("total_s")
-    answer.prompt_tokens = metrics.get("prompt_tokens")
-    answer.completion_tokens = metrics.get("completion_tokens")
-    answer.finish_reason = metrics.get("finish_reason") or ""
-    answer.tiers = dict(Counter((metrics.get("chunk_tiers") or {}).values()))
+    answer.second_token_s = metrics.second_token_s
+    answer.total_s = metrics.total_s
+    answer.prompt_tokens = metrics.prompt_tokens
+    answer.completion_tokens = metrics.completion_tokens
+    answer.finish_reason = metrics.finish_reason
+    answer.tiers = dict(Counter(metrics.chunk_tiers.values()))
+
+
+def record_report(
+    *, message_id: int | None, request_id: str | None, outcome: AnswerOutcome
+) -> None:
+    """The inference worker's report of an answer (the record task): stored, then the
+    answer's stream ended with it (``Done``, or ``Error``), so a reader that sees the end finds
+    the answer recorded. The outcome crosses from the worker once, in the report: the stream
+    carried it too, and its readers had to wait for the record to land. Idempotent: a repeated
+    report (the task retried) ends a stream only if nothing has ended it yet; an answer the
+    reaper ended first keeps the reaper's end."""
+    recorded = record_outcome(message_id=message_id, outcome=outcome)
+    if request_id is None:  # an older worker ended its stream itself
+        return
+    client = redis_client()
+    if recorded or not stream_ended(client, request_id):
+        publish_event(client, request_id, end_of(outcome))
 
 
 def _record_passages(answer: Message, passages: list[PassageUse]) -> None:

@@ -24,6 +24,7 @@ from django.utils.html import escape
 from django.views.decorators.http import require_GET, require_POST
 from redis.exceptions import RedisError
 
+from kvservice.protocol import Queue, Token
 from webapp import outages
 from webapp.accounts.ratelimits import user_seconds_until_allowed
 from webapp.answer_stream import sse, stream_events
@@ -40,10 +41,6 @@ from webapp.redis import STREAM_BLOCK_MS
 
 logger = logging.getLogger(__name__)
 
-# How long the stream waits for an ended answer's record before relaying the end anyway
-# (the page then shows the answer as the stream had it, and the record follows).
-RECORD_WAIT_S = 10.0
-RECORD_POLL_S = 0.05
 STREAM_IDLE_LIMIT_S = 330  # a bit over the worker's request timeout: never hang forever
 STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as SSE ``id:`` sends it
 
@@ -189,24 +186,12 @@ def place_in_line(ahead: int | None) -> str:
     return f"{ahead} question{'s' if ahead != 1 else ''} ahead of yours."
 
 
-async def _recorded(answer_id: int, wait_s: float) -> bool:
-    """Whether the answer's record has landed, waiting up to ``wait_s`` for it: the page
-    fetches the message again on ``done``, and the worker reports the answer (on the
-    ``answers`` queue, ``kvservice.protocol.RECORD_QUEUE``) just after it ends the stream."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + wait_s
-    while True:
-        if not await Message.objects.filter(id=answer_id, status__in=Message.OPEN).aexists():
-            return True
-        if loop.time() >= until:
-            return False
-        await asyncio.sleep(RECORD_POLL_S)
-
-
 async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[str]:
     """Relay the answer's Redis stream as server-sent events until done/error, from the entry
     after ``last_id``. Each event carries its entry id, so a browser that reconnects (sending
-    it back as ``Last-Event-ID``) resumes where it was instead of receiving the answer twice."""
+    it back as ``Last-Event-ID``) resumes where it was instead of receiving the answer twice.
+    The end comes once the answer is recorded (``kvservice.protocol.events``): the page
+    fetches the message again on it, with no wait here for the record."""
     idle = 0.0
     try:
         yield ": connected\n\n"
@@ -219,15 +204,13 @@ async def _event_stream(answer: Message, last_id: str = "0") -> AsyncIterator[st
                 yield ": keep-alive\n\n"
                 continue
             idle = 0.0
-            entry_id, kind, payload = event
-            if kind == "token":
-                yield sse("token", escape(payload["text"]), entry_id)
-            elif kind == "queue":
-                yield sse("queue", escape(place_in_line(payload.get("ahead"))), entry_id)
-            elif kind in ("done", "error"):
-                if not await _recorded(answer.id, RECORD_WAIT_S):  # relayed all the same
-                    logger.warning("answer %s ended but is not recorded yet", answer.id)
-                yield sse(kind, json.dumps(payload), entry_id)
+            entry_id, streamed = event
+            if isinstance(streamed, Token):
+                yield sse("token", escape(streamed.text), entry_id)
+            elif isinstance(streamed, Queue):
+                yield sse("queue", escape(place_in_line(streamed.ahead)), entry_id)
+            else:  # the end: Done or Error
+                yield sse(streamed.kind, json.dumps(streamed.data()), entry_id)
     except asyncio.CancelledError:  # the browser went away; the answer is still recorded
         raise
     except RedisError as exc:  # the answer goes on and is recorded; only this view is lost

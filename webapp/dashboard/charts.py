@@ -14,8 +14,9 @@ from datetime import datetime
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
-from kvservice.blend.curve import CurveSeries, ratio_curves_svg
+from kvservice.protocol.curve import CurveSeries
 from webapp.dashboard import wording
+from webapp.dashboard.curve_chart import ratio_curves_svg
 
 WIDTH, HEIGHT = 520, 220
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 52, 16, 30, 42
@@ -117,13 +118,13 @@ class _Frame:
 
 
 CURVE_TITLE = "Answer quality against speed, per recompute ratio"
-# the y axis as ``kvservice.blend.curve`` labels it (for the bench's plots), and in words
+# the y axis as ``curve_chart`` labels it (for the bench's plots), and in words
 CURVE_Y_LABEL = ("mean KL to full (teacher-forced)", "difference from full (mean KL)")
 
 
 def ratio_curve(series: Sequence[CurveSeries], *, current: str | None = None) -> SafeString:
     """The bench's quality/speed curves, one series per codec, ``current`` (the store's)
-    marked (drawn by ``kvservice.blend.curve``, as ``--plot`` draws one); the legend names
+    marked (drawn by ``curve_chart``, as ``--plot`` draws one); the legend names
     each codec by its bit widths (short enough for one line of the legend)."""
     named = {one.codec: wording.codec_in_words(one.codec, short=True) for one in series}
     for codec, words in named.items():

@@ -1,7 +1,7 @@
 """What the operator sets on the dashboard (one settings row) and the fidelity audits.
 
 The live state of the cache tiers and of the loading controller is not stored here: the
-inference worker owns it and publishes it in its heartbeat (kvservice/serve/heartbeat.py)."""
+inference worker owns it and publishes it in its heartbeat (kvservice/protocol/heartbeat.py)."""
 
 from __future__ import annotations
 

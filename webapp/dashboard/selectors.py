@@ -17,7 +17,8 @@ from django.db.models import Count, Q, Sum, Value
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
-from kvservice.blend.curve import (
+from kvservice.protocol.codecs import DEFAULT_CODEC, configured_codec
+from kvservice.protocol.curve import (
     CurveSeries,
     bench_command,
     load_series,
@@ -25,7 +26,8 @@ from kvservice.blend.curve import (
     series_path,
     series_paths,
 )
-from kvservice.serve.heartbeat import read_heartbeat
+from kvservice.protocol.environment import read
+from kvservice.protocol.heartbeat import read_heartbeat
 from webapp.chat.models import Message
 from webapp.dashboard import wording
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
@@ -78,9 +80,9 @@ def target_plan(
     given) on the measured curve of the codec the store writes (``points``, else
     ``ratio_curve()["points"]``): the least first-token ratio that reaches it, by plain blend
     or by progressive blend upgrading to the operator's progressive setting (None where plain
-    blend is cheaper or nothing upgrades, ``kvservice.blend.curve.plan_for_target``); (None, None)
-    without a target or that codec's curve, when the worker's controller decides as in
-    auto."""
+    blend is cheaper or nothing upgrades, ``kvservice.protocol.curve.plan_for_target``);
+    (None, None) without a target or that codec's curve, when the worker's controller decides
+    as in auto."""
     row = dashboard_settings()
     if target is None:
         if row.controller_mode != DashboardSettings.ControllerMode.TARGET:
@@ -127,10 +129,9 @@ def audit_sample_rate() -> float:
 
 
 def store_codec() -> str:
-    """The codec the store writes new chunk KV in (``KV_CODEC``, read into ``StoreConfig``)."""
-    from kvservice.store.config import StoreConfig
-
-    return StoreConfig.from_env().codec
+    """The codec the store writes new chunk KV in (``KV_CODEC``, ``KV_QUANTIZE``), as the
+    workers' ``StoreConfig`` reads it."""
+    return configured_codec(read("KV_CODEC"), read("KV_QUANTIZE"))
 
 
 def ratio_curve(running_model: str | None = None) -> dict[str, Any]:
@@ -141,8 +142,6 @@ def ratio_curve(running_model: str | None = None) -> dict[str, Any]:
     fidelity target and the audit's predictions read; the ``error`` reading them; the
     ``command`` that measures the store's codec's curve; ``measured``: a line a series on
     how it was measured (the files' own notes are the bench's, for engineers)."""
-    from kvservice.store.codec import DEFAULT_CODEC
-
     path = Path(settings.RATIO_CURVE_PATH)
     errors: list[str] = []
     try:

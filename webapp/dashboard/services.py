@@ -198,14 +198,14 @@ def fidelity_maybe_audit(
     request in ``full`` prefill to audit it. Idempotent (one audit per answer at most)."""
     if message_id is None or outcome.audit_of or outcome.status != "done":
         return None
-    if outcome.metrics.get("nothing_retrieved"):  # no model ran: nothing to compare
+    if outcome.metrics.nothing_retrieved:  # no model ran: nothing to compare
         return None
     metrics = outcome.metrics
     rate = selectors.audit_sample_rate()
     if rate <= 0.0 or draw() >= rate:
         return None
     answer = Message.objects.filter(id=message_id, role=Message.Role.ASSISTANT).first()
-    if answer is None or not answer.is_open or (metrics.get("mode") or answer.mode) != "blend":
+    if answer is None or not answer.is_open or (metrics.mode or answer.mode) != "blend":
         return None
     request = _audit_request(answer)
     if request is None:
@@ -216,9 +216,9 @@ def fidelity_maybe_audit(
                 message=answer,
                 request=request.to_dict(),
                 blend_text=_model_words(outcome),
-                blend_recompute_ratio=metrics.get("recompute_ratio"),
-                blend_refresh_ratio=metrics.get("refresh_ratio"),
-                blend_ttft_s=metrics.get("ttft_s"),
+                blend_recompute_ratio=metrics.recompute_ratio,
+                blend_refresh_ratio=metrics.refresh_ratio,
+                blend_ttft_s=metrics.ttft_s,
             )
             dispatch.ask_on_commit(request)
     except IntegrityError:
@@ -237,7 +237,7 @@ def fidelity_record(*, audit_of: int, outcome: AnswerOutcome) -> FidelityAudit |
         if audit.status != FidelityAudit.Status.PENDING:
             return audit
         audit.full_text = _model_words(outcome)
-        audit.full_ttft_s = outcome.metrics.get("ttft_s")
+        audit.full_ttft_s = outcome.metrics.ttft_s
         if outcome.status == "done":
             audit.status = FidelityAudit.Status.DONE
             audit.token_f1 = token_f1(audit.blend_text, audit.full_text)

@@ -15,7 +15,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from kvservice.blend.curve import predict
+from kvservice.protocol.curve import predict
 from webapp import health
 from webapp.accounts.decorators import staff_required
 from webapp.dashboard import charts, selectors, services, wording

@@ -14,7 +14,7 @@ from urllib.parse import quote, urlsplit
 from django.conf import settings
 
 from deploy.stack import read_stack_env
-from kvservice.store.codec import CODECS, FP8, INT8, RAW
+from kvservice.protocol.codecs import CODECS, FP8, INT8, RAW
 from webapp.units import seconds
 
 FP16_BYTES = 2  # the "16 bits" the stored KV's compression is measured against

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from kvservice.prompt import chunk_token_ids
+from kvservice.protocol.prompt import chunk_token_ids
 from kvservice.protocol import token_ids_sha256
 
 # A sentence ends at . ! ? (optionally followed by closing quotes/brackets) before whitespace;

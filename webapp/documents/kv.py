@@ -1,127 +1,66 @@
-"""The web side's adapter onto the KV engine and the KV store (kvservice).
+"""What the web side knows of chunk KV, without the engine (no torch): whose scope a chunk's KV
+is in, what the inference worker is sent for a chunk, the prompt head chunks are computed
+after, and the stored objects as bytes (deleted when nothing names them any more, streamed by
+the knowledge delivery API).
 
-One object per worker process (``kv_producer()``, created lazily on the first KV task):
-the LLM loaded once, the deployment's fixed prompt head, and the store's S3 tier. Services
-talk to it in keys and token ids only, so the Celery and Django code never touches tensors.
+Computing and storing KV is the KV worker's (``worker/kv.py``: the LLM and the store's S3
+tier); the services that need it take its producer and store as arguments
+(``ChunkProducer``, ``ChunkStore``), so this package never loads them.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from dataclasses import dataclass
-from functools import cache
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
 
-log = logging.getLogger(__name__)
+import urllib3.exceptions
+from django.conf import settings
+from minio.error import MinioException, S3Error
 
+from kvservice.protocol import ChunkRef
+from kvservice.protocol.errors import StoreUnavailable
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.objects import Readable
+from kvservice.protocol.prompt import PromptFormat
+from webapp.storage import object_store
 
-class KVUnavailable(RuntimeError):
-    """The engine or store this step needs is not installed or not configured."""
-
-
-@dataclass(frozen=True)
-class Reencoded:
-    """What :meth:`KVStoreClient.reencode` did to one object."""
-
-    key: str
-    codec_before: str
-    codec_after: str
-    bytes_before: int
-    bytes_after: int
-    outcome: str  # reencoded, would (a dry run), already (in the codec), skipped (quantized)
+_MISSING_CODES = {"NoSuchKey", "NoSuchObject", "ResourceNotFound", "NoSuchBucket"}
 
 
-class KVStoreClient:
-    """Key-level access to the durable KV store (the S3 tier of kvservice's ``TieredStore``).
+class ChunkProducer(Protocol):
+    """Token ids to chunk KV after the deployment's head (``kvservice.model.producer``)."""
 
-    The web side writes straight to S3 and keeps no local tier: the inference worker's
-    memory and disk tiers are its own, and S3 is the truth that deletes are decided against.
-    It never loads the LLM, so the web process can use it for deletes."""
+    def key(self, token_ids: Sequence[int], scope: str = "") -> ChunkKey: ...
 
-    def __init__(self) -> None:
-        from kvservice.store import StoreConfig, TieredStore
-        from kvservice.store.s3 import S3Tier
+    def compute(self, token_ids: Sequence[Sequence[int]]) -> list[Any]: ...
 
-        config = StoreConfig.from_env()
-        if not config.s3_endpoint:
-            raise KVUnavailable("S3_ENDPOINT is not set: there is no KV store to write to")
-        self.store = TieredStore([S3Tier(config)], quantize=config.quantize, config=config)
+    def after(self, head_ids: Sequence[int]) -> ChunkProducer: ...
 
-    @staticmethod
-    def parse_key(key: str) -> Any:
-        from kvservice.store import ChunkKey
 
-        return ChunkKey.from_string(key)
+class ChunkStore(Protocol):
+    """Key-level access to the durable KV store (``worker.kv.KVStoreClient``)."""
 
-    def contains(self, key: str) -> bool:
-        """Whether S3 holds the object (raises ``StoreUnavailable`` when S3 is down)."""
-        s3 = self.store.durable
-        assert s3 is not None
-        return s3.contains(self.parse_key(key))
+    def contains(self, key: str) -> bool: ...
 
-    def put(self, chunk: Any, scope: str = "") -> str:
-        """Store a ``ChunkKV`` in S3 under ``scope``; returns its key string."""
-        return self.store.put(chunk, tiers=[], write_through=True, scope=scope).to_string()
+    def put(self, chunk: Any, scope: str = "") -> str: ...
 
-    def reencode(self, key: str, codec: str, *, write: bool = True) -> Reencoded | None:
-        """Read the object, and unless it is in ``codec`` already, store it again in
-        ``codec`` under the same key (``write=False``: only say what would change). None
-        when S3 has no such object. An object in another quantized codec is left as it is
-        (``skipped``): re-quantizing adds a second rounding; recompute it instead."""
-        import torch
+    def object_bytes(self, key: str) -> int | None: ...
 
-        from kvservice.store.codec import FP16, codec_by_name, describe
-        from kvservice.store.format import decode_chunk, decode_header
-
-        target = codec_by_name(codec)
-        chunk_key = self.parse_key(key)
-        s3 = self.store.durable
-        assert s3 is not None
-        data = s3.get(chunk_key)
-        if data is None:
-            return None
-        header = decode_header(data)
-        before = header.codec_name
-        narrow = self.store.config.narrow_to if header.dtype == torch.float32 else None
-        wanted = describe(target.kind, target.layer_bits(header.num_layers),
-                          narrow or header.dtype)  # fmt: skip
-        if wanted == before:
-            return Reencoded(key, before, before, len(data), len(data), "already")
-        if header.quantized and target != FP16:
-            return Reencoded(key, before, before, len(data), len(data), "skipped")
-        chunk = decode_chunk(data, chunk_key)  # verifies every layer and the token ids
-        new = self.store.encode(chunk, target)
-        if write:
-            s3.put(chunk_key, new)
-        return Reencoded(key, before, decode_header(new).codec_name, len(data), len(new),
-                         "reencoded" if write else "would")  # fmt: skip
-
-    def object_bytes(self, key: str) -> int | None:
-        """Bytes of the stored object, as its codec wrote it (one HEAD); None if absent."""
-        s3 = self.store.durable
-        assert s3 is not None
-        return s3.object_size(self.parse_key(key))
-
-    def delete(self, key: str) -> None:
-        self.store.delete(self.parse_key(key))
+    def reencode(self, key: str, codec: str, *, write: bool = True) -> Any: ...
 
 
 def kv_scope_for(owner_id: int) -> str:
     """The KV scope of a user's chunks: their own (``KV_CACHE_SCOPE=user``, the default), or
     "" (``shared``: identical text of different users shares one object; faster, but an
     upload's speed then tells whether someone else uploaded the same text)."""
-    from django.conf import settings
-
     return f"u{owner_id}" if settings.KV_CACHE_SCOPE == "user" else ""
 
 
-def chunk_ref(chunk: Any) -> Any:
+def chunk_ref(chunk: Any) -> ChunkRef:
     """A ``Chunk`` as the inference worker reads it (``kvservice.protocol.ChunkRef``): its
     token ids in its owner's KV scope. A passage of a collection shared with the asker was
     cached under its owner's scope, so the asker's own scope would miss it."""
-    from kvservice.protocol import ChunkRef
-
     return ChunkRef(
         chunk_id=chunk.pk,
         token_ids=list(chunk.token_ids),
@@ -129,56 +68,64 @@ def chunk_ref(chunk: Any) -> Any:
     )
 
 
-@cache
-def kv_store() -> KVStoreClient:
-    return KVStoreClient()
-
-
 def prompt_head_ids(tokenizer: Any) -> list[int]:
     """What the deployment computes every chunk after, as the inference worker builds it
-    (``kvservice.prompt.PromptFormat.storage_ids``: the fixed prompt head, and the retrieval
-    preamble with ``KV_PREAMBLE=on``); its hash is part of the chunk key, so the worker's
-    lookups hit what we store."""
-    from kvservice.prompt import PromptFormat
-
+    (``kvservice.protocol.prompt.PromptFormat.storage_ids``: the fixed prompt head, and the
+    retrieval preamble with ``KV_PREAMBLE=on``); its hash is part of the chunk key, so the
+    worker's lookups hit what ingest stores."""
     return list(PromptFormat.for_tokenizer(tokenizer).storage_ids)
 
 
-def _load_producer() -> Any:
-    """The deployment's LLM (``MODEL_PATH``, else the bundled one) and its prompt head, as
-    ``kvservice.model.producer.KVProducer``: token ids -> ChunkKV."""
-    import torch
-    from django.conf import settings
-
-    from kvservice.model.bundled import resolve_llm_path
-    from kvservice.model.kernels import DEFAULT_PRECISION
-    from kvservice.model.producer import KVProducer
-    from kvservice.model.transformer import Transformer
-    from webapp.documents.chunking import llm_tokenizer
-
-    path = resolve_llm_path(settings.MODEL_PATH or None)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    precision = settings.ENGINE_PRECISION or DEFAULT_PRECISION
-    model = Transformer.from_pretrained(path, device=device, precision=precision)
-    producer = KVProducer(model, prompt_head_ids(llm_tokenizer()))
-    log.info("KV precompute: model %s (%s), head of %d tokens", path, producer.fingerprint,
-             len(producer.head_ids))  # fmt: skip
-    return producer
+# --------------------------------------------------------------------------------------------
+# The stored objects, as bytes: the web app's S3 client (webapp.storage, its deadlines) on the
+# bucket and prefix the KV store writes to (``KV_S3_BUCKET``, ``KV_S3_PREFIX``)
 
 
-_producer_lock = threading.Lock()
+def kv_object_name(key: str | ChunkKey) -> str:
+    """The S3 object name of a chunk key, as the store's S3 tier names it."""
+    chunk_key = key if isinstance(key, ChunkKey) else ChunkKey.from_string(key)
+    return settings.S3_KV_PREFIX + chunk_key.to_string()
 
 
-def kv_producer() -> Any:
-    """The process's ``KVProducer``, built on first use (a worker's warm-up thread and its
-    first task may ask at once: one builds, the other waits)."""
-    with _producer_lock:
-        return _build_producer()
+def _unreachable(err: BaseException, what: str) -> StoreUnavailable:
+    return StoreUnavailable(f"S3 at {settings.S3_ENDPOINT} unreachable during {what}: {err}")
 
 
-@cache
-def _build_producer() -> Any:
+def delete_kv_object(key: str) -> None:
+    """Remove a chunk's KV object (absent already: nothing to do); ``StoreUnavailable`` when
+    S3 does not answer within its deadlines, and nothing was deleted."""
     try:
-        return _load_producer()
-    except (ImportError, AttributeError) as err:
-        raise KVUnavailable(f"the KV engine is not available: {err}") from err
+        object_store().remove_object(settings.S3_KV_BUCKET, kv_object_name(key))
+    except S3Error as err:
+        if err.code not in _MISSING_CODES:
+            raise
+    except (MinioException, urllib3.exceptions.HTTPError, OSError) as err:
+        raise _unreachable(err, "delete") from err
+
+
+class KVObjectReader:
+    """Stored objects read as byte streams (``open_stream``, what
+    ``kvservice.protocol.kdn_stream.ObjectStreams`` reads a tier with)."""
+
+    @contextmanager
+    def open_stream(self, key: ChunkKey, start: int) -> Iterator[Readable | None]:
+        """One GET from ``start`` to the object's end, read by the caller in pieces as the
+        body arrives; None where the object is not stored."""
+        try:
+            response = object_store().get_object(
+                settings.S3_KV_BUCKET, kv_object_name(key), offset=start
+            )
+        except S3Error as err:
+            if err.code in _MISSING_CODES:
+                yield None
+                return
+            raise
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as err:
+            raise _unreachable(err, "get") from err
+        try:
+            yield response
+        except (urllib3.exceptions.HTTPError, OSError) as err:
+            raise _unreachable(err, "get body") from err
+        finally:
+            response.close()
+            response.release_conn()

@@ -107,7 +107,7 @@ class Chunk(models.Model):
     embedding = VectorField(dimensions=EMBEDDING_DIM, null=True, blank=True)
     search_vector = SearchVectorField(null=True, blank=True)
     kv_status = models.CharField(max_length=16, choices=KVStatus.choices, default=KVStatus.PENDING)
-    # kvservice.store.keys.ChunkKey.to_string(); content-addressed, so shared between chunks.
+    # kvservice.protocol.keys.ChunkKey.to_string(); content-addressed, so shared between chunks.
     kv_key = models.CharField(max_length=255, blank=True, db_index=True)
     # Bytes of that object as stored (its codec's, kvservice.store.codec; a HEAD of S3 after
     # it is written); 0 until then. Quotas, the usage API and the dashboard add these up.

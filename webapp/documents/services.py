@@ -29,8 +29,10 @@ from django.db.models import F
 from django.utils import timezone
 from minio.error import S3Error
 
+from kvservice.protocol.errors import StoreUnavailable
 from webapp import dispatch
 from webapp.documents import parsing, quotas
+from webapp.documents.kv import ChunkProducer, ChunkStore, delete_kv_object, kv_scope_for
 from webapp.documents.models import SEARCH_CONFIG, Chunk, Collection, Document, OrphanObject
 from webapp.documents.sandbox import SandboxLimits, parse_isolated
 from webapp.documents.selectors import S3_MISSING
@@ -421,13 +423,12 @@ def lock_original_key(key: str) -> None:
 
 
 def document_precompute_kv(
-    *, chunk_ids: Sequence[int] | None = None, document_id: int | None = None
-) -> None:
+    *, chunk_ids: Sequence[int] | None = None, document_id: int | None = None,
+    producer: ChunkProducer, store: ChunkStore,
+) -> None:  # fmt: skip
     """Compute and store the KV of these chunks (or of all of a document's chunks), skipping
     any the store already holds; mark them ready and finish their documents. Store outages
-    raise ``TransientError``."""
-    from webapp.documents.kv import kv_producer, kv_scope_for, kv_store
-
+    raise ``TransientError``. ``producer`` and ``store``: the KV worker's (``worker/kv.py``)."""
     if (chunk_ids is None) == (document_id is None):
         raise ValueError("pass exactly one of chunk_ids and document_id")
     if chunk_ids is None:
@@ -446,8 +447,6 @@ def document_precompute_kv(
             set(Chunk.objects.filter(pk__in=chunk_ids).values_list("document_id", flat=True))
         )
         return
-    producer = kv_producer()
-    store = kv_store()
     owners = dict(
         Document.objects.filter(pk__in={c.document_id for c in chunks}).values_list(
             "pk", "owner_id"
@@ -466,7 +465,9 @@ def document_precompute_kv(
     _finish_documents({chunk.document_id for chunk in chunks})
 
 
-def _store_chunks_kv(chunks, keys: dict, scopes: dict, producer: Any, store: Any) -> None:
+def _store_chunks_kv(
+    chunks, keys: dict, scopes: dict, producer: ChunkProducer, store: ChunkStore
+) -> None:
     """Compute what the store lacks, in one batch, then store and mark each chunk under the
     lock of its key (``lock_kv_key``), skipping a chunk deleted or re-ingested meanwhile."""
     missing = [chunk for chunk in chunks if not store.contains(keys[chunk.pk])]
@@ -492,28 +493,22 @@ def _store_chunks_kv(chunks, keys: dict, scopes: dict, producer: Any, store: Any
             )  # fmt: skip
 
 
-def kv_object_reencode(*, key: str, codec: str, write: bool = True):
+def kv_object_reencode(*, key: str, codec: str, store: ChunkStore, write: bool = True):
     """Store one KV object again in ``codec`` (``KVStoreClient.reencode``) and record its new
     size on the chunks that use it. Under the key's advisory lock, so a delete or a fresh
     precompute of the same key waits; an object no chunk uses any more is left to the purge.
     Returns the ``Reencoded`` outcome, or None when nothing is stored under ``key``."""
-    from webapp.documents.kv import kv_store
-
     with transaction.atomic():
         lock_kv_key(key)
         if not Chunk.objects.filter(kv_key=key).exists():
             return None
-        outcome = kv_store().reencode(key, codec, write=write)
+        outcome = store.reencode(key, codec, write=write)
         if outcome is not None and write:
             Chunk.objects.filter(kv_key=key).update(kv_bytes=outcome.bytes_after)
     return outcome
 
 
 def _is_store_unavailable(err: BaseException) -> bool:
-    try:
-        from kvservice.store.errors import StoreUnavailable
-    except ImportError:  # pragma: no cover - the store is part of this repository
-        return False
     return isinstance(err, StoreUnavailable | urllib3.exceptions.HTTPError | ConnectionError)
 
 
@@ -572,9 +567,7 @@ def kv_key_in_use(key: str) -> bool:
 
 def _remove_object(orphan: OrphanObject) -> None:
     if orphan.kind == OrphanObject.Kind.KV:
-        from webapp.documents.kv import kv_store
-
-        kv_store().delete(orphan.key)
+        delete_kv_object(orphan.key)
     else:
         object_store().remove_object(settings.S3_DOCUMENTS_BUCKET, orphan.key)
 

@@ -21,9 +21,9 @@ from ninja.security import HttpBearer
 from pydantic import AfterValidator, BeforeValidator
 from pydantic_core import PydanticCustomError
 
-from kvservice.kdn.stream import ObjectStreams, StreamMissing
-from kvservice.store.errors import StoreUnavailable
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.errors import StoreUnavailable
+from kvservice.protocol.kdn_stream import ObjectStreams, StreamMissing
+from kvservice.protocol.keys import ChunkKey
 from webapp.api.auth import ApiKeyAuth
 from webapp.api.errors import (
     ApiError,
@@ -32,7 +32,7 @@ from webapp.api.errors import (
     unavailable,
     validation_message,
 )
-from webapp.documents.kv import KVUnavailable
+from webapp.documents.kv import KVObjectReader
 from webapp.kdn import services
 from webapp.kdn.tokens import RequestToken, token_claims, token_user
 
@@ -157,7 +157,7 @@ _STREAM_DOC = {
     "responses": {
         200: {
             "description": "The texts' KV as one binary stream (docs/kdn.md, "
-            "kvservice/kdn/stream.py): a preamble, every chunk's header, layer 0 of every "
+            "kvservice/protocol/kdn_stream.py): a preamble, every chunk's header, layer 0 of every "
             "chunk, layer 1 ..., then the token ids. Header X-KV-Tokens: total tokens.",
             "content": {"application/octet-stream": {"schema": {"type": "string",
                                                                 "format": "binary"}}},
@@ -197,7 +197,7 @@ def delete_kv(request: HttpRequest, payload: DeleteIn):
         raise _refused(err) from err
     except services.NotYours as err:
         raise ApiError(404, "not_stored", str(err)) from err
-    except (StoreUnavailable, KVUnavailable) as err:  # nothing deleted: DELETE again
+    except StoreUnavailable as err:  # nothing deleted: DELETE again
         raise unavailable(f"The KV store is unavailable: {err}") from err
 
 
@@ -218,7 +218,7 @@ def fetch_kv(request: HttpRequest, payload: FetchIn):
         raise _refused(err) from err
     except services.NotStored as err:
         raise ApiError(404, "not_stored", str(err)) from err
-    streams = ObjectStreams(_s3_tier(), [ChunkKey.from_string(k) for k in keys])
+    streams = ObjectStreams(KVObjectReader(), [ChunkKey.from_string(k) for k in keys])
     try:
         streams.open()
     except StreamMissing as err:
@@ -237,15 +237,6 @@ def _check_token_scope(claims: RequestToken, payload: FetchIn) -> None:
     if index is not None:
         message = f"texts[{index}] is not a text this request token was issued for."
         raise ApiError(403, "out_of_scope", message)
-
-
-def _s3_tier():
-    from webapp.documents.kv import KVUnavailable, kv_store
-
-    try:
-        return kv_store().store.durable
-    except KVUnavailable as err:
-        raise unavailable(str(err)) from err
 
 
 class _Body:

@@ -2,8 +2,8 @@
 through the KV workers, and finding what a user stored.
 
 A text maps to chunk tokens exactly as ingest's chunks do (the LLM's tokenizer, no special
-tokens: ``kvservice.prompt.chunk_token_ids``) and its KV is computed after a prompt head, the
-deployment's unless the caller names one (``head``, its text): the key is then
+tokens: ``kvservice.protocol.prompt.chunk_token_ids``) and its KV is computed after a prompt
+head, the deployment's unless the caller names one (``head``, its text): the key is then
 ``ChunkKey.for_tokens(model fingerprint, head hash, tokens, the caller's KV scope)``. The web
 process has the tokenizer but not the model, so the key (which holds the model's fingerprint)
 is made by the KV worker that computes or finds the object, and recorded here
@@ -20,14 +20,20 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, When
 
-from kvservice.prompt import chunk_token_ids
 from kvservice.protocol import token_ids_sha256
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.prompt import chunk_token_ids
 from webapp import dispatch
 from webapp.documents import quotas
 from webapp.documents.chunking import llm_tokenizer
 from webapp.documents.embeddings import embedder
-from webapp.documents.kv import kv_scope_for, prompt_head_ids
+from webapp.documents.kv import (
+    ChunkProducer,
+    ChunkStore,
+    delete_kv_object,
+    kv_scope_for,
+    prompt_head_ids,
+)
 from webapp.documents.models import Chunk
 from webapp.documents.selectors import documents_readable
 from webapp.kdn.models import StoredText
@@ -147,12 +153,14 @@ def kdn_put(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
     return stored
 
 
-def kdn_compute(*, token_ids: list[int], head_ids: list[int], scope: str) -> dict[str, Any]:
-    """In a KV worker: the object of these tokens after this head, in ``scope``, computed
-    and stored unless S3 holds it already. Idempotent."""
-    from webapp.documents.kv import kv_producer, kv_store
-
-    producer, store = kv_producer().after(head_ids), kv_store()
+def kdn_compute(
+    *, token_ids: list[int], head_ids: list[int], scope: str, producer: ChunkProducer,
+    store: ChunkStore,
+) -> dict[str, Any]:  # fmt: skip
+    """In a KV worker (its ``producer`` and ``store``, ``worker/kv.py``): the object of these
+    tokens after this head, in ``scope``, computed and stored unless S3 holds it already.
+    Idempotent."""
+    producer = producer.after(head_ids)
     key = producer.key(token_ids, scope)
     stored_bytes = store.object_bytes(key.to_string())
     computed = stored_bytes is None
@@ -210,7 +218,6 @@ def kdn_delete(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
     it). :class:`NotYours` when they stored no such text (another user's is not theirs).
     Under the key's advisory lock, as every decision on a KV object's fate
     (``webapp.documents.services``): a precompute storing the same key waits."""
-    from webapp.documents.kv import kv_store
     from webapp.documents.services import kv_key_in_use, lock_kv_key
 
     (tokenized,) = tokenize([text], head)
@@ -224,5 +231,5 @@ def kdn_delete(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
         row.delete()
         in_use = kv_key_in_use(row.kv_key)
         if not in_use:  # S3 down: the error rolls the record's delete back, to be retried
-            kv_store().delete(row.kv_key)
+            delete_kv_object(row.kv_key)
     return {"key": row.kv_key, "tokens": row.token_count, "kv_deleted": not in_use}

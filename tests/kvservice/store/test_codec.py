@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from kvservice.chunk import ChunkKV
+from kvservice.protocol.codecs import CODECS, DEFAULT_CODEC, FP16, codec_by_name, kivi
 from kvservice.store.codec import (
-    CODECS,
-    DEFAULT_CODEC,
-    FP16,
-    codec_by_name,
     hadamard,
-    kivi,
     pack_bits,
     quantize_groups,
     quantize_k_per_channel,
@@ -31,7 +27,7 @@ from kvservice.store.format import (
     layer_run,
     verify_object,
 )
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
 
 from .conftest import make_chunk
 

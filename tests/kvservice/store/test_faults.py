@@ -8,9 +8,9 @@ import torch
 
 from deploy import services
 from kvservice.store.config import StoreConfig
-from kvservice.store.errors import ChunkMissing, FingerprintMismatch, StoreUnavailable
+from kvservice.protocol.errors import ChunkMissing, FingerprintMismatch, StoreUnavailable
 from kvservice.store.format import decode_header, encode_chunk
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
 from kvservice.store.tiered import TieredStore
 
 from .conftest import make_chunk

@@ -3,17 +3,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvservice.store.errors import ChunkCorrupt, ChunkTruncated, FingerprintMismatch
+from kvservice.protocol.errors import ChunkCorrupt, ChunkTruncated, FingerprintMismatch
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.objects import HEADER_PROBE_BYTES, K_PRE_ROPE
 from kvservice.store.format import (
-    HEADER_PROBE_BYTES,
-    K_POST_ROPE,
     decode_chunk,
     decode_header,
     decode_layer,
     decode_token_ids,
     encode_chunk,
 )
-from kvservice.store.keys import ChunkKey
 
 from .conftest import D, H, L, T, make_chunk
 
@@ -66,7 +65,7 @@ def test_the_store_narrows_by_its_setting(tmp_path):
 
 def test_header_describes_the_chunk():
     chunk = make_chunk(2)
-    header = decode_header(encode_chunk(chunk, k_storage=K_POST_ROPE, rope_base_position=42))
+    header = decode_header(encode_chunk(chunk, rope_base_position=42))
     assert (header.num_layers, header.num_kv_heads, header.num_tokens, header.head_dim) == (
         L,
         H,
@@ -74,7 +73,7 @@ def test_header_describes_the_chunk():
         D,
     )
     assert header.key == ChunkKey.of(chunk)
-    assert header.k_storage == K_POST_ROPE and header.rope_base_position == 42
+    assert header.k_storage == K_PRE_ROPE and header.rope_base_position == 42
     assert header.header_len % 64 == 0 and header.header_len <= HEADER_PROBE_BYTES
 
 

@@ -1,5 +1,6 @@
-"""The knowledge delivery stream (kvservice.kdn.stream): objects read from the real S3
-gateway a layer at a time, written as one stream, and read back to the stored tensors."""
+"""The knowledge delivery stream (kvservice.protocol.kdn_stream, kvservice.kdn.stream):
+objects read from the real S3 gateway a layer at a time, written as one stream, and read back
+to the stored tensors."""
 
 from __future__ import annotations
 
@@ -9,17 +10,12 @@ import struct
 import pytest
 import torch
 
-from kvservice.kdn.stream import (
-    MAGIC,
-    PREAMBLE,
-    ObjectStreams,
-    StreamMissing,
-    StreamReader,
-)
-from kvservice.store.codec import codec_by_name
-from kvservice.store.errors import ChunkCorrupt, ChunkTruncated
+from kvservice.kdn.stream import StreamReader
+from kvservice.protocol.kdn_stream import MAGIC, PREAMBLE, ObjectStreams, StreamMissing
+from kvservice.protocol.codecs import codec_by_name
+from kvservice.protocol.errors import ChunkCorrupt, ChunkTruncated
 from kvservice.store.format import decode_chunk
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
 from tests.kvservice.store.conftest import L, make_chunk
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
 
 
 def test_a_scoped_key_is_another_object_of_the_same_content() -> None:

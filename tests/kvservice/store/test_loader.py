@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from kvservice.chunk import ChunkKV
-from kvservice.store.codec import codec_by_name, kivi
+from kvservice.protocol.codecs import codec_by_name, kivi
+from kvservice.protocol.errors import ChunkMissing
+from kvservice.protocol.keys import ChunkKey
 from kvservice.store.config import StoreConfig
 from kvservice.store.disk import DiskTier
-from kvservice.store.errors import ChunkMissing
 from kvservice.store.format import decode_chunk, decode_header, encode_chunk
-from kvservice.store.keys import ChunkKey
 from kvservice.store.loader import KVLoader, _read_in_turn
 from kvservice.store.memory import MemoryTier
 from kvservice.store.tiered import TieredStore
@@ -161,7 +161,7 @@ def test_prefetch_hides_load_behind_compute(tmp_path):
             k, _ = source.layer(i)
             assert torch.equal(k, chunk.k[i])
             if i + 1 < L:
-                assert i + 1 in source._futures  # layer i+1 is on its way while i is used
+                assert i + 1 in source.scheduled()  # layer i+1 is on its way while i is used
             time.sleep(2 * SlowDisk.delay)  # "compute" layer i
         stats = batch.stats()
     # only layer 0 is waited for; layers 1..L-1 arrive during compute
@@ -175,7 +175,8 @@ def test_no_pipeline_loads_everything_first_and_hides_nothing(tmp_path):
     store, key = _slow_store(tmp_path, chunk)
     with KVLoader(store, pipeline=False, promote=False) as loader:
         batch = loader.open([key])
-        assert all(f.done() for f in batch[0]._futures.values()) and len(batch[0]._futures) == L
+        scheduled = batch[0].scheduled()
+        assert all(f.done() for f in scheduled.values()) and len(scheduled) == L
         _assert_serves(batch[0], chunk)
         stats = batch.stats()
     assert stats.wait_s >= stats.load_s * 0.99 and stats.hidden_load_fraction < 0.01
@@ -260,7 +261,7 @@ def test_a_corrupt_disk_run_is_never_promoted_into_memory(store, recompute_from)
 def test_disk_runs_stop_at_the_byte_cap(store, monkeypatch):
     """A run from disk holds at most ``DISK_RUN_BYTES`` of stored layers (one layer at least),
     so a chunk's first layer does not wait for the read of all of them."""
-    import kvservice.store.loader as loader_module
+    import kvservice.store.layered as layered_module
 
     chunk = make_chunk(48)
     key = store.put(chunk, tiers=["disk"])
@@ -270,7 +271,7 @@ def test_disk_runs_stop_at_the_byte_cap(store, monkeypatch):
     monkeypatch.setattr(disk, "read_into", lambda k, start, out: reads.append(len(out))
                         or read_into(k, start, out))  # fmt: skip
     for cap, per_read in ((2 * layer + 1, 2), (layer // 2, 1)):
-        monkeypatch.setattr(loader_module, "DISK_RUN_BYTES", cap)
+        monkeypatch.setattr(layered_module, "DISK_RUN_BYTES", cap)
         reads.clear()
         with KVLoader(store, decode_layers=8, promote=False) as loader:
             _assert_serves(loader.open([key])[0], chunk)
@@ -366,16 +367,16 @@ def test_a_requests_chunks_in_memory_are_decoded_together(monkeypatch, device):
     decoded for every chunk stored alike in one call (``decode_chunk_runs``), a chunk
     stored otherwise on its own, and every layer served is exactly its chunk's (on CUDA, where
     chunks are joined unasked, within K's fused multiply-add)."""
-    from kvservice.store import loader as loader_module
+    from kvservice.store import joined as joined_module
 
     calls = []
-    real = loader_module.decode_chunk_runs
+    real = joined_module.decode_chunk_runs
 
     def recording(headers, first, count, *args, **kwargs):
         calls.append(([h.num_tokens for h in headers], first, count))
         return real(headers, first, count, *args, **kwargs)
 
-    monkeypatch.setattr(loader_module, "decode_chunk_runs", recording)
+    monkeypatch.setattr(joined_module, "decode_chunk_runs", recording)
     store = _memory_store()
     chunks = [make_chunk(90 + i, tokens=n) for i, n in enumerate((17, 40, 23, 31))]
     codecs = [JOINED, JOINED, codec_by_name("kivi4"), JOINED]
@@ -422,7 +423,7 @@ def test_decoding_a_request_dispatches_as_many_operators_for_six_chunks_as_for_t
 
 def test_a_requests_quantized_chunks_decoded_one_by_one_lie_side_by_side():
     """On the host, chunk by chunk: the quantized chunks of a request are decoded into one K
-    and one V buffer, side by side in request order (``loader._joint_slots``), so that the
+    and one V buffer, side by side in request order (``joined.joint_slots``), so that the
     blender reads neighbours' layers as one view (``placing.joined_view``); a chunk stored
     otherwise (unquantized) decodes on its own. Every layer is exactly its chunk's."""
     from kvservice.blend.placing import joined_view
@@ -462,7 +463,7 @@ def test_chunks_read_from_disk_decode_into_their_own_tensors(tmp_path):
     expected = [decode_chunk(encode_chunk(c, codec=JOINED)) for c in chunks]
     with KVLoader(store, join_chunks=False, promote=False) as loader:
         batch = loader.open(keys)
-        assert not batch[0]._joined.slots  # no buffer laid out for them
+        assert all(source.joint_slot is None for source in batch)  # no buffer laid out
         for i in range(L):
             layers = [source.layer(i) for source in batch]
             for (k, v), chunk in zip(layers, expected, strict=True):

@@ -47,7 +47,7 @@ def vllm_setup(smollm2, smollm2_dir, smollm2_tokenizer, tmp_path_factory):
     if not VLLM_INSTALLED:
         pytest.skip("vllm is not installed (make vllm)")
     from kvservice.model.transformer import precompute_chunks
-    from kvservice.prompt import PromptFormat
+    from kvservice.protocol.prompt import PromptFormat
     from kvservice.store import StoreConfig, TieredStore
 
     fmt = PromptFormat.for_tokenizer(smollm2_tokenizer)
@@ -80,7 +80,7 @@ def _settings():
 def plain_vllm_full(vllm_setup):
     """Greedy ``full`` answers of vLLM *without* the connector, for every question; the engine
     is shut down before the connector's engine starts (one engine in memory at a time)."""
-    from kvservice.serve.sampling import SamplingParams
+    from kvservice.model.sampling import SamplingParams
     from kvservice.vllm.engine import VllmEngine, VllmRequest
 
     fmt = vllm_setup["format"]

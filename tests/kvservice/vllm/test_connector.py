@@ -18,7 +18,7 @@ pytestmark = [
 
 
 def _request(setup, question, mode, keys=None, passages=PASSAGES):
-    from kvservice.serve.sampling import SamplingParams
+    from kvservice.model.sampling import SamplingParams
     from kvservice.vllm.engine import VllmRequest
 
     prompt = setup["format"].build(passages, question)
@@ -31,9 +31,9 @@ def _request(setup, question, mode, keys=None, passages=PASSAGES):
 
 def _native(setup, question, mode):
     """The native engine's greedy answer, reading the same stored (fp16) chunk KV."""
+    from kvservice.model.sampling import SamplingParams
+    from kvservice.protocol.keys import ChunkKey
     from kvservice.serve.engine import Engine, Request
-    from kvservice.serve.sampling import SamplingParams
-    from kvservice.store import ChunkKey
 
     fmt = setup["format"]
     prompt = fmt.build(PASSAGES, question)
@@ -89,7 +89,7 @@ def test_eight_simultaneous_blend_requests_each_get_their_own_answer(vllm_setup,
 
 
 def test_missing_chunk_is_prefilled_by_vllm_and_the_answer_comes(vllm_setup, vllm_engine):
-    from kvservice.store import ChunkKey
+    from kvservice.protocol.keys import ChunkKey
 
     prompt = vllm_setup["format"].build(PASSAGES, QUESTIONS[0])
     keys = [vllm_setup["keys"][tuple(ids)] for ids in prompt.chunk_ids]
@@ -129,10 +129,10 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
 
     import redis
 
+    from kvservice.blend.controller import LoadingController
     from kvservice.model.checkpoint import checkpoint_config
     from kvservice.protocol import ChunkRef, GenerateRequest, answer_stream
     from kvservice.serve.answer import answer_request
-    from kvservice.serve.controller import LoadingController
     from kvservice.vllm.runtime import VllmRuntime
 
     runtime = VllmRuntime()
@@ -152,10 +152,10 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     result = answer_request(runtime, request, client)
 
     # The same request by hand: numbered passages, the product's decoding, the citation.
-    from kvservice.prompt import Prompt
+    from kvservice.blend.planning import answer_sampling
+    from kvservice.model.sampling import AnswerText
+    from kvservice.protocol.prompt import Prompt
     from kvservice.serve.citing import verdict
-    from kvservice.serve.planning import answer_sampling
-    from kvservice.serve.sampling import AnswerText
     from kvservice.vllm.engine import VllmRequest
 
     segments = fmt.numbered([c.token_ids for c in chunks])
@@ -175,12 +175,12 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     passages = [vllm_engine.tokenizer.decode(c.token_ids) for c in chunks]
     judged = verdict(shown.text, passages, request.question)
     assert result.status == "done", result
-    assert result.text == judged.text and result.metrics["citation"] == judged.citation
+    assert result.text == judged.text and result.metrics.citation == judged.citation
     events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
               for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
     streamed = "".join(data["text"] for kind, data in events if kind == "token")
     assert streamed == shown.text + judged.streamed
-    kind, done = events[-1]
-    assert kind == "done" and done["metrics"]["engine"] == "vllm"
-    assert set(done["metrics"]["chunk_tiers"].values()) == {"disk"}
-    assert done["metrics"]["ttft_s"] > 0
+    assert events[-1][0] == "token"  # the outcome is the report: the web side ends the stream
+    assert result.metrics.engine == "vllm"
+    assert set(result.metrics.chunk_tiers.values()) == {"disk"}
+    assert result.metrics.ttft_s > 0

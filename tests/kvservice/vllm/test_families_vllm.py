@@ -68,7 +68,7 @@ def family(request, tmp_path_factory, smollm2_dir):
     from transformers import AutoTokenizer
 
     from kvservice.model.transformer import Transformer, precompute_chunks
-    from kvservice.prompt import PromptFormat
+    from kvservice.protocol.prompt import PromptFormat
     from kvservice.store import StoreConfig, TieredStore
     from kvservice.vllm.engine import VllmEngine, VllmSettings
 
@@ -99,7 +99,7 @@ def _prompt(family, question=QUESTIONS[0]):
 
 
 def _vllm(family, mode, ratio=0.15, question=QUESTIONS[0]):
-    from kvservice.serve.sampling import SamplingParams
+    from kvservice.model.sampling import SamplingParams
     from kvservice.vllm.engine import VllmRequest
 
     prompt = _prompt(family, question)
@@ -111,9 +111,9 @@ def _vllm(family, mode, ratio=0.15, question=QUESTIONS[0]):
 
 def _native(family, mode, ratio=0.15, question=QUESTIONS[0]):
     """The native engine's greedy answer, reading the same stored (fp16) chunk KV."""
+    from kvservice.model.sampling import SamplingParams
+    from kvservice.protocol.keys import ChunkKey
     from kvservice.serve.engine import Engine, Request
-    from kvservice.serve.sampling import SamplingParams
-    from kvservice.store import ChunkKey
 
     prompt = _prompt(family, question)
     sources = [family["store"].get(ChunkKey.from_string(family["keys"][tuple(ids)]))

@@ -9,14 +9,22 @@ import json
 import threading
 import time
 
-from kvservice.protocol import INFERENCE_QUEUE, AnswerOutcome, publish_event
+from kvservice.protocol import (
+    INFERENCE_QUEUE,
+    AnswerMetrics,
+    AnswerOutcome,
+    Token,
+    end_of,
+    publish_event,
+)
 from kvservice.serve.citing import passage_uses, verdict
 
 
 class FakeInferenceWorker:
     """``queue``: the one it takes requests from; ``token_delay_s``: a pause before each token
     (a slow model, for the browser to see an answer stream); ``record``: report each answer to
-    the web app as the real worker's record task does (``record_outcome``); ``judged``:
+    the web app as the real worker's record task does (``record_report``: stored, then the
+    stream ended), else only end the stream; ``judged``:
     the real worker's verdict on the words over the request's passages (its [n], or "not
     found" with the words withheld); ``metrics``: measurements to report over the canned."""
 
@@ -52,17 +60,15 @@ class FakeInferenceWorker:
             self._answer(request)
 
     def _answer(self, request: dict) -> None:
-        """Stream the words and end as the real worker does: ``done`` with the outcome (or
-        ``error``), reported to the web app (``record``) as its record task would."""
+        """Stream the words and end as the real worker does: its outcome reported to the web
+        app, whose record task stores it and ends the stream with it."""
         request_id = request["request_id"]
         if self.fail:
-            outcome = AnswerOutcome.failed("model exploded")
-            self._report(request, outcome)
-            publish_event(self.client, request_id, "error", error="model exploded", text="")
+            self._report(request, AnswerOutcome.failed("model exploded"))
             return
         for word in self.words:
             time.sleep(self.token_delay_s)
-            publish_event(self.client, request_id, "token", text=word)
+            publish_event(self.client, request_id, Token(text=word))
         tiers = {str(chunk["chunk_id"]): "cpu" for chunk in request["chunks"]}
         metrics = {"ttft_s": 0.05, "total_s": 0.2, "mode": request["mode"],
                    "recompute_ratio": 0.15, "chunk_tiers": tiers, "prompt_tokens": 40,
@@ -72,20 +78,21 @@ class FakeInferenceWorker:
         passages = [chunk["text"] for chunk in request["chunks"]]
         chunk_ids = [chunk["chunk_id"] for chunk in request["chunks"]]
         outcome = AnswerOutcome.answered(
-            "done", text=text, withheld=withheld, metrics=metrics,
+            "done", text=text, withheld=withheld, metrics=AnswerMetrics.from_dict(metrics),
             passages=passage_uses(text, passages, chunk_ids, tiers, request["question"]),
         )  # fmt: skip
         self._report(request, outcome)
-        publish_event(self.client, request_id, "done", **outcome.to_dict())
 
     def _report(self, request: dict, outcome: AnswerOutcome) -> None:
         if not self.record or request.get("message_id") is None:
+            publish_event(self.client, request["request_id"], end_of(outcome))
             return
         from django.db import connection
 
-        from webapp.chat.services import record_outcome
+        from webapp.chat.services import record_report
 
-        record_outcome(message_id=request["message_id"], outcome=outcome)
+        record_report(message_id=request["message_id"], request_id=request["request_id"],
+                      outcome=outcome)  # fmt: skip
         connection.close()  # this thread's own: the test database is dropped after the test
 
     def _judge(self, request: dict, metrics: dict) -> tuple[str, str]:
@@ -97,6 +104,6 @@ class FakeInferenceWorker:
         passages = [chunk["text"] for chunk in request["chunks"]]
         judged = verdict(text, passages, request["question"])
         if judged.streamed:
-            publish_event(self.client, request["request_id"], "token", text=judged.streamed)
+            publish_event(self.client, request["request_id"], Token(text=judged.streamed))
         metrics["citation"] = judged.citation
         return judged.text, judged.withheld

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import connections
 from django.test import Client
 
-from kvservice.protocol import AnswerOutcome, publish_event
+from kvservice.protocol import AnswerMetrics, AnswerOutcome, Done, Queue, Token, publish_event
 from tests.webapp.api.conftest import bearer
 from tests.webapp.api.fake_worker import FakeInferenceWorker
 from tests.webapp.chat.test_chat import PASSAGES, make_document
@@ -330,10 +330,10 @@ def test_streamed_query_sends_each_token_as_it_comes_under_asgi(alice, alice_aut
         assert start.startswith(b"event: start")
         message_id = json.loads(start.decode().split("data: ", 1)[1])["message_id"]
         answer = await Message.objects.aget(pk=message_id)
-        publish_event(client, str(answer.request_id), "token", text="Arborio")
+        publish_event(client, str(answer.request_id), Token(text="Arborio"))
         token = await _next_body(outbox)  # no done event exists yet
         assert token.startswith(b"event: token") and b"Arborio" in token
-        publish_event(client, str(answer.request_id), "done", text="Arborio", metrics={})
+        publish_event(client, str(answer.request_id), Done(AnswerOutcome("done", text="Arborio")))
         done = await _next_body(outbox)
         assert done.startswith(b"event: done") and b'"answer": "Arborio"' in done
         await asyncio.wait_for(call, 30)
@@ -356,13 +356,13 @@ def test_a_streamed_query_says_how_many_questions_are_ahead(alice, alice_auth) -
         message_id = json.loads(start.decode().split("data: ", 1)[1])["message_id"]
         answer = await Message.objects.aget(pk=message_id)
         for ahead in (1, None):
-            publish_event(client, str(answer.request_id), "queue", ahead=ahead)
+            publish_event(client, str(answer.request_id), Queue(ahead=ahead))
             place = await _next_body(outbox)
             assert place.startswith(b"event: queue")
             assert json.loads(place.decode().split("data: ", 1)[1]) == {"ahead": ahead}
-        publish_event(client, str(answer.request_id), "token", text="Arborio")
+        publish_event(client, str(answer.request_id), Token(text="Arborio"))
         assert (await _next_body(outbox)).startswith(b"event: token")
-        publish_event(client, str(answer.request_id), "done", text="Arborio", metrics={})
+        publish_event(client, str(answer.request_id), Done(AnswerOutcome("done", text="Arborio")))
         assert (await _next_body(outbox)).startswith(b"event: done")
         await asyncio.wait_for(call, 30)
         await sync_to_async(connections.close_all)()
@@ -380,10 +380,12 @@ def test_an_openai_stream_waits_through_the_queue_for_its_words(alice) -> None:
     answer = Message.objects.create(conversation=conversation, role=Message.Role.ASSISTANT,
                                     status=Message.Status.PENDING)  # fmt: skip
     client = redis_client()
-    publish_event(client, str(answer.request_id), "queue", ahead=3)
-    publish_event(client, str(answer.request_id), "token", text="Arborio")
-    outcome = AnswerOutcome.answered("done", text="Arborio", metrics={"completion_tokens": 1})
-    publish_event(client, str(answer.request_id), "done", **outcome.to_dict())
+    publish_event(client, str(answer.request_id), Queue(ahead=3))
+    publish_event(client, str(answer.request_id), Token(text="Arborio"))
+    outcome = AnswerOutcome.answered(
+        "done", text="Arborio", metrics=AnswerMetrics(completion_tokens=1)
+    )
+    publish_event(client, str(answer.request_id), Done(outcome))
 
     async def collect() -> list[str]:
         frames = [frame async for frame in _completion_events(answer, "ragblend")]

@@ -13,7 +13,7 @@ import time
 import pytest
 from django.urls import reverse
 
-from kvservice.protocol import AnswerOutcome, answer_stream, publish_event
+from kvservice.protocol import AnswerMetrics, AnswerOutcome, Token, answer_stream, publish_event
 from tests.webapp.chat.test_chat import pending_answer
 from webapp.chat import services
 from webapp.chat.models import Message
@@ -32,7 +32,7 @@ def _pending(owner, *, asked_at=None) -> Message:
 def _record(answer: Message, content: str, **metrics) -> Message:
     """The worker's report of ``content``, recorded."""
     metrics = {"ttft_s": 0.05, "total_s": 0.3, "mode": "blend", **metrics}
-    outcome = AnswerOutcome.answered("done", text=content, metrics=metrics)
+    outcome = AnswerOutcome.answered("done", text=content, metrics=AnswerMetrics(**metrics))
     services.record_outcome(message_id=answer.id, outcome=outcome)
     answer.refresh_from_db()
     return answer
@@ -79,9 +79,9 @@ def test_answered_in_is_the_wait_to_the_last_words_never_more_than_passed(client
     answer = _pending(alice)
     request_id = str(answer.request_id)
     time.sleep(0.6)
-    publish_event(redis_client(), request_id, "token", text="The harbour master is ")
+    publish_event(redis_client(), request_id, Token(text="The harbour master is "))
     time.sleep(0.2)
-    publish_event(redis_client(), request_id, "token", text="Ines Varga. [1]")
+    publish_event(redis_client(), request_id, Token(text="Ines Varga. [1]"))
     answer = _record(answer, "The harbour master is Ines Varga. [1]", ttft_s=0.05, total_s=1.5)
     passed = (answer.completed_at - answer.asked_at).total_seconds()
     assert 0.6 <= answer.ttft_seen_s <= answer.total_seen_s <= passed

@@ -9,7 +9,13 @@ import redis
 from django.conf import settings
 from django.test import TestCase
 
-from kvservice.protocol import INFERENCE_QUEUE, AnswerOutcome, answer_stream, decode_events
+from kvservice.protocol import (
+    INFERENCE_QUEUE,
+    AnswerOutcome,
+    Done,
+    answer_stream,
+    decode_events,
+)
 from kvservice.serve.citing import passage_uses
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from webapp.chat import services
@@ -70,8 +76,8 @@ def test_a_question_nothing_relevant_answers_gets_not_found_without_the_model(al
     assert answer.citations.count() == 0 and queue.llen(INFERENCE_QUEUE) == 0
     stream = answer_stream(str(answer.request_id))
     events = list(decode_events([(stream, redis_client().xrange(stream))]))
-    kind, payload = events[-1][1], events[-1][2]
-    assert kind == "done" and payload["metrics"]["nothing_retrieved"] is True
+    end = events[-1][1]
+    assert isinstance(end, Done) and end.outcome.metrics.nothing_retrieved is True
 
 
 def test_a_user_without_documents_is_told_to_upload_some(django_user_model, queue) -> None:

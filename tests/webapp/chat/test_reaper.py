@@ -20,7 +20,11 @@ from kvservice.protocol import (
     GENERATE_TASK,
     INFLIGHT_GRACE_S,
     INFLIGHT_KEY,
+    AnswerMetrics,
+    AnswerOutcome,
+    Done,
     GenerateRequest,
+    Token,
     answer_stream,
     decode_events,
     inflight_abandon,
@@ -89,7 +93,7 @@ def _in_flight(answer: Message, worker: str) -> None:
 def _events(answer: Message) -> list[tuple[str, dict]]:
     name = answer_stream(str(answer.request_id))
     reply = [(name, redis_client().xrange(name))]
-    return [(kind, payload) for _id, kind, payload in decode_events(reply)]
+    return [(event.kind, event.data()) for _id, event in decode_events(reply)]
 
 
 @pytest.mark.django_db
@@ -97,7 +101,7 @@ def test_a_dead_workers_answer_fails_with_what_it_had_streamed(new_answer) -> No
     answer = new_answer()
     _in_flight(answer, worker=f"gone:{uuid.uuid4()}")  # no alive key: the worker is dead
     for word in ("The Danube", " flows"):
-        publish_event(redis_client(), str(answer.request_id), "token", text=word)
+        publish_event(redis_client(), str(answer.request_id), Token(text=word))
 
     assert reap_stale_answers() >= 1
 
@@ -105,17 +109,20 @@ def test_a_dead_workers_answer_fails_with_what_it_had_streamed(new_answer) -> No
     assert answer.status == Message.Status.FAILED and answer.error_message == WORKER_DIED
     assert answer.content == "The Danube flows"  # the partial answer is kept
     kind, payload = _events(answer)[-1]  # readers of the stream are told at once
-    assert kind == "error" and payload["error"] == WORKER_DIED
+    assert kind == "error" and payload["message"] == WORKER_DIED
+    assert payload["code"] == "not_answered" and payload["text"] == "The Danube flows"
     assert str(answer.request_id) not in inflight_entries(redis_client())
 
 
 @pytest.mark.django_db
 def test_an_answer_finished_on_the_stream_but_never_reported_is_recorded(new_answer) -> None:
+    """A stream ended by its worker (an older one, which ended streams itself) whose report
+    never came: recorded as it ended."""
     answer = new_answer()
     _in_flight(answer, worker=f"gone:{uuid.uuid4()}")
-    publish_event(redis_client(), str(answer.request_id), "token", text="Vienna")
-    publish_event(redis_client(), str(answer.request_id), "done", text="Vienna",
-                  metrics={"ttft_s": 0.5, "mode": "blend"})  # fmt: skip
+    publish_event(redis_client(), str(answer.request_id), Token(text="Vienna"))
+    outcome = AnswerOutcome("done", text="Vienna", metrics=AnswerMetrics(ttft_s=0.5, mode="blend"))
+    publish_event(redis_client(), str(answer.request_id), Done(outcome))
     reap_stale_answers()
     answer.refresh_from_db()
     assert answer.status == Message.Status.DONE and answer.content == "Vienna"
@@ -183,8 +190,9 @@ def test_answers_their_live_worker_abandoned_are_ended_from_their_streams(
     for answer in (finished, cut):
         request = GenerateRequest(str(answer.request_id), "q", [], message_id=answer.id)
         inflight_abandon(redis_client(), live_worker, request)
-    publish_event(redis_client(), str(finished.request_id), "done", text="Vienna", metrics={})
-    publish_event(redis_client(), str(cut.request_id), "token", text="The Danube")
+    ended = Done(AnswerOutcome("done", text="Vienna"))  # by an older worker, which ended streams
+    publish_event(redis_client(), str(finished.request_id), ended)
+    publish_event(redis_client(), str(cut.request_id), Token(text="The Danube"))
     reap_stale_answers()
     finished.refresh_from_db()
     cut.refresh_from_db()
@@ -214,7 +222,7 @@ def test_an_answer_in_flight_past_its_timeout_fails_though_its_worker_is_alive(
     stuck, working = new_answer(), new_answer()
     _in_flight_since(stuck, live_worker, seconds_ago=300 + INFLIGHT_GRACE_S + 1)
     _in_flight_since(working, live_worker, seconds_ago=300 + INFLIGHT_GRACE_S - 5)
-    publish_event(redis_client(), str(stuck.request_id), "token", text="The Danube")
+    publish_event(redis_client(), str(stuck.request_id), Token(text="The Danube"))
     reap_stale_answers()
     stuck.refresh_from_db()
     working.refresh_from_db()

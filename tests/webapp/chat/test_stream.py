@@ -13,18 +13,21 @@ from django.conf import settings
 from django.db import connections
 from django.urls import reverse
 
-from kvservice.protocol import AnswerOutcome, publish_event
-from webapp.chat import views
+from kvservice.protocol import (
+    AnswerMetrics,
+    AnswerOutcome,
+    Done,
+    Error,
+    Queue,
+    Token,
+    answer_stream,
+    decode_events,
+    publish_event,
+)
 from webapp.chat.models import Conversation, Message
-from webapp.chat.services import record_outcome
+from webapp.chat.services import record_report
 from webapp.chat.views import _event_stream
 from webapp.redis import STREAM_SOCKET_TIMEOUT_S
-
-
-@pytest.fixture(autouse=True)
-def short_record_wait(monkeypatch) -> None:
-    """Nobody records these answers but where a test does: the end comes after 1 s."""
-    monkeypatch.setattr(views, "RECORD_WAIT_S", 1.0)
 
 
 @pytest.fixture
@@ -75,8 +78,8 @@ def test_a_silence_longer_than_the_socket_timeout_keeps_the_stream(answer, publi
 
     def later() -> None:
         time.sleep(6.5)
-        publish_event(publisher, str(answer.request_id), "token", text="Vienna")
-        publish_event(publisher, str(answer.request_id), "done", text="Vienna", metrics={})
+        publish_event(publisher, str(answer.request_id), Token(text="Vienna"))
+        publish_event(publisher, str(answer.request_id), Done(AnswerOutcome("done", text="Vienna")))
 
     thread = threading.Thread(target=later)
     thread.start()
@@ -92,8 +95,9 @@ def test_a_silence_longer_than_the_socket_timeout_keeps_the_stream(answer, publi
 @pytest.mark.django_db
 def test_a_reconnect_resumes_after_the_last_event_id(answer, publisher, client) -> None:
     for word in ("The", " Danube", " flows"):
-        publish_event(publisher, str(answer.request_id), "token", text=word)
-    publish_event(publisher, str(answer.request_id), "done", text="The Danube flows", metrics={})
+        publish_event(publisher, str(answer.request_id), Token(text=word))
+    ended = Done(AnswerOutcome("done", text="The Danube flows"))
+    publish_event(publisher, str(answer.request_id), ended)
     first = _events(_collect(answer))
     assert [d for _, e, d in first if e == "token"] == ["The", " Danube", " flows"]
     assert all(event_id for event_id, _, _ in first)  # every event names its entry
@@ -115,20 +119,17 @@ def test_a_reconnect_resumes_after_the_last_event_id(answer, publisher, client) 
 
 @pytest.mark.django_db(transaction=True)
 def test_the_browser_hears_done_once_the_workers_report_is_recorded(answer, publisher) -> None:
-    """The worker ends the stream, then reports the answer (the record task): the stream
-    only reads, and relays ``done`` once the record is there, so the page's re-fetch on
-    done finds the answer."""
+    """The worker streams the words and reports the answer; the record task stores it, then
+    ends the stream (``record_report``): the page's re-fetch on done finds the answer."""
     request_id = str(answer.request_id)
-    publish_event(publisher, request_id, "token", text="Vienna")
-    outcome = AnswerOutcome.answered(
-        "done", text="Vienna", metrics={"mode": "blend", "ttft_s": 0.25, "chunk_tiers": {}}
-    )
-    publish_event(publisher, request_id, "done", **outcome.to_dict())
+    publish_event(publisher, request_id, Token(text="Vienna"))
+    metrics = AnswerMetrics(mode="blend", ttft_s=0.25)
+    outcome = AnswerOutcome.answered("done", text="Vienna", metrics=metrics)
     seen_open = []
 
-    def report_later() -> None:  # the record task, a moment after the stream's end
+    def report_later() -> None:  # the record task, a moment after the last words
         time.sleep(0.3)
-        record_outcome(message_id=answer.id, outcome=outcome)
+        record_report(message_id=answer.id, request_id=request_id, outcome=outcome)
         connections.close_all()
 
     async def run() -> None:
@@ -149,19 +150,42 @@ def test_the_browser_hears_done_once_the_workers_report_is_recorded(answer, publ
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_end_is_relayed_when_no_record_comes(answer, publisher, monkeypatch) -> None:
-    """No report within ``RECORD_WAIT_S`` (the Celery worker down): the browser still hears
-    the end, and the stream view writes nothing (the report is recorded when it comes)."""
-    monkeypatch.setattr(views, "RECORD_WAIT_S", 0.3)
+def test_the_stream_view_ends_on_done_without_polling_for_the_record(
+    answer, publisher, monkeypatch
+) -> None:
+    """The end is appended once the answer is recorded, so the view relays it at once and
+    never asks the database (it used to poll for the record for up to 10 s after ``done``)."""
+    asked = []
+    monkeypatch.setattr(Message.objects, "filter", lambda *a, **k: asked.append(k))
     request_id = str(answer.request_id)
-    outcome = AnswerOutcome.answered("done", text="Vienna")
-    publish_event(publisher, request_id, "done", **outcome.to_dict())
+    publish_event(publisher, request_id, Token(text="Vienna"))
+    publish_event(publisher, request_id, Done(AnswerOutcome.answered("done", text="Vienna")))
     started = time.monotonic()
     frames = _collect(answer)
-    assert any("event: done" in frame for frame in frames)
-    assert time.monotonic() - started >= 0.3
+    assert any("event: done" in frame for frame in frames) and asked == []
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_report_ends_the_stream_once_even_when_the_task_runs_again(answer, publisher) -> None:
+    """The record task retried (or delivered twice): the answer is stored once and its stream
+    ends once; an answer the reaper ended first keeps the reaper's end."""
+    request_id = str(answer.request_id)
+    outcome = AnswerOutcome.answered("done", text="Vienna")
+    for _ in range(2):
+        record_report(message_id=answer.id, request_id=request_id, outcome=outcome)
+    name = answer_stream(request_id)
+    ends = [e for _, e in decode_events([(name, publisher.xrange(name))])]
+    assert ends == [Done(outcome)]
     answer.refresh_from_db()
-    assert answer.is_open  # the view only read
+    assert answer.status == Message.Status.DONE
+
+    failed = Message.objects.create(conversation=answer.conversation, role="assistant",
+                                    status=Message.Status.FAILED)  # fmt: skip
+    publish_event(publisher, str(failed.request_id), Error("not_answered", "gone"))
+    record_report(message_id=failed.id, request_id=str(failed.request_id), outcome=outcome)
+    name = answer_stream(str(failed.request_id))
+    assert [e.kind for _, e in decode_events([(name, publisher.xrange(name))])] == ["error"]
 
 
 @pytest.mark.django_db
@@ -170,9 +194,9 @@ def test_a_waiting_question_shows_its_place_in_line_then_its_words(answer, publi
     question is being answered; the words follow as before."""
     request_id = str(answer.request_id)
     for ahead in (2, 1, 0, None):
-        publish_event(publisher, request_id, "queue", ahead=ahead)
-    publish_event(publisher, request_id, "token", text="Vienna")
-    publish_event(publisher, request_id, "done", text="Vienna", metrics={})
+        publish_event(publisher, request_id, Queue(ahead=ahead))
+    publish_event(publisher, request_id, Token(text="Vienna"))
+    publish_event(publisher, request_id, Done(AnswerOutcome("done", text="Vienna")))
     events = [(event, data) for _, event, data in _events(_collect(answer))]
     assert events[:4] == [
         ("queue", "2 questions ahead of yours."), ("queue", "1 question ahead of yours."),

@@ -95,7 +95,7 @@ def test_a_part_no_passage_answers_is_said_with_the_answer(alice, queue, client)
     assert request["question"] == question
     answer.refresh_from_db()
     assert answer.parts_not_found == ["where can I park my bike"]
-    outcome = AnswerOutcome.answered("done", text="It opens at 8:00 [1].", metrics={})
+    outcome = AnswerOutcome.answered("done", text="It opens at 8:00 [1].")
     services.record_outcome(message_id=answer.id, outcome=outcome)
     client.force_login(alice)
     html = client.get(reverse("chat:message", args=[answer.id])).content.decode()

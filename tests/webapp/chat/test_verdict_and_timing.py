@@ -14,7 +14,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from kvservice.protocol import AnswerOutcome, publish_event
+from kvservice.protocol import AnswerMetrics, AnswerOutcome, Token, publish_event
 from kvservice.serve.citing import UNSUPPORTED, passage_uses, verdict
 from tests.webapp.chat.test_chat import PASSAGES, pending_answer
 from webapp.chat import services
@@ -39,8 +39,9 @@ def _record(answer: Message, words: str, **metrics) -> Message:
     tiers = {str(chunk_id): "cpu"}
     outcome = AnswerOutcome.answered(
         "done", text=judged.text, withheld=judged.withheld,
-        metrics={"ttft_s": 0.05, "total_s": 0.3, "mode": "blend", "recompute_ratio": 0.15,
-                 "chunk_tiers": tiers, "citation": judged.citation, **metrics},
+        metrics=AnswerMetrics(**{"ttft_s": 0.05, "total_s": 0.3, "mode": "blend",
+                                 "recompute_ratio": 0.15, "chunk_tiers": tiers,
+                                 "citation": judged.citation, **metrics}),
         passages=passage_uses(judged.text, [PASSAGES["cooking"]], [chunk_id], tiers),
     )  # fmt: skip
     services.record_outcome(message_id=answer.id, outcome=outcome)
@@ -81,7 +82,7 @@ def test_time_to_first_token_is_recorded_from_the_submit_beside_the_workers(clie
     """The worker took 0.05 s; the words reached the stream 0.4 s after the question."""
     answer = _pending_answer(alice)
     time.sleep(0.4)  # retrieval, the queue, the worker: all before the first token
-    publish_event(redis_client(), str(answer.request_id), "token", text="Arborio rice")
+    publish_event(redis_client(), str(answer.request_id), Token(text="Arborio rice"))
     answer = _record(answer, "Arborio rice", ttft_s=0.05, total_s=0.3)
     assert 0.4 <= answer.ttft_seen_s < 5 and answer.ttft_s == 0.05
     assert answer.total_seen_s == answer.ttft_seen_s  # its one token: the last words too
@@ -93,7 +94,7 @@ def test_time_to_first_token_is_recorded_from_the_submit_beside_the_workers(clie
 def test_the_time_seen_is_never_less_than_the_workers_own(alice) -> None:
     """Clocks a few milliseconds apart cannot make the user's wait shorter than the work."""
     answer = _pending_answer(alice, asked_at=timezone.now() + timedelta(seconds=1))
-    publish_event(redis_client(), str(answer.request_id), "token", text="Arborio rice")
+    publish_event(redis_client(), str(answer.request_id), Token(text="Arborio rice"))
     answer = _record(answer, "Arborio rice", ttft_s=0.2)
     assert answer.ttft_seen_s == 0.2
 

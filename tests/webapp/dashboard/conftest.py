@@ -6,9 +6,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvservice.blend.controller import LoadingController
 from kvservice.chunk import ChunkKV
-from kvservice.serve.controller import LoadingController
-from kvservice.serve.heartbeat import heartbeat_key, write_heartbeat
+from kvservice.protocol.heartbeat import heartbeat_key, write_heartbeat
 from kvservice.store.disk import DiskTier
 from kvservice.store.memory import MemoryTier
 from kvservice.store.tiered import TieredStore

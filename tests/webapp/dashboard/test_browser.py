@@ -14,7 +14,7 @@ import pytest
 import torch
 from django.test import Client
 
-from kvservice.store.codec import DEFAULT_CODEC
+from kvservice.protocol.codecs import DEFAULT_CODEC
 from tests.browser import (
     ARTIFACTS,
     CHROMIUM,  # noqa: F401 - other browser tests import it from here
@@ -93,7 +93,7 @@ def test_dashboard_with_the_real_workers_evict_warm_and_screenshot(
     from django.test import TestCase
     from django.urls import reverse
 
-    from kvservice.serve.heartbeat import read_heartbeat
+    from kvservice.protocol.heartbeat import read_heartbeat
     from tests.conftest import wait_for
     from tests.e2e.test_chat_e2e import collect_stream, upload_ready
     from webapp.chat import services as chat
@@ -317,11 +317,11 @@ def test_the_whole_dashboard_is_screenshotted_as_a_new_operator_sees_it(
     """The full page at desktop (1280x800) and phone (390x844) width, with the worker's
     engine and batch state in its heartbeat and the repository's measured curves: the
     screenshots (artifacts/dashboard-page-*.png) are what a reviewer reads the page by."""
-    from kvservice.model.buffers import BufferPool
+    from kvservice.blend.controller import LoadingController
     from kvservice.model.kernels import KernelChoice
+    from kvservice.protocol.heartbeat import write_heartbeat
     from kvservice.serve.batcher import ContinuousBatcher, StepBudget
-    from kvservice.serve.controller import LoadingController
-    from kvservice.serve.heartbeat import write_heartbeat
+    from kvservice.store.buffers import BufferPool
     from webapp.redis import redis_client
 
     pool = BufferPool(limit_bytes=64 << 20)

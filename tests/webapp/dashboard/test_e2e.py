@@ -10,7 +10,7 @@ import pytest
 from django.test import TestCase
 from django.urls import reverse
 
-from kvservice.serve.heartbeat import read_heartbeat
+from kvservice.protocol.heartbeat import read_heartbeat
 from tests.conftest import wait_for
 from tests.e2e.test_chat_e2e import collect_stream, upload_ready
 from webapp.chat import services as chat

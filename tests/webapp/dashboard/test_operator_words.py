@@ -11,11 +11,11 @@ import pytest
 import torch
 from django.urls import reverse
 
-from kvservice.model.buffers import BufferPool
+from kvservice.blend.controller import LoadingController
 from kvservice.model.kernels import KernelChoice
-from kvservice.serve.controller import LoadingController
-from kvservice.serve.heartbeat import heartbeat_key, write_heartbeat
-from kvservice.store.codec import CODECS, DEFAULT_CODEC
+from kvservice.protocol.codecs import CODECS, DEFAULT_CODEC
+from kvservice.protocol.heartbeat import heartbeat_key, write_heartbeat
+from kvservice.store.buffers import BufferPool
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.dashboard import selectors
 from webapp.documents.models import Chunk

@@ -14,7 +14,7 @@ from django.test import TestCase
 from django.urls import reverse
 
 from kvservice.protocol import GENERATE_TASK, INFERENCE_QUEUE
-from kvservice.store.codec import DEFAULT_CODEC
+from kvservice.protocol.codecs import DEFAULT_CODEC
 from tests.webapp.chat.test_chat import PASSAGES, make_document
 from tests.webapp.dashboard.factories import make_answers
 from tests.webapp.dashboard.factories import make_document as make_dashboard_document

@@ -15,6 +15,7 @@ import torch
 from django.urls import reverse
 from django.utils import timezone
 
+from kvservice.blend.controller import LoadingController
 from kvservice.chunk import token_ids_sha256
 from kvservice.protocol import (
     EVICT_TASK,
@@ -24,9 +25,8 @@ from kvservice.protocol import (
     routing,
     worker_alive_key,
 )
-from kvservice.serve.controller import LoadingController
-from kvservice.serve.heartbeat import heartbeat_key, write_heartbeat
-from kvservice.store.codec import DEFAULT_CODEC
+from kvservice.protocol.codecs import DEFAULT_CODEC
+from kvservice.protocol.heartbeat import heartbeat_key, write_heartbeat
 from tests.webapp.dashboard.factories import make_answers, make_document
 from webapp.dashboard import selectors
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
@@ -102,8 +102,8 @@ def test_dashboard_shows_the_engines_kernels_graphs_and_buffers(staff_client) ->
     """What the worker's heartbeat says of its engine, as ``NativeRuntime.status`` writes it:
     the kernels from a real choice, the pass graphs' and the buffer pool's own stats."""
     from kvservice.blend.graphs import PassGraphs
-    from kvservice.model.buffers import BufferPool
     from kvservice.model.kernels import KernelChoice
+    from kvservice.store.buffers import BufferPool
 
     pool = BufferPool(limit_bytes=64 << 20)
     kept = pool.empty((2, 1 << 20), torch.float32)

@@ -9,9 +9,9 @@ from django.conf import settings
 from tests.webapp.documents import files
 from tests.webapp.documents.conftest import upload
 from webapp.documents import services
-from webapp.documents.kv import kv_store
 from webapp.documents.models import Chunk, Document
 from webapp.storage import object_store
+from worker.kv import kv_producer, kv_store
 
 pytestmark = pytest.mark.django_db
 
@@ -151,23 +151,28 @@ def _processing_document(user, name: str, texts: list[str]) -> Document:
     return document
 
 
+def _precompute(**ids) -> None:
+    """The KV task's service, with the KV worker's producer and store."""
+    services.document_precompute_kv(**ids, producer=kv_producer(), store=kv_store())
+
+
 def test_precompute_by_document_stores_shared_kv_once_and_finishes_documents(user) -> None:
     first = _processing_document(user, "first", ["The keeper lit the lamp.", "Storms came."])
     second = _processing_document(user, "second", ["Storms came."])  # the same chunk again
 
-    services.document_precompute_kv(document_id=first.pk)
+    _precompute(document_id=first.pk)
     first.refresh_from_db()
     assert (first.status, first.stage, first.progress) == ("ready", "done", 100)
     keys = dict(first.chunks.values_list("text", "kv_key"))
     assert all(kv_store().contains(key) for key in keys.values())
 
-    services.document_precompute_kv(chunk_ids=list(second.chunks.values_list("pk", flat=True)))
+    _precompute(chunk_ids=list(second.chunks.values_list("pk", flat=True)))
     second.refresh_from_db()
     assert second.status == "ready"
     assert second.chunks.get().kv_key == keys["Storms came."]  # one content-addressed object
 
     with pytest.raises(ValueError):
-        services.document_precompute_kv()
+        _precompute()
 
 
 def test_each_users_kv_is_their_own_unless_the_cache_is_shared(user, other_user, settings) -> None:
@@ -177,8 +182,8 @@ def test_each_users_kv_is_their_own_unless_the_cache_is_shared(user, other_user,
     assert settings.KV_CACHE_SCOPE == "user"
     mine = _processing_document(user, "mine", ["The lighthouse keeper kept a log."])
     theirs = _processing_document(other_user, "theirs", ["The lighthouse keeper kept a log."])
-    services.document_precompute_kv(document_id=mine.pk)
-    services.document_precompute_kv(document_id=theirs.pk)
+    _precompute(document_id=mine.pk)
+    _precompute(document_id=theirs.pk)
     my_key, their_key = mine.chunks.get().kv_key, theirs.chunks.get().kv_key
     assert my_key != their_key
     assert (
@@ -189,8 +194,8 @@ def test_each_users_kv_is_their_own_unless_the_cache_is_shared(user, other_user,
     settings.KV_CACHE_SCOPE = "shared"
     one = _processing_document(user, "one", ["Shared by the whole team."])
     two = _processing_document(other_user, "two", ["Shared by the whole team."])
-    services.document_precompute_kv(document_id=one.pk)
-    services.document_precompute_kv(document_id=two.pk)
+    _precompute(document_id=one.pk)
+    _precompute(document_id=two.pk)
     assert one.chunks.get().kv_key == two.chunks.get().kv_key
 
 

@@ -12,9 +12,9 @@ import torch
 from django.test import Client
 
 from kvservice.kdn.client import KdnClient, KdnNotFound
-from kvservice.kdn.stream import MAGIC, PREAMBLE
+from kvservice.protocol.kdn_stream import MAGIC, PREAMBLE
 from kvservice.store.format import decode_chunk, decode_header
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
 from tests.webapp.api.conftest import bearer
 
 PASSAGE = (
@@ -46,7 +46,7 @@ def _fetch(client: Client, auth: dict, body) -> object:
 
 
 def _stored_object(key: str):
-    from webapp.documents.kv import kv_store
+    from worker.kv import kv_store
 
     chunk_key = ChunkKey.from_string(key)
     return chunk_key, kv_store().store.durable.get(chunk_key)

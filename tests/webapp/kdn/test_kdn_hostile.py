@@ -18,7 +18,7 @@ from django.core import signing
 from django.test import Client
 
 from kvservice.kdn.client import KdnClient, KdnRead, KdnTier
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
 from tests.conftest import ROOT
 from tests.webapp.kdn.test_kdn_api import OTHER, PASSAGE, _put
 from tests.webapp.test_bodylimit import _call, _scope

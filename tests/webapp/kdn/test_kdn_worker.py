@@ -20,7 +20,7 @@ from kvservice.kdn.client import KdnClient, KdnRead, KdnTier, KvSource, kdn_stor
 from kvservice.protocol import ChunkRef, GenerateRequest
 from kvservice.store import KVLoader, StoreConfig
 from kvservice.store.format import decode_chunk
-from kvservice.store.keys import ChunkKey
+from kvservice.protocol.keys import ChunkKey
 from kvservice.store.s3 import S3Tier
 from tests.conftest import ROOT
 from tests.e2e.test_chat_e2e import upload_ready
@@ -28,7 +28,7 @@ from tests.webapp.api.conftest import bearer
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.requests import generate_request
 from webapp.documents import quotas
-from webapp.documents.kv import kv_store
+from worker.kv import kv_store
 from webapp.documents.models import Chunk, Collection, Document, OrphanObject
 from webapp.documents.services import document_delete
 from webapp.kdn.models import StoredText
@@ -227,7 +227,7 @@ def test_kv_source_is_checked_when_read() -> None:
     assert KvSource.from_env({}).kind == "s3"
     with pytest.raises(ValueError, match="KV_SOURCE=kdn needs KDN_URL"):
         KvSource.from_env({"KV_SOURCE": "kdn"})
-    with pytest.raises(ValueError, match="KV_SOURCE must be one of s3, kdn, not 'gcs'"):
+    with pytest.raises(ValueError, match="KV_SOURCE must be 's3' or 'kdn', not 'gcs'"):
         KvSource.from_env({"KV_SOURCE": "gcs"})
 
 
@@ -267,7 +267,7 @@ def test_the_tier_asks_only_for_keys_a_live_request_named() -> None:
     assert tier.stats().misses == 2 and tier.stats().errors == 0
     tier.expect({named: KdnRead("five six", "t", time.monotonic() + 60)})
     assert tier.contains(named)
-    from kvservice.store.errors import StoreUnavailable
+    from kvservice.protocol.errors import StoreUnavailable
 
     with pytest.raises(StoreUnavailable, match="knowledge delivery API"):
         tier.read_range(named, 0, 64)  # the API down: a store fault, the chunk is recomputed

@@ -21,7 +21,7 @@ from webapp.redis import redis_client
 pytestmark = [pytest.mark.django_db(transaction=True), needs_chromium]
 
 QUEUE = "inference-attempts-test"  # the stand-in's own: a real worker never takes it
-# What the worker streams for an answer cut at the cap (kvservice.serve.sampling.AnswerText).
+# What the worker streams for an answer cut at the cap (kvservice.model.sampling.AnswerText).
 CUT_ANSWER = ("The Gannet", " seats six", " and the", " Osprey…", " [1]")
 
 

@@ -16,8 +16,11 @@ import pytest
 from django.urls import reverse
 
 from kvservice.protocol import (
+    AnswerMetrics,
     AnswerOutcome,
+    Done,
     GenerateRequest,
+    Token,
     inflight_add,
     inflight_remove,
     publish_event,
@@ -77,14 +80,14 @@ class RealisticWorker(FakeInferenceWorker):
             passages = [chunk["text"] for chunk in request["chunks"]]
             chunk_ids = [chunk["chunk_id"] for chunk in request["chunks"]]
             tiers = {str(chunk_id): "cpu" for chunk_id in chunk_ids}
-            metrics = {"ttft_s": 0.05, "total_s": 0.2, "mode": request["mode"]}
+            metrics = AnswerMetrics(ttft_s=0.05, total_s=0.2, mode=request["mode"])
             text = "".join(written)
             outcome = AnswerOutcome.answered(
                 "stopped" if stopped else "done", text=text, metrics=metrics,
                 passages=passage_uses(text, passages, chunk_ids, tiers, request["question"]),
             )  # fmt: skip
             self._report(request, outcome)
-            publish_event(self.client, request_id, "done", **outcome.to_dict())
+            publish_event(self.client, request_id, Done(outcome))
         finally:
             inflight_remove(self.client, request_id)
 
@@ -97,12 +100,12 @@ class RealisticWorker(FakeInferenceWorker):
             time.sleep(self.token_delay_s)
             written.append(word)
             if len(written) > self.held_words:
-                publish_event(self.client, request_id, "token", text=written[-self.held_words - 1])
+                publish_event(self.client, request_id, Token(text=written[-self.held_words - 1]))
             if stop_requested(self.client, request_id):
                 stopped = True
                 break
         rest = "".join(written[max(len(written) - self.held_words, 0) :])
-        publish_event(self.client, request_id, "token", text=rest)
+        publish_event(self.client, request_id, Token(text=rest))
         return written, stopped
 
 

@@ -6,11 +6,12 @@ random one is generated and printed once. An existing superuser is left alone.
 
 from __future__ import annotations
 
-import os
 import secrets
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
+
+from kvservice.protocol import environment
 
 
 class Command(BaseCommand):
@@ -21,12 +22,13 @@ class Command(BaseCommand):
         if users.objects.filter(is_superuser=True).exists():
             self.stdout.write("An admin account exists already.")
             return
-        username = os.environ.get("ADMIN_USERNAME", "admin")
-        password = os.environ.get("ADMIN_PASSWORD") or secrets.token_urlsafe(12)
+        username = environment.read("ADMIN_USERNAME")
+        given = environment.read("ADMIN_PASSWORD")
+        password = given or secrets.token_urlsafe(12)
         users.objects.create_superuser(
-            username=username, email=os.environ.get("ADMIN_EMAIL", ""), password=password
+            username=username, email=environment.read("ADMIN_EMAIL"), password=password
         )
-        shown = "(from ADMIN_PASSWORD)" if os.environ.get("ADMIN_PASSWORD") else password
+        shown = "(from ADMIN_PASSWORD)" if given else password
         self.stdout.write(
             self.style.SUCCESS(f"Created admin account: {username} / {shown}  (shown once)")
         )

@@ -1,5 +1,5 @@
-"""``manage.py kv_reencode``: stored KV objects brought to one codec, resumably, with the
-chunks' recorded bytes following."""
+"""``python -m worker.kv_reencode``: stored KV objects brought to one codec, resumably, with
+the chunks' recorded bytes following."""
 
 from __future__ import annotations
 
@@ -7,15 +7,20 @@ import io
 
 import pytest
 import torch
-from django.core.management import call_command
 
 from kvservice.chunk import ChunkKV
-from kvservice.store.codec import DEFAULT_CODEC, codec_by_name
-from kvservice.store.keys import ChunkKey
-from webapp.documents.kv import kv_store
+from kvservice.protocol.codecs import DEFAULT_CODEC, codec_by_name
+from kvservice.protocol.keys import ChunkKey
 from webapp.documents.models import Chunk, Document
+from worker.kv import kv_store
+from worker.kv_reencode import main
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def user(django_user_model):
+    return django_user_model.objects.create_user(username="alice", password="pw-alice-123")
 
 
 def _stored(seed: int, codec: str) -> tuple[str, ChunkKV]:
@@ -38,7 +43,7 @@ def _rows(user, keys: list[str]) -> None:
 
 def _run(*args: str) -> str:
     out = io.StringIO()
-    call_command("kv_reencode", *args, stdout=out)
+    assert main(list(args), out) == 0
     return out.getvalue()
 
 
@@ -69,11 +74,10 @@ def test_fp16_objects_are_reencoded_resumably_and_their_bytes_recorded(user) -> 
     assert Chunk.objects.get(kv_key=int8).kv_bytes == store.object_bytes(int8)
 
 
-def test_an_unknown_codec_is_refused() -> None:
-    from django.core.management.base import CommandError
-
-    with pytest.raises(CommandError, match="unknown KV codec"):
+def test_an_unknown_codec_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
         _run("--codec", "zip")
+    assert exit_.value.code == 2 and "unknown KV codec" in capsys.readouterr().err
 
 
 def test_the_command_targets_kv_codec_and_can_go_back_to_fp16(user, monkeypatch) -> None:

@@ -1,5 +1,5 @@
 """Large CPU buffers kept for the next request: a request's KV cache and the buffers its
-chunks are decoded into (``store.loader``), allocated once.
+chunks are decoded into (``store.joined``), allocated once.
 
 A 3,700-token SmolLM2 prompt's KV cache is two 42 MB tensors. glibc hands memory that large
 back to the system when it is freed (anything over its 32 MB heap ceiling), so every request's

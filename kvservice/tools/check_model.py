@@ -1,4 +1,4 @@
-"""``python -m kvservice.model.check PATH``: does this engine run a checkpoint as it should?
+"""``python -m kvservice.tools.check_model PATH``: does this engine run a checkpoint as it should?
 
 Loads the checkpoint as the inference worker does (``kvservice.serve.runtime.NativeRuntime``: its
 tokenizer, ``PromptFormat.for_tokenizer``, ``Transformer.from_pretrained``; float32 here, so
@@ -107,7 +107,7 @@ class Report:
 
 
 def _codec_name() -> str:
-    from kvservice.store.codec import DEFAULT_CODEC
+    from kvservice.protocol.codecs import DEFAULT_CODEC
 
     return DEFAULT_CODEC
 
@@ -115,7 +115,7 @@ def _codec_name() -> str:
 def kv_bytes_per_token(config, codec_name: str, tokens: int = CODEC_CHUNK_TOKENS) -> float:
     """Bytes per token of a ``tokens``-token chunk object's layer blocks in ``codec_name``
     (``kvservice.store.format.encoded_size``; fp16 is 2 bytes per K and V value)."""
-    from kvservice.store.codec import codec_by_name
+    from kvservice.protocol.codecs import codec_by_name
     from kvservice.store.format import encoded_size
 
     size = encoded_size(
@@ -254,7 +254,7 @@ def _measure(report: Report, path: Path, device: str, gguf_path: Path | None = N
     from transformers import AutoTokenizer
 
     from kvservice.model.transformer import Transformer
-    from kvservice.prompt import PromptFormat, stop_token_ids
+    from kvservice.protocol.prompt import PromptFormat, stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = Transformer.from_pretrained(path, device=device, precision="float32")
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvservice.model.bundled import ModelPathError
 
     parser = argparse.ArgumentParser(
-        prog="python -m kvservice.model.check", description=__doc__.split("\n\n")[0]
+        prog="python -m kvservice.tools.check_model", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "path", help="an HF checkpoint directory (config.json, *.safetensors) or a .gguf file"

@@ -1,5 +1,6 @@
 """Typed faults of the KV store. Callers catch :class:`ChunkUnavailable` to fall back to
-recomputing a chunk from its tokens; the subclasses say why."""
+recomputing a chunk from its tokens; the subclasses say why. In the protocol (no torch): the
+web app reads stored objects too (deletes, the knowledge delivery stream) and says the same."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def choose_ratio(
     ``load_bytes_by_tier``: bytes of layer KV each tier must deliver for this request;
     ``tier_bandwidth``: measured read bandwidth in bytes/s (None or absent: not measured).
     ``target_ratio``: the lowest ratio the measured curve says reaches the operator's
-    fidelity target (``kvservice.blend.curve.ratio_for_target``); it is the floor in ``r_min``'s
+    fidelity target (``kvservice.protocol.curve.ratio_for_target``); it is the floor in ``r_min``'s
     place, which loading may raise (recomputing while the load runs is free) but not lower.
     """
     limits = (("r_min", r_min), ("target ratio", target_ratio))

@@ -15,19 +15,22 @@ The chat template comes from the model's own tokenizer, so every checkpoint gets
 format, and the tokens that end an answer from its tokenizer and ``generation_config.json``
 (``stop_token_ids``). One class serves the product (``PromptFormat.for_tokenizer``) and the
 benchmark (the paper's Musique prompt, built with other texts).
+
+Both sides build it: ingest tokenizes chunks and computes their KV after ``storage_ids``, the
+inference worker looks them up by the same keys, so it lives in the protocol (no torch).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvservice.chunk import token_ids_sha256
+from kvservice.protocol import environment
+from kvservice.protocol.keys import token_ids_sha256
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using only the numbered sources in the "
@@ -106,7 +109,7 @@ class PromptFormat:
         chunk KV computed after the shipped retrieval preamble (``storage_ids``); None reads
         ``KV_PREAMBLE`` (every process that computes or looks up chunk KV must agree)."""
         if preamble is None:
-            preamble = preamble_from_env(os.environ)
+            preamble = preamble_from_env()
         return cls(
             tokenizer,
             system_prompt,
@@ -157,22 +160,15 @@ class PromptFormat:
         )
 
 
-PREAMBLE_FILE = Path(__file__).with_name("kv_preamble.json")
-# On, on Musique: validation 20-39, reuse's KL to full 0.116 -> 0.076 (better on 19 of 20),
-# blend's 0.042 -> 0.039 at 0.10 (12 of 20); tuning 1-19: reuse -43 %, blend -3 % / +2 % at
-# 0.10 / 0.15. Off by default: with it the product's handbook test (tests/e2e/test_handbook.py,
-# short company documents) got answers that quote the wrong passage (docs/blend.md).
-PREAMBLE_DEFAULT = "off"
+PREAMBLE_FILE = Path(__file__).parents[1] / "kv_preamble.json"  # kvservice/kv_preamble.json
 
 
-def preamble_from_env(env: Mapping[str, str]) -> bool:
-    """``KV_PREAMBLE``: ``on`` computes chunk KV after the shipped retrieval preamble
-    (``PromptFormat.storage_ids``), ``off`` after the prompt head alone. It is part of every
-    chunk key: changing it makes the stored chunks misses, computed again at use."""
-    value = (env.get("KV_PREAMBLE") or PREAMBLE_DEFAULT).strip().lower()
-    if value not in ("on", "off"):
-        raise ValueError(f"KV_PREAMBLE must be 'on' or 'off', not {value!r}")
-    return value == "on"
+def preamble_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """``KV_PREAMBLE`` (in ``env``, else the process environment; its default and why in
+    ``kvservice.protocol.environment``): ``on`` computes chunk KV after the shipped retrieval
+    preamble (``PromptFormat.storage_ids``), ``off`` after the prompt head alone. It is part of
+    every chunk key: changing it makes the stored chunks misses, computed again at use."""
+    return environment.read("KV_PREAMBLE", env) == "on"
 
 
 @functools.cache

@@ -5,11 +5,12 @@ entry disappears on its own; /healthz and the dashboard read it."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
-HEARTBEAT_KEY = "ragblend:inference:heartbeat"
+from kvservice.protocol import environment
+
+HEARTBEAT_KEY = environment.variable("HEARTBEAT_KEY").default  # ragblend:inference:heartbeat
 HEARTBEAT_INTERVAL_S = 5.0
 HEARTBEAT_TTL_S = 20
 
@@ -17,7 +18,7 @@ HEARTBEAT_TTL_S = 20
 def heartbeat_key() -> str:
     """The Redis key; ``HEARTBEAT_KEY`` in the environment names another (two workers on
     one Redis that must not be confused, as in the test suite)."""
-    return os.environ.get("HEARTBEAT_KEY") or HEARTBEAT_KEY
+    return environment.read("HEARTBEAT_KEY")
 
 
 def write_heartbeat(client: Any, key: str | None = None, **status: Any) -> None:

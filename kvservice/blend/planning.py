@@ -14,14 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvservice.prompt import TURN_MARKERS, PromptFormat
+from kvservice.blend.controller import LoadingController, RatioDecision
+from kvservice.model.sampling import SamplingParams
 from kvservice.protocol import GenerateRequest
-from kvservice.serve.controller import LoadingController, RatioDecision
-from kvservice.serve.sampling import SamplingParams
+from kvservice.protocol.prompt import TURN_MARKERS, PromptFormat
 
 FIXED_RATIOS = {"full": 1.0, "prefix": None, "reuse": 0.0}
 
-# The product's decoding, the same for both engines (kvservice.serve.sampling.apply_penalties is
+# The product's decoding, the same for both engines (kvservice.model.sampling.apply_penalties is
 # vLLM's). Measured with the bundled SmolLM2-135M, greedy, on the 19 handbook questions
 # (bench/answers.py): with no penalty 3 of 19 answers repeated a sentence to the
 # 256-token cap, and in one conversation 4 of 7 answers went on with "User:"/"Question:"
@@ -110,7 +110,7 @@ class PlannedRequest:
 
     request: GenerateRequest
     fitted: FittedContext
-    chunk_keys: list[Any]  # the kept chunks' store keys (kvservice.store.ChunkKey)
+    chunk_keys: list[Any]  # the kept chunks' store keys (kvservice.protocol.keys.ChunkKey)
     sampling: SamplingParams
     ratio: RatioPolicy
 
