@@ -41,19 +41,20 @@ vllm:
 dev: $(STAMP)
 	$(BIN)/python -m deploy.devstack
 
-## test: install, check the layers' import contracts (pyproject's [tool.importlinter]), then
-## run the whole suite (starts its own services and workers)
-test: $(STAMP)
-	$(BIN)/lint-imports
+## test: install, lint (ruff, and the layers' import contracts in pyproject's
+## [tool.importlinter]), then run the whole suite (starts its own services and workers)
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## test-fast: the same without the slow end-to-end tests
-test-fast: $(STAMP)
-	$(BIN)/lint-imports
+test-fast: lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
+## lint: ruff's checks and formatting, and the import contracts
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 clean-venv:
 	rm -rf $(VENV)

@@ -136,13 +136,20 @@ def run(cases: list[Case], engine: Any, sampling: Any) -> list[Outcome]:
         cited = cited_ranks(text, len(case.passages))
         fact = (case.fact or "").lower()
         outcome = Outcome(
-            question=case.question, fact=case.fact, answer=text, passages=len(case.passages),
-            finish_reason=finish, tokens=tokens,
-            seconds=round(time.perf_counter() - started, 2), loops=loops(text),
-            model_cited=model_cited, citation=how, cited=cited,
+            question=case.question,
+            fact=case.fact,
+            answer=text,
+            passages=len(case.passages),
+            finish_reason=finish,
+            tokens=tokens,
+            seconds=round(time.perf_counter() - started, 2),
+            loops=loops(text),
+            model_cited=model_cited,
+            citation=how,
+            cited=cited,
             cites_fact=bool(fact) and any(fact in case.passages[r - 1].lower() for r in cited),
             not_found=says_not_found(text),
-        )  # fmt: skip
+        )
         print(json.dumps(asdict(outcome))[:300], flush=True)
         outcomes.append(outcome)
     return outcomes
@@ -168,7 +175,7 @@ def summary(outcomes: list[Outcome]) -> dict[str, Any]:
         ),
         "not_found_precision": rate(
             sum(o.fact is None for o in said_not_found), len(said_not_found)
-        ),  # fmt: skip
+        ),
         "not_found_recall": rate(sum(o.not_found for o in absent), len(absent)),
         "mean_tokens": rate(sum(o.tokens for o in outcomes), len(outcomes)),
     }
@@ -218,9 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     penalty = REPETITION_PENALTY if args.repetition_penalty is None else args.repetition_penalty
     frequency = FREQUENCY_PENALTY if args.frequency_penalty is None else args.frequency_penalty
     sampling = SamplingParams(
-        max_tokens=args.max_tokens, repetition_penalty=penalty, frequency_penalty=frequency,
+        max_tokens=args.max_tokens,
+        repetition_penalty=penalty,
+        frequency_penalty=frequency,
         stop=TURN_MARKERS,
-    )  # fmt: skip
+    )
     try:
         outcomes = run(cases, engine, sampling)
     finally:

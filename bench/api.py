@@ -35,9 +35,11 @@ class Api:
 
     def _request(self, method: str, path: str, body: bytes | None = None, headers=None):
         request = urllib.request.Request(
-            self.url + path, data=body, method=method,
+            self.url + path,
+            data=body,
+            method=method,
             headers={"Authorization": f"Bearer {self.key}", **(headers or {})},
-        )  # fmt: skip
+        )
         for _ in range(10):
             try:
                 return urllib.request.urlopen(request, timeout=600)
@@ -135,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         user = statistics.median(r["ttft_s"] for r in rows)
         server = statistics.median(r["done"].get("metrics", {}).get("ttft_s") or 0 for r in rows)
         ratio = full / user if full else None
-        summary[mode] = {"ttft_median_s": user, "server_ttft_median_s": server,
-                         "speedup_vs_full": ratio, "n": len(rows)}  # fmt: skip
+        summary[mode] = {
+            "ttft_median_s": user,
+            "server_ttft_median_s": server,
+            "speedup_vs_full": ratio,
+            "n": len(rows),
+        }
         print(f"{mode:8} {user:16.3f} {server:16.3f} {'' if ratio is None else f'{ratio:13.2f}x'}")
     if args.json:
         args.json.write_text(json.dumps({"modes": summary, "examples": len(examples)}, indent=2))

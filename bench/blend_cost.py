@@ -147,9 +147,15 @@ def measure_example(model: Transformer, fmt: PromptFormat, example: dict, args) 
 
     def prefill(mode: str) -> None:
         result = blend_prefill(
-            model, prompt.head_ids, chunks, prompt.question_ids, mode=mode,
-            recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
-        )  # fmt: skip
+            model,
+            prompt.head_ids,
+            chunks,
+            prompt.question_ids,
+            mode=mode,
+            recompute_ratio=args.ratio,
+            chunk_ids=prompt.chunk_ids,
+            head_kv=head_kv,
+        )
         int(result.logits.argmax())
 
     row: dict = {"num_tokens": len(prompt.token_ids)}
@@ -190,10 +196,13 @@ def beyond_reuse(full: dict, reuse: dict, blend: dict) -> dict:
 
     def parts(run: dict) -> dict:
         attention = run["sdpa_seconds"] + run["weighed_seconds"]
-        return {"attention": attention, "products": run["products_seconds"],
-                "rest": run["seconds"] - attention - run["products_seconds"],
-                "pairs": run["visible_pairs"] + run["weighed_pairs"],
-                "rows": run["product_rows"]}  # fmt: skip
+        return {
+            "attention": attention,
+            "products": run["products_seconds"],
+            "rest": run["seconds"] - attention - run["products_seconds"],
+            "pairs": run["visible_pairs"] + run["weighed_pairs"],
+            "rows": run["product_rows"],
+        }
 
     f, r, b = parts(full), parts(reuse), parts(blend)
     added_pairs, added_rows = b["pairs"] - r["pairs"], b["rows"] - r["rows"]
@@ -253,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="print blend's top ops")
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 

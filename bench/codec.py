@@ -92,10 +92,14 @@ def parse_codec(text: str) -> Codec:
         return (*steps, (1.0, int(parts[-1])))
 
     return kivi(
-        text, schedule(fields["k"]), schedule(fields["v"]),
-        k_group=int(fields.get("kg", 64)), v_group=int(fields.get("vg", 64)),
-        clip=fields.get("clip", "1") == "1", v_rotate=fields.get("rot", "0") == "1",
-    )  # fmt: skip
+        text,
+        schedule(fields["k"]),
+        schedule(fields["v"]),
+        k_group=int(fields.get("kg", 64)),
+        v_group=int(fields.get("vg", 64)),
+        clip=fields.get("clip", "1") == "1",
+        v_rotate=fields.get("rot", "0") == "1",
+    )
 
 
 def entropy_bytes(data: bytearray) -> int:
@@ -157,10 +161,16 @@ def run_example(model, tokenizer, fmt, example, args, stop_ids, codec_list) -> d
 
     def prefill(sources: Sequence[ChunkKV], mode: str):
         return blend_prefill(
-            model, prompt.head_ids, sources, prompt.question_ids, mode=mode,
-            recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
+            model,
+            prompt.head_ids,
+            sources,
+            prompt.question_ids,
+            mode=mode,
+            recompute_ratio=args.ratio,
+            chunk_ids=prompt.chunk_ids,
+            head_kv=head_kv,
             extra_capacity=extra,
-        )  # fmt: skip
+        )
 
     full = prefill(chunks, "full")
     answer_ids = greedy_answer(model, full, max(args.max_new_tokens, GAP_TOKENS), stop_ids)
@@ -222,21 +232,28 @@ def summarize(rows: list[dict], names: Sequence[str]) -> dict:
 
 def print_table(summary: dict, examples: int) -> None:
     print(f"\n{examples} examples; tf_kl mean/median/p90, mean - fp16's, examples worse")
-    print(f"{'codec':34} {'B/token':>8} {'ratio':>6} {'entropy':>8}  " + "  ".join(
-        f"{mode:^42}" for mode in MODES))  # fmt: skip
+    print(
+        f"{'codec':34} {'B/token':>8} {'ratio':>6} {'entropy':>8}  "
+        + "  ".join(f"{mode:^42}" for mode in MODES)
+    )
     for name, s in summary.items():
         ratio = f"{s['compression']:6.2f}" if s["compression"] else "     -"
         cols = []
         for mode in MODES:
             m = s[mode]
-            delta = f"{m['tf_kl_minus_fp16']:+.4f} {m['worse_than_fp16']:2d}w" if (
-                "tf_kl_minus_fp16" in m) else ""  # fmt: skip
+            delta = (
+                f"{m['tf_kl_minus_fp16']:+.4f} {m['worse_than_fp16']:2d}w"
+                if ("tf_kl_minus_fp16" in m)
+                else ""
+            )
             cols.append(
                 f"{m['tf_kl_mean']:.4f}/{m['tf_kl_median']:.4f}/{m['tf_kl_p90']:.4f} {delta:>13}"
             )
         speed = f"  {s['decode_gbps']:.2f} GB/s" if "decode_gbps" in s else ""
-        print(f"{name:34} {s['bytes_per_token']:8.0f} {ratio} "
-              f"{s['entropy_bytes_per_token']:8.0f}  " + "  ".join(cols) + speed)  # fmt: skip
+        print(
+            f"{name:34} {s['bytes_per_token']:8.0f} {ratio} "
+            f"{s['entropy_bytes_per_token']:8.0f}  " + "  ".join(cols) + speed
+        )
 
 
 def example_arguments(parser: argparse.ArgumentParser) -> None:
@@ -250,9 +267,11 @@ def example_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
-        "--kv-preamble", choices=("on", "off"), default=None,
+        "--kv-preamble",
+        choices=("on", "off"),
+        default=None,
         help="chunk KV computed after the shipped retrieval preamble (default: KV_PREAMBLE's)",
-    )  # fmt: skip
+    )
 
 
 def parse_examples(

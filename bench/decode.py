@@ -87,9 +87,15 @@ def weight_bytes(model: Transformer) -> int:
 
 @torch.no_grad()
 def measure_decode(
-    model: Transformer, batch: int, context: int, steps: int, bandwidth_gbs: float,
-    warmup: int = 2, seed: int = 0, graphed: bool = False,
-) -> DecodeRow:  # fmt: skip
+    model: Transformer,
+    batch: int,
+    context: int,
+    steps: int,
+    bandwidth_gbs: float,
+    warmup: int = 2,
+    seed: int = 0,
+    graphed: bool = False,
+) -> DecodeRow:
     """Prefill ``batch`` random prompts of ``context`` tokens, then time ``steps`` greedy
     decode steps of all of them at once (after ``warmup`` untimed ones). ``graphed``: the
     steps as the worker runs them on a GPU, recorded (``DecodeGraph``; the recording is in the
@@ -125,9 +131,18 @@ def measure_decode(
     weights = weight_bytes(model)
     bound = batch * bandwidth_gbs * 1e9 / (weights + kv_bytes)
     return DecodeRow(
-        batch, context, steps, step_s * 1e3, batch / step_s, weights, kv_bytes, bandwidth_gbs,
-        bound, batch / step_s / bound, decoder is not None and decoder.replays > 0,
-    )  # fmt: skip
+        batch,
+        context,
+        steps,
+        step_s * 1e3,
+        batch / step_s,
+        weights,
+        kv_bytes,
+        bandwidth_gbs,
+        bound,
+        batch / step_s / bound,
+        decoder is not None and decoder.replays > 0,
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -137,9 +152,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument(
-        "--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
+        "--precision",
+        choices=PRECISIONS,
+        default=DEFAULT_PRECISION,
         help="the products' kernels as the worker prepares them (kvservice.model.kernels)",
-    )  # fmt: skip
+    )
     parser.add_argument("--batch", default="1,16", help="batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=4096, help="tokens already cached")
     parser.add_argument("--steps", type=int, default=32)
@@ -164,16 +181,22 @@ def main(argv: Sequence[str] | None = None) -> list[DecodeRow]:
     model.prepare_kernels(args.precision)
     bandwidth = args.bandwidth_gbs or copy_bandwidth(args.device)
     graphed = args.device.type == "cuda" and graphs_from_env(os.environ)  # as the worker does
-    rows = [measure_decode(model, b, args.context, args.steps, bandwidth, args.warmup,
-                           graphed=graphed) for b in args.batch]  # fmt: skip
-    print(f"{args.synthetic} ({config.n_layers} layers, {args.dtype}) on {args.device}, "
-          f"{args.context} tokens cached, memory {bandwidth:,.0f} GB/s "
-          f"({'given' if args.bandwidth_gbs else 'measured by a copy'})")  # fmt: skip
+    rows = [
+        measure_decode(model, b, args.context, args.steps, bandwidth, args.warmup, graphed=graphed)
+        for b in args.batch
+    ]
+    print(
+        f"{args.synthetic} ({config.n_layers} layers, {args.dtype}) on {args.device}, "
+        f"{args.context} tokens cached, memory {bandwidth:,.0f} GB/s "
+        f"({'given' if args.bandwidth_gbs else 'measured by a copy'})"
+    )
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'bound tok/s':>11} {'share':>6} graph")
     for row in rows:
-        print(f"{row.batch:5d} {row.step_ms:8.2f} {row.tokens_per_s:9.1f} "
-              f"{row.bound_tokens_per_s:11.1f} {row.share_of_bound:6.2f} "
-              f"{'yes' if row.graphed else 'no'}")  # fmt: skip
+        print(
+            f"{row.batch:5d} {row.step_ms:8.2f} {row.tokens_per_s:9.1f} "
+            f"{row.bound_tokens_per_s:11.1f} {row.share_of_bound:6.2f} "
+            f"{'yes' if row.graphed else 'no'}"
+        )
     if graphed and DecodeGraph.failed:
         print(f"decode graphs stopped: {DecodeGraph.failed}")
     if args.json:

@@ -82,10 +82,16 @@ def diagnose_example(model, fmt, example, args, stop_ids) -> dict:
 
     def prefill(sources, mode="reuse") -> BlendResult:
         return blend_prefill(
-            model, prompt.head_ids, sources, prompt.question_ids, mode=mode,
-            recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
+            model,
+            prompt.head_ids,
+            sources,
+            prompt.question_ids,
+            mode=mode,
+            recompute_ratio=args.ratio,
+            chunk_ids=prompt.chunk_ids,
+            head_kv=head_kv,
             extra_capacity=extra,
-        )  # fmt: skip
+        )
 
     full = prefill(chunks, "full")
     answer = greedy_answer(model, full, GAP_TOKENS, stop_ids)
@@ -112,9 +118,12 @@ def diagnose_example(model, fmt, example, args, stop_ids) -> dict:
     rows = {"reuse": score(prefill(chunks)), "blend": score(blend)}
     settings = BlendSettings()  # what blend selected by, in its reuse pass
     importance = attention_importance(
-        blend.question_attention, candidate, settings.attention_from_depth,
-        settings.attention_to_depth, model.config.n_layers,
-    )  # fmt: skip
+        blend.question_attention,
+        candidate,
+        settings.attention_from_depth,
+        settings.attention_to_depth,
+        model.config.n_layers,
+    )
     deviation = torch.zeros(num_tokens)
     for chunk, start in zip(chunks, starts, strict=True):
         span = slice(start, start + chunk.num_tokens)
@@ -181,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 

@@ -140,9 +140,10 @@ def run_case(model, tokenizer, formats, case: Case, runs, stop_ids) -> dict[str,
             marker = fmt.passage_marker(2)
             chunk_kv["nb"] = [
                 precompute_after_previous(model, storage_kv, plain[i - 1], marker, ids)
-                if case.follows[i] else plain[i]
+                if case.follows[i]
+                else plain[i]
                 for i, ids in enumerate(passages)
-            ]  # fmt: skip
+            ]
     head_kv = KVProducer(model, head).head_kv
     extra = max(MAX_NEW_TOKENS, GAP_TOKENS)
 
@@ -150,9 +151,18 @@ def run_case(model, tokenizer, formats, case: Case, runs, stop_ids) -> dict[str,
         sources = [None] * len(segments)
         if kvs is not None:
             sources[1::2] = kvs  # the markers are computed, the passages read
-        return blend_prefill(model, head, sources, question, mode=mode, recompute_ratio=ratio,
-                             chunk_ids=segments, head_kv=head_kv, extra_capacity=extra,
-                             settings=settings or BlendSettings())  # fmt: skip
+        return blend_prefill(
+            model,
+            head,
+            sources,
+            question,
+            mode=mode,
+            recompute_ratio=ratio,
+            chunk_ids=segments,
+            head_kv=head_kv,
+            extra_capacity=extra,
+            settings=settings or BlendSettings(),
+        )
 
     full = prefill("full", 0.0)
     answer_ids = greedy_answer(model, full, max(MAX_NEW_TOKENS, GAP_TOKENS), stop_ids)
@@ -161,10 +171,13 @@ def run_case(model, tokenizer, formats, case: Case, runs, stop_ids) -> dict[str,
     positions = min(len(full_answer) + 1, TF_TOKENS)
     full_logits = teacher_forced_logits(model, full, forced)
     row = {
-        "question": case.question, "fact": case.fact, "passages": len(passages),
+        "question": case.question,
+        "fact": case.fact,
+        "passages": len(passages),
         "follows": sum(case.follows),
-        "prompt_tokens": full.num_tokens, "runs": {"full": _answer(tokenizer, case, full_answer)},
-    }  # fmt: skip
+        "prompt_tokens": full.num_tokens,
+        "runs": {"full": _answer(tokenizer, case, full_answer)},
+    }
     for key, (kv_name, mode, ratio, settings) in runs.items():
         result = prefill(mode, ratio, chunk_kv[kv_name], settings)
         metrics = teacher_forced_fidelity(
@@ -186,13 +199,15 @@ def summary(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
     for key in keys:
         kl = [r["runs"][key]["tf_kl"] for r in rows]
         out[key] = {
-            "tf_kl_mean": statistics.mean(kl), "tf_kl_median": statistics.median(kl),
+            "tf_kl_mean": statistics.mean(kl),
+            "tf_kl_median": statistics.median(kl),
             "tf_kl_p90": quantile(kl, 0.9),
             "tf_agreement": statistics.mean(r["runs"][key]["tf_agreement"] for r in rows),
             "has_fact": sum(r["runs"][key]["has_fact"] for r in rows),
-            "lost_fact": sum(r["runs"]["full"]["has_fact"] and not r["runs"][key]["has_fact"]
-                             for r in rows),
-        }  # fmt: skip
+            "lost_fact": sum(
+                r["runs"]["full"]["has_fact"] and not r["runs"][key]["has_fact"] for r in rows
+            ),
+        }
     return out
 
 
@@ -226,23 +241,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--first", type=int, default=0)  # --musique's examples
     parser.add_argument("--examples", type=int, default=20)
     parser.add_argument(
-        "--order", choices=("grouped", "relevance"), default="grouped",
+        "--order",
+        choices=("grouped", "relevance"),
+        default="grouped",
         help="grouped: a document's consecutive chunks together, as the chat orders them",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kv", default="off,on",
+        "--kv",
+        default="off,on",
         help="chunk KV after: off (the head), on (the preamble), nb (the predecessor, "
         "where the prompt has it; else off)",
-    )  # fmt: skip
+    )
     parser.add_argument("--chunk-tokens", type=int, default=512)  # CHUNK_TOKENS
     parser.add_argument("--top-k", type=int, default=6)  # RETRIEVAL_TOP_K
     parser.add_argument("--min-score", type=float, default=0.3)  # RETRIEVAL_MIN_SCORE
     parser.add_argument("--ratios", default="0.10,0.15")
     parser.add_argument("--stale-key-scales", default="0.95")
     parser.add_argument(
-        "--blend", action="append", default=[], metavar="NAME=VALUE",
+        "--blend",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
         help="a blend_prefill setting for every run, e.g. stale_ramp_tokens=1200 (repeatable)",
-    )  # fmt: skip
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -261,8 +282,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = Transformer.from_pretrained(path, device="cpu", precision=DEFAULT_PRECISION)
     kv_names = [name for name in args.kv.split(",") if name]
-    formats = {name: PromptFormat.for_tokenizer(tokenizer, preamble=name == "on")
-               for name in ("off", "on") if name == "off" or name in kv_names}  # fmt: skip
+    formats = {
+        name: PromptFormat.for_tokenizer(tokenizer, preamble=name == "on")
+        for name in ("off", "on")
+        if name == "off" or name in kv_names
+    }
     ratios = [float(r) for r in args.ratios.split(",") if r]
     scales = [float(s) for s in args.stale_key_scales.split(",") if s]
     runs = plan_runs(kv_names, ratios, scales, blend_settings(args.blend))
@@ -271,10 +295,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i, case in enumerate(cases):
         rows.append(run_case(model, tokenizer, formats, case, runs, stop_ids))
         brief = {k: round(v["tf_kl"], 4) for k, v in rows[-1]["runs"].items() if "tf_kl" in v}
-        print(f"[{i + 1}/{len(cases)}] {case.question[:50]!r} follows {sum(case.follows)} "
-              f"{brief}", flush=True)  # fmt: skip
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "questions": len(rows),
-              "summary": summary(rows, list(runs)), "rows": rows}  # fmt: skip
+        print(
+            f"[{i + 1}/{len(cases)}] {case.question[:50]!r} follows {sum(case.follows)} {brief}",
+            flush=True,
+        )
+    report = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "questions": len(rows),
+        "summary": summary(rows, list(runs)),
+        "rows": rows,
+    }
     print(json.dumps(report["summary"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -97,8 +97,10 @@ def code_sections(header: ChunkHeader) -> list[Section]:
     for index in range(header.num_layers):
         base, layout = header.layer_offset(index), header.layout(index)
         k_bits, v_bits = header.layer_bits[index]
-        for section, bits, group in ((K_SECTION, k_bits, header.k_group),
-                                     (V_SECTION, v_bits, whole)):  # fmt: skip
+        for section, bits, group in (
+            (K_SECTION, k_bits, header.k_group),
+            (V_SECTION, v_bits, whole),
+        ):
             at, size = layout.sections[section]
             sections.append(Section(base + at, size, bits, group))
     return sections
@@ -183,8 +185,11 @@ def adaptive_bits(counts: np.ndarray) -> float:
     counts = torch.from_numpy(counts).double()
     half = torch.full((), 0.5, dtype=torch.float64)
     alphabet = counts.shape[-1]
-    per_context = (torch.lgamma(counts.sum(-1) + alphabet * half) - torch.lgamma(alphabet * half)
-                   - (torch.lgamma(counts + half) - torch.lgamma(half)).sum(-1))  # fmt: skip
+    per_context = (
+        torch.lgamma(counts.sum(-1) + alphabet * half)
+        - torch.lgamma(alphabet * half)
+        - (torch.lgamma(counts + half) - torch.lgamma(half)).sum(-1)
+    )
     return float(per_context.sum()) / math.log(2)
 
 
@@ -220,8 +225,10 @@ def bound_bytes(data: bytearray, split: Split) -> dict[str, float]:
     out = {"order0": float(entropy_bytes(data))}
     sections = code_sections(split.header)
     for context in BOUNDS:
-        bits = sum(section_bound_bits(codes, section, context)
-                   for codes, section in zip(split.codes, sections, strict=True))  # fmt: skip
+        bits = sum(
+            section_bound_bits(codes, section, context)
+            for codes, section in zip(split.codes, sections, strict=True)
+        )
         out[context] = len(split.rest) + bits / 8
     return out
 
@@ -331,8 +338,7 @@ def ans_table(symbols: np.ndarray, bits: int) -> np.ndarray:
 def ans_model(table: np.ndarray) -> constriction.stream.model.Categorical:
     """The same model from the same table in the encoder and the decoder."""
     probabilities = table.astype(np.float64)
-    return constriction.stream.model.Categorical(probabilities / probabilities.sum(),
-                                                 perfect=False)  # fmt: skip
+    return constriction.stream.model.Categorical(probabilities / probabilities.sum(), perfect=False)
 
 
 def ans_symbols(split: Split, delta: bool) -> list[np.ndarray]:
@@ -355,8 +361,12 @@ def ans_encode(split: Split, delta: bool, rest_level: int | None) -> bytes:
     if rest_level is not None:
         rest = zstandard.ZstdCompressor(level=rest_level).compress(shuffle_bytes(rest))
     words = coder.get_compressed().astype("<u4").tobytes()
-    return (LENGTH.pack(len(rest), len(split.rest)) + rest
-            + b"".join(t.astype("<u2").tobytes() for t in tables) + words)  # fmt: skip
+    return (
+        LENGTH.pack(len(rest), len(split.rest))
+        + rest
+        + b"".join(t.astype("<u2").tobytes() for t in tables)
+        + words
+    )
 
 
 def ans_decode(blob: bytes, delta: bool) -> tuple[ChunkHeader, list[np.ndarray], bytes]:
@@ -389,15 +399,26 @@ def ans_coder(delta: bool, rest_level: int | None = None) -> Coder:
         header, codes, rest = ans_decode(blob, delta)
         return join_object(header, [c.astype(np.uint8) for c in codes], rest)
 
-    return Coder(name, lambda data: ans_encode(split_object(data), delta, rest_level),
-                 lambda blob: ans_decode(blob, delta), restore)  # fmt: skip
+    return Coder(
+        name,
+        lambda data: ans_encode(split_object(data), delta, rest_level),
+        lambda blob: ans_decode(blob, delta),
+        restore,
+    )
 
 
 CODERS = (
-    zstd_object(3), zstd_object(19), zstd_packed(3), zstd_packed(19), zstd_codes(3, "codes"),
-    zstd_codes(19, "codes"), zstd_codes(19, "planes"), ans_coder(False), ans_coder(True),
+    zstd_object(3),
+    zstd_object(19),
+    zstd_packed(3),
+    zstd_packed(19),
+    zstd_codes(3, "codes"),
+    zstd_codes(19, "codes"),
+    zstd_codes(19, "planes"),
+    ans_coder(False),
+    ans_coder(True),
     ans_coder(False, 19),
-)  # fmt: skip
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,40 +471,60 @@ def summarize(rows: list[dict], names: Sequence[str]) -> dict:
         own, fp16 = sum(e["bytes"] for e in entries), sum(e["fp16_bytes"] for e in entries)
         codec_gbps = statistics.median(e["codec_decode_gbps"] for e in entries)
         out: dict = {
-            "bytes_per_token": own / tokens, "decode_gbps": codec_gbps,
-            "code_bytes_per_token": sum(e["code_bytes"] for e in entries) / tokens, "coders": {},
-        }  # fmt: skip
+            "bytes_per_token": own / tokens,
+            "decode_gbps": codec_gbps,
+            "code_bytes_per_token": sum(e["code_bytes"] for e in entries) / tokens,
+            "coders": {},
+        }
         for bound in entries[0]["bounds"]:
             total = sum(e["bounds"][bound] for e in entries)
-            out["coders"][f"bound-{bound}"] = {"bytes_per_token": total / tokens,
-                                               "ratio": total / own}  # fmt: skip
+            out["coders"][f"bound-{bound}"] = {
+                "bytes_per_token": total / tokens,
+                "ratio": total / own,
+            }
         for coder in entries[0]["coders"]:
             total = sum(e["coders"][coder]["bytes"] for e in entries)
             seconds = sum(e["coders"][coder]["decode_s"] for e in entries)
             out["coders"][coder] = {
-                "bytes_per_token": total / tokens, "ratio": total / own,
-                "decode_mbps": own / seconds / 1e6, "decode_fp16_gbps": fp16 / seconds / 1e9,
+                "bytes_per_token": total / tokens,
+                "ratio": total / own,
+                "decode_mbps": own / seconds / 1e6,
+                "decode_fp16_gbps": fp16 / seconds / 1e9,
                 "then_codec_fp16_gbps": fp16 / (seconds + fp16 / (codec_gbps * 1e9)) / 1e9,
-            }  # fmt: skip
+            }
         summary[name] = out
     return summary
 
 
 def print_table(summary: dict, examples: int) -> None:
-    print(f"\n{examples} examples; decoding on one thread: MB/s of the codec's object given "
-          "back, GB/s of float16 KV it holds, and that then the codec's own decoding")  # fmt: skip
-    print(f"{'codec':48} {'coder':18} {'B/token':>8} {'ratio':>6} {'MB/s':>7} "
-          f"{'fp16 GB/s':>9} {'then':>6}")  # fmt: skip
+    print(
+        f"\n{examples} examples; decoding on one thread: MB/s of the codec's object given "
+        "back, GB/s of float16 KV it holds, and that then the codec's own decoding"
+    )
+    print(
+        f"{'codec':48} {'coder':18} {'B/token':>8} {'ratio':>6} {'MB/s':>7} "
+        f"{'fp16 GB/s':>9} {'then':>6}"
+    )
     for name, s in summary.items():
-        print(f"{name:48} {'(as stored)':18} {s['bytes_per_token']:8.0f} {1:6.3f} {'':7} "
-              f"{s['decode_gbps']:9.2f}")  # fmt: skip
+        print(
+            f"{name:48} {'(as stored)':18} {s['bytes_per_token']:8.0f} {1:6.3f} {'':7} "
+            f"{s['decode_gbps']:9.2f}"
+        )
         for coder, c in s["coders"].items():
-            speed = (f"{c['decode_mbps']:7.0f} {c['decode_fp16_gbps']:9.2f} "
-                     f"{c['then_codec_fp16_gbps']:6.2f}") if "decode_mbps" in c else ""  # fmt: skip
+            speed = (
+                (
+                    f"{c['decode_mbps']:7.0f} {c['decode_fp16_gbps']:9.2f} "
+                    f"{c['then_codec_fp16_gbps']:6.2f}"
+                )
+                if "decode_mbps" in c
+                else ""
+            )
             print(f"{'':48} {coder:18} {c['bytes_per_token']:8.0f} {c['ratio']:6.3f} {speed}")
         other = s["bytes_per_token"] - s["code_bytes_per_token"]
-        print(f"{'':48} codes {s['code_bytes_per_token']:.0f} B/token, other bytes {other:.0f} "
-              "(minima and steps, padding, header, token ids)")  # fmt: skip
+        print(
+            f"{'':48} codes {s['code_bytes_per_token']:.0f} B/token, other bytes {other:.0f} "
+            "(minima and steps, padding, header, token ids)"
+        )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -72,9 +72,12 @@ def greedy_answer(
 
 
 def progressive_logits(
-    model: Transformer, prefill: Callable[[], BlendResult], ratio: float, answer: list[int],
+    model: Transformer,
+    prefill: Callable[[], BlendResult],
+    ratio: float,
+    answer: list[int],
     lag: int = 1,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Teacher-forced logits of progressive blend (``--refresh``): the first ``lag``
     positions' over the prefill's own cache, the later ones over its cache refreshed to
     ``ratio`` with the first answer token (``kvservice.blend.prefill.refresh``) and the
@@ -91,9 +94,12 @@ def progressive_logits(
 
 
 def progressive_greedy(
-    model: Transformer, prefill: Callable[[], BlendResult], ratio: float, max_new: int,
+    model: Transformer,
+    prefill: Callable[[], BlendResult],
+    ratio: float,
+    max_new: int,
     stop_ids: set[int],
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """Progressive blend's greedy answer: the first token from the prefill, the rest over its
     cache refreshed to ``ratio`` with that token."""
     result = prefill()

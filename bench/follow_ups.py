@@ -83,14 +83,23 @@ def store_paragraphs(owner: Any, name: str, texts: Sequence[str]) -> None:
     from webapp.documents.models import SEARCH_CONFIG, Chunk, Document
 
     document = Document.objects.create(
-        owner=owner, title=name, status=Document.Status.READY,
+        owner=owner,
+        title=name,
+        status=Document.Status.READY,
         content_sha256=hashlib.sha256("\n\n".join(texts).encode()).hexdigest(),
-    )  # fmt: skip
+    )
     Chunk.objects.bulk_create(
-        Chunk(document=document, index=index, text=text, token_ids=[], token_count=0,
-              token_ids_sha256=hashlib.sha256(text.encode()).hexdigest(), embedding=vector)
+        Chunk(
+            document=document,
+            index=index,
+            text=text,
+            token_ids=[],
+            token_count=0,
+            token_ids_sha256=hashlib.sha256(text.encode()).hexdigest(),
+            embedding=vector,
+        )
         for index, (text, vector) in enumerate(zip(texts, embed_texts(texts), strict=True))
-    )  # fmt: skip
+    )
     Chunk.objects.filter(document=document).update(
         search_vector=SearchVector("text", config=SEARCH_CONFIG)
     )
@@ -110,8 +119,13 @@ def alone(user: Any, question: str) -> list[Any]:
     from webapp.chat.retrieval import retrieve_chunks
     from webapp.documents.embeddings import embed_texts
 
-    return retrieve_chunks(user=user, question=question, query_embedding=embed_texts([question])[0],
-                           top_k=TOP_K, min_score=_min_score())  # fmt: skip
+    return retrieve_chunks(
+        user=user,
+        question=question,
+        query_embedding=embed_texts([question])[0],
+        top_k=TOP_K,
+        min_score=_min_score(),
+    )
 
 
 def before_follow_up(user: Any, question: str, topic: Sequence[str]) -> list[Any]:
@@ -122,8 +136,9 @@ def before_follow_up(user: Any, question: str, topic: Sequence[str]) -> list[Any
     queries = [question, "\n".join([*topic, question])]
     best: dict[str, Any] = {}
     for query, vector in zip(queries, embed_texts(queries), strict=True):
-        for chunk in retrieve_chunks(user=user, question=query, query_embedding=vector,
-                                     top_k=TOP_K, min_score=_min_score()):  # fmt: skip
+        for chunk in retrieve_chunks(
+            user=user, question=query, query_embedding=vector, top_k=TOP_K, min_score=_min_score()
+        ):
             known = best.get(chunk.token_ids_sha256)
             if known is None or chunk.score > known.score:
                 best[chunk.token_ids_sha256] = chunk
@@ -152,8 +167,9 @@ def relevance_of_all(user: Any, question: str) -> dict[int, float]:
     from webapp.chat.retrieval import rank_candidates
     from webapp.documents.embeddings import embed_texts
 
-    ranked = rank_candidates(user=user, question=question,
-                             query_embedding=embed_texts([question])[0], limit=10_000)  # fmt: skip
+    ranked = rank_candidates(
+        user=user, question=question, query_embedding=embed_texts([question])[0], limit=10_000
+    )
     return {chunk.id: chunk.score for chunk in ranked}
 
 
@@ -166,8 +182,9 @@ def ask_pair(user: Any, pair: Pair, with_candidates: bool = False) -> Asked:
     candidates: list[tuple[float, float, float, bool, bool]] = []
     if topic:
         given["before"] = before_follow_up(user, pair.question, topic)
-        given["after"] = follow_up_chunks(user=user, question=pair.question, topic=topic,
-                                          top_k=TOP_K, min_score=_min_score())  # fmt: skip
+        given["after"] = follow_up_chunks(
+            user=user, question=pair.question, topic=topic, top_k=TOP_K, min_score=_min_score()
+        )
         if with_candidates:
             candidates = follow_up_candidates(user, pair, topic)
     else:  # a question of its own: searched alone before, each part of it after
@@ -188,15 +205,24 @@ def follow_up_candidates(
     from webapp.chat.follow_ups import follow_up_chunks
     from webapp.chat.retrieval import retrieve_question
 
-    found = follow_up_chunks(user=user, question=pair.question, topic=topic, top_k=20,
-                             min_score=_min_score())  # fmt: skip
-    first = retrieve_question(user=user, question=pair.first, top_k=1,
-                              min_score=_min_score()).chunks  # fmt: skip
+    found = follow_up_chunks(
+        user=user, question=pair.question, topic=topic, top_k=20, min_score=_min_score()
+    )
+    first = retrieve_question(
+        user=user, question=pair.first, top_k=1, min_score=_min_score()
+    ).chunks
     own = relevance_of_all(user, pair.question)
     about = relevance_of_all(user, "\n".join(topic))
-    return [(c.score, own.get(c.id, 0.0), about.get(c.id, 0.0),
-             bool(first) and c.id == first[0].id, holds(c.text, pair.fact))
-            for c in found]  # fmt: skip
+    return [
+        (
+            c.score,
+            own.get(c.id, 0.0),
+            about.get(c.id, 0.0),
+            bool(first) and c.id == first[0].id,
+            holds(c.text, pair.fact),
+        )
+        for c in found
+    ]
 
 
 # --- the figures -----------------------------------------------------------------------------
@@ -236,8 +262,10 @@ def summarize(asked: Sequence[Asked]) -> dict[str, dict[str, dict[str, Any]]]:
     return summary
 
 
-def candidate_rank(candidates: Sequence[tuple[float, float, float, bool, bool]],
-                   weights: tuple[float, float, float]) -> int:  # fmt: skip
+def candidate_rank(
+    candidates: Sequence[tuple[float, float, float, bool, bool]],
+    weights: tuple[float, float, float],
+) -> int:
     """The rank the other ranking gives the first candidate holding the fact."""
     own, topic, cited = weights
     ranked = sorted(candidates, key=lambda c: -(c[0] + own * c[1] + topic * c[2] + cited * c[3]))
@@ -251,28 +279,38 @@ def tune(asked: Sequence[Asked]) -> dict[str, Any]:
     follow_ups = [a for a in asked if a.candidates]
 
     def ranks(weights: tuple[float, float, float], set_name: str) -> list[int]:
-        return [candidate_rank(a.candidates, weights) for a in follow_ups
-                if a.pair.set == set_name]  # fmt: skip
+        return [candidate_rank(a.candidates, weights) for a in follow_ups if a.pair.set == set_name]
 
     grid = list(itertools.product(OWN_WEIGHTS, TOPIC_WEIGHTS, CITED_WEIGHTS))
-    best = min(grid, key=lambda w: (-sum(r == 1 for r in ranks(w, "tune")),
-                                    statistics.mean(ranks(w, "tune")), sum(w)))  # fmt: skip
+    best = min(
+        grid,
+        key=lambda w: (
+            -sum(r == 1 for r in ranks(w, "tune")),
+            statistics.mean(ranks(w, "tune")),
+            sum(w),
+        ),
+    )
     return {"weights": dict(zip(("own", "topic", "cited"), best, strict=True))} | {
-        set_name: {"recall_at_1": sum(r == 1 for r in ranks(best, set_name)),
-                   f"recall_at_{TOP_K}": sum(r <= TOP_K for r in ranks(best, set_name)),
-                   "before_recall_at_1": sum(r == 1 for r in ranks((0.0, 0.0, 0.0), set_name)),
-                   "questions": len(ranks(best, set_name))}
+        set_name: {
+            "recall_at_1": sum(r == 1 for r in ranks(best, set_name)),
+            f"recall_at_{TOP_K}": sum(r <= TOP_K for r in ranks(best, set_name)),
+            "before_recall_at_1": sum(r == 1 for r in ranks((0.0, 0.0, 0.0), set_name)),
+            "questions": len(ranks(best, set_name)),
+        }
         for set_name in ("tune", "heldout")
-    }  # fmt: skip
+    }
 
 
 def ask_two_part(user: Any, item: TwoPart) -> dict[str, Any]:
     from webapp.chat.retrieval import retrieve_question
 
-    retrieved = retrieve_question(user=user, question=item.question, top_k=TOP_K,
-                                  min_score=_min_score())  # fmt: skip
-    given = {"before": [c.text for c in alone(user, item.question)],
-             "after": [c.text for c in retrieved.chunks]}  # fmt: skip
+    retrieved = retrieve_question(
+        user=user, question=item.question, top_k=TOP_K, min_score=_min_score()
+    )
+    given = {
+        "before": [c.text for c in alone(user, item.question)],
+        "after": [c.text for c in retrieved.chunks],
+    }
     row: dict[str, Any] = {"question": item.question, "facts": list(item.facts)}
     for rule, texts in given.items():
         row[rule] = [rank_of(texts, fact) if fact else None for fact in item.facts]
@@ -299,14 +337,22 @@ def two_part_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # --- the run ---------------------------------------------------------------------------------
 
 
-def run(owner: Any, data: Path = DATA, limit: int | None = None, with_tuning: bool = False,
-        say: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run(
+    owner: Any,
+    data: Path = DATA,
+    limit: int | None = None,
+    with_tuning: bool = False,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Store the corpus for ``owner``, ask every pair (the first ``limit`` of each kind and
     of the two-part questions) and return the report."""
     pairs, two_part = load(data)
     if limit is not None:
-        pairs = [p for kind in ("follow_up", "standalone")
-                 for p in [p for p in pairs if p.kind == kind][:limit]]  # fmt: skip
+        pairs = [
+            p
+            for kind in ("follow_up", "standalone")
+            for p in [p for p in pairs if p.kind == kind][:limit]
+        ]
         two_part = two_part[:limit]
     documents = store_corpus(owner, data)
     say(f"{documents} documents; {len(pairs)} pairs, {len(two_part)} two-part questions")
@@ -315,26 +361,31 @@ def run(owner: Any, data: Path = DATA, limit: int | None = None, with_tuning: bo
         "top_k": TOP_K,
         "detected_as_follow_up": {
             kind: f"{sum(a.is_follow_up for a in asked if a.pair.kind == kind)}"
-                  f"/{sum(a.pair.kind == kind for a in asked)}"
+            f"/{sum(a.pair.kind == kind for a in asked)}"
             for kind in ("follow_up", "standalone")
         },
         "pairs": summarize(asked),
-    }  # fmt: skip
+    }
     for name, by_rule in report["pairs"].items():
         say(f"{name}:")
         for rule, f in by_rule.items():
-            say(f"  {rule:<22} recall@1 {f['recall_at_1']}/{f['questions']}  recall@{TOP_K} "
+            say(
+                f"  {rule:<22} recall@1 {f['recall_at_1']}/{f['questions']}  recall@{TOP_K} "
                 f"{f[f'recall_at_{TOP_K}']}/{f['questions']}  rank mean {f['mean_rank']} "
                 f"median {f['median_rank']}  worse {f['worse_than_before']} "
-                f"better {f['better_than_before']}")  # fmt: skip
+                f"better {f['better_than_before']}"
+            )
     rows = [ask_two_part(owner, item) for item in two_part]
     report["two_part"] = two_part_summary(rows)
     say(f"two-part: {json.dumps(report['two_part'])}")
     report["questions"] = [
-        {**vars(a.pair), "detected": a.is_follow_up,
-         "ranks": {rule: rank_of(a.given[rule], a.pair.fact) for rule in RULES}}
+        {
+            **vars(a.pair),
+            "detected": a.is_follow_up,
+            "ranks": {rule: rank_of(a.given[rule], a.pair.fact) for rule in RULES},
+        }
         for a in asked
-    ] + rows  # fmt: skip
+    ] + rows
     if with_tuning:
         report["other_ranking"] = tune(asked)
         say(f"other follow-up ranking, tuned: {json.dumps(report['other_ranking'])}")

@@ -46,11 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
     )
     bench_graphs(model, args.context + 1024)
-    head, chunk_ids, question = synthetic_prompt(model.config.vocab_size, args.context,
-                                                 args.chunks)  # fmt: skip
+    head, chunk_ids, question = synthetic_prompt(model.config.vocab_size, args.context, args.chunks)
     bench = StoreBench(args.tier, device=device, dtype=model.cache_dtype)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
-                                           else [])  # fmt: skip
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     try:
         with torch.no_grad():
@@ -61,16 +59,24 @@ def main(argv: list[str] | None = None) -> None:
 
                 def run(mode: str = mode) -> None:
                     result = blend_prefill(
-                        model, head, bench.sources(chunks, mode), question, mode=mode,
-                        recompute_ratio=args.ratio, chunk_ids=chunk_ids, head_kv=head_kv,
-                    )  # fmt: skip
+                        model,
+                        head,
+                        bench.sources(chunks, mode),
+                        question,
+                        mode=mode,
+                        recompute_ratio=args.ratio,
+                        chunk_ids=chunk_ids,
+                        head_kv=head_kv,
+                    )
                     int(result.logits.argmax())
 
                 run()  # warm-up
                 with profile(activities=activities) as prof:
                     run()
-                print(f"\n== {mode} ({args.context} tokens, {args.chunks} chunks from the "
-                      f"{args.tier} tier)")  # fmt: skip
+                print(
+                    f"\n== {mode} ({args.context} tokens, {args.chunks} chunks from the "
+                    f"{args.tier} tier)"
+                )
                 averages = prof.key_averages()
                 print(averages.table(sort_by=sort, row_limit=args.rows))
                 host = sum(event.self_cpu_time_total for event in averages) / 1e3

@@ -115,8 +115,11 @@ def bench_twenty(passages: list[str], chunk_tokens: int, batch: int) -> dict:
         for i in range(0, len(doc_chunks), batch):
             producer.compute([c.token_ids for c in doc_chunks[i : i + batch]])
         chunks += len(doc_chunks)
-    return {"documents": len(passages[:20]), "chunks": chunks,
-            "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
+    return {
+        "documents": len(passages[:20]),
+        "chunks": chunks,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 def bench_stack(url: str, api_key: str, passages: list[str], count: int = 20) -> dict:
@@ -128,8 +131,10 @@ def bench_stack(url: str, api_key: str, passages: list[str], count: int = 20) ->
 
     api, run = Api(url, api_key), uuid.uuid4().hex[:8]
     start = time.perf_counter()
-    ids = {api.upload(f"bench-{run}-{i}.txt", f"Passage {i} (run {run})\n\n{text}")["id"]
-           for i, text in enumerate(passages[:count])}  # fmt: skip
+    ids = {
+        api.upload(f"bench-{run}-{i}.txt", f"Passage {i} (run {run})\n\n{text}")["id"]
+        for i, text in enumerate(passages[:count])
+    }
     uploaded = time.perf_counter() - start
     states: dict[int, str] = {}
     while True:
@@ -144,8 +149,12 @@ def bench_stack(url: str, api_key: str, passages: list[str], count: int = 20) ->
     for document_id in ids:
         api.json("DELETE", f"/api/v1/documents/{document_id}")
     failed = sorted(i for i, s in states.items() if s == "failed")
-    return {"documents": len(ids), "failed": failed,
-            "upload_s": round(uploaded, 2), "seconds_to_ready": round(seconds, 2)}  # fmt: skip
+    return {
+        "documents": len(ids),
+        "failed": failed,
+        "upload_s": round(uploaded, 2),
+        "seconds_to_ready": round(seconds, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,9 +178,11 @@ def main(argv: list[str] | None = None) -> None:
         if not args.api_key:
             parser.error("--url needs --api-key")
         result = bench_stack(args.url, args.api_key, passages)
-        print(f"{result['documents']} passages as documents through the stack: all ready "
-              f"(KV included) in {result['seconds_to_ready']:.1f} s (uploads took "
-              f"{result['upload_s']:.1f} s; failed: {result['failed'] or 'none'})")  # fmt: skip
+        print(
+            f"{result['documents']} passages as documents through the stack: all ready "
+            f"(KV included) in {result['seconds_to_ready']:.1f} s (uploads took "
+            f"{result['upload_s']:.1f} s; failed: {result['failed'] or 'none'})"
+        )
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))
         return
@@ -183,8 +194,11 @@ def main(argv: list[str] | None = None) -> None:
         f"(parse {steps['parse']:.2f} s, chunk {steps['chunk']:.2f} s, "
         f"embed {steps['embed']:.2f} s)"
     )
-    results = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-               "ingest": ingest}  # fmt: skip
+    results = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "ingest": ingest,
+    }
     if not args.skip_kv:
         kv_result = bench_kv(chunks_ids, args.kv_batch)
         results["kv_precompute"] = kv_result

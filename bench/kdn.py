@@ -57,8 +57,15 @@ class KdnStack:
     def _start(self, data: Path) -> None:
         backing, env = start_services(data)
         self._processes += backing
-        self.env = {**os.environ, **env, "DATA_DIR": str(data), "DEBUG": "false",
-                    "HTTPS": "false", "PYTHONUNBUFFERED": "1", **self._extra_env}  # fmt: skip
+        self.env = {
+            **os.environ,
+            **env,
+            "DATA_DIR": str(data),
+            "DEBUG": "false",
+            "HTTPS": "false",
+            "PYTHONUNBUFFERED": "1",
+            **self._extra_env,
+        }
         manage("migrate", "--no-input", "-v", "0", env=self.env)
         script = (
             "from django.contrib.auth import get_user_model\n"
@@ -66,27 +73,62 @@ class KdnStack:
         )
         manage("shell", "-c", script, env=self.env)
         self.key = subprocess.run(
-            [sys.executable, "manage.py", "create_api_key", BENCH_USER], env=self.env,
-            check=True, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
+            [sys.executable, "manage.py", "create_api_key", BENCH_USER],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         self.logs = logs = data / "logs"
         logs.mkdir(exist_ok=True)
         bin_dir = Path(sys.executable).parent
-        self._spawn([str(bin_dir / "celery"), "-A", "worker", "worker", "-Q", "kv",
-                     "--concurrency", "1", "--hostname", "kdn-bench@%h", "--loglevel", "INFO",
-                     "--without-gossip", "--without-mingle"], logs / "celery.log")  # fmt: skip
+        self._spawn(
+            [
+                str(bin_dir / "celery"),
+                "-A",
+                "worker",
+                "worker",
+                "-Q",
+                "kv",
+                "--concurrency",
+                "1",
+                "--hostname",
+                "kdn-bench@%h",
+                "--loglevel",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+            ],
+            logs / "celery.log",
+        )
         port = services.free_port()
-        self._spawn([str(bin_dir / "uvicorn"), "webapp.asgi:application", "--host", "127.0.0.1",
-                     "--port", str(port), "--log-level", "warning"], logs / "web.log")  # fmt: skip
+        self._spawn(
+            [
+                str(bin_dir / "uvicorn"),
+                "webapp.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            logs / "web.log",
+        )
         self.url = f"http://127.0.0.1:{port}"
         self._wait_live(logs)
 
     def _spawn(self, argv: list[str], log: Path) -> None:
         with open(log, "ab") as out:
-            self._processes.append(subprocess.Popen(
-                argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                preexec_fn=services.die_with_parent(),
-            ))  # fmt: skip
+            self._processes.append(
+                subprocess.Popen(
+                    argv,
+                    env=self.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=services.die_with_parent(),
+                )
+            )
 
     def _wait_live(self, logs: Path, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -114,9 +156,13 @@ class KdnBench:
     s3_mbps = None
 
     def __init__(
-        self, url: str | None = None, key: str | None = None, *, precision: str | None = None,
+        self,
+        url: str | None = None,
+        key: str | None = None,
+        *,
+        precision: str | None = None,
         dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Without ``url``, a stack of its own whose KV worker computes at ``precision``
         (the bench's ``--precision``, so that both compute the same KV); the fetched layers
         are decoded into ``dtype`` (the model's cache dtype, as the store's loader does)."""
@@ -148,8 +194,10 @@ class KdnBench:
                 raise RuntimeError(f"PUT of a passage failed: {err}") from err
             key = ChunkKey.from_string(stored["key"])
             if key.unscoped() != ChunkKey.of(chunk):
-                raise RuntimeError(f"the server stored {key}, the bench computed "
-                                   f"{ChunkKey.of(chunk)}: another model or tokenizer")  # fmt: skip
+                raise RuntimeError(
+                    f"the server stored {key}, the bench computed "
+                    f"{ChunkKey.of(chunk)}: another model or tokenizer"
+                )
             self._texts[id(chunk)] = text
             self._stored_bytes += stored["stored_bytes"]
             self._chunk_tokens += stored["tokens"]
@@ -178,10 +226,13 @@ class KdnBench:
         load_s = statistics.median(f.load_s for f in fetches)
         wait_s = statistics.median(f.wait_s for f in fetches)
         return common | {
-            "pipelined": True, "load_s": load_s, "load_wait_s": wait_s,
+            "pipelined": True,
+            "load_s": load_s,
+            "load_wait_s": wait_s,
             "hidden_load_fraction": max(0.0, 1.0 - wait_s / load_s) if load_s else 1.0,
-            "load_bytes": fetches[-1].bytes_read, "ratio_chosen": None,
-        }  # fmt: skip
+            "load_bytes": fetches[-1].bytes_read,
+            "ratio_chosen": None,
+        }
 
     def close(self) -> None:
         self.client.close()
@@ -194,9 +245,11 @@ _BENCHES: dict[tuple[str | None, str | None], KdnBench] = {}
 
 
 def kdn_bench(
-    url: str | None, key: str | None, precision: str | None = None,
+    url: str | None,
+    key: str | None,
+    precision: str | None = None,
     dtype: torch.dtype | None = None,
-) -> KdnBench:  # fmt: skip
+) -> KdnBench:
     """One KdnBench per server in the process, closed (its stack stopped) at exit."""
     if (url, key) not in _BENCHES:
         _BENCHES[(url, key)] = KdnBench(url, key, precision=precision, dtype=dtype)
@@ -267,13 +320,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         for number, example in enumerate(examples, start=args.first):
             texts = passage_texts(example, args.passages)
             keys = [client.put(text)["key"] for text in texts]
-            times = [fetch_seconds(loader, client, texts, keys, api_first=r % 2 == 1)
-                     for r in range(args.repeats)]  # fmt: skip
+            times = [
+                fetch_seconds(loader, client, texts, keys, api_first=r % 2 == 1)
+                for r in range(args.repeats)
+            ]
             s3_s = statistics.median(t[0] for t in times)
             kdn_s = statistics.median(t[1] for t in times)
             ratios.append(kdn_s / s3_s)
-            print(f"example {number}: S3 {s3_s * 1e3:.0f} ms, API {kdn_s * 1e3:.0f} ms "
-                  f"({kdn_s / s3_s:.2f}x)", flush=True)  # fmt: skip
+            print(
+                f"example {number}: S3 {s3_s * 1e3:.0f} ms, API {kdn_s * 1e3:.0f} ms "
+                f"({kdn_s / s3_s:.2f}x)",
+                flush=True,
+            )
         print(f"API over S3, median of examples: {statistics.median(ratios):.2f}x")
         loader.close()
     except KeyboardInterrupt:

@@ -113,10 +113,16 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
 
     def prefill(key: str, mode: Mode, ratio: float) -> tuple[torch.Tensor, float]:
         result = blend_prefill(
-            model, head, chunk_sources(chunks, args, mode, key), question, mode=mode,
-            recompute_ratio=ratio, chunk_ids=chunk_ids, head_kv=head_kv,
+            model,
+            head,
+            chunk_sources(chunks, args, mode, key),
+            question,
+            mode=mode,
+            recompute_ratio=ratio,
+            chunk_ids=chunk_ids,
+            head_kv=head_kv,
             settings=BlendSettings(**args.blend),
-        )  # fmt: skip
+        )
         int(result.logits.argmax())  # the first token: TTFT ends here
         # Only the logits are kept: a run's cache must not count in the next run's memory.
         return result.logits, result.recompute_ratio_effective
@@ -144,8 +150,10 @@ def run(args: argparse.Namespace, model: Transformer) -> dict:
                 peak[key] = max(peak.get(key, 0), torch.cuda.max_memory_allocated(device))
 
     # Operators each run dispatches, counted on an untimed run of its own (bench.opcount).
-    ops = {key: count_ops(functools.partial(prefill, key, mode, ratio), model.config.n_layers)
-           for key, (mode, ratio) in plan.items()}  # fmt: skip
+    ops = {
+        key: count_ops(functools.partial(prefill, key, mode, ratio), model.config.n_layers)
+        for key, (mode, ratio) in plan.items()
+    }
     full_logits = logits["full"] if "full" in logits else prefill("full", "full", 0.0)[0]
     full_ttft = statistics.median(ttft["full"]) if "full" in ttft else None
     modes = {}
@@ -300,8 +308,10 @@ def print_table(report: Mapping) -> None:
         failed = f"; stopped recording: {graphs['failed']}" if graphs["failed"] else ""
         took = graphs.get("recording_s")
         took = f" (each in {took['median']:.2f} s, at most {took['max']:.2f})" if took else ""
-        print(f"passes as CUDA graphs: {graphs['recorded']} recorded{took}, "
-              f"{graphs['replays']} replays{failed}")  # fmt: skip
+        print(
+            f"passes as CUDA graphs: {graphs['recorded']} recorded{took}, "
+            f"{graphs['replays']} replays{failed}"
+        )
     if "process_max_rss_bytes" in memory:
         print(
             f"memory: {memory['measure']}: {_gib(memory['process_max_rss_bytes'])} GiB "

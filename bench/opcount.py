@@ -26,8 +26,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvservice.store import loader
 
-_NO_KERNEL = {"empty", "empty_strided", "empty_like", "resize_", "set_", "lift_fresh",
-              "_local_scalar_dense", "detach", "detach_", "alias", "record_stream"}  # fmt: skip
+_NO_KERNEL = {
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "resize_",
+    "set_",
+    "lift_fresh",
+    "_local_scalar_dense",
+    "detach",
+    "detach_",
+    "alias",
+    "record_stream",
+}
 
 
 @functools.cache

@@ -54,10 +54,16 @@ def _example(model, fmt, example, args, stop_ids) -> dict:
 
         def prefill(mode, chunks=chunks, head_kv=head_kv):
             return blend_prefill(
-                model, prompt.head_ids, chunks, prompt.question_ids, mode=mode,
-                recompute_ratio=args.ratio, chunk_ids=prompt.chunk_ids, head_kv=head_kv,
+                model,
+                prompt.head_ids,
+                chunks,
+                prompt.question_ids,
+                mode=mode,
+                recompute_ratio=args.ratio,
+                chunk_ids=prompt.chunk_ids,
+                head_kv=head_kv,
                 extra_capacity=GAP_TOKENS,
-            )  # fmt: skip
+            )
 
         per[precision] = {"full": prefill("full"), "blend": prefill("blend")}
         if precision == "float32":
@@ -84,8 +90,10 @@ def _example(model, fmt, example, args, stop_ids) -> dict:
 
 
 def _spread(values: list[float]) -> str:
-    return (f"mean {statistics.fmean(values):.4f} median {statistics.median(values):.4f} "
-            f"p90 {quantile(values, 0.9):.4f}")  # fmt: skip
+    return (
+        f"mean {statistics.fmean(values):.4f} median {statistics.median(values):.4f} "
+        f"p90 {quantile(values, 0.9):.4f}"
+    )
 
 
 def main(argv=None) -> dict:
@@ -110,10 +118,13 @@ def main(argv=None) -> dict:
     for index, example in enumerate(examples, start=args.first):
         row = _example(model, fmt, example, args, stop_ids)
         rows.append(row)
-        print(f"example {index}: full auto vs float32 tf_kl "
-              f"{row['full_auto_vs_float32']['tf_kl']:.4f} same greedy {row['same_greedy']}; "
-              f"blend tf_kl float32 {row['blend_float32']['tf_kl']:.4f} "
-              f"auto {row['blend_auto']['tf_kl']:.4f}", flush=True)  # fmt: skip
+        print(
+            f"example {index}: full auto vs float32 tf_kl "
+            f"{row['full_auto_vs_float32']['tf_kl']:.4f} same greedy {row['same_greedy']}; "
+            f"blend tf_kl float32 {row['blend_float32']['tf_kl']:.4f} "
+            f"auto {row['blend_auto']['tf_kl']:.4f}",
+            flush=True,
+        )
     summary = {
         "full_auto_vs_float32_tf_kl": _spread([r["full_auto_vs_float32"]["tf_kl"] for r in rows]),
         "full_auto_vs_float32_agreement": statistics.fmean(

@@ -98,9 +98,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def chunk_sources(
-    chunks: Sequence[ChunkKV], args: argparse.Namespace, mode: str = "blend",
-    key: str | None = None, ratio: float = 0.0,
-) -> list[LayeredKV | None]:  # fmt: skip
+    chunks: Sequence[ChunkKV],
+    args: argparse.Namespace,
+    mode: str = "blend",
+    key: str | None = None,
+    ratio: float = 0.0,
+) -> list[LayeredKV | None]:
     """Where the blender reads chunk KV from: the store's loader over the tier the chunks
     were staged in (``--tier cpu|disk|s3``, S3 throttled by ``--s3-mbps``), layer by layer,
     prefetching unless ``--no-pipeline``. The loads are reported under the run ``key``
@@ -134,8 +137,9 @@ def run_example(model, hf_model, tokenizer, fmt, example, args, stop_ids) -> dic
     reference = _Reference.of(model, tokenizer, full, args, stop_ids)
     row: dict = {"num_tokens": full.num_tokens, "full_answer": reference.text, "modes": {}}
     for key, (mode, ratio) in args.plan.items():
-        row["modes"][key] = _mode_row(key, prefill, timings, reference, tokenizer, example,
-                                      stop_ids)  # fmt: skip
+        row["modes"][key] = _mode_row(
+            key, prefill, timings, reference, tokenizer, example, stop_ids
+        )
         # Counted on an untimed run of its own (the profiler slows what it watches).
         run = functools.partial(prefill, f"{key}/ops", mode, ratio)
         ops = count_ops(run, model.config.n_layers)
@@ -207,16 +211,25 @@ def _timed_runs(model, hf_model, prompt: Prompt, prefill: _Prefill, args) -> _Ti
             ttft[key].append(seconds)
             if key in args.refresh_keys:  # progressive: the second token's logits come next
                 first = [int(results[key].logits.argmax())]
-                _, more = timed(lambda key=key, first=first: refresh(
-                    model, results[key], first, args.refresh_keys[key]), model.device)  # fmt: skip
+                _, more = timed(
+                    lambda key=key, first=first: refresh(
+                        model, results[key], first, args.refresh_keys[key]
+                    ),
+                    model.device,
+                )
                 timings.second.setdefault(key, []).append(seconds + more)
             if (tier := args.run_tiers.get(key, args.tier)) != "kdn":  # the controller learns
                 bench_of(args, tier).observe_run(key, seconds)  # from each timed run
             if key == "full" and len(ttft[key]) == 1:  # --s3-mbps: the link follows full
                 for tier in {args.tier, *args.run_tiers.values()}:
-                    after_full(args, tier, prompt_tokens=len(prompt.token_ids),
-                               num_layers=model.config.n_layers, seconds=seconds,
-                               blend_in_memory=prefill.in_memory)  # fmt: skip
+                    after_full(
+                        args,
+                        tier,
+                        prompt_tokens=len(prompt.token_ids),
+                        num_layers=model.config.n_layers,
+                        seconds=seconds,
+                        blend_in_memory=prefill.in_memory,
+                    )
         if hf_model is not None:
             _, seconds = timed(
                 lambda: int(hf_model(ids, logits_to_keep=1).logits[0, -1].argmax()), model.device
@@ -253,8 +266,9 @@ class _Reference:
         )
 
 
-def _mode_row(key, prefill: _Prefill, timings: _Timings, reference: _Reference, tokenizer,
-              example, stop_ids) -> dict:  # fmt: skip
+def _mode_row(
+    key, prefill: _Prefill, timings: _Timings, reference: _Reference, tokenizer, example, stop_ids
+) -> dict:
     """One run's row: its median TTFT, its teacher-forced fidelity to full and its greedy
     answer's (a progressive run's through a refresh of an untimed prefill: its timed one was
     refreshed already), and the store's numbers."""
@@ -267,13 +281,16 @@ def _mode_row(key, prefill: _Prefill, timings: _Timings, reference: _Reference, 
         again = functools.partial(prefill, f"{key}/untimed", mode, ratio)
         logits = progressive_logits(model, again, upgrade, reference.forced, args.refresh_lag)
         greedy = progressive_greedy(model, again, upgrade, args.max_new_tokens, stop_ids)
-        progressive = {"second_token_s": statistics.median(timings.second[key]),
-                       "refresh_ratio": upgrade}  # fmt: skip
+        progressive = {
+            "second_token_s": statistics.median(timings.second[key]),
+            "refresh_ratio": upgrade,
+        }
     else:
         logits = teacher_forced_logits(model, result, reference.forced)
         greedy = greedy_answer(model, result, args.max_new_tokens, stop_ids)
-    fidelity = teacher_forced_fidelity(logits, reference.logits, reference.forced,
-                                       reference.positions)  # fmt: skip
+    fidelity = teacher_forced_fidelity(
+        logits, reference.logits, reference.forced, reference.positions
+    )
     answer = tokenizer.decode(without_stop(greedy, stop_ids), skip_special_tokens=True)
     full_ttft = timings.ttft.get("full")
     return {
@@ -308,9 +325,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default="full,prefix,reuse,blend")
     parser.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
     parser.add_argument(
-        "--ratios", default="", metavar="R1,R2,...",
+        "--ratios",
+        default="",
+        metavar="R1,R2,...",
         help="also run blend at each of these ratios (e.g. 0.05,0.10,0.15,0.25,0.40): the curve",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot", type=Path, default=None, help="draw the --ratios curve (SVG)")
     parser.add_argument(
@@ -319,14 +338,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument(
-        "--repeats", type=int, default=None,
+        "--repeats",
+        type=int,
+        default=None,
         help="timed prefills per mode and example (default 1; --synthetic: 3)",
-    )  # fmt: skip
+    )
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1")
     parser.add_argument(
-        "--dtype", choices=tuple(DTYPES), default=None,
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=None,
         help="the model's and the KV cache's dtype (default float32 on CPU, bfloat16 on CUDA)",
-    )  # fmt: skip
+    )
     synthetic = parser.add_argument_group(
         "synthetic", "the long-context benchmark on a random-weight model (no --data)"
     )
@@ -340,53 +363,73 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument(
-        "--kv-preamble", choices=("on", "off"), default=None,
+        "--kv-preamble",
+        choices=("on", "off"),
+        default=None,
         help="chunk KV computed after the head and the shipped retrieval preamble, as the product "
         "does with KV_PREAMBLE=on (default: KV_PREAMBLE's value, on unless set; off with kdn)",
-    )  # fmt: skip
+    )
     parser.add_argument("--tier", choices=TIERS, default="cpu", help="where chunk KV starts")
     parser.add_argument(
-        "--also-tiers", default="", metavar="T1,...",
+        "--also-tiers",
+        default="",
+        metavar="T1,...",
         help="also run reuse/blend with the chunks starting in these tiers, interleaved with "
         "the --tier runs on the same prompts (keys blend[s3]); reports TTFT(tier)/TTFT(--tier)",
-    )  # fmt: skip
+    )
     parser.add_argument("--kdn-url", default=None, help="--tier kdn: a server (else one starts)")
     parser.add_argument("--kdn-key", default=None, help="--tier kdn: an API key of that server")
     parser.add_argument("--no-pipeline", action="store_true", help="load all KV, then compute")
     parser.add_argument(
-        "--s3-mbps", default=None, metavar="N|auto|4xauto",
+        "--s3-mbps",
+        default=None,
+        metavar="N|auto|4xauto",
         help="--tier s3 read through a throttling proxy at N MB/s; auto: per example, fp16 KV "
         "loads as long as full prefill took (bench.staging)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--load-all", action="store_true",
+        "--load-all",
+        action="store_true",
         help="with --s3-mbps: read every chunk (no per-chunk load-or-recompute choice)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
+        "--precision",
+        choices=PRECISIONS,
+        default=DEFAULT_PRECISION,
         help="the linear layers' products (kvservice.model.kernels): auto takes bfloat16 "
         "where native",
-    )  # fmt: skip
+    )
     parser.add_argument("--kernel", choices=KERNELS, default=None, help="force a linear kernel")
     parser.add_argument(
-        "--engine", choices=("native", "vllm"), default="native",
+        "--engine",
+        choices=("native", "vllm"),
+        default="native",
         help="vllm: the same modes through vLLM with the Ragblend KV connector (kvservice.vllm)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--refresh", type=float, default=None, metavar="R",
+        "--refresh",
+        type=float,
+        default=None,
+        metavar="R",
         help="also run progressive blend: each blend run below R again (run key blend>R, "
         "blend@0.05>R), its cache upgraded to R after the first token "
         "(kvservice.blend.prefill.refresh)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--refresh-lag", type=int, default=1, metavar="N",
+        "--refresh-lag",
+        type=int,
+        default=1,
+        metavar="N",
         help="with --refresh: the upgrade lands after N answer tokens (1: before the second; "
         "in the product the answer streams meanwhile and it lands a few tokens later)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--blend", action="append", default=[], metavar="NAME=VALUE",
+        "--blend",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
         help="a blend_prefill setting for every mode, e.g. smooth_window=1 (repeatable)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     _check_device_and_synthetic(parser, args)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -651,8 +694,15 @@ def _store_means(values: list[dict]) -> dict:
     """Per-mode means of the store's numbers (None where the mode read no cached KV) and of
     the operators a pass dispatched (None where they were not counted)."""
     out = {}
-    for name in ("load_s", "hidden_load_fraction", "ratio_chosen", "kv_bytes_per_token",
-                 "s3_mbps", "recomputed_chunks", "ops_per_layer"):  # fmt: skip
+    for name in (
+        "load_s",
+        "hidden_load_fraction",
+        "ratio_chosen",
+        "kv_bytes_per_token",
+        "s3_mbps",
+        "recomputed_chunks",
+        "ops_per_layer",
+    ):
         known = [v[name] for v in values if v.get(name) is not None]
         out[name] = statistics.fmean(known) if known else None
     return out
@@ -678,16 +728,23 @@ def print_table(summary: dict) -> None:
             f"{versus:>12} {m['gold_f1']:7.3f}"
         )
     print("vs reuse -/+: examples whose tf_kl is worse / better than reuse's on the same prompt")
-    counted = {key: m["ops_per_layer"] for key, m in summary["modes"].items()
-               if m.get("ops_per_layer") is not None}  # fmt: skip
+    counted = {
+        key: m["ops_per_layer"]
+        for key, m in summary["modes"].items()
+        if m.get("ops_per_layer") is not None
+    }
     if counted:
-        print("kernel-launching operators per layer (bench.opcount, every thread): "
-              + ", ".join(f"{key} {ops:.1f}" for key, ops in counted.items()))  # fmt: skip
+        print(
+            "kernel-launching operators per layer (bench.opcount, every thread): "
+            + ", ".join(f"{key} {ops:.1f}" for key, ops in counted.items())
+        )
     for key, m in summary["modes"].items():
         if "second_token_median_s" in m:
             ratio = m["second_token_ratio_to_full"] or float("nan")
-            print(f"{key}: second token's logits at {m['second_token_median_s']:.3f} s "
-                  f"(x full {ratio:.3f}), the cache upgraded after the first")  # fmt: skip
+            print(
+                f"{key}: second token's logits at {m['second_token_median_s']:.3f} s "
+                f"(x full {ratio:.3f}), the cache upgraded after the first"
+            )
     for key, slow in summary.get("tier_slowdown", {}).items():
         each = ", ".join(f"{r:.2f}" for r in slow["ttft_ratio_per_example"])
         print(
@@ -716,9 +773,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     model_dir = resolve_llm_path(args.model_path, default_cache_dir())
     model = Transformer.from_pretrained(
-        model_dir, device=args.device, dtype=args.dtype, precision=args.precision,
+        model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        precision=args.precision,
         kernel=args.kernel,
-    )  # fmt: skip
+    )
     print(model.kernel_choice.describe(), flush=True)
     args.kv_dtype = model.cache_dtype  # what the store's loader decodes into (bench_of)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -73,9 +73,12 @@ def main(args: argparse.Namespace) -> dict:
 
     def set_up() -> Transformer:  # before any timing, and before vLLM takes its memory
         model = Transformer.from_pretrained(
-            model_dir, device="cpu", dtype=torch.float32, precision=args.precision,
+            model_dir,
+            device="cpu",
+            dtype=torch.float32,
+            precision=args.precision,
             kernel=args.kernel,
-        )  # fmt: skip
+        )
         producer = KVProducer(model, fmt.storage_ids)
         for prompt in prompts:
             for chunk in producer.compute(prompt.chunk_ids):
@@ -90,8 +93,13 @@ def main(args: argparse.Namespace) -> dict:
     native = Engine(model, tokenizer, fmt, threads=args.threads)
     one = SamplingParams(max_tokens=1)
     answer = SamplingParams(max_tokens=args.max_new_tokens)
-    keys = [[ChunkKey.for_tokens(model.fingerprint, fmt.head_hash, ids).to_string()
-             for ids in prompt.chunk_ids] for prompt in prompts]  # fmt: skip
+    keys = [
+        [
+            ChunkKey.for_tokens(model.fingerprint, fmt.head_hash, ids).to_string()
+            for ids in prompt.chunk_ids
+        ]
+        for prompt in prompts
+    ]
 
     # 1. The native engine, before vLLM starts (its idle worker threads would share the cores).
     rows: list[dict[str, Any]] = []
@@ -109,19 +117,24 @@ def main(args: argparse.Namespace) -> dict:
             )
             ids, tokens_per_s = _answer(native.generate, request)
             row["modes"][mode] = {
-                "native_ttft_s": statistics.median(seconds), "native_ids": ids,
+                "native_ttft_s": statistics.median(seconds),
+                "native_ids": ids,
                 "native_decode_tokens_per_s": tokens_per_s,
-            }  # fmt: skip
+            }
         rows.append(row)
-        print(f"native {row['num_tokens']} tokens: "
-              + "  ".join(f"{m} {v['native_ttft_s']:.2f}s" for m, v in row["modes"].items()),
-              flush=True)  # fmt: skip
+        print(
+            f"native {row['num_tokens']} tokens: "
+            + "  ".join(f"{m} {v['native_ttft_s']:.2f}s" for m, v in row["modes"].items()),
+            flush=True,
+        )
 
     # 2. The same prompts through vLLM.
     engine = VllmEngine(
-        model_dir, store_config=store_config, prompt_format=fmt,
+        model_dir,
+        store_config=store_config,
+        prompt_format=fmt,
         settings=VllmSettings(max_num_seqs=4, max_model_len=4096),
-    )  # fmt: skip
+    )
     print(f"vLLM started in {engine.start_s:.1f} s; blender: {engine.attach_info}", flush=True)
     engine.generate(VllmRequest(prompts[0], mode="full", sampling=one))  # warm-up
     try:
@@ -131,11 +144,21 @@ def main(args: argparse.Namespace) -> dict:
             for mode in args.modes:
                 seconds = []
                 for _ in range(args.repeats):
-                    request = VllmRequest(prompt, mode=mode, chunk_keys=prompt_keys,
-                                          recompute_ratio=args.ratio, sampling=one)  # fmt: skip
+                    request = VllmRequest(
+                        prompt,
+                        mode=mode,
+                        chunk_keys=prompt_keys,
+                        recompute_ratio=args.ratio,
+                        sampling=one,
+                    )
                     seconds.append(engine.generate(request).ttft_s)
-                request = VllmRequest(prompt, mode=mode, chunk_keys=prompt_keys,
-                                      recompute_ratio=args.ratio, sampling=answer)  # fmt: skip
+                request = VllmRequest(
+                    prompt,
+                    mode=mode,
+                    chunk_keys=prompt_keys,
+                    recompute_ratio=args.ratio,
+                    sampling=answer,
+                )
                 ids, tokens_per_s = _answer(engine.generate, request)
                 entry = row["modes"][mode]
                 native_ids = entry.pop("native_ids")
@@ -233,9 +256,11 @@ def _median_of(values: list[dict], key: str) -> float | None:
 def _print_table(summary: dict) -> None:
     """TTFT medians; each engine's speedup against vLLM's full prefill of the same prompt;
     decode rates; whether the engines' greedy answers agree."""
-    header = (f"{'mode':8} {'native s':>9} {'vllm s':>8} {'own full/native':>16} "
-              f"{'vllm full/native':>17} "
-              f"{'vllm full/vllm':>15} {'decode tok/s n|v':>17} {'same tokens':>12}")  # fmt: skip
+    header = (
+        f"{'mode':8} {'native s':>9} {'vllm s':>8} {'own full/native':>16} "
+        f"{'vllm full/native':>17} "
+        f"{'vllm full/vllm':>15} {'decode tok/s n|v':>17} {'same tokens':>12}"
+    )
     print(header)
     print("-" * len(header))
 

@@ -103,8 +103,11 @@ def corpus_files(paths: Sequence[Path]) -> list[tuple[str, bytes]]:
     files = []
     for path in paths:
         if path.is_dir():
-            files += [(p.name, p.read_bytes()) for p in sorted(path.iterdir())
-                      if p.name not in QUESTION_FILES]  # fmt: skip
+            files += [
+                (p.name, p.read_bytes())
+                for p in sorted(path.iterdir())
+                if p.name not in QUESTION_FILES
+            ]
         else:
             passages = json.loads(path.read_text())["passages"]
             files.append((path.stem + ".txt", "\n\n".join(p.strip() for p in passages).encode()))
@@ -126,15 +129,24 @@ def store_document(owner: Any, name: str, data: bytes) -> int:
     text = parse(data, detect_type(data, name)).text
     chunks = chunk_text(text, tokenizer=llm_tokenizer(), max_tokens=settings.CHUNK_TOKENS)
     document = Document.objects.create(
-        owner=owner, title=name, content_sha256=hashlib.sha256(data).hexdigest(),
+        owner=owner,
+        title=name,
+        content_sha256=hashlib.sha256(data).hexdigest(),
         status=Document.Status.READY,
-    )  # fmt: skip
+    )
     vectors = embed_texts([chunk.text for chunk in chunks])
     Chunk.objects.bulk_create(
-        Chunk(document=document, index=c.index, text=c.text, token_ids=c.token_ids,
-              token_count=c.token_count, token_ids_sha256=c.token_ids_sha256, embedding=v)
+        Chunk(
+            document=document,
+            index=c.index,
+            text=c.text,
+            token_ids=c.token_ids,
+            token_count=c.token_count,
+            token_ids_sha256=c.token_ids_sha256,
+            embedding=v,
+        )
         for c, v in zip(chunks, vectors, strict=True)
-    )  # fmt: skip
+    )
     Chunk.objects.filter(document=document).update(
         search_vector=SearchVector("text", config=SEARCH_CONFIG)
     )
@@ -200,8 +212,9 @@ def hybrid_rule(share: float, threshold: float) -> Rule:
 
 def _passage(chunk: Any, ts_rank: float, coverage: float) -> Passage:
     similarity = 0.0 if chunk.distance is None else 1.0 - float(chunk.distance)
-    return Passage(chunk.document.title, chunk.text, chunk.token_ids_sha256, similarity,
-                   coverage, ts_rank)  # fmt: skip
+    return Passage(
+        chunk.document.title, chunk.text, chunk.token_ids_sha256, similarity, coverage, ts_rank
+    )
 
 
 def ts_ranks(user: Any, question: str, limit: int) -> dict[int, float]:
@@ -258,15 +271,20 @@ def retrieve(user: Any, question: str) -> Retrieved:
 
     vector = embed_texts([question])[0]
     limit = max(TOP_K * 4, 20)  # retrieve_chunks' candidates
-    candidates = rank_candidates(user=user, question=question, query_embedding=vector,
-                                 limit=limit)  # fmt: skip
+    candidates = rank_candidates(user=user, question=question, query_embedding=vector, limit=limit)
     ranks = ts_ranks(user, question, limit)
-    by_vector = sorted((c for c in candidates if c.distance is not None),
-                       key=lambda c: (-c.similarity, c.id))[:limit]  # fmt: skip
+    by_vector = sorted(
+        (c for c in candidates if c.distance is not None), key=lambda c: (-c.similarity, c.id)
+    )[:limit]
     before = reciprocal_rank_fusion([[c.id for c in by_vector], list(ranks)])
     started = time.perf_counter()
-    after = retrieve_chunks(user=user, question=question, query_embedding=vector, top_k=TOP_K,
-                            min_score=settings.RETRIEVAL_MIN_SCORE)  # fmt: skip
+    after = retrieve_chunks(
+        user=user,
+        question=question,
+        query_embedding=vector,
+        top_k=TOP_K,
+        min_score=settings.RETRIEVAL_MIN_SCORE,
+    )
     after_s = time.perf_counter() - started
     covered = {c.id: c.text_rank for c in candidates}  # only "before" reads other chunks
 
@@ -352,9 +370,15 @@ def tune(questions: Sequence[Question], retrieved: Sequence[Retrieved]) -> list[
         objectives = [(f.recall + f.not_found_recall) / 2 for f in figures]
         for at, threshold in enumerate(THRESHOLDS):
             near = objectives[max(0, at - SMOOTHING) : at + SMOOTHING + 1]
-            rows.append({"share": share, "threshold": threshold,
-                         "smoothed": round(sum(near) / len(near), 4),
-                         "objective": round(objectives[at], 4), **asdict(figures[at])})  # fmt: skip
+            rows.append(
+                {
+                    "share": share,
+                    "threshold": threshold,
+                    "smoothed": round(sum(near) / len(near), 4),
+                    "objective": round(objectives[at], 4),
+                    **asdict(figures[at]),
+                }
+            )
     # to two decimals: closer than that is less than one question of either kind apart
     return sorted(rows, key=lambda row: (-round(row["smoothed"], 2), -row["objective"]))
 
@@ -401,17 +425,24 @@ def run(args: argparse.Namespace) -> dict:
     chunks = sum(store_document(owner, name, data) for name, data in files)
     questions = load_questions(args.data / "questions.json")
     check_facts(questions, list(Chunk.objects.values_list("text", flat=True)))
-    print(f"{len(files)} documents, {chunks} chunks; {len(questions)} questions; after: "
-          f"{1 - FULL_TEXT_SHARE:.2f} x cosine + {FULL_TEXT_SHARE} x coverage >= "
-          f"{settings.RETRIEVAL_MIN_SCORE}")  # fmt: skip
+    print(
+        f"{len(files)} documents, {chunks} chunks; {len(questions)} questions; after: "
+        f"{1 - FULL_TEXT_SHARE:.2f} x cosine + {FULL_TEXT_SHARE} x coverage >= "
+        f"{settings.RETRIEVAL_MIN_SCORE}"
+    )
     retrieved = [retrieve(owner, q.question) for q in questions]
     took = statistics.median(r.after_s for r in retrieved)
     print(f"retrieve_chunks: median {took * 1000:.0f} ms a question")
-    report: dict[str, Any] = {"documents": len(files), "chunks": chunks, "top_k": TOP_K,
-                              "retrieve_median_s": round(took, 4),
-                              "passage_columns": PASSAGE_COLUMNS,
-                              "full_text_share": FULL_TEXT_SHARE,
-                              "min_score": settings.RETRIEVAL_MIN_SCORE, "sets": {}}  # fmt: skip
+    report: dict[str, Any] = {
+        "documents": len(files),
+        "chunks": chunks,
+        "top_k": TOP_K,
+        "retrieve_median_s": round(took, 4),
+        "passage_columns": PASSAGE_COLUMNS,
+        "full_text_share": FULL_TEXT_SHARE,
+        "min_score": settings.RETRIEVAL_MIN_SCORE,
+        "sets": {},
+    }
     for name in ("tune", "heldout"):
         picked = [i for i, q in enumerate(questions) if q.set == name]
         subset = [questions[i] for i in picked]
@@ -424,10 +455,10 @@ def run(args: argparse.Namespace) -> dict:
             print(figures.line(rule_name))
             precision = figures.not_found_precision
             report["sets"][name][rule_name] = asdict(figures) | {
-                "recall": round(figures.recall, 3), "not_found_recall":
-                round(figures.not_found_recall, 3),
+                "recall": round(figures.recall, 3),
+                "not_found_recall": round(figures.not_found_recall, 3),
                 "not_found_precision": None if precision is None else round(precision, 3),
-            }  # fmt: skip
+            }
     report["questions"] = [_question_row(q, r) for q, r in zip(questions, retrieved, strict=True)]
     if args.tune:
         picked = [i for i, q in enumerate(questions) if q.set == "tune"]
@@ -435,10 +466,12 @@ def run(args: argparse.Namespace) -> dict:
         report["tuning"] = best[:20]
         print("tuning, best first (full-text share, threshold, objective +-0.025 and at it):")
         for row in best[:10]:
-            print(f"  share {row['share']:.2f} threshold {row['threshold']:.3f} objective "
-                  f"{row['smoothed']:.3f} ({row['objective']:.3f}): found {row['found']}/"
-                  f"{row['answerable']}, not found {row['not_found_right']}/"
-                  f"{row['unanswerable']} (said {row['not_found_said']})")  # fmt: skip
+            print(
+                f"  share {row['share']:.2f} threshold {row['threshold']:.3f} objective "
+                f"{row['smoothed']:.3f} ({row['objective']:.3f}): found {row['found']}/"
+                f"{row['answerable']}, not found {row['not_found_right']}/"
+                f"{row['unanswerable']} (said {row['not_found_said']})"
+            )
     return report
 
 
@@ -449,8 +482,16 @@ def _question_row(question: Question, retrieved: Retrieved) -> dict:
     """What each rule kept, and the candidates holding a fact (``PASSAGE_COLUMNS``)."""
 
     def rows(passages: Sequence[Passage]) -> list[list]:
-        return [[p.title, round(p.similarity, 3), round(p.coverage, 3), round(p.ts_rank, 3),
-                 holds_any(p.text, question)] for p in passages]  # fmt: skip
+        return [
+            [
+                p.title,
+                round(p.similarity, 3),
+                round(p.coverage, 3),
+                round(p.ts_rank, 3),
+                holds_any(p.text, question),
+            ]
+            for p in passages
+        ]
 
     row: dict[str, Any] = asdict(question)
     row |= {name: rows(rule(retrieved)) for name, rule in rules().items()}

@@ -90,11 +90,16 @@ def _start_workers(shared: str, env: dict[str, str], logs: Path) -> list[subproc
             "HEARTBEAT_KEY": f"routebench:{shared}:{index}",
         }
         log = open(logs / f"{shared}-{index}.log", "wb")  # noqa: SIM115 - the child keeps it
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "kvservice.serve.server"], cwd=REPO_ROOT, env=worker_env,
-            stdout=log,
-            stderr=subprocess.STDOUT, preexec_fn=services.die_with_parent(),
-        ))  # fmt: skip
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "kvservice.serve.server"],
+                cwd=REPO_ROOT,
+                env=worker_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=services.die_with_parent(),
+            )
+        )
         log.close()
     return processes
 
@@ -135,16 +140,22 @@ def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any
         for round_index in range(args.rounds):
             for set_index, item_index in order:
                 item = sets[set_index][item_index]
-                refs = [ChunkRef(chunk_id=n, token_ids=ids, kv_scope=scopes[set_index])
-                        for n, ids in enumerate(item["chunks"])]  # fmt: skip
+                refs = [
+                    ChunkRef(chunk_id=n, token_ids=ids, kv_scope=scopes[set_index])
+                    for n, ids in enumerate(item["chunks"])
+                ]
                 if policy == "random":
                     queue = routing.worker_queue(chooser.choice(workers), shared)
                 else:
                     queue = routing.choose_queue(client, refs, shared).queue
                 request = GenerateRequest(
-                    request_id=str(uuid.uuid4()), question=item["question"], chunks=refs,
-                    mode="blend", recompute_ratio=BLEND_RATIO, max_new_tokens=1,
-                )  # fmt: skip
+                    request_id=str(uuid.uuid4()),
+                    question=item["question"],
+                    chunks=refs,
+                    mode="blend",
+                    recompute_ratio=BLEND_RATIO,
+                    max_new_tokens=1,
+                )
                 sender.send_task(GENERATE_TASK, args=[request.to_dict()], queue=queue)
 
                 def final(request_id=request.request_id):
@@ -159,12 +170,19 @@ def run_policy(policy: str, sets, scopes, args, env, logs) -> list[dict[str, Any
 
                 metrics = _wait(final, 300, "an answer").get("metrics") or {}
                 tiers = list(metrics.get("chunk_tiers", {}).values())
-                rows.append({
-                    "policy": policy, "round": round_index, "set": set_index,
-                    "worker": workers.index(metrics["worker"]) if metrics.get("worker") in
-                    workers else None, "ttft_s": metrics.get("ttft_s"),
-                    "hot": sum(t in ("cpu", "device") for t in tiers), "chunks": len(tiers),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "policy": policy,
+                        "round": round_index,
+                        "set": set_index,
+                        "worker": workers.index(metrics["worker"])
+                        if metrics.get("worker") in workers
+                        else None,
+                        "ttft_s": metrics.get("ttft_s"),
+                        "hot": sum(t in ("cpu", "device") for t in tiers),
+                        "chunks": len(tiers),
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
                 time.sleep(args.settle_s)  # the worker's hot set reaches Redis
     finally:
@@ -189,8 +207,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.routing",
-                                     description=__doc__.split("\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.routing", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--first", type=int, default=20, help="first Musique example")
     parser.add_argument("--per-set", type=int, default=4, help="examples per document set")
@@ -201,8 +220,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="400MiB",
         help="each worker's memory tier (a set of 4 examples is ~320 MB)",
     )
-    parser.add_argument("--settle-s", type=float, default=0.5,
-                        help="pause after each answer (the hot set reaches Redis)")  # fmt: skip
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.5,
+        help="pause after each answer (the hot set reaches Redis)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -222,9 +245,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             started.append(s3)
             valkey = services.start_valkey(work, port=services.free_port(), password="bench")
             started.append(valkey)
-            env = {**os.environ, **s3.env, **valkey.env, "PYTHONUNBUFFERED": "1",
-                   "KV_S3_BUCKET": BUCKET, "KV_CPU_CAPACITY_BYTES": args.cpu_tier,
-                   "KV_DISK_CAPACITY_BYTES": "0", "INFERENCE_CONCURRENCY": "2"}  # fmt: skip
+            env = {
+                **os.environ,
+                **s3.env,
+                **valkey.env,
+                "PYTHONUNBUFFERED": "1",
+                "KV_S3_BUCKET": BUCKET,
+                "KV_CPU_CAPACITY_BYTES": args.cpu_tier,
+                "KV_DISK_CAPACITY_BYTES": "0",
+                "INFERENCE_CONCURRENCY": "2",
+            }
             written = _precompute_into_s3(sets, scopes, model_dir, env)
             print(f"precomputed {written} chunks into S3", flush=True)
             rows = []
@@ -232,15 +262,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows += run_policy(policy, sets, scopes, args, env, work)
         finally:
             stop_all(started)
-    summary = {"policies": summarize(rows), "rows": rows, "settings": {
-        "first": args.first, "per_set": args.per_set, "rounds": args.rounds,
-        "cpu_tier": args.cpu_tier, "blend_ratio": BLEND_RATIO, "cores": os.cpu_count(),
-        "load_avg_after": os.getloadavg(),
-    }}  # fmt: skip
+    summary = {
+        "policies": summarize(rows),
+        "rows": rows,
+        "settings": {
+            "first": args.first,
+            "per_set": args.per_set,
+            "rounds": args.rounds,
+            "cpu_tier": args.cpu_tier,
+            "blend_ratio": BLEND_RATIO,
+            "cores": os.cpu_count(),
+            "load_avg_after": os.getloadavg(),
+        },
+    }
     for policy, figures in summary["policies"].items():
-        print(f"{policy:12s} hot-tier hit rate {figures['hot_hit_rate']:.0%}  TTFT median "
-              f"{figures['ttft_median_s']:.2f} s  p90 {figures['ttft_p90_s']:.2f} s  "
-              f"questions per worker {figures['per_worker']}")  # fmt: skip
+        print(
+            f"{policy:12s} hot-tier hit rate {figures['hot_hit_rate']:.0%}  TTFT median "
+            f"{figures['ttft_median_s']:.2f} s  p90 {figures['ttft_p90_s']:.2f} s  "
+            f"questions per worker {figures['per_worker']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     return summary

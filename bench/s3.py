@@ -16,9 +16,12 @@ def start_gateway(root: Path) -> services.RunningService:
     """A SeaweedFS S3 gateway with the KV bucket, its data and secret under ``root``. Its
     ``env`` holds the ``S3_*`` variables that reach it; ``stop()`` ends it."""
     return services.start_seaweedfs(
-        root, port=services.free_port(also_free_at_offset=10000), access_key="bench",
-        secret_key=services.dev_secret(root, "s3"), buckets=(BUCKET,),
-    )  # fmt: skip
+        root,
+        port=services.free_port(also_free_at_offset=10000),
+        access_key="bench",
+        secret_key=services.dev_secret(root, "s3"),
+        buckets=(BUCKET,),
+    )
 
 
 def gateway_unless_configured(env: Mapping[str, str], root: Path) -> services.RunningService | None:

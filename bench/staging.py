@@ -54,8 +54,13 @@ def on_device(chunk: ChunkKV, device: torch.device) -> ChunkKV:
     """``chunk`` with its KV on ``device`` (itself where it is there already)."""
     if chunk.k.device == device:
         return chunk
-    return ChunkKV(chunk.token_ids, chunk.k.to(device), chunk.v.to(device),
-                   chunk.model_fingerprint, chunk.head_hash)  # fmt: skip
+    return ChunkKV(
+        chunk.token_ids,
+        chunk.k.to(device),
+        chunk.v.to(device),
+        chunk.model_fingerprint,
+        chunk.head_hash,
+    )
 
 
 def parse_link_rate(text: str) -> tuple[float | None, float | None]:
@@ -76,10 +81,16 @@ def parse_link_rate(text: str) -> tuple[float | None, float | None]:
 
 class StoreBench:
     def __init__(
-        self, tier: str = "cpu", *, pipeline: bool = True, environ: dict[str, str] | None = None,
-        s3_mbps: float | None = None, load_all: bool = False, device: torch.device | str = "cpu",
+        self,
+        tier: str = "cpu",
+        *,
+        pipeline: bool = True,
+        environ: dict[str, str] | None = None,
+        s3_mbps: float | None = None,
+        load_all: bool = False,
+        device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``s3_mbps``: read S3 through a throttling proxy at that rate (see
         :meth:`set_link`); ``load_all``: read every chunk even where recomputing it would be
         faster; ``device`` and ``dtype``: where and as what the loader decodes the chunks'
@@ -146,9 +157,11 @@ class StoreBench:
                 data = self.store.encode(on_device(chunk, self._device))
             self._encoded[key] = data
             self.store.put_encoded(
-                key, data, tiers=[] if self.tier == "s3" else [self.tier],
+                key,
+                data,
+                tiers=[] if self.tier == "s3" else [self.tier],
                 write_through=self.tier == "s3",
-            )  # fmt: skip
+            )
             self._keys[id(chunk)] = key
             self._sizes[id(chunk)] = len(data)
         log.info("staged %d chunks in the %s tier", len(chunks), self.tier)
@@ -163,14 +176,10 @@ class StoreBench:
             raise RuntimeError("no throttled link: StoreBench(tier='s3', s3_mbps=...)")
         self.proxy.mbps = mbps
 
-    def observe_full(
-        self, *, prompt_tokens: int, num_layers: int, seconds: float
-    ) -> None:  # fmt: skip
+    def observe_full(self, *, prompt_tokens: int, num_layers: int, seconds: float) -> None:
         """The example's full prefill took ``seconds``: the recompute throughput the per-chunk
         choice weighs loads against."""
-        self.controller.observe_recompute(
-            tokens=prompt_tokens, layers=num_layers, seconds=seconds
-        )  # fmt: skip
+        self.controller.observe_recompute(tokens=prompt_tokens, layers=num_layers, seconds=seconds)
         self._question_tokens = max(0, prompt_tokens - self._chunk_tokens)
         self._num_layers = num_layers
 
@@ -179,8 +188,9 @@ class StoreBench:
         costs per read token, beyond the tokens it computes (after :meth:`observe_full`)."""
         self.controller.observe_blend(
             read_token_layers=self._chunk_tokens * self._num_layers,
-            computed_token_layers=computed_token_layers, compute_s=seconds,
-        )  # fmt: skip
+            computed_token_layers=computed_token_layers,
+            compute_s=seconds,
+        )
 
     def observe_run(self, key: str, seconds: float) -> None:
         """The run ``key`` just took ``seconds`` to its first token: the loading controller
@@ -200,9 +210,10 @@ class StoreBench:
         self.controller.observe_tier_bandwidths({"s3": self.proxy.mbps * 1e6})
         return self.controller.choose_loads(
             chunks=[ChunkLoad(c.num_tokens, self._sizes[id(c)], "s3") for c in chunks],
-            question_tokens=self._question_tokens, num_layers=self._num_layers,
+            question_tokens=self._question_tokens,
+            num_layers=self._num_layers,
             recompute_ratio=ratio,
-        )  # fmt: skip
+        )
 
     def sources(
         self, chunks: Sequence[ChunkKV], mode: str, *, key: str | None = None, ratio: float = 0.0
@@ -258,10 +269,12 @@ class StoreBench:
         throughput = prompt_tokens * num_layers / full_ttft_s if full_ttft_s else None
         bandwidth = {s.name: s.read_bandwidth_bytes_per_s for s in self.store.stats().tiers}
         decision = choose_ratio(
-            num_tokens=self._chunk_tokens, num_layers=num_layers,
-            load_bytes_by_tier=stats[-1].tier_bytes, tier_bandwidth=bandwidth,
+            num_tokens=self._chunk_tokens,
+            num_layers=num_layers,
+            load_bytes_by_tier=stats[-1].tier_bytes,
+            tier_bandwidth=bandwidth,
             recompute_token_layers_per_s=throughput,
-        )  # fmt: skip
+        )
         return common | {
             "pipelined": self.pipeline,
             "load_s": statistics.median(s.load_s for s in stats),
@@ -288,18 +301,27 @@ _BENCHES: dict[tuple[str, bool, float | None, bool], StoreBench] = {}
 
 
 def store_bench(
-    tier: str, pipeline: bool, *, s3_mbps: float | None = None, load_all: bool = False,
-    device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-) -> StoreBench:  # fmt: skip
+    tier: str,
+    pipeline: bool,
+    *,
+    s3_mbps: float | None = None,
+    load_all: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> StoreBench:
     """One StoreBench per (tier, pipeline, link, device, dtype) in the process, closed at
     exit. ``cuda`` and ``cuda:0`` are one device here: staging and reading must find the same
     bench."""
     key = (tier, pipeline, s3_mbps, load_all, canonical_device(device), dtype)
     if key not in _BENCHES:
         _BENCHES[key] = StoreBench(
-            tier, pipeline=pipeline, s3_mbps=s3_mbps, load_all=load_all, device=device,
+            tier,
+            pipeline=pipeline,
+            s3_mbps=s3_mbps,
+            load_all=load_all,
+            device=device,
             dtype=dtype,
-        )  # fmt: skip
+        )
         atexit.register(_BENCHES[key].close)
     return _BENCHES[key]
 
@@ -329,15 +351,24 @@ def bench_of(args: Any, tier: str) -> StoreBench:
     if tier != "s3" or (mbps is None and scale is None):
         return store_bench(tier, not args.no_pipeline, device=device, dtype=dtype)
     return store_bench(
-        tier, not args.no_pipeline, s3_mbps=mbps or UNTHROTTLED_MBPS,
-        load_all=getattr(args, "load_all", False), device=device, dtype=dtype,
-    )  # fmt: skip
+        tier,
+        not args.no_pipeline,
+        s3_mbps=mbps or UNTHROTTLED_MBPS,
+        load_all=getattr(args, "load_all", False),
+        device=device,
+        dtype=dtype,
+    )
 
 
 def after_full(
-    args: Any, tier: str, *, prompt_tokens: int, num_layers: int, seconds: float,
+    args: Any,
+    tier: str,
+    *,
+    prompt_tokens: int,
+    num_layers: int,
+    seconds: float,
     blend_in_memory: Callable[[], tuple[float, int]] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """The example's full prefill took ``seconds``: under ``--s3-mbps auto`` the link is set
     to read the prompt's fp16 KV in as long (times the multiple), and the per-chunk choice
     weighs loads against full's recompute throughput and against blend's own cost per read

@@ -83,11 +83,16 @@ def run(args: argparse.Namespace, env: dict[str, str], root: Path) -> list[dict[
                     total_s = time.perf_counter() - started
                     stats = batch.stats()
                 row = {
-                    "tier": tier, "pipeline": pipeline, "quantized": quantize, "total_s": total_s,
-                    "compute_s": args.layers * args.compute_ms / 1000, "load_s": stats.load_s,
-                    "wait_s": stats.wait_s, "hidden_load_fraction": stats.hidden_load_fraction,
+                    "tier": tier,
+                    "pipeline": pipeline,
+                    "quantized": quantize,
+                    "total_s": total_s,
+                    "compute_s": args.layers * args.compute_ms / 1000,
+                    "load_s": stats.load_s,
+                    "wait_s": stats.wait_s,
+                    "hidden_load_fraction": stats.hidden_load_fraction,
                     "bytes_read": stats.bytes_read,
-                }  # fmt: skip
+                }
                 results.append(row)
                 print(
                     f"{tier:4s} pipeline={pipeline!s:5s} quantized={quantize!s:5s} "

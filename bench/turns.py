@@ -60,10 +60,17 @@ def conversation(model, fmt, head_kv, examples, args, stop_ids) -> list[dict]:
         def prefill(run: str, question=question, prefix=prefix):
             mode = "blend" if run == "turn_kv" else run
             result = blend_prefill(
-                model, fmt.head_ids, sources, question, mode=mode, recompute_ratio=args.ratio,
-                chunk_ids=segments, head_kv=head_kv, extra_capacity=GAP_TOKENS,
+                model,
+                fmt.head_ids,
+                sources,
+                question,
+                mode=mode,
+                recompute_ratio=args.ratio,
+                chunk_ids=segments,
+                head_kv=head_kv,
+                extra_capacity=GAP_TOKENS,
                 cached_prefix=prefix if run == "turn_kv" else None,
-            )  # fmt: skip
+            )
             int(result.logits.argmax())  # the first token: TTFT ends here
             return result
 
@@ -118,8 +125,14 @@ def print_table(summary: dict) -> None:
     columns = ("TTFT s", "KL mean", "median", "p90", "gap", "agree")
     print(f"{'run':<8} " + " ".join(f"{c:>8}" for c in columns))
     for run, v in summary["runs"].items():
-        values = (v["ttft_median_s"], v["tf_kl_mean"], v["tf_kl_median"], v["tf_kl_p90"],
-                  v["tf_logprob_gap"], v["tf_agreement"])  # fmt: skip
+        values = (
+            v["ttft_median_s"],
+            v["tf_kl_mean"],
+            v["tf_kl_median"],
+            v["tf_kl_p90"],
+            v["tf_logprob_gap"],
+            v["tf_agreement"],
+        )
         print(f"{run:<8} " + " ".join(f"{x:8.4f}" for x in values))
     print(
         f"turn_kv TTFT: {summary['turn_kv_over_blend_ttft_median']:.3f}x blend's, "
@@ -171,8 +184,14 @@ def main(argv=None) -> dict:
                     f"{run}={v['ttft_s']:.2f}s/{v['tf_kl']:.3f}" for run, v in row["runs"].items()
                 )
                 print(f"[conversation {start}, turn {row['turn']}] {brief}", flush=True)
-    summary = {**summarize(rows), "cpu": cpu_name(), "threads": torch.get_num_threads(),
-               "ratio": args.ratio, "first": args.first, "rows": rows}  # fmt: skip
+    summary = {
+        **summarize(rows),
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "ratio": args.ratio,
+        "first": args.first,
+        "rows": rows,
+    }
     print_table(summary)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))

@@ -62,10 +62,19 @@ def service_starters(data: Path) -> list[tuple[int, Callable[[], services.Runnin
     if not environment.read("S3_ENDPOINT"):
         port = _port(ports, "S3_PORT", offset=10000)
         secret = environment.read("S3_SECRET_KEY") or services.dev_secret(data, "s3_secret_key")
-        starters.append((port, partial(
-            services.start_seaweedfs, data, port=port, buckets=BUCKETS, secret_key=secret,
-            access_key=environment.read("S3_ACCESS_KEY") or "ragblend",
-        )))  # fmt: skip
+        starters.append(
+            (
+                port,
+                partial(
+                    services.start_seaweedfs,
+                    data,
+                    port=port,
+                    buckets=BUCKETS,
+                    secret_key=secret,
+                    access_key=environment.read("S3_ACCESS_KEY") or "ragblend",
+                ),
+            )
+        )
     if not environment.read("REDIS_URL"):
         port = _port(ports, "VALKEY_PORT")
         password = services.dev_secret(data, "valkey_password")
@@ -127,9 +136,13 @@ def run_child(
     out = services.open_private_log(log) if log else None  # the child keeps it
     try:
         process = subprocess.Popen(
-            argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-            start_new_session=True, preexec_fn=services.die_with_parent(),
-        )  # fmt: skip
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+            preexec_fn=services.die_with_parent(),
+        )
     finally:
         if out:
             out.close()
@@ -169,8 +182,11 @@ class Supervised:
         log = self.service.log_path
         where = "" if str(log) == os.devnull else f" (log: {log})"
         if len(self.exits) > self.MAX_RESTARTS:
-            print(f"\n{self.name} exited {len(self.exits)} times in "
-                  f"{self.RESTART_WINDOW_S:.0f} s{where}; stopping.", file=sys.stderr)  # fmt: skip
+            print(
+                f"\n{self.name} exited {len(self.exits)} times in "
+                f"{self.RESTART_WINDOW_S:.0f} s{where}; stopping.",
+                file=sys.stderr,
+            )
             if where:  # the reason is there: show it here, not only in a file
                 print(f"The end of its log:\n{services.log_tail(log, 15)}", file=sys.stderr)
             return False
@@ -214,8 +230,17 @@ def web_server_argv(port: int) -> list[str]:
     ``TRUSTED_PROXY_COUNT`` names (uvicorn would take it from any local client, and a
     rotated header would defeat the login lockout)."""
     uvicorn = str(Path(sys.executable).parent / "uvicorn")
-    return [uvicorn, "webapp.asgi:application", "--host", "127.0.0.1", "--port", str(port),
-            "--no-proxy-headers", "--log-level", "info"]  # fmt: skip
+    return [
+        uvicorn,
+        "webapp.asgi:application",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-proxy-headers",
+        "--log-level",
+        "info",
+    ]
 
 
 def start_app(children: list[Supervised], env: dict[str, str], data: Path, port: int) -> None:
@@ -225,10 +250,23 @@ def start_app(children: list[Supervised], env: dict[str, str], data: Path, port:
     celery = str(Path(sys.executable).parent / "celery")
     # The Celery worker also runs beat (-B): the periodic reaper of answers nobody will
     # finish. One beat per deployment; production runs it as its own process.
-    argv = [celery, "-A", "worker", "worker", "-Q", "answers,ingest,kv",
-            "--concurrency", str(environment.read("CELERY_CONCURRENCY")),
-            "--hostname", "ingest@%h", "--loglevel", "INFO",
-            "-B", "--schedule", str(data / "celerybeat-schedule")]  # fmt: skip
+    argv = [
+        celery,
+        "-A",
+        "worker",
+        "worker",
+        "-Q",
+        "answers,ingest,kv",
+        "--concurrency",
+        str(environment.read("CELERY_CONCURRENCY")),
+        "--hostname",
+        "ingest@%h",
+        "--loglevel",
+        "INFO",
+        "-B",
+        "--schedule",
+        str(data / "celerybeat-schedule"),
+    ]
     children.append(Supervised(partial(run_child, "celery worker", argv, env, logs / "celery.log")))
     # INFERENCE_WORKERS=2: two inference workers sharing the S3 tier, each with its own
     # memory and disk tiers; questions go to the one that holds their chunks
@@ -296,8 +334,7 @@ def main() -> int:
         # DEBUG is on for the processes this launcher starts only; a process that reads
         # stack.json from another shell (or a production process pointed at this DATA_DIR)
         # does not get it from there.
-        env = {**env, "DEBUG": "true", **os.environ, "DATA_DIR": str(data),
-               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        env = {**env, "DEBUG": "true", **os.environ, "DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"}
         manage("migrate", "--no-input", env=env)
         manage("ensure_admin", env=env)
         start_app(supervised, env, data, web_port)

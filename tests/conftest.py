@@ -129,9 +129,13 @@ def wait_for(predicate, *, timeout: float, interval: float = 0.2, what: str = "c
 def _spawn_worker(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
     log = open(log_path, "wb")  # noqa: SIM115 - closed when the process is reaped
     return subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        args,
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         preexec_fn=services.die_with_parent(),  # a killed test run leaves no worker behind
-    )  # fmt: skip
+    )
 
 
 def _stop(process: subprocess.Popen, log_path: Path) -> None:
@@ -152,14 +156,34 @@ def celery_worker_process(
         database_url = _test_database_url()
     log_path = tmp_path_factory.mktemp("logs") / "celery.log"
     # What this worker sends to the inference worker (fidelity audits) goes to the live one.
-    env = {**os.environ, "DATABASE_URL": database_url, "PYTHONUNBUFFERED": "1",
-           "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE}  # fmt: skip
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "PYTHONUNBUFFERED": "1",
+        "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE,
+    }
     process = _spawn_worker(
-        [sys.executable, "-m", "celery", "-A", "worker", "worker", "-Q", ",".join(CELERY_QUEUES),
-         "--concurrency", "1", "--hostname", "ingest-test@%h", "--loglevel", "INFO",
-         "--without-gossip", "--without-mingle"],
-        log_path, env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "worker",
+            "worker",
+            "-Q",
+            ",".join(CELERY_QUEUES),
+            "--concurrency",
+            "1",
+            "--hostname",
+            "ingest-test@%h",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+        ],
+        log_path,
+        env,
+    )
     from worker.celery import app
 
     try:
@@ -183,9 +207,13 @@ def inference_worker_process(
     from webapp.redis import redis_client
 
     log_path = tmp_path_factory.mktemp("logs") / "inference.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_CONCURRENCY": "4",
-           "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE,
-           "HEARTBEAT_KEY": LIVE_HEARTBEAT_KEY}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "INFERENCE_CONCURRENCY": "4",
+        "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE,
+        "HEARTBEAT_KEY": LIVE_HEARTBEAT_KEY,
+    }
     process = _spawn_worker([sys.executable, "-m", "kvservice.serve.server"], log_path, env)
     try:
         wait_for(

@@ -16,6 +16,7 @@ if settings.WEB_WARM_UP:  # the embedding model, before the first question
 # Bodies over the limit are refused as they arrive (Django would first read them whole); the
 # knowledge delivery API's JSON has a smaller limit of its own.
 application = BodySizeLimit(
-    django_application, settings.MAX_REQUEST_BYTES,
+    django_application,
+    settings.MAX_REQUEST_BYTES,
     path_limits={"/kdn/": settings.KDN_MAX_BODY_BYTES},
-)  # fmt: skip
+)

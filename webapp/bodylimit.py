@@ -31,8 +31,11 @@ def _size_words(nbytes: int) -> str:
 
 
 def _too_large_response(path: str, limit: int) -> tuple[bytes, bytes]:
-    advice = ("send fewer or shorter texts at a time" if path.startswith("/kdn/")
-              else "upload fewer or smaller files at a time")  # fmt: skip
+    advice = (
+        "send fewer or shorter texts at a time"
+        if path.startswith("/kdn/")
+        else "upload fewer or smaller files at a time"
+    )
     message = f"The request is larger than {_size_words(limit)}: {advice}."
     if path.startswith(("/api/", "/v1/", "/kdn/")):
         return b"application/json", json.dumps({"code": "too_large", "message": message}).encode()
@@ -41,9 +44,12 @@ def _too_large_response(path: str, limit: int) -> tuple[bytes, bytes]:
 
 class BodySizeLimit:
     def __init__(
-        self, app: Callable[..., Awaitable[None]], limit: int, *,
+        self,
+        app: Callable[..., Awaitable[None]],
+        limit: int,
+        *,
         path_limits: Mapping[str, int] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.app, self.limit = app, limit
         self.path_limits = dict(path_limits or {})
 
@@ -86,7 +92,10 @@ class BodySizeLimit:
 
     async def _refuse(self, scope: Scope, send: Send, limit: int) -> None:
         content_type, body = _too_large_response(scope.get("path", ""), limit)
-        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]  # fmt: skip
+        headers = [
+            (b"content-type", content_type),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -156,8 +156,8 @@ _pool_lock = threading.Lock()
 
 def _threads() -> ThreadPoolExecutor:
     """The checks' threads. A check past the deadline keeps its thread until its client's own
-    timeout ends it (kvservice.protocol.deadlines, webapp.storage): a few seconds, so a pool of a few
-    rounds' worth of threads is never all taken by a service that hangs."""
+    timeout ends it (kvservice.protocol.deadlines, webapp.storage): a few seconds, so a pool of
+    a few rounds' worth of threads is never all taken by a service that hangs."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -205,8 +205,11 @@ def run_checks(names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
     timeout_s, now = settings.HEALTH_TIMEOUT_S, time.monotonic()
     futures = {name: _run_for(name, now).future for name in (names or CHECKS)}
     done, _late = wait(futures.values(), timeout=timeout_s)
-    late = {"status": "down", "error": f"no answer within {timeout_s:g} s",
-            "latency_ms": round(timeout_s * 1000, 1)}  # fmt: skip
+    late = {
+        "status": "down",
+        "error": f"no answer within {timeout_s:g} s",
+        "latency_ms": round(timeout_s * 1000, 1),
+    }
     return {name: dict(f.result() if f in done else late) for name, f in futures.items()}
 
 

@@ -38,8 +38,9 @@ if not SECRET_KEY:
     )
 # Outside DEBUG, a guessable key (sessions, CSRF and password-reset tokens are signed with
 # it) is refused at start, by the rule of Django's own deploy check (W009).
-if not DEBUG and (len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5
-                  or SECRET_KEY.startswith("django-insecure-")):  # fmt: skip
+if not DEBUG and (
+    len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5 or SECRET_KEY.startswith("django-insecure-")
+):
     raise ImproperlyConfigured(
         "SECRET_KEY is too weak: use at least 50 random characters, e.g. "
         '`python -c "import secrets; print(secrets.token_urlsafe(48))"`.'

@@ -29,9 +29,13 @@ S3_READ_TIMEOUT_S = 5.0
 
 def s3_retry() -> Retry:
     return Retry(
-        total=1, connect=1, read=0, status=1, backoff_factor=0.2,
+        total=1,
+        connect=1,
+        read=0,
+        status=1,
+        backoff_factor=0.2,
         status_forcelist=[500, 502, 503, 504],
-    )  # fmt: skip
+    )
 
 
 @cache

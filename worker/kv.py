@@ -89,8 +89,7 @@ class KVStoreClient:
         header = decode_header(data)
         before = header.codec_name
         narrow = self.store.config.narrow_to if header.dtype == torch.float32 else None
-        wanted = describe(target.kind, target.layer_bits(header.num_layers),
-                          narrow or header.dtype)  # fmt: skip
+        wanted = describe(target.kind, target.layer_bits(header.num_layers), narrow or header.dtype)
         if wanted == before:
             return Reencoded(key, before, before, len(data), len(data), "already")
         if header.quantized and target != FP16:
@@ -99,8 +98,14 @@ class KVStoreClient:
         new = self.store.encode(chunk, target)
         if write:
             s3.put(chunk_key, new)
-        return Reencoded(key, before, decode_header(new).codec_name, len(data), len(new),
-                         "reencoded" if write else "would")  # fmt: skip
+        return Reencoded(
+            key,
+            before,
+            decode_header(new).codec_name,
+            len(data),
+            len(new),
+            "reencoded" if write else "would",
+        )
 
     def object_bytes(self, key: str) -> int | None:
         """Bytes of the stored object, as its codec wrote it (one HEAD); None if absent."""
@@ -131,8 +136,12 @@ def _load_producer() -> Any:
     precision = settings.ENGINE_PRECISION or DEFAULT_PRECISION
     model = Transformer.from_pretrained(path, device=device, precision=precision)
     producer = KVProducer(model, prompt_head_ids(llm_tokenizer()))
-    log.info("KV precompute: model %s (%s), head of %d tokens", path, producer.fingerprint,
-             len(producer.head_ids))  # fmt: skip
+    log.info(
+        "KV precompute: model %s (%s), head of %d tokens",
+        path,
+        producer.fingerprint,
+        len(producer.head_ids),
+    )
     return producer
 
 

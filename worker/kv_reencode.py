@@ -78,25 +78,35 @@ def _reencode_all(options: argparse.Namespace, codec: str, stdout: TextIO) -> No
     if options.limit:
         keys = keys[: options.limit]
         total = min(total, options.limit)
-    print(f"{total} objects to bring to {codec}{' (dry run)' if options.dry_run else ''}",
-          file=stdout)  # fmt: skip
+    print(
+        f"{total} objects to bring to {codec}{' (dry run)' if options.dry_run else ''}", file=stdout
+    )
     counts: dict[str, int] = {}
     before = after = 0
     started = time.monotonic()
     for index, key in enumerate(keys.iterator(), 1):
-        outcome = kv_object_reencode(key=key, codec=codec, store=kv_store(),
-                                     write=not options.dry_run)  # fmt: skip
+        outcome = kv_object_reencode(
+            key=key, codec=codec, store=kv_store(), write=not options.dry_run
+        )
         kind = "missing" if outcome is None else outcome.outcome
         counts[kind] = counts.get(kind, 0) + 1
         if outcome is not None:
             before += outcome.bytes_before
             after += outcome.bytes_after
         if index % options.every == 0 or index == total:
-            what = "" if outcome is None else (
-                f"{outcome.codec_before} {outcome.bytes_before:,} B -> "
-                f"{outcome.codec_after} {outcome.bytes_after:,} B")  # fmt: skip
-            print(f"[{index}/{total}] {kind:9} {what}  {time.monotonic() - started:.1f} s  "
-                  f"(resume: --start-after {key})", file=stdout)  # fmt: skip
+            what = (
+                ""
+                if outcome is None
+                else (
+                    f"{outcome.codec_before} {outcome.bytes_before:,} B -> "
+                    f"{outcome.codec_after} {outcome.bytes_after:,} B"
+                )
+            )
+            print(
+                f"[{index}/{total}] {kind:9} {what}  {time.monotonic() - started:.1f} s  "
+                f"(resume: --start-after {key})",
+                file=stdout,
+            )
     ratio = f", {before / after:.2f}x smaller" if after else ""
     summary = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "nothing"
     print(f"Done: {summary}; {before:,} B -> {after:,} B{ratio}", file=stdout)

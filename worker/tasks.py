@@ -35,8 +35,13 @@ def _backoff(retries: int) -> int:
     return min(60, 2 ** (retries + 1))
 
 
-@shared_task(name="worker.tasks.ingest_document", bind=True, max_retries=MAX_RETRIES,
-             acks_late=True, soft_time_limit=600)  # fmt: skip
+@shared_task(
+    name="worker.tasks.ingest_document",
+    bind=True,
+    max_retries=MAX_RETRIES,
+    acks_late=True,
+    soft_time_limit=600,
+)
 def ingest_document(self, document_id: int) -> None:
     import logging
 
@@ -65,8 +70,13 @@ def ingest_document(self, document_id: int) -> None:
         )
 
 
-@shared_task(name="worker.tasks.precompute_kv", bind=True, max_retries=MAX_RETRIES,
-             acks_late=True, soft_time_limit=900)  # fmt: skip
+@shared_task(
+    name="worker.tasks.precompute_kv",
+    bind=True,
+    max_retries=MAX_RETRIES,
+    acks_late=True,
+    soft_time_limit=900,
+)
 def precompute_kv(self, chunk_ids: list[int]) -> None:
     import logging
 
@@ -107,8 +117,13 @@ def precompute_kdn_text(token_ids: list[int], head_ids: list[int], scope: str) -
     from worker.kv import kv_producer, kv_store
 
     wait_for_warm_up()
-    return kdn_compute(token_ids=token_ids, head_ids=head_ids, scope=scope,
-                       producer=kv_producer(), store=kv_store())  # fmt: skip
+    return kdn_compute(
+        token_ids=token_ids,
+        head_ids=head_ids,
+        scope=scope,
+        producer=kv_producer(),
+        store=kv_store(),
+    )
 
 
 @shared_task(name="worker.tasks.purge_orphan_objects", ignore_result=True)

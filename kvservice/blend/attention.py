@@ -199,8 +199,19 @@ def attention_plan(model, cache, active, num_tokens, question_length, bias, laye
     groups = groups_of(active[:grouped]) if grouped and not everything else None
     mask = model.mask(positions, positions, layer=layer) if everything else None
     question = groups_of(active[grouped:], min_rows=None) if question_length else None
-    return AttentionPlan(positions, active, grouped, question_length, everything, groups,
-                         groups_of(active[-1:]), window, bias, mask, question)  # fmt: skip
+    return AttentionPlan(
+        positions,
+        active,
+        grouped,
+        question_length,
+        everything,
+        groups,
+        groups_of(active[-1:]),
+        window,
+        bias,
+        mask,
+        question,
+    )
 
 
 def attend_layer(plan: AttentionPlan, q, k_layer, v_layer, last: bool, weigh: bool = True):
@@ -212,9 +223,15 @@ def attend_layer(plan: AttentionPlan, q, k_layer, v_layer, last: bool, weigh: bo
         question = q[:, :, plan.grouped :]
         if weigh:
             out, weights = attend_and_weigh(
-                question[0], k_layer[0], v_layer[0], plan.active[plan.grouped :],
-                plan.positions, plan.window, plan.bias, plan.question,
-            )  # fmt: skip
+                question[0],
+                k_layer[0],
+                v_layer[0],
+                plan.active[plan.grouped :],
+                plan.positions,
+                plan.window,
+                plan.bias,
+                plan.question,
+            )
             out = out[None]
         else:
             out, weights = attend_grouped(question, k_layer, v_layer, plan.question), None

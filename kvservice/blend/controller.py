@@ -111,9 +111,13 @@ def choose_ratio(
     )
     recompute_s = ratio * full_recompute_s if full_recompute_s is not None else None
     return RatioDecision(
-        recompute_ratio=min(1.0, max(0.0, ratio)), source=source, load_s_estimate=load_s,
-        recompute_s_estimate=recompute_s, cheapest_hidden_tier=hidden_tier, why=why,
-    )  # fmt: skip
+        recompute_ratio=min(1.0, max(0.0, ratio)),
+        source=source,
+        load_s_estimate=load_s,
+        recompute_s_estimate=recompute_s,
+        cheapest_hidden_tier=hidden_tier,
+        why=why,
+    )
 
 
 @dataclass(frozen=True)
@@ -301,13 +305,23 @@ def choose_loads(
     throughput = recompute_token_layers_per_s or None
     if throughput is None:
         return LoadPlan(
-            tuple(True for _ in chunks), None, None, None, None,
+            tuple(True for _ in chunks),
+            None,
+            None,
+            None,
+            None,
             {"rule": "no measurement of recompute throughput yet: every chunk is read"},
-        )  # fmt: skip
+        )
     price = _Pricing(
-        chunks, question_tokens, num_layers, tier_bandwidth, throughput, recompute_ratio,
-        read_token_layer_s, overhead_s_per_byte,
-    )  # fmt: skip
+        chunks,
+        question_tokens,
+        num_layers,
+        tier_bandwidth,
+        throughput,
+        recompute_ratio,
+        read_token_layer_s,
+        overhead_s_per_byte,
+    )
     # the chunks a slow link makes dearest first: load time over recompute time
     cost = {
         i: seconds / price.compute_s(chunk.tokens)
@@ -334,10 +348,11 @@ def choose_loads(
         return price.plan([False] * len(chunks), why)
     n = best.recomputed
     why["rule"] = (
-        "every chunk is read: loading hides behind compute" if n == 0
+        "every chunk is read: loading hides behind compute"
+        if n == 0
         else f"{n} of {len(chunks)} chunks recomputed: they take longer to arrive than to "
         "recompute, and the rest arrive while they are computed"
-    )  # fmt: skip
+    )
     return best
 
 
@@ -422,35 +437,51 @@ class LoadingController:
         self.observe_tier_bandwidths({t.name: t.read_bandwidth_bytes_per_s for t in tier_stats})
 
     def choose(
-        self, *, num_tokens: int, num_layers: int, load_bytes_by_tier: Mapping[str, int],
+        self,
+        *,
+        num_tokens: int,
+        num_layers: int,
+        load_bytes_by_tier: Mapping[str, int],
         target_ratio: float | None = None,
-    ) -> RatioDecision:  # fmt: skip
+    ) -> RatioDecision:
         with self._lock:
             bandwidth = dict(self.tier_bandwidth)
             throughput = self.recompute_token_layers_per_s
         decision = choose_ratio(
-            num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes_by_tier,
-            tier_bandwidth=bandwidth, recompute_token_layers_per_s=throughput, r_min=self.r_min,
+            num_tokens=num_tokens,
+            num_layers=num_layers,
+            load_bytes_by_tier=load_bytes_by_tier,
+            tier_bandwidth=bandwidth,
+            recompute_token_layers_per_s=throughput,
+            r_min=self.r_min,
             target_ratio=target_ratio,
-        )  # fmt: skip
+        )
         self.last_decision = decision
         return decision
 
     def choose_loads(
-        self, *, chunks: Sequence[ChunkLoad], question_tokens: int, num_layers: int,
+        self,
+        *,
+        chunks: Sequence[ChunkLoad],
+        question_tokens: int,
+        num_layers: int,
         recompute_ratio: float,
-    ) -> LoadPlan:  # fmt: skip
+    ) -> LoadPlan:
         """:func:`choose_loads` on the running measurements."""
         with self._lock:
             bandwidth = dict(self.tier_bandwidth)
             throughput = self.recompute_token_layers_per_s
             read_cost, overhead = self.read_token_layer_s, self.overhead_s_per_byte
         return choose_loads(
-            chunks=chunks, question_tokens=question_tokens, num_layers=num_layers,
-            tier_bandwidth=bandwidth, recompute_token_layers_per_s=throughput,
-            recompute_ratio=recompute_ratio, read_token_layer_s=read_cost,
+            chunks=chunks,
+            question_tokens=question_tokens,
+            num_layers=num_layers,
+            tier_bandwidth=bandwidth,
+            recompute_token_layers_per_s=throughput,
+            recompute_ratio=recompute_ratio,
+            read_token_layer_s=read_cost,
             overhead_s_per_byte=overhead,
-        )  # fmt: skip
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data for the dashboard."""

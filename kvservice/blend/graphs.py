@@ -85,11 +85,14 @@ class PassInputs:
         """Inputs that compute nothing of a request's (every row padded)."""
         longs = dict(dtype=torch.long, device=device)
         return cls(
-            torch.zeros(shape.rows, **longs), torch.zeros(shape.rows, **longs),
-            torch.full((shape.rows,), scratch, **longs), torch.ones((), **longs),
-            torch.zeros(shape.keys, device=device), torch.zeros(shape.rows, device=device),
+            torch.zeros(shape.rows, **longs),
+            torch.zeros(shape.rows, **longs),
+            torch.full((shape.rows,), scratch, **longs),
+            torch.ones((), **longs),
+            torch.zeros(shape.keys, device=device),
+            torch.zeros(shape.rows, device=device),
             torch.ones((), device=device),
-        )  # fmt: skip
+        )
 
     def fill(self, token_ids, active, num_tokens, scratch, bias, question_length, heads) -> None:
         """This request's: ``active [S]`` slots (sorted) of ``token_ids [T]``, the last
@@ -186,9 +189,12 @@ class PassGraphs:
     tokens at most, plus the scratch slot). One request's passes at a time (``lock``)."""
 
     def __init__(
-        self, model: Transformer, capacity: int, record: bool | None = None,
+        self,
+        model: Transformer,
+        capacity: int,
+        record: bool | None = None,
         record_after: int = RECORD_AFTER,
-    ):  # fmt: skip
+    ):
         self.model = model
         self.capacity = capacity
         self.record_after = record_after  # a request's shape is recorded the nth time it is met
@@ -248,11 +254,19 @@ class PassGraphs:
         if recorded is None:
             return None
         num_tokens = token_ids.numel()
-        recorded.inputs.fill(token_ids, active, num_tokens, self.scratch, bias,
-                             question_length, self.model.config.n_heads)  # fmt: skip
+        recorded.inputs.fill(
+            token_ids,
+            active,
+            num_tokens,
+            self.scratch,
+            bias,
+            question_length,
+            self.model.config.n_heads,
+        )
         if recorded.graph is None:
-            logits, attention = static_pass(self.model, self.cache, self.tables,
-                                            recorded.inputs, shape)  # fmt: skip
+            logits, attention = static_pass(
+                self.model, self.cache, self.tables, recorded.inputs, shape
+            )
         else:
             recorded.graph.replay()
             self.replays += 1
@@ -267,8 +281,13 @@ class PassGraphs:
         with its two warm-up runs)."""
         took = list(self.recording_s)
         recording = {"median": statistics.median(took), "max": max(took)} if took else None
-        return {"on": True, "recorded": len(self.recorded), "replays": self.replays,
-                "failed": self.failed, "recording_s": recording}  # fmt: skip
+        return {
+            "on": True,
+            "recorded": len(self.recorded),
+            "replays": self.replays,
+            "failed": self.failed,
+            "recording_s": recording,
+        }
 
     def prepare(self, shape: PassShape) -> bool:
         """Record ``shape``'s pass now (a worker's warm-up), if it is not yet; False when

@@ -54,9 +54,11 @@ def joined_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     step, at = first.stride(-2), first.storage_offset()
     for part in parts:
         if (
-            part.shape[:-2] != first.shape[:-2] or part.shape[-1] != first.shape[-1]
-            or not _one_buffer(first, part) or part.storage_offset() != at
-        ):  # fmt: skip
+            part.shape[:-2] != first.shape[:-2]
+            or part.shape[-1] != first.shape[-1]
+            or not _one_buffer(first, part)
+            or part.storage_offset() != at
+        ):
             return None
         at += part.shape[-2] * step
     tokens = sum(part.shape[-2] for part in parts)
@@ -135,8 +137,13 @@ def place_whole(cache, segments: Sequence[Segment], stale: StaleReading, ropes) 
         if placing.rotated:
             dest.copy_(keys[0] if len(keys) == 1 else torch.cat(keys, dim=-2))
         else:
-            rotate_into(dest, keys[0] if len(keys) == 1 else keys,
-                        *placing.tables(cos_all, sin_all), placing.scale, scaled=True)  # fmt: skip
+            rotate_into(
+                dest,
+                keys[0] if len(keys) == 1 else keys,
+                *placing.tables(cos_all, sin_all),
+                placing.scale,
+                scaled=True,
+            )
         cache.v[:, 0, :, placing.span] = values[0] if len(values) == 1 else torch.cat(values, -2)
     return whole
 
@@ -158,8 +165,13 @@ def place_sources(cache, i: int, placings: Sequence[Placing], cos_all, sin_all) 
             cache.k[i, 0, :, span] = layers[0][0]
         else:
             keys = [k for k, _ in layers]
-            rotate_into(cache.k[i, 0, :, span], keys[0] if len(keys) == 1 else keys,
-                        *placing.tables(cos_all, sin_all), placing.scale, scaled=True)  # fmt: skip
+            rotate_into(
+                cache.k[i, 0, :, span],
+                keys[0] if len(keys) == 1 else keys,
+                *placing.tables(cos_all, sin_all),
+                placing.scale,
+                scaled=True,
+            )
         values = [v for _, v in layers]
         joined = joined_view(values) if len(values) > 1 else values[0]
         if joined is not None:
@@ -209,8 +221,9 @@ def _placing_units(placing: Placing, layers):
     each segment's K and V): the run whole where its segments' layers lie side by side, else
     each segment, as ``(row in the run, slots, per-layer K, per-layer V, blocks of layers)``;
     None where placing by blocks would not dispatch fewer operators than layer by layer."""
-    joined = [(joined_view([k for k, _ in layer]), joined_view([v for _, v in layer]))
-              for layer in layers]  # fmt: skip
+    joined = [
+        (joined_view([k for k, _ in layer]), joined_view([v for _, v in layer])) for layer in layers
+    ]
     if all(k is not None and v is not None for k, v in joined):
         keys, values = [k for k, _ in joined], [v for _, v in joined]
         return [(0, placing.span, keys, values, _layer_cuts(keys, values))]
@@ -253,9 +266,11 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> int | None:
 def _one_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of one buffer with the same strides and dtype."""
     return (
-        a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+        a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    )  # fmt: skip
+    )
 
 
 def _stacked(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -296,9 +311,10 @@ def stale_shift(
     ramp = settings.stale_shift_ramp_tokens
     shares = tuple(
         settings.stale_shift * (min(1.0, unseen / ramp) if ramp else 1.0)
-        if r.numel() >= settings.stale_shift_min_tokens else 0.0
+        if r.numel() >= settings.stale_shift_min_tokens
+        else 0.0
         for r, unseen in zip(rows, stale.unseen, strict=True)
-    )  # fmt: skip
+    )
     if not any(shares) or not any(r.numel() for r in rows):
         return None
     return StaleShift(stale, rows, shares, settings.stale_shift_pool)

@@ -189,8 +189,11 @@ class RecomputePlan:
         """``[T]`` bool: the first ``chunk_starts`` tokens of every candidate chunk."""
         starts = self.settings.chunk_starts
         chunks = (s for s in self.segments if s.kind == "chunk")
-        forced = slots_mask(self.candidate.numel(), ((s.start, s.start + starts) for s in chunks),
-                            self.candidate.device)  # fmt: skip
+        forced = slots_mask(
+            self.candidate.numel(),
+            ((s.start, s.start + starts) for s in chunks),
+            self.candidate.device,
+        )
         return forced & self.candidate
 
 
@@ -204,8 +207,9 @@ def plan_prefill(
     chunk_tokens = sum(s.length for s in segments if s.kind == "chunk")
     slots = None if recompute_slots is None else len(recompute_slots)
     budget = recompute_budget(mode, ratio, chunk_tokens, int(candidate.sum()), slots)
-    computed = slots_mask(num_tokens, ((s.start, s.stop) for s in segments if s.source is None),
-                          device)  # fmt: skip
+    computed = slots_mask(
+        num_tokens, ((s.start, s.stop) for s in segments if s.source is None), device
+    )
     if budget and budget == int(candidate.sum()):  # everything: one pass, as full
         computed |= candidate
         budget = 0

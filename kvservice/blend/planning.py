@@ -92,9 +92,11 @@ class RatioPolicy:
         if self.preset is not None:
             return self.preset, None
         decision = self.controller.choose(
-            num_tokens=num_tokens, num_layers=num_layers, load_bytes_by_tier=load_bytes,
+            num_tokens=num_tokens,
+            num_layers=num_layers,
+            load_bytes_by_tier=load_bytes,
             target_ratio=self.request.target_ratio,
-        )  # fmt: skip
+        )
         return decision.recompute_ratio, decision
 
     @property
@@ -162,7 +164,9 @@ def fit_context(prompt: PromptFormat, context_len: int, request: GenerateRequest
         raise ValueError("the question is too long for the model's context")
     tokens = [list(c.token_ids) for c in chunks]
     return FittedContext(
-        chunk_ids=[c.chunk_id for c in chunks], chunks_tokens=tokens,
-        segments=prompt.numbered(tokens), suffix_ids=suffix,
+        chunk_ids=[c.chunk_id for c in chunks],
+        chunks_tokens=tokens,
+        segments=prompt.numbered(tokens),
+        suffix_ids=suffix,
         dropped=[c.chunk_id for c in request.chunks[len(chunks) :]],
-    )  # fmt: skip
+    )

@@ -369,9 +369,12 @@ def can_refresh(result: BlendResult) -> bool:
     round (not reuse, full, fixed slots, or a blend with nothing left to select)."""
     plan = result.plan
     return (
-        plan is not None and result.question_attention is not None
-        and result.token_ids is not None and plan.slots is None and plan.settings.rounds == 1
-    )  # fmt: skip
+        plan is not None
+        and result.question_attention is not None
+        and result.token_ids is not None
+        and plan.slots is None
+        and plan.settings.rounds == 1
+    )
 
 
 def refresh(
@@ -413,11 +416,13 @@ def refresh_steps(
     if stale.bias is not None:
         stale = replace(stale, bias=F.pad(stale.bias, (0, extra)))
     longer = replace(
-        plan, segments=[*plan.segments[:-1], replace(question, length=question.length + extra)],
-        candidate=torch.cat([plan.candidate, no]), computed=torch.cat([plan.computed, no]),
+        plan,
+        segments=[*plan.segments[:-1], replace(question, length=question.length + extra)],
+        candidate=torch.cat([plan.candidate, no]),
+        computed=torch.cat([plan.computed, no]),
         budget=recompute_budget("blend", ratio, plan.chunk_tokens, int(plan.candidate.sum()), None),
         stale=stale,
-    )  # fmt: skip
+    )
     logits, selected, passes = yield from _recompute(
         model, cache, torch.cat([ids, answer]), longer, F.pad(attention, (0, extra)), None
     )
@@ -450,10 +455,18 @@ def _prefill(
     read_from, read_until = _read_layers(model, settings)
     until = read_until if selects and per_layer == question else layers
     first = yield from _run_pass(
-        model, cache, token_ids, plan.computed.nonzero().squeeze(1), sources=sources,
-        question_length=question if selects else 0, weigh_from=read_from, stale=plan.stale,
-        until=until, ropes=ropes, graphs=graphs,
-    )  # fmt: skip
+        model,
+        cache,
+        token_ids,
+        plan.computed.nonzero().squeeze(1),
+        sources=sources,
+        question_length=question if selects else 0,
+        weigh_from=read_from,
+        stale=plan.stale,
+        until=until,
+        ropes=ropes,
+        graphs=graphs,
+    )
     if not plan.budget:
         recomputed = int((plan.computed & plan.candidate).sum()) if plan.blend else 0
         share = recomputed / max(1, plan.chunk_tokens)
@@ -468,9 +481,13 @@ def _prefill(
 
 
 def warm_graphs(
-    model: Transformer, graphs: PassGraphs, contexts: Sequence[int] = (2048, 4096, 8192),
-    question: int = 32, ratio: float = 0.15, settings: BlendSettings = BlendSettings(),
-) -> list:  # fmt: skip
+    model: Transformer,
+    graphs: PassGraphs,
+    contexts: Sequence[int] = (2048, 4096, 8192),
+    question: int = 32,
+    ratio: float = 0.15,
+    settings: BlendSettings = BlendSettings(),
+) -> list:
     """Record the passes a question of up to ``question`` tokens over a prompt of each of
     ``contexts`` tokens runs (reuse's; blend's two, at ``ratio``), before any request: a
     worker's warm-up. Returns the shapes recorded."""
@@ -478,8 +495,11 @@ def warm_graphs(
     shapes = []
     for tokens in contexts:
         recomputed = math.ceil(ratio * (tokens - question)) + question
-        for count, until, weighed in ((question, layers, 0), (question, read_until, question),
-                                      (recomputed, layers, 0)):  # fmt: skip
+        for count, until, weighed in (
+            (question, layers, 0),
+            (question, read_until, question),
+            (recomputed, layers, 0),
+        ):
             shape = graphs.shape(count, tokens, until, weighed, read_from)
             if shape is not None and graphs.prepare(shape):
                 shapes.append(shape)
@@ -502,9 +522,15 @@ class _Deeper:
 
 
 def _recompute(
-    model, cache, token_ids, rounds: RecomputePlan, attention, deeper: _Deeper | None,
-    ropes=None, graphs: PassGraphs | None = None,
-):  # fmt: skip
+    model,
+    cache,
+    token_ids,
+    rounds: RecomputePlan,
+    attention,
+    deeper: _Deeper | None,
+    ropes=None,
+    graphs: PassGraphs | None = None,
+):
     """The recompute passes: each round selects by the question's attention in the pass
     before it (``attention [L', T]``) among the candidates not yet recomputed, then computes
     those tokens and the question from layer 0 on (the first round also places the cached KV
@@ -512,8 +538,9 @@ def _recompute(
     every selected slot, and the tokens computed per layer in all (a generator: ``Steps``)."""
     num_tokens, settings = token_ids.numel(), rounds.settings
     layers = model.config.n_layers
-    weights = local_layer_weights([model.config.window(i) for i in range(layers)],
-                                  settings.local_layer_weight)  # fmt: skip
+    weights = local_layer_weights(
+        [model.config.window(i) for i in range(layers)], settings.local_layer_weight
+    )
     chosen = torch.zeros_like(rounds.candidate)
     counts, forced, computed = rounds.counts(), rounds.forced(), 0
     for index, count in enumerate(counts):
@@ -521,8 +548,14 @@ def _recompute(
             new = rounds.slots
         else:
             left = rounds.candidate & ~chosen
-            scores = attention_importance(attention, left, settings.attention_from_depth,
-                                          settings.attention_to_depth, layers, weights)  # fmt: skip
+            scores = attention_importance(
+                attention,
+                left,
+                settings.attention_from_depth,
+                settings.attention_to_depth,
+                layers,
+                weights,
+            )
             scores = smooth_scores(scores, settings.smooth_window)
             if index == 0:
                 scores = scores.masked_fill(forced, float("inf"))
@@ -541,8 +574,18 @@ def _recompute(
             place = {"sources": deeper.sources, "place_from": deeper.start}
         active = again.nonzero().squeeze(1)
         shift = stale_shift(rounds.stale, active, settings)
-        step = yield from _run_pass(model, cache, token_ids, active, question_length=recorded,
-                         weigh_from=_read_layers(model, settings)[0], stale=stale, shift=shift,
-                         ropes=ropes, graphs=graphs, **place)  # fmt: skip
+        step = yield from _run_pass(
+            model,
+            cache,
+            token_ids,
+            active,
+            question_length=recorded,
+            weigh_from=_read_layers(model, settings)[0],
+            stale=stale,
+            shift=shift,
+            ropes=ropes,
+            graphs=graphs,
+            **place,
+        )
         attention, computed = step.attention, computed + int(again.sum())
     return step.logits, chosen.nonzero().squeeze(1), computed

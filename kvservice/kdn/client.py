@@ -128,9 +128,12 @@ class KdnFetch:
     ``load_s`` the time from the request to the last byte."""
 
     def __init__(
-        self, response: Any, started: float, device: torch.device,
+        self,
+        response: Any,
+        started: float,
+        device: torch.device,
         dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._response = response
         self._started = started
         self.device = device
@@ -216,12 +219,18 @@ class KdnClient:
         inference worker's): a question does not wait a minute for its KV, the worker
         recomputes the chunk instead."""
         body = json.dumps(payload).encode()
-        headers = {"Authorization": f"Bearer {token or self._key}",
-                   "Content-Type": "application/json"}  # fmt: skip
+        headers = {
+            "Authorization": f"Bearer {token or self._key}",
+            "Content-Type": "application/json",
+        }
         for _ in range(_RATE_LIMIT_TRIES):
             response = self._http.request(
-                method, self.url + path, body=body, headers=headers, preload_content=not stream,
-            )  # fmt: skip
+                method,
+                self.url + path,
+                body=body,
+                headers=headers,
+                preload_content=not stream,
+            )
             if response.status == 429 and not token:
                 response.drain_conn()
                 time.sleep(float(response.headers.get("Retry-After") or 1))
@@ -246,9 +255,13 @@ class KdnClient:
             time.sleep(float(response.headers.get("Retry-After") or 1))
 
     def fetch(
-        self, texts: Sequence[str], *, head: str | None = None,
-        device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-    ) -> KdnFetch:  # fmt: skip
+        self,
+        texts: Sequence[str],
+        *,
+        head: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> KdnFetch:
         """Start fetching ``texts``' KV; returns once every header is in (a missing text
         raises :class:`KdnNotFound` here), the layers arriving behind it, decoded into
         ``dtype`` (default as stored, float16) on ``device``."""
@@ -315,8 +328,10 @@ class _OpenFetch:
             raise ChunkTruncated("the knowledge delivery stream ended in its preamble")
         magic, version, _, count, _ = PREAMBLE.unpack(preamble)
         if magic != MAGIC or version != VERSION or count != 1:
-            raise ChunkCorrupt(f"not a one-chunk knowledge delivery stream ({magic!r}, "
-                               f"version {version}, {count} chunks)")  # fmt: skip
+            raise ChunkCorrupt(
+                f"not a one-chunk knowledge delivery stream ({magic!r}, "
+                f"version {version}, {count} chunks)"
+            )
 
     def _read(self, nbytes: int) -> bytes:
         out = bytearray(nbytes)
@@ -522,5 +537,6 @@ def kdn_store(config: StoreConfig, source: KvSource) -> TieredStore:
     """The worker's tiers as ``config`` makes them, with the knowledge delivery API in S3's
     place (``KV_SOURCE=kdn``): S3's settings, credentials included, are not used."""
     local = TieredStore.from_config(replace(config, s3_endpoint=None))
-    return TieredStore([*local.tiers, KdnTier.from_source(source)], quantize=config.quantize,
-                       config=config)  # fmt: skip
+    return TieredStore(
+        [*local.tiers, KdnTier.from_source(source)], quantize=config.quantize, config=config
+    )

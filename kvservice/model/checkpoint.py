@@ -85,8 +85,12 @@ def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 # A multimodal Gemma 3's language model, as transformers 5 and the original checkpoints name it.
 _LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
-_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-                    "multi_modal_projector.")  # fmt: skip
+_VISION_PREFIXES = (
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "vision_tower.",
+    "multi_modal_projector.",
+)
 
 
 def _hf_to_ours(name: str) -> str | None:
@@ -112,6 +116,8 @@ def _split_fused(
         return [(name.replace("qkv_proj", p), t) for p, t in zip(parts, pieces, strict=True)]
     if ".mlp.gate_up_proj." in name:
         gate, up = tensor.chunk(2, dim=0)  # gate first, as Phi-3's MLP reads them
-        return [(name.replace("gate_up_proj", "gate_proj"), gate),
-                (name.replace("gate_up_proj", "up_proj"), up)]  # fmt: skip
+        return [
+            (name.replace("gate_up_proj", "gate_proj"), gate),
+            (name.replace("gate_up_proj", "up_proj"), up),
+        ]
     return [(name, tensor)]

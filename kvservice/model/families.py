@@ -23,8 +23,13 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 # What every supported family's config.json names (the rest have defaults).
-_REQUIRED_KEYS = ("num_attention_heads", "hidden_size", "vocab_size", "num_hidden_layers",
-                  "intermediate_size")  # fmt: skip
+_REQUIRED_KEYS = (
+    "num_attention_heads",
+    "hidden_size",
+    "vocab_size",
+    "num_hidden_layers",
+    "intermediate_size",
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -258,8 +263,10 @@ def _gemma3_options(hf: dict[str, Any]) -> dict[str, Any]:
     types = hf.get("layer_types")
     if types is None:  # older configs: every sliding_window_pattern-th layer is global
         pattern = int(hf.get("sliding_window_pattern", 6))
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(n_layers)]  # fmt: skip
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ]
     local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
     local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
     if local.get("rope_type", "default") != "default":

@@ -312,9 +312,12 @@ def llama3_rope_parameters(
             "rope_freqs.weight is not Llama 3's RoPE scaling (low 1, high 4): not supported"
         )
     return {
-        "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-        "high_freq_factor": high, "original_max_position_embeddings": original,
-    }  # fmt: skip
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -283,15 +283,20 @@ def prepare(
     for product in products:
         product.pack(chosen)
     choice = KernelChoice(
-        chosen, precision, prefill_ms, decode_ms, native_bf16(),
+        chosen,
+        precision,
+        prefill_ms,
+        decode_ms,
+        native_bf16(),
         attention_dtype(device, precision, weights),
-    )  # fmt: skip
+    )
     log.info("%s", choice.describe())
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if len(names) > 1 and busy > (os.cpu_count() or 1):
         log.warning(
             "the kernels were timed on a busy machine (load average %.1f on %d cores): the "
             "choice may not be the fastest (restart when quieter, or set ENGINE_KERNEL)",
-            busy, os.cpu_count() or 1,
-        )  # fmt: skip
+            busy,
+            os.cpu_count() or 1,
+        )
     return choice

@@ -79,11 +79,13 @@ class TokenHistory:
             self._output_counts[0, token] += 1
         self._pending.clear()
         return apply_penalties(
-            logits.float(), self._prompt_mask, self._output_counts,
+            logits.float(),
+            self._prompt_mask,
+            self._output_counts,
             repetition_penalty=params.repetition_penalty,
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
-        )  # fmt: skip
+        )
 
 
 def sample_next(
@@ -242,8 +244,10 @@ class AnswerText:
             start, said = sentences[-1]
             if any(said == earlier for _, earlier in sentences[:-1]):
                 return _with_its_marker(self.text, start)
-        lines = [(line.start(), _ANSWER_WORD.findall(line.group().lower()))
-                 for line in _LINE.finditer(self.text)]  # fmt: skip
+        lines = [
+            (line.start(), _ANSWER_WORD.findall(line.group().lower()))
+            for line in _LINE.finditer(self.text)
+        ]
         lines = [(start, said) for start, said in lines if said]
         if lines:
             start, said = lines[-1]

@@ -256,9 +256,13 @@ class Attention(nn.Module):
         self.q_scale = 1.0 if scale is None else scale * math.sqrt(config.head_dim)
 
     def project(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        dtype: torch.dtype | None = None, compute: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        compute: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normed hidden ``h [B, S, dim]`` -> rotated q ``[B, H, S, D]``, rotated k, v and
         pre-RoPE k ``[B, H_kv, S, D]``. cos/sin ``[B, S, D]`` at the tokens' positions.
 
@@ -329,9 +333,12 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.dim, config.norm_eps, offset)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         dtype: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """First half of the layer: rotated q and k, v (in ``dtype``: the cache's), pre-RoPE
         k for the tokens in ``x``."""
         normed = self.input_layernorm(x, self.self_attn.qkv.input_dtype)

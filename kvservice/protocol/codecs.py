@@ -58,9 +58,15 @@ def _bits_at(schedule: Sequence[tuple[float, int]], depth: float) -> int:
 
 
 def kivi(
-    name: str, k_bits, v_bits, *, k_group: int = 64, v_group: int = 64, v_rotate: bool = False,
+    name: str,
+    k_bits,
+    v_bits,
+    *,
+    k_group: int = 64,
+    v_group: int = 64,
+    v_rotate: bool = False,
     clip: bool = True,
-) -> Codec:  # fmt: skip
+) -> Codec:
     """A kivi codec; ``k_bits``/``v_bits`` an int (every layer) or a depth schedule."""
 
     def schedule(bits) -> tuple[tuple[float, int], ...]:
@@ -142,9 +148,16 @@ def v_group_size(codec_v_group: int, dim: int) -> int:
 
 
 def section_sizes(
-    kind: int, bits: tuple[int, int], heads: int, tokens: int, dim: int, *,
-    itemsize: int, k_group: int, v_group: int,
-) -> list[int]:  # fmt: skip
+    kind: int,
+    bits: tuple[int, int],
+    heads: int,
+    tokens: int,
+    dim: int,
+    *,
+    itemsize: int,
+    k_group: int,
+    v_group: int,
+) -> list[int]:
     """Byte sizes of one layer block's sections, in order (``itemsize``: bytes of a raw value)."""
     values = heads * tokens * dim
     if kind == RAW:
@@ -156,5 +169,11 @@ def section_sizes(
     k_bits, v_bits = bits
     k_params = heads * k_groups(tokens, k_group) * dim * 2
     v_params = heads * tokens * (dim // v_group_size(v_group, dim)) * 2
-    return [packed_size(values, k_bits), k_params, k_params,
-            packed_size(values, v_bits), v_params, v_params]  # fmt: skip
+    return [
+        packed_size(values, k_bits),
+        k_params,
+        k_params,
+        packed_size(values, v_bits),
+        v_params,
+        v_params,
+    ]

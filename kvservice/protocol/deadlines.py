@@ -35,8 +35,12 @@ REDIS_RETRIES = 1
 # with the 5 s socket timeout, a send failed after 5.0 s so, 15.2 s with one retry (kombu
 # reconnects before it, another wait) and 25.6 s with Celery's default of three; redis-py's
 # pool already replaces a connection that dropped (valkey restarted) before using it.
-CELERY_RETRY_POLICY = {"max_retries": 0, "interval_start": 0.2, "interval_step": 0.2,
-                       "interval_max": 0.2}  # fmt: skip
+CELERY_RETRY_POLICY = {
+    "max_retries": 0,
+    "interval_start": 0.2,
+    "interval_step": 0.2,
+    "interval_max": 0.2,
+}
 # kombu's Redis transport: without these it waits forever on a broker that does not answer.
 BROKER_TRANSPORT_OPTIONS = {
     "socket_timeout": REDIS_COMMAND_TIMEOUT_S,
@@ -70,9 +74,11 @@ def async_redis_from_url(
         _backoff(), REDIS_RETRIES, supported_errors=(redis.ConnectionError,)
     )
     return redis.asyncio.Redis.from_url(
-        url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S, socket_timeout=command_timeout_s,
+        url,
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+        socket_timeout=command_timeout_s,
         retry=retry,
-    )  # fmt: skip
+    )
 
 
 def celery_options() -> dict[str, Any]:

@@ -130,8 +130,9 @@ def decode_event(kind: str, data: dict[str, Any]) -> StreamEvent:
         code = data.get("code", "generation_failed")  # an older worker's error has none
         if code not in get_args(ErrorCode):
             raise ValueError(f"an error event's code is one of {get_args(ErrorCode)}: {code!r}")
-        return Error(code=code, message=_typed(data, "message", str, kind),
-                     text=data.get("text") or "")  # fmt: skip
+        return Error(
+            code=code, message=_typed(data, "message", str, kind), text=data.get("text") or ""
+        )
     raise ValueError(f"unknown answer event type {kind!r}")
 
 

@@ -43,8 +43,14 @@ def worker_alive(client: Any, worker_id: str) -> bool:
 
 
 def _inflight_entry(worker_id: str, request: GenerateRequest, **extra: Any) -> str:
-    entry = {"worker": worker_id, "message_id": request.message_id, "audit_of": request.audit_of,
-             "since": time.time(), "timeout_s": request.timeout_s, **extra}  # fmt: skip
+    entry = {
+        "worker": worker_id,
+        "message_id": request.message_id,
+        "audit_of": request.audit_of,
+        "since": time.time(),
+        "timeout_s": request.timeout_s,
+        **extra,
+    }
     return json.dumps(entry)
 
 

@@ -69,11 +69,20 @@ class LayerLayout:
 
 
 def layer_layout(
-    version: int, kind: int, bits: tuple[int, int], heads: int, tokens: int, dim: int, *,
-    itemsize: int, k_group: int, v_group: int,
-) -> LayerLayout:  # fmt: skip
-    sizes = codecs.section_sizes(kind, bits, heads, tokens, dim, itemsize=itemsize,
-                                 k_group=k_group, v_group=v_group)  # fmt: skip
+    version: int,
+    kind: int,
+    bits: tuple[int, int],
+    heads: int,
+    tokens: int,
+    dim: int,
+    *,
+    itemsize: int,
+    k_group: int,
+    v_group: int,
+) -> LayerLayout:
+    sizes = codecs.section_sizes(
+        kind, bits, heads, tokens, dim, itemsize=itemsize, k_group=k_group, v_group=v_group
+    )
     inner = ALIGN if version == 1 else codecs.SECTION_ALIGN
     sections, offset = [], 0
     for size in sizes:
@@ -134,11 +143,16 @@ class ObjectHeader:
 
     def layout(self, index: int) -> LayerLayout:
         return layer_layout(
-            self.version, self.codec_kind, self.layer_bits[index], self.num_kv_heads,
-            self.num_tokens, self.head_dim, itemsize=DTYPE_ITEMSIZES[self.dtype_code],
+            self.version,
+            self.codec_kind,
+            self.layer_bits[index],
+            self.num_kv_heads,
+            self.num_tokens,
+            self.head_dim,
+            itemsize=DTYPE_ITEMSIZES[self.dtype_code],
             k_group=self.k_group,
             v_group=self.v_group,
-        )  # fmt: skip
+        )
 
     def check_key(self, key: ChunkKey) -> None:
         """Raise :class:`FingerprintMismatch` unless this object is the one ``key`` names."""
@@ -174,18 +188,57 @@ def parse_header(data: bytes, header_type: type[Header] = ObjectHeader) -> Heade
         raise ChunkTruncated(f"object is {len(data)} bytes, header says {header_len}")
     version = START.unpack_from(data)[1]
     if version not in READABLE_VERSIONS:
-        raise ChunkCorrupt(f"chunk format version {version}; this reader knows "
-                           f"{', '.join(map(str, READABLE_VERSIONS))}")  # fmt: skip
+        raise ChunkCorrupt(
+            f"chunk format version {version}; this reader knows "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
     if version == 1:
-        (_, _, _, _, dtype_code, k_storage, kind, _, num_layers, heads, dim, tokens, rope_base,
-         tokens_sha, layer_bytes, tokens_offset, total_bytes, fp_len, head_len,
-         ) = FIXED_V1.unpack_from(data)  # fmt: skip
+        (
+            _,
+            _,
+            _,
+            _,
+            dtype_code,
+            k_storage,
+            kind,
+            _,
+            num_layers,
+            heads,
+            dim,
+            tokens,
+            rope_base,
+            tokens_sha,
+            layer_bytes,
+            tokens_offset,
+            total_bytes,
+            fp_len,
+            head_len,
+        ) = FIXED_V1.unpack_from(data)
         k_group = v_group = flags = 0
         at = FIXED_V1.size
     else:
-        (_, _, _, _, dtype_code, k_storage, kind, flags, num_layers, heads, dim, tokens,
-         rope_base, tokens_sha, tokens_offset, total_bytes, fp_len, head_len, k_group, v_group,
-         ) = FIXED.unpack_from(data)  # fmt: skip
+        (
+            _,
+            _,
+            _,
+            _,
+            dtype_code,
+            k_storage,
+            kind,
+            flags,
+            num_layers,
+            heads,
+            dim,
+            tokens,
+            rope_base,
+            tokens_sha,
+            tokens_offset,
+            total_bytes,
+            fp_len,
+            head_len,
+            k_group,
+            v_group,
+        ) = FIXED.unpack_from(data)
         at = FIXED.size
     fingerprint = data[at : at + fp_len].decode(errors="replace")
     head_hash = data[at + fp_len : at + fp_len + head_len].decode(errors="replace")
@@ -194,8 +247,11 @@ def parse_header(data: bytes, header_type: type[Header] = ObjectHeader) -> Heade
     if at + bits_len + 4 * num_layers + 8 > header_len:
         raise ChunkCorrupt("header too short for its checksum table")
     flat_bits = data[at : at + bits_len]
-    layer_bits = tuple(zip(flat_bits[0::2], flat_bits[1::2], strict=True)) if bits_len else (
-        ((0, 0),) * num_layers)  # fmt: skip
+    layer_bits = (
+        tuple(zip(flat_bits[0::2], flat_bits[1::2], strict=True))
+        if bits_len
+        else (((0, 0),) * num_layers)
+    )
     at += bits_len
     layer_crcs = struct.unpack_from(f"<{num_layers}I", data, at)
     at += 4 * num_layers
@@ -205,25 +261,50 @@ def parse_header(data: bytes, header_type: type[Header] = ObjectHeader) -> Heade
     known = (codecs.RAW, codecs.INT8) if version == 1 else tuple(codecs.KIND_NAMES)
     if dtype_code not in DTYPE_NAMES or kind not in known:
         raise ChunkCorrupt(f"unknown dtype code {dtype_code} or codec kind {kind}")
-    if kind == codecs.KIVI and (k_group < 1 or v_group < 1 or any(
-            not (1 <= b <= 8) for pair in layer_bits for b in pair)):  # fmt: skip
+    if kind == codecs.KIVI and (
+        k_group < 1 or v_group < 1 or any(not (1 <= b <= 8) for pair in layer_bits for b in pair)
+    ):
         raise ChunkCorrupt("kivi object with bad group sizes or bit widths")
     itemsize = DTYPE_ITEMSIZES[dtype_code]
     sizes = tuple(
-        layer_layout(version, kind, bits, heads, tokens, dim, itemsize=itemsize, k_group=k_group,
-                     v_group=v_group).size
+        layer_layout(
+            version,
+            kind,
+            bits,
+            heads,
+            tokens,
+            dim,
+            itemsize=itemsize,
+            k_group=k_group,
+            v_group=v_group,
+        ).size
         for bits in layer_bits
-    )  # fmt: skip
+    )
     if version == 1 and any(size != layer_bytes for size in sizes):
         raise ChunkCorrupt("header sizes are inconsistent")
     if tokens_offset != header_len + sum(sizes) or total_bytes != tokens_offset + 4 * tokens:
         raise ChunkCorrupt("header sizes are inconsistent")
     return header_type(
-        version=version, dtype_code=dtype_code, k_storage=k_storage, rope_base_position=rope_base,
-        codec_kind=kind, num_layers=num_layers, num_kv_heads=heads, head_dim=dim,
-        num_tokens=tokens, tokens_sha256=tokens_sha.hex(), model_fingerprint=fingerprint,
-        head_hash=head_hash, header_len=header_len, k_group=k_group, v_group=v_group,
-        v_rotated=bool(flags & FLAG_V_ROTATED), layer_bits=layer_bits, layer_sizes=sizes,
-        tokens_offset=tokens_offset, total_bytes=total_bytes, layer_crc32=tuple(layer_crcs),
+        version=version,
+        dtype_code=dtype_code,
+        k_storage=k_storage,
+        rope_base_position=rope_base,
+        codec_kind=kind,
+        num_layers=num_layers,
+        num_kv_heads=heads,
+        head_dim=dim,
+        num_tokens=tokens,
+        tokens_sha256=tokens_sha.hex(),
+        model_fingerprint=fingerprint,
+        head_hash=head_hash,
+        header_len=header_len,
+        k_group=k_group,
+        v_group=v_group,
+        v_rotated=bool(flags & FLAG_V_ROTATED),
+        layer_bits=layer_bits,
+        layer_sizes=sizes,
+        tokens_offset=tokens_offset,
+        total_bytes=total_bytes,
+        layer_crc32=tuple(layer_crcs),
         tokens_crc32=tokens_crc,
-    )  # fmt: skip
+    )

@@ -77,9 +77,13 @@ class AnswerOutcome:
     def nothing_retrieved(cls, text: str, mode: str) -> AnswerOutcome:
         """The web app's answer when no passage was close enough to read: no generation."""
         metrics = AnswerMetrics(
-            mode=mode, prompt_tokens=0, completion_tokens=0, finish_reason="stop",
-            nothing_retrieved=True, citation="not_found",
-        )  # fmt: skip
+            mode=mode,
+            prompt_tokens=0,
+            completion_tokens=0,
+            finish_reason="stop",
+            nothing_retrieved=True,
+            citation="not_found",
+        )
         return cls(status=DONE, text=text, metrics=metrics)
 
     def to_dict(self) -> dict[str, Any]:

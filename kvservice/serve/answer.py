@@ -163,9 +163,14 @@ def _last_words(
 
 
 def _outcome(
-    runtime: Runtime, planned: PlannedRequest, plan: AnswerPlan, streamed: Streamed,
-    passages: list[str], engine_metrics: dict[str, Any], started: float,
-) -> AnswerOutcome:  # fmt: skip
+    runtime: Runtime,
+    planned: PlannedRequest,
+    plan: AnswerPlan,
+    streamed: Streamed,
+    passages: list[str],
+    engine_metrics: dict[str, Any],
+    started: float,
+) -> AnswerOutcome:
     """The answer's outcome: its verdict, what it made of each passage, its metrics."""
     request, fitted, answer, judged = (
         planned.request,
@@ -204,11 +209,15 @@ def _outcome(
         measured["controller"] = {"source": plan.decision.source, "why": plan.decision.why}
     metrics = AnswerMetrics.from_dict(measured)  # the engine's measures checked by name
     return AnswerOutcome.answered(
-        streamed.status, text=text, withheld=withheld, metrics=metrics, audit_of=request.audit_of,
+        streamed.status,
+        text=text,
+        withheld=withheld,
+        metrics=metrics,
+        audit_of=request.audit_of,
         passages=citing.passage_uses(
             text, passages, fitted.chunk_ids, metrics.chunk_tiers, request.question
         ),
-    )  # fmt: skip
+    )
 
 
 def _seconds_since(started: float, at: float | None) -> float | None:

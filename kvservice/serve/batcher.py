@@ -144,9 +144,14 @@ class _Work:
 
 class ContinuousBatcher:
     def __init__(
-        self, model: Transformer, tokenizer, *, max_batch: int = 8, threads: int | None = None,
+        self,
+        model: Transformer,
+        tokenizer,
+        *,
+        max_batch: int = 8,
+        threads: int | None = None,
         budget: StepBudget = AUTO_BUDGET,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -202,14 +207,20 @@ class ContinuousBatcher:
         """The batch's state for the worker's heartbeat (the dashboard's queue and budget):
         ``slice_s`` is what a step gives prefill work while answers stream (``off``: None)."""
         return {
-            "active": self.active, "waiting": self.waiting, "prefilling": self._work is not None,
-            "steps": self.steps, "slices": self.slices, "budget": str(self.budget),
-            "slice_s": None if math.isinf(slice_s := self.budget.slice_s(self._decode_s))
+            "active": self.active,
+            "waiting": self.waiting,
+            "prefilling": self._work is not None,
+            "steps": self.steps,
+            "slices": self.slices,
+            "budget": str(self.budget),
+            "slice_s": None
+            if math.isinf(slice_s := self.budget.slice_s(self._decode_s))
             else round(slice_s, 4),
             "decode_step_s": round(self._decode_s, 4),
-            "upgrades_skipped": self.upgrades_skipped, "upgrades_dropped": self.upgrades_dropped,
+            "upgrades_skipped": self.upgrades_skipped,
+            "upgrades_dropped": self.upgrades_dropped,
             "longest_piece_s": round(self.longest_piece_s, 4),
-        }  # fmt: skip
+        }
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -239,8 +250,9 @@ class ContinuousBatcher:
         nothing else to do) and end the waiting ones whose reader left or time ran out."""
         idle = self._work is None and not self._jobs and not self._waiting
         try:
-            self._waiting.append(self._incoming.get(timeout=0.2) if idle else
-                                 self._incoming.get_nowait())  # fmt: skip
+            self._waiting.append(
+                self._incoming.get(timeout=0.2) if idle else self._incoming.get_nowait()
+            )
             while True:
                 self._waiting.append(self._incoming.get_nowait())
         except queue.Empty:

@@ -213,7 +213,7 @@ def passage_uses(
             tier=chunk_tiers.get(str(chunk_id), ""),
             cited=rank in cited,
             highlight=spans.get(rank),
-        )  # fmt: skip
+        )
         for rank, chunk_id in enumerate(chunk_ids, start=1)
     ]
 

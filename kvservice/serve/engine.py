@@ -124,12 +124,17 @@ class Engine:
         """The request's prefill, pausing after each layer (``kvservice.blend.prefill``)."""
         prompt = request.prompt
         return blend_prefill_steps(
-            self.model, prompt.head_ids, request.chunks, prompt.question_ids,
-            mode=request.mode, recompute_ratio=request.recompute_ratio,
+            self.model,
+            prompt.head_ids,
+            request.chunks,
+            prompt.question_ids,
+            mode=request.mode,
+            recompute_ratio=request.recompute_ratio,
             chunk_ids=prompt.chunk_ids,
             head_kv=self.head_kv if prompt.head_ids == self.format.head_ids else None,
-            extra_capacity=extra_capacity, cached_prefix=request.cached_prefix,
-        )  # fmt: skip
+            extra_capacity=extra_capacity,
+            cached_prefix=request.cached_prefix,
+        )
 
     def submit(
         self,
@@ -156,12 +161,17 @@ class Engine:
             sampling=request.sampling,
             stop_ids=self.stop_ids | set(request.sampling.stop_token_ids),
             prompt_ids=request.prompt.token_ids,
-            on_token=on_token, on_finish=on_finish, should_stop=should_stop, deadline=deadline,
-            on_prefill=on_prefill, refresh=self._refresher(ratio),
-            on_refresh=None if ratio is None or on_refresh is None
+            on_token=on_token,
+            on_finish=on_finish,
+            should_stop=should_stop,
+            deadline=deadline,
+            on_prefill=on_prefill,
+            refresh=self._refresher(ratio),
+            on_refresh=None
+            if ratio is None or on_refresh is None
             else lambda outcome: on_refresh(ratio, outcome),
             on_queue=on_queue,
-        )  # fmt: skip
+        )
         with self._start_lock:
             if not self._started:
                 self.batcher.start()

@@ -133,6 +133,9 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
-                "entries": len(self._entries), "used_bytes": self.used_bytes,
-                "capacity_bytes": self.capacity_bytes, "hits": self.hits, "misses": self.misses,
-            }  # fmt: skip
+                "entries": len(self._entries),
+                "used_bytes": self.used_bytes,
+                "capacity_bytes": self.capacity_bytes,
+                "hits": self.hits,
+                "misses": self.misses,
+            }

@@ -74,9 +74,13 @@ class NativeRuntime:
             _record_passes_of(self.model)
         self.prompt = PromptFormat.for_tokenizer(self.tokenizer, preamble=cfg.kv_preamble)
         self.engine = Engine(
-            self.model, self.tokenizer, self.prompt, max_batch=cfg.concurrency,
-            refresh_ratio=refresh_ratio, step_budget=cfg.step_budget,
-        )  # fmt: skip
+            self.model,
+            self.tokenizer,
+            self.prompt,
+            max_batch=cfg.concurrency,
+            refresh_ratio=refresh_ratio,
+            step_budget=cfg.step_budget,
+        )
         self.refresh_ratio = refresh_ratio  # the planner's, where a request sets none
         self.engine.head_kv  # computed now, not on the first question  # noqa: B018
         store_config = cfg.store or StoreConfig.from_env()
@@ -98,8 +102,10 @@ class NativeRuntime:
     def status(self) -> dict[str, object]:
         """The live state the heartbeat carries to /healthz and the dashboard."""
         state: dict[str, object] = {
-            "pid": os.getpid(), "model": self.model_name, "model_loaded": self.model is not None,
-        }  # fmt: skip
+            "pid": os.getpid(),
+            "model": self.model_name,
+            "model_loaded": self.model is not None,
+        }
         if self.model is not None:
             state["store"] = self.store.stats().to_dict()
             state["controller"] = self.controller.snapshot()
@@ -110,8 +116,11 @@ class NativeRuntime:
                 2 * config.n_layers * config.n_kv_heads * config.head_dim * element
             )
             # the dashboard's per-token figures are the running model's, not a constant's
-            state["model_shape"] = {"layers": config.n_layers, "kv_heads": config.n_kv_heads,
-                                    "head_dim": config.head_dim}  # fmt: skip
+            state["model_shape"] = {
+                "layers": config.n_layers,
+                "kv_heads": config.n_kv_heads,
+                "head_dim": config.head_dim,
+            }
             state["model_fingerprint"] = self.model.fingerprint  # its chunk keys' first part
             state["batch"] = self.engine.batcher.stats()
             state["prefix_cache"] = self.prefix_cache.stats()
@@ -175,9 +184,12 @@ def _record_passes_of(model) -> None:
         return
     started = time.perf_counter()
     shapes = warm_graphs(model, graphs)
-    log.info("recorded %d passes as CUDA graphs in %.1f s%s", len(shapes),
-             time.perf_counter() - started,
-             f" (then stopped: {graphs.failed})" if graphs.failed else "")  # fmt: skip
+    log.info(
+        "recorded %d passes as CUDA graphs in %.1f s%s",
+        len(shapes),
+        time.perf_counter() - started,
+        f" (then stopped: {graphs.failed})" if graphs.failed else "",
+    )
 
 
 def calibrate(
@@ -250,13 +262,16 @@ class NativePlan:
             num_tokens=sum(map(len, fitted.chunks_tokens[reused:])),
             num_layers=runtime.model.config.n_layers,
             load_bytes=self.batch.tier_bytes() if self.batch is not None else {},
-        )  # fmt: skip
+        )
         self.request = Request(
             prompt,
             [part for source in sources for part in (None, source)],  # markers: computed
-            mode=request.mode, recompute_ratio=self.ratio, sampling=planned.sampling,
-            cached_prefix=self.prefix, refresh_ratio=planned.ratio.refresh_ratio,
-        )  # fmt: skip
+            mode=request.mode,
+            recompute_ratio=self.ratio,
+            sampling=planned.sampling,
+            cached_prefix=self.prefix,
+            refresh_ratio=planned.ratio.refresh_ratio,
+        )
         self.prompt_tokens = len(self.request.prompt.token_ids)
         self._result: BlendResult | None = None
         self._prefill_s: float | None = None  # the prefill's compute (its slices)
@@ -285,9 +300,12 @@ class NativePlan:
 
     def events(self, on_queue: Callable[[int | None], None] | None = None) -> Iterator[TokenEvent]:
         return self.runtime.engine.stream(
-            self.request, deadline=time.monotonic() + self._deadline_s,
-            on_prefill=self._prefilled, on_refresh=self._upgraded, on_queue=on_queue,
-        )  # fmt: skip
+            self.request,
+            deadline=time.monotonic() + self._deadline_s,
+            on_prefill=self._prefilled,
+            on_refresh=self._upgraded,
+            on_queue=on_queue,
+        )
 
     def _prefilled(self, result: BlendResult, times: PrefillTimes) -> None:
         self._result, self._prefill_s, self._times = result, times.compute_s, times
@@ -337,10 +355,17 @@ class NativePlan:
         if not self._prefill_s:
             return
         controller, computed = self.runtime.controller, sum(result.recomputed_per_layer)
-        read = [] if self.batch is None else [
-            len(ids) for ids, loaded in
-            zip(self.fitted.chunks_tokens[self.reused :], self.batch.read, strict=True) if loaded
-        ]  # fmt: skip
+        read = (
+            []
+            if self.batch is None
+            else [
+                len(ids)
+                for ids, loaded in zip(
+                    self.fitted.chunks_tokens[self.reused :], self.batch.read, strict=True
+                )
+                if loaded
+            ]
+        )
         if not read and self.prefix is None:
             controller.observe_recompute(tokens=computed, layers=1, seconds=self._prefill_s)
             return

@@ -141,8 +141,9 @@ def _leave_flight(client: redis.Redis, request: GenerateRequest, *, reported: bo
     try:
         _settle(client, request, reported)
     except redis.RedisError as err:
-        log.warning("request %s left in flight (%s): retried with the heartbeat",
-                    request.request_id, err)  # fmt: skip
+        log.warning(
+            "request %s left in flight (%s): retried with the heartbeat", request.request_id, err
+        )
         with _unsettled_lock:
             _unsettled[request.request_id] = (request, reported)
 
@@ -223,10 +224,20 @@ def main() -> int:
     threading.Thread(target=_heartbeat_forever, args=(_redis, stop), daemon=True).start()
     try:
         app.worker_main(
-            ["worker", "-Q", f"{config.queue},{worker_queue(WORKER_ID, config.queue)}",
-             "-P", "threads", "-c", str(config.task_threads),
-             "--hostname", config.node_name, "--loglevel", "INFO"]
-        )  # fmt: skip
+            [
+                "worker",
+                "-Q",
+                f"{config.queue},{worker_queue(WORKER_ID, config.queue)}",
+                "-P",
+                "threads",
+                "-c",
+                str(config.task_threads),
+                "--hostname",
+                config.node_name,
+                "--loglevel",
+                "INFO",
+            ]
+        )
     finally:
         stop.set()
         close = getattr(runtime, "close", None)

@@ -146,11 +146,18 @@ class Tier(ABC):
         self, *, entries: int | None, nbytes: int | None, capacity: int | None
     ) -> TierStats:
         return TierStats(
-            name=self.name, entries=entries, bytes=nbytes, capacity_bytes=capacity,
-            hits=self.hits, misses=self.misses, evictions=self.evictions,
-            bytes_read=self._meter.bytes_read, read_busy_s=self._meter.busy_s,
-            read_bandwidth_bytes_per_s=self._meter.bandwidth, errors=self.errors,
-        )  # fmt: skip
+            name=self.name,
+            entries=entries,
+            bytes=nbytes,
+            capacity_bytes=capacity,
+            hits=self.hits,
+            misses=self.misses,
+            evictions=self.evictions,
+            bytes_read=self._meter.bytes_read,
+            read_busy_s=self._meter.busy_s,
+            read_bandwidth_bytes_per_s=self._meter.bandwidth,
+            errors=self.errors,
+        )
 
 
 def buffer_nbytes(data: Buffer) -> int:

@@ -86,7 +86,13 @@ class LoadBatch:
         load_s, wait_s = self._clock.fetch.busy_s, self._clock.wait_s
         hidden = 1.0 - wait_s / load_s if load_s > 0 else 1.0
         return LoadStats(
-            chunks=len(self.sources), tiers=self.tiers, bytes_read=self._clock.fetch.bytes_read,
-            load_s=load_s, wait_s=wait_s, hidden_load_fraction=min(1.0, max(0.0, hidden)),
-            pipelined=self.pipelined, faults=self._clock.faults, tier_bytes=self.tier_bytes(),
-        )  # fmt: skip
+            chunks=len(self.sources),
+            tiers=self.tiers,
+            bytes_read=self._clock.fetch.bytes_read,
+            load_s=load_s,
+            wait_s=wait_s,
+            hidden_load_fraction=min(1.0, max(0.0, hidden)),
+            pipelined=self.pipelined,
+            faults=self._clock.faults,
+            tier_bytes=self.tier_bytes(),
+        )

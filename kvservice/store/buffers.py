@@ -100,8 +100,12 @@ class BufferPool:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"buffers": len(self._buffers), "held_bytes": self.held_bytes,
-                    "handed": self.handed, "reused": self.reused}  # fmt: skip
+            return {
+                "buffers": len(self._buffers),
+                "held_bytes": self.held_bytes,
+                "handed": self.handed,
+                "reused": self.reused,
+            }
 
 
 # The process's pool: every KV cache the engine makes (kvservice.model.transformer.KVCache).

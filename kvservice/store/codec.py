@@ -153,8 +153,10 @@ def quantize_groups(
             best = [codes, step, low, error]
             continue
         better = error < best[3]
-        best = [torch.where(better, new, old) for new, old in zip(
-            (codes, step, low, error), best, strict=True)]  # fmt: skip
+        best = [
+            torch.where(better, new, old)
+            for new, old in zip((codes, step, low, error), best, strict=True)
+        ]
     codes, step, low, _ = best
     return codes.to(torch.int64), step.squeeze(dim), low.squeeze(dim)
 
@@ -169,8 +171,9 @@ def quantize_k_per_channel(
     pad = groups * group - tokens
     # the last token repeated: the last group's range is its own tokens'
     padded = torch.cat([k, k[:, -1:].expand(heads, pad, dim)], 1) if pad else k
-    codes, step, low = quantize_groups(padded.reshape(heads, groups, group, dim), bits, dim=2,
-                                       clip=clip)  # fmt: skip
+    codes, step, low = quantize_groups(
+        padded.reshape(heads, groups, group, dim), bits, dim=2, clip=clip
+    )
     return codes.view(heads, groups * group, dim)[:, :tokens], step, low
 
 
@@ -197,8 +200,9 @@ def quantize_v_per_token(
     ``rotate``: of V times the Hadamard matrix (decode multiplies by it again)."""
     heads, tokens, dim = v.shape
     x = v.float() @ hadamard(dim, v.device) if rotate else v
-    codes, step, low = quantize_groups(x.reshape(heads, tokens, dim // group, group), bits,
-                                       dim=3, clip=clip)  # fmt: skip
+    codes, step, low = quantize_groups(
+        x.reshape(heads, tokens, dim // group, group), bits, dim=3, clip=clip
+    )
     return codes.view(heads, tokens, dim), step, low
 
 
@@ -244,11 +248,18 @@ def _fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_sections(
-    kind: int, bits: tuple[int, int], sections: list[torch.Tensor],
-    shape: tuple[int, int, int], dtype: torch.dtype, *, k_group: int, v_group: int,
-    v_rotated: bool = False, out_dtype: torch.dtype | None = None,
+    kind: int,
+    bits: tuple[int, int],
+    sections: list[torch.Tensor],
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    *,
+    k_group: int,
+    v_group: int,
+    v_rotated: bool = False,
+    out_dtype: torch.dtype | None = None,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[H, T, D]`` from a layer's sections (uint8 views, any device), in
     ``out_dtype`` (the KV cache's, so that placing them is a plain copy), else in the object's
     16-bit ``dtype``. ``raw`` sections in their own dtype come back as views, no copy.
@@ -264,11 +275,13 @@ def decode_sections(
     if kind == INT8:
         kq, ks, vq, vs = sections
         return (
-            dequantize_per_token(kq.view(torch.int8).view(shape), ks.view(torch.float32)
-                                 .view(shape[:2]), out),
-            dequantize_per_token(vq.view(torch.int8).view(shape), vs.view(torch.float32)
-                                 .view(shape[:2]), out),
-        )  # fmt: skip
+            dequantize_per_token(
+                kq.view(torch.int8).view(shape), ks.view(torch.float32).view(shape[:2]), out
+            ),
+            dequantize_per_token(
+                vq.view(torch.int8).view(shape), vs.view(torch.float32).view(shape[:2]), out
+            ),
+        )
     if kind == FP8:
         kq, ks, vq, vs = sections
         return _fp8_decode(kq, ks, shape, out), _fp8_decode(vq, vs, shape, out)
@@ -281,10 +294,15 @@ def decode_sections(
 
 
 def _kivi_k(
-    packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int,
-    shape: tuple[int, int, int], k_group: int, out: torch.dtype,
+    packed: torch.Tensor,
+    step: torch.Tensor,
+    low: torch.Tensor,
+    bits: int,
+    shape: tuple[int, int, int],
+    k_group: int,
+    out: torch.dtype,
     into: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """K ``[H, T, D]`` in ``out`` (written into ``into`` when given): per channel, a minimum
     and step per group of tokens (read where they lie: ``[H * G * D]``, or a run's
     ``[n, ...]`` rows of a strided view)."""
@@ -301,11 +319,16 @@ def _kivi_k(
     whole, cut = tokens // k_group, tokens // k_group * k_group
     if whole:
         grouped = (*lead, -1, whole, k_group, dim)
-        torch.addcmul(low[..., :whole, :, :], k_codes[..., :cut, :].view(grouped),
-                      step[..., :whole, :, :], out=dest[..., :cut, :].view(grouped))  # fmt: skip
+        torch.addcmul(
+            low[..., :whole, :, :],
+            k_codes[..., :cut, :].view(grouped),
+            step[..., :whole, :, :],
+            out=dest[..., :cut, :].view(grouped),
+        )
     if whole < groups:
-        torch.addcmul(low[..., -1, :, :], k_codes[..., cut:, :], step[..., -1, :, :],
-                      out=dest[..., cut:, :])  # fmt: skip
+        torch.addcmul(
+            low[..., -1, :, :], k_codes[..., cut:, :], step[..., -1, :, :], out=dest[..., cut:, :]
+        )
     return k
 
 
@@ -315,10 +338,12 @@ def _widened_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
     one each."""
     n = a.shape[-1]
     follows = (
-        a.shape == b.shape and a.stride() == b.stride() and a.stride()[-1] == 1
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.stride()[-1] == 1
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         and b.storage_offset() == a.storage_offset() + n
-    )  # fmt: skip
+    )
     if not follows:
         return a.view(torch.float16).float(), b.view(torch.float16).float()
     both = a.as_strided((*a.shape[:-1], 2 * n), a.stride()).view(torch.float16).float()
@@ -326,9 +351,14 @@ def _widened_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _kivi_v(
-    packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int,
-    shape: tuple[int, int, int], v_group: int, rotated: bool,
-) -> torch.Tensor:  # fmt: skip
+    packed: torch.Tensor,
+    step: torch.Tensor,
+    low: torch.Tensor,
+    bits: int,
+    shape: tuple[int, int, int],
+    v_group: int,
+    rotated: bool,
+) -> torch.Tensor:
     """V ``[H, T, D]`` in float32: per token, a minimum and step per group of channels."""
     heads, tokens, dim = shape
     groups = dim // v_group_size(v_group, dim)
@@ -376,10 +406,19 @@ def _fp8_decode(
 
 
 def decode_joined(
-    kind: int, bits: tuple[int, int], sections: list[torch.Tensor], tokens: Sequence[int],
-    heads: int, dim: int, dtype: torch.dtype, *, k_group: int, v_group: int,
-    v_rotated: bool = False, out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    kind: int,
+    bits: tuple[int, int],
+    sections: list[torch.Tensor],
+    tokens: Sequence[int],
+    heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    *,
+    k_group: int,
+    v_group: int,
+    v_rotated: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[R, D]`` from the sections of several blocks stored alike but for their token
     counts, each section the blocks' back to back (``tokens``: each block's, in order; ``R``
     the sum of ``heads * tokens``), decoded by one set of operators: how a request's chunks
@@ -391,8 +430,9 @@ def decode_joined(
     rows = heads * sum(tokens)
     flat = (rows, 1, dim)
     if kind != KIVI:
-        k, v = decode_sections(kind, bits, sections, flat, dtype, k_group=k_group,
-                               v_group=v_group, out_dtype=out_dtype)  # fmt: skip
+        k, v = decode_sections(
+            kind, bits, sections, flat, dtype, k_group=k_group, v_group=v_group, out_dtype=out_dtype
+        )
         return k.view(rows, dim), v.view(rows, dim)
     k_bits, v_bits = bits
     k_packed, k_step, k_low, v_packed, v_step, v_low = sections
@@ -413,9 +453,14 @@ def _k_group_rows(tokens: Sequence[int], heads: int, k_group: int) -> list[int]:
 
 
 def _kivi_k_rows(
-    packed: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int,
-    group_tokens: Sequence[int], shape: tuple[int, int], out: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+    packed: torch.Tensor,
+    step: torch.Tensor,
+    low: torch.Tensor,
+    bits: int,
+    group_tokens: Sequence[int],
+    shape: tuple[int, int],
+    out: torch.dtype,
+) -> torch.Tensor:
     """K ``[R, D]`` (token rows) in ``out`` from per-channel minima and steps ``[G, D]``, group
     ``g`` covering ``group_tokens[g]`` rows: each group's row of minima and steps repeated to
     its tokens by one index (the blocks' token counts differ, so no view broadcasts it), then

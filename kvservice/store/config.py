@@ -118,8 +118,9 @@ class StoreConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.store_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"KV_STORE_DTYPE must be float32, float16 or bfloat16, "
-                             f"not {self.store_dtype!r}")  # fmt: skip
+            raise ValueError(
+                f"KV_STORE_DTYPE must be float32, float16 or bfloat16, not {self.store_dtype!r}"
+            )
         if self.load_workers < 1:
             raise ValueError("KV_LOAD_WORKERS must be >= 1")
         if self.stream_threads < 1:

@@ -103,13 +103,13 @@ def _stored_codec(chunk: ChunkKV, codec: Codec, narrow_to: torch.dtype | None):
     to ``narrow_to`` where every value fits; a chunk that cannot be quantized (values beyond
     float16) is stored raw."""
     dtype = chunk.k.dtype
-    if narrow_to is not None and dtype == torch.float32 and codec.kind in (RAW, KIVI,
-                                                                          FP8):  # fmt: skip
+    if narrow_to is not None and dtype == torch.float32 and codec.kind in (RAW, KIVI, FP8):
         narrow_k, narrow_v = chunk.k.to(narrow_to), chunk.v.to(narrow_to)
         if bool(narrow_k.isfinite().all()) and bool(narrow_v.isfinite().all()):
             if codec.kind == RAW:
-                chunk = ChunkKV(chunk.token_ids, narrow_k, narrow_v, chunk.model_fingerprint,
-                                chunk.head_hash)  # fmt: skip
+                chunk = ChunkKV(
+                    chunk.token_ids, narrow_k, narrow_v, chunk.model_fingerprint, chunk.head_hash
+                )
             dtype = narrow_to
         elif codec.kind != RAW:
             codec = FP16
@@ -146,24 +146,48 @@ def encode_chunk(
     k, v = chunk.k.detach().contiguous(), chunk.v.detach().contiguous()
     layer_bits = codec.layer_bits(num_layers)
     try:
-        blocks = [codecs.encode_layer(codec, layer_bits[i], k[i], v[i])
-                  for i in range(num_layers)]  # fmt: skip
+        blocks = [codecs.encode_layer(codec, layer_bits[i], k[i], v[i]) for i in range(num_layers)]
     except OverflowError:  # a value beyond float16: kept exactly instead
-        return encode_chunk(chunk, codec=FP16, k_storage=k_storage,
-                            rope_base_position=rope_base_position)  # fmt: skip
+        return encode_chunk(
+            chunk, codec=FP16, k_storage=k_storage, rope_base_position=rope_base_position
+        )
     layouts = [
-        layer_layout(FORMAT_VERSION, codec.kind, layer_bits[i], heads, tokens, dim,
-                     itemsize=dtype.itemsize, k_group=codec.k_group, v_group=codec.v_group)
+        layer_layout(
+            FORMAT_VERSION,
+            codec.kind,
+            layer_bits[i],
+            heads,
+            tokens,
+            dim,
+            itemsize=dtype.itemsize,
+            k_group=codec.k_group,
+            v_group=codec.v_group,
+        )
         for i in range(num_layers)
-    ]  # fmt: skip
-    return _assemble(chunk, codec, dtype, layer_bits, layouts, blocks,
-                     k_storage=k_storage, rope_base_position=rope_base_position)  # fmt: skip
+    ]
+    return _assemble(
+        chunk,
+        codec,
+        dtype,
+        layer_bits,
+        layouts,
+        blocks,
+        k_storage=k_storage,
+        rope_base_position=rope_base_position,
+    )
 
 
 def _assemble(
-    chunk: ChunkKV, codec: Codec, dtype: torch.dtype, layer_bits, layouts, blocks, *,
-    k_storage: int, rope_base_position: int,
-) -> bytearray:  # fmt: skip
+    chunk: ChunkKV,
+    codec: Codec,
+    dtype: torch.dtype,
+    layer_bits,
+    layouts,
+    blocks,
+    *,
+    k_storage: int,
+    rope_base_position: int,
+) -> bytearray:
     """The object's bytes: the header (fixed fields, fingerprint, head hash, per-layer bits
     and CRCs), the layers' encoded sections in order, then the token ids."""
     num_layers, heads, tokens, dim = chunk.k.shape
@@ -190,12 +214,27 @@ def _assemble(
     token_bytes = b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk.token_ids)
     view[tokens_offset:total_bytes] = token_bytes
     fixed = FIXED.pack(
-        MAGIC, FORMAT_VERSION, 0, header_len, _DTYPE_CODES[dtype], k_storage, codec.kind,
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        header_len,
+        _DTYPE_CODES[dtype],
+        k_storage,
+        codec.kind,
         FLAG_V_ROTATED if codecs.rotates_v(codec, dim) else 0,
-        num_layers, heads, dim, tokens, rope_base_position, bytes.fromhex(chunk.tokens_sha256),
-        tokens_offset, total_bytes, len(fingerprint), len(head_hash), codec.k_group,
+        num_layers,
+        heads,
+        dim,
+        tokens,
+        rope_base_position,
+        bytes.fromhex(chunk.tokens_sha256),
+        tokens_offset,
+        total_bytes,
+        len(fingerprint),
+        len(head_hash),
+        codec.k_group,
         codec.v_group,
-    )  # fmt: skip
+    )
     header = fixed + fingerprint + head_hash
     header += bytes(b for pair in layer_bits for b in pair)
     header += struct.pack(f"<{num_layers}I", *layer_crcs) + struct.pack(
@@ -223,9 +262,13 @@ def decode_header(buf: Buffer) -> ChunkHeader:
 
 
 def decode_layer(
-    header: ChunkHeader, index: int, block: Buffer, *, verify: bool = True,
+    header: ChunkHeader,
+    index: int,
+    block: Buffer,
+    *,
+    verify: bool = True,
     dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[H_kv, T, D]`` of layer ``index`` from its block (``layer_size(index)``
     long, or longer: extra bytes are ignored), decoded on the block's device, in ``dtype``
     (default the object's). Raw layers in their own dtype are views of ``block``, no copy."""
@@ -233,10 +276,16 @@ def decode_layer(
     shape = (header.num_kv_heads, header.num_tokens, header.head_dim)
     sections = [raw[at : at + n] for at, n in header.layout(index).sections]
     return codecs.decode_sections(
-        header.codec_kind, header.layer_bits[index], sections, shape, header.dtype,
-        k_group=header.k_group, v_group=header.v_group, v_rotated=header.v_rotated,
+        header.codec_kind,
+        header.layer_bits[index],
+        sections,
+        shape,
+        header.dtype,
+        k_group=header.k_group,
+        v_group=header.v_group,
+        v_rotated=header.v_rotated,
         out_dtype=dtype,
-    )  # fmt: skip
+    )
 
 
 def layer_run(header: ChunkHeader, first: int, most: int) -> int:
@@ -254,9 +303,14 @@ def layer_run(header: ChunkHeader, first: int, most: int) -> int:
 
 
 def decode_layers(
-    header: ChunkHeader, first: int, count: int, blocks: Buffer, *,
-    dtype: torch.dtype | None = None, into: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    header: ChunkHeader,
+    first: int,
+    count: int,
+    blocks: Buffer,
+    *,
+    dtype: torch.dtype | None = None,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[count, H_kv, T, D]`` of layers ``first .. first+count`` (a
     :func:`layer_run`) from their blocks, back to back in ``blocks``: decoded as one layer
     with ``count`` times the heads, so that decoding costs one call's kernel launches for the
@@ -278,10 +332,17 @@ def decode_layers(
     heads, tokens, dim = header.num_kv_heads, header.num_tokens, header.head_dim
     shape = (count * heads, tokens, dim)
     k, v = codecs.decode_sections(
-        header.codec_kind, header.layer_bits[first], sections, shape, header.dtype,
-        k_group=header.k_group, v_group=header.v_group, v_rotated=header.v_rotated,
-        out_dtype=dtype, into=None if into is None else (into[0].view(shape), into[1].view(shape)),
-    )  # fmt: skip
+        header.codec_kind,
+        header.layer_bits[first],
+        sections,
+        shape,
+        header.dtype,
+        k_group=header.k_group,
+        v_group=header.v_group,
+        v_rotated=header.v_rotated,
+        out_dtype=dtype,
+        into=None if into is None else (into[0].view(shape), into[1].view(shape)),
+    )
     return k.view(count, heads, tokens, dim), v.view(count, heads, tokens, dim)
 
 
@@ -291,16 +352,28 @@ def joinable(a: ChunkHeader, b: ChunkHeader, layer: int) -> bool:
     token count."""
 
     def stored_as(h: ChunkHeader) -> tuple:
-        return (h.codec_kind, h.layer_bits[layer], h.k_group, h.v_group, h.v_rotated,
-                h.dtype, h.num_kv_heads, h.head_dim)  # fmt: skip
+        return (
+            h.codec_kind,
+            h.layer_bits[layer],
+            h.k_group,
+            h.v_group,
+            h.v_rotated,
+            h.dtype,
+            h.num_kv_heads,
+            h.head_dim,
+        )
 
     return stored_as(a) == stored_as(b)
 
 
 def decode_chunk_runs(
-    headers: Sequence[ChunkHeader], first: int, count: int, blocks: Sequence[Buffer], *,
+    headers: Sequence[ChunkHeader],
+    first: int,
+    count: int,
+    blocks: Sequence[Buffer],
+    *,
     dtype: torch.dtype | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K and V ``[count, H_kv, T, D]`` of layers ``first .. first+count`` of several chunks
     (a :func:`layer_run` of each, :func:`joinable`; ``blocks``: each chunk's layer blocks back
     to back), decoded by one set of operators for all of them: a request's chunks decoded one
@@ -325,10 +398,18 @@ def decode_chunk_runs(
     heads, dim = header.num_kv_heads, header.head_dim
     tokens = [chunk.num_tokens for chunk in headers]
     k, v = codecs.decode_joined(
-        header.codec_kind, header.layer_bits[first], sections, tokens * count, heads, dim,
-        header.dtype, k_group=header.k_group, v_group=header.v_group,
-        v_rotated=header.v_rotated, out_dtype=dtype,
-    )  # fmt: skip
+        header.codec_kind,
+        header.layer_bits[first],
+        sections,
+        tokens * count,
+        heads,
+        dim,
+        header.dtype,
+        k_group=header.k_group,
+        v_group=header.v_group,
+        v_rotated=header.v_rotated,
+        out_dtype=dtype,
+    )
     return _split_layers(k, v, heads, tokens, dim, count)
 
 
@@ -419,14 +500,29 @@ def decode_chunk(buf: Buffer, key: ChunkKey | None = None, *, verify: bool = Tru
 
 
 def encoded_size(
-    num_layers: int, heads: int, tokens: int, dim: int, dtype: torch.dtype, *,
-    quantize: bool = False, codec: Codec | None = None,
-) -> int:  # fmt: skip
+    num_layers: int,
+    heads: int,
+    tokens: int,
+    dim: int,
+    dtype: torch.dtype,
+    *,
+    quantize: bool = False,
+    codec: Codec | None = None,
+) -> int:
     """Bytes of the layer blocks (what a load moves), without header and tokens."""
     if codec is None:
         codec = CODECS["int8"] if quantize else FP16
     return sum(
-        layer_layout(FORMAT_VERSION, codec.kind, bits, heads, tokens, dim,
-                     itemsize=dtype.itemsize, k_group=codec.k_group, v_group=codec.v_group).size
+        layer_layout(
+            FORMAT_VERSION,
+            codec.kind,
+            bits,
+            heads,
+            tokens,
+            dim,
+            itemsize=dtype.itemsize,
+            k_group=codec.k_group,
+            v_group=codec.v_group,
+        ).size
         for bits in codec.layer_bits(num_layers)
-    )  # fmt: skip
+    )

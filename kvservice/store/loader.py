@@ -136,14 +136,18 @@ class KVLoader:
         workers = store.config.load_workers if workers is None else workers
         nice = (store.config.load_nice,)
         self.executor = ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="kv-load",
-            initializer=_start_fetch_thread, initargs=nice,
-        )  # fmt: skip
+            max_workers=workers,
+            thread_name_prefix="kv-load",
+            initializer=_start_fetch_thread,
+            initargs=nice,
+        )
         self.stream_threads = store.config.stream_threads
         self.stream_executor = ThreadPoolExecutor(
-            max_workers=self.stream_threads, thread_name_prefix="kv-stream",
-            initializer=_start_fetch_thread, initargs=nice,
-        )  # fmt: skip
+            max_workers=self.stream_threads,
+            thread_name_prefix="kv-stream",
+            initializer=_start_fetch_thread,
+            initargs=nice,
+        )
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on a fetch thread (inside :data:`task_context`, when set)."""
@@ -180,11 +184,15 @@ class KVLoader:
         joined = JoinedChunks([], started=False)
         joined.sources += [
             StoreLayeredKV(
-                self, key, None if token_ids is None else token_ids[i], recompute_fn, clock,
+                self,
+                key,
+                None if token_ids is None else token_ids[i],
+                recompute_fn,
+                clock,
                 joined,
             )
             for i, key in enumerate(keys)
-        ]  # fmt: skip
+        ]
         sources = joined.sources
         started = time.perf_counter()
         located = [self.submit(source.locate) for source in sources]

@@ -90,12 +90,16 @@ class S3Tier(Tier):
                             read=0,
                             backoff_factor=0.1,
                             status_forcelist=[500, 502, 503, 504],
-                        ),  # fmt: skip
+                        ),
                     )
                     self._client = Minio(
-                        cfg.s3_endpoint, access_key=cfg.s3_access_key, secret_key=cfg.s3_secret_key,
-                        secure=cfg.s3_secure, region=cfg.s3_region, http_client=http,
-                    )  # fmt: skip
+                        cfg.s3_endpoint,
+                        access_key=cfg.s3_access_key,
+                        secret_key=cfg.s3_secret_key,
+                        secure=cfg.s3_secure,
+                        region=cfg.s3_region,
+                        http_client=http,
+                    )
         return self._client
 
     def object_name(self, key: ChunkKey) -> str:
@@ -116,9 +120,13 @@ class S3Tier(Tier):
         self._down_until = time.monotonic() + self.config.s3_down_backoff_s
         log.error(
             "S3 unreachable at %s during %s (%s: %s); serving from local tiers and recomputing "
-            "missing chunks for the next %.0f s", self.config.s3_endpoint, what,
-            type(err).__name__, err, self.config.s3_down_backoff_s,
-        )  # fmt: skip
+            "missing chunks for the next %.0f s",
+            self.config.s3_endpoint,
+            what,
+            type(err).__name__,
+            err,
+            self.config.s3_down_backoff_s,
+        )
         return StoreUnavailable(f"S3 at {self.config.s3_endpoint} unreachable during {what}: {err}")
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -237,9 +245,14 @@ class S3Tier(Tier):
 
     def _put(self, key: ChunkKey, data: Buffer, nbytes: int, part_size: int) -> None:
         self._call(
-            "put", self.client.put_object, self.bucket, self.object_name(key), _BufferReader(data),
-            nbytes, part_size=part_size,
-        )  # fmt: skip
+            "put",
+            self.client.put_object,
+            self.bucket,
+            self.object_name(key),
+            _BufferReader(data),
+            nbytes,
+            part_size=part_size,
+        )
 
     def object_size(self, key: ChunkKey) -> int | None:
         """Bytes of the stored object (one HEAD request), or None where there is none."""

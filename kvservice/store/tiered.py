@@ -133,9 +133,15 @@ class TieredStore:
     # -- writes -----------------------------------------------------------------------------
 
     def put(
-        self, chunk: ChunkKV, *, tiers: Sequence[str] | None = None, quantize: bool | None = None,
-        codec: Codec | None = None, write_through: bool = True, scope: str = "",
-    ) -> ChunkKey:  # fmt: skip
+        self,
+        chunk: ChunkKV,
+        *,
+        tiers: Sequence[str] | None = None,
+        quantize: bool | None = None,
+        codec: Codec | None = None,
+        write_through: bool = True,
+        scope: str = "",
+    ) -> ChunkKey:
         """Encode and store a chunk under its content address in ``scope``; returns the key.
 
         ``codec`` defaults to the store's (``KV_CODEC``); ``quantize`` True means int8 per
@@ -298,8 +304,11 @@ class TieredStore:
     ) -> ChunkKV:
         log.warning(
             "KV chunk %s unavailable (%s: %s); recomputing its %d tokens and replacing the object",
-            key, fault_kind(cause), cause, len(token_ids),
-        )  # fmt: skip
+            key,
+            fault_kind(cause),
+            cause,
+            len(token_ids),
+        )
         chunk = recompute_fn(list(token_ids))
         if ChunkKey.of(chunk) != key.unscoped():
             raise ValueError(f"recompute_fn returned chunk {ChunkKey.of(chunk)} for key {key}")
@@ -334,6 +343,10 @@ class TieredStore:
             faults = dict(self._faults)
             recomputes, failures = self.recomputes, self.write_through_failures
         return StoreStats(
-            tiers=[tier.stats() for tier in self.tiers], faults=faults, recomputes=recomputes,
-            write_through_failures=failures, quantize=self.quantize, codec=self.codec.name,
-        )  # fmt: skip
+            tiers=[tier.stats() for tier in self.tiers],
+            faults=faults,
+            recomputes=recomputes,
+            write_through_failures=failures,
+            quantize=self.quantize,
+            codec=self.codec.name,
+        )

@@ -119,9 +119,13 @@ def kv_bytes_per_token(config, codec_name: str, tokens: int = CODEC_CHUNK_TOKENS
     from kvservice.store.format import encoded_size
 
     size = encoded_size(
-        config.n_layers, config.n_kv_heads, tokens, config.head_dim, torch.float16,
+        config.n_layers,
+        config.n_kv_heads,
+        tokens,
+        config.head_dim,
+        torch.float16,
         codec=codec_by_name(codec_name),
-    )  # fmt: skip
+    )
     return size / tokens
 
 
@@ -205,8 +209,9 @@ def _reference(report: Report, path: Path, gguf_path: Path | None) -> Callable[[
     if differences:
         report.reference = (
             "transformers loading the converted directory (its GGUF reader differs: "
-            + "; ".join(differences) + ")"
-        )  # fmt: skip
+            + "; ".join(differences)
+            + ")"
+        )
         return lambda: _hf_directory_model(path)
     report.reference = "transformers' own reading of the GGUF file"
     return lambda: _hf_gguf_model(gguf_path)

@@ -112,9 +112,12 @@ class VllmBlock(Block):
         return self._vllm[0]
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         dtype: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, S, dim]`` -> rotated q ``[B, H, S, D]``, rotated k, v (in ``dtype``, the
         cache's, when given) and pre-RoPE k ``[B, H_kv, S, D]``
         (``kvservice.model.transformer.Block.project``'s)."""

@@ -162,9 +162,14 @@ class RagblendConnector(KVConnectorBase_V1):
         self.blender_model: VllmBackedTransformer | None = None
         self._heads: HeadKVCache | None = None  # the blender model's, once it is set
         self.stats: dict[str, Any] = {
-            "requests": 0, "tokens_written": 0, "missing_chunks": 0, "max_loads_per_step": 0,
-            "connector_s": 0.0, "load_s": 0.0, "write_s": 0.0,  # connector_s: all of it
-        }  # fmt: skip
+            "requests": 0,
+            "tokens_written": 0,
+            "missing_chunks": 0,
+            "max_loads_per_step": 0,
+            "connector_s": 0.0,
+            "load_s": 0.0,
+            "write_s": 0.0,  # connector_s: all of it
+        }
 
     # -- shared ------------------------------------------------------------------------------
 
@@ -198,8 +203,12 @@ class RagblendConnector(KVConnectorBase_V1):
                 log.exception("store look-up of %s failed", key)
                 held = False
             if not held:
-                log.info("request %s: chunk %d not in the store; vLLM prefills from token %d",
-                         request.request_id, index, provided)  # fmt: skip
+                log.info(
+                    "request %s: chunk %d not in the store; vLLM prefills from token %d",
+                    request.request_id,
+                    index,
+                    provided,
+                )
                 break
             provided = starts[index + 1]
         # vLLM must compute at least the last prompt token itself (it samples from it).
@@ -223,8 +232,11 @@ class RagblendConnector(KVConnectorBase_V1):
             return
         plan, provided = self._matched[request.request_id]
         self._pending[request.request_id] = (
-            plan, provided - num_external_tokens, provided, request
-        )  # fmt: skip
+            plan,
+            provided - num_external_tokens,
+            provided,
+            request,
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RagblendConnectorMetadata()
@@ -233,9 +245,15 @@ class RagblendConnector(KVConnectorBase_V1):
             if pending is not None:
                 plan, start, end, request = pending
                 meta.loads.append(
-                    LoadSpec(new.req_id, plan, list(request.prompt_token_ids or []),
-                             list(new.block_ids[0]), start, end)
-                )  # fmt: skip
+                    LoadSpec(
+                        new.req_id,
+                        plan,
+                        list(request.prompt_token_ids or []),
+                        list(new.block_ids[0]),
+                        start,
+                        end,
+                    )
+                )
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             # A request resumed after preemption got new blocks: write its context again.
@@ -244,9 +262,15 @@ class RagblendConnector(KVConnectorBase_V1):
                 continue
             plan, start, end, request = pending
             meta.loads.append(
-                LoadSpec(req_id, plan, list(request.prompt_token_ids or []),
-                         list(cached.new_block_ids[index][0]), start, end)
-            )  # fmt: skip
+                LoadSpec(
+                    req_id,
+                    plan,
+                    list(request.prompt_token_ids or []),
+                    list(cached.new_block_ids[index][0]),
+                    start,
+                    end,
+                )
+            )
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]):

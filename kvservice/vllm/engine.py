@@ -334,8 +334,11 @@ def _served_model_len(model_path: str, requested: int) -> int:
     except UnsupportedModelError:
         return requested  # no blender for it (an engine without the connector): vLLM's limits
     if limit is not None and requested > limit:
-        log.warning("max_model_len %d capped at %d: the checkpoint's LongRoPE original context",
-                    requested, limit)  # fmt: skip
+        log.warning(
+            "max_model_len %d capped at %d: the checkpoint's LongRoPE original context",
+            requested,
+            limit,
+        )
         return limit
     return requested
 

@@ -62,9 +62,11 @@ class VllmRuntime:
         tokenizer = AutoTokenizer.from_pretrained(path)
         fmt = PromptFormat.for_tokenizer(tokenizer, preamble=cfg.kv_preamble)
         self.engine = VllmEngine(
-            path, store_config=store_config, settings=cfg.vllm or VllmSettings.from_env(),
+            path,
+            store_config=store_config,
+            settings=cfg.vllm or VllmSettings.from_env(),
             prompt_format=fmt,
-        )  # fmt: skip
+        )
         self.tokenizer = self.engine.tokenizer
         self.prompt = self.engine.format
         hf_config = json.loads((path / "config.json").read_text())
@@ -97,9 +99,11 @@ class VllmRuntime:
 
     def status(self) -> dict[str, object]:
         state: dict[str, object] = {
-            "pid": os.getpid(), "model": self.model_name, "model_loaded": self.engine is not None,
+            "pid": os.getpid(),
+            "model": self.model_name,
+            "model_loaded": self.engine is not None,
             "engine": "vllm",
-        }  # fmt: skip
+        }
         if self.engine is not None:
             state["store"] = self.store.stats().to_dict()
             state["controller"] = self.controller.snapshot()
@@ -126,8 +130,9 @@ class VllmPlan:
                 load_bytes[tier] = load_bytes.get(tier, 0) + per_token * len(ids)
         self.ratio, self.decision = planned.ratio.choose(
             num_tokens=sum(map(len, fitted.chunks_tokens)),
-            num_layers=runtime.config.n_layers, load_bytes=load_bytes,
-        )  # fmt: skip
+            num_layers=runtime.config.n_layers,
+            load_bytes=load_bytes,
+        )
         segment_keys = [
             part
             for key, marker in zip(keys, fitted.segments[::2], strict=True)
@@ -135,9 +140,11 @@ class VllmPlan:
         ]
         self.request = VllmRequest(
             Prompt(list(runtime.prompt.head_ids), fitted.segments, fitted.suffix_ids),
-            mode=request.mode, chunk_keys=segment_keys, recompute_ratio=self.ratio,
+            mode=request.mode,
+            chunk_keys=segment_keys,
+            recompute_ratio=self.ratio,
             sampling=planned.sampling,
-        )  # fmt: skip
+        )
         self.prompt_tokens = len(self.request.prompt.token_ids)
 
     def events(self, on_queue: Callable[[int | None], None] | None = None) -> Iterator[TokenEvent]:
@@ -147,5 +154,8 @@ class VllmPlan:
 
     def finish(self) -> dict[str, Any]:
         tiers = zip(self.fitted.chunk_ids, self.tiers, strict=True)
-        return {"engine": "vllm", "prefill_s": None,
-                "chunk_tiers": {str(cid): tier for cid, tier in tiers}}  # fmt: skip
+        return {
+            "engine": "vllm",
+            "prefill_s": None,
+            "chunk_tiers": {str(cid): tier for cid, tier in tiers},
+        }

@@ -65,9 +65,15 @@ def test_metered_products_count_every_products_rows_and_put_the_layer_back(tiny_
 
 def test_blend_beyond_reuse_is_set_beside_full_prefills_own_rates():
     def run(seconds, sdpa, pairs, products, rows, weighed=0.0, weighed_pairs=0.0):
-        return {"seconds": seconds, "sdpa_seconds": sdpa, "visible_pairs": pairs,
-                "weighed_seconds": weighed, "weighed_pairs": weighed_pairs,
-                "products_seconds": products, "product_rows": rows}  # fmt: skip
+        return {
+            "seconds": seconds,
+            "sdpa_seconds": sdpa,
+            "visible_pairs": pairs,
+            "weighed_seconds": weighed,
+            "weighed_pairs": weighed_pairs,
+            "products_seconds": products,
+            "product_rows": rows,
+        }
 
     full = run(10.0, 6.0, 1000.0, 3.0, 100)  # 6 ms a pair, 30 ms a row, rest 10 ms a row
     reuse = run(1.0, 0.1, 10.0, 0.3, 10)

@@ -21,14 +21,32 @@ def tiny(monkeypatch):
 
 def test_rows_count_the_weights_and_kv_a_step_reads(tiny, tmp_path, capsys):
     out = tmp_path / "decode.json"
-    rows = main(["--synthetic", "tiny", "--batch", "1,4", "--context", "40", "--steps", "4",
-                 "--bandwidth-gbs", "10", "--precision", "float32",
-                 "--json", str(out)])  # fmt: skip
+    rows = main(
+        [
+            "--synthetic",
+            "tiny",
+            "--batch",
+            "1,4",
+            "--context",
+            "40",
+            "--steps",
+            "4",
+            "--bandwidth-gbs",
+            "10",
+            "--precision",
+            "float32",
+            "--json",
+            str(out),
+        ]
+    )
     assert [r.batch for r in rows] == [1, 4]
     assert json.loads(out.read_text())[1]["batch"] == 4
     model = random_model(tiny)
-    params = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                 if not name.startswith("embed_tokens"))  # fmt: skip
+    params = sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if not name.startswith("embed_tokens")
+    )
     for row in rows:
         assert row.weight_bytes == params  # every product's weights and the norms, fp32
         tokens = 40 + 2 + 4 // 2  # the cache at the median step: context, warm-up, half

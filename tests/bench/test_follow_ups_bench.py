@@ -34,9 +34,13 @@ def test_the_other_ranking_adds_its_weights_to_the_score() -> None:
 def test_two_part_summary_counts_parts_found_and_named() -> None:
     rows = [
         {"facts": ["a", "b"], "before": [1, TOP_K + 1], "after": [1, 2], "parts_not_found": []},
-        {"facts": ["a", None], "before": [1, None], "after": [1, None],
-         "parts_not_found": ["where can I park?"]},
-    ]  # fmt: skip
+        {
+            "facts": ["a", None],
+            "before": [1, None],
+            "after": [1, None],
+            "parts_not_found": ["where can I park?"],
+        },
+    ]
     summary = two_part_summary(rows)
     assert summary[f"every_answerable_part_in_{TOP_K}"] == {"before": 1, "after": 2}
     assert summary["that_part_named"] == 1 and summary["answerable_parts_named_not_found"] == 0

@@ -13,9 +13,10 @@ def _imported_packages(path: Path) -> set[str]:
     """Top-level packages ``path`` imports, leaving out its ``if __name__ == "__main__"``."""
     tree = ast.parse(path.read_text())
     main_blocks = [
-        node for node in tree.body
+        node
+        for node in tree.body
         if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
-    ]  # fmt: skip
+    ]
     skipped = {id(inner) for block in main_blocks for inner in ast.walk(block)}
     names = set()
     for node in ast.walk(tree):
@@ -33,8 +34,11 @@ def _modules(*packages: str) -> list[Path]:
 
 
 def test_no_product_module_imports_the_benches():
-    importers = [p for p in _modules("kvservice", "webapp", "worker", "deploy")
-                 if "bench" in _imported_packages(p)]  # fmt: skip
+    importers = [
+        p
+        for p in _modules("kvservice", "webapp", "worker", "deploy")
+        if "bench" in _imported_packages(p)
+    ]
     assert importers == []
 
 
@@ -51,6 +55,5 @@ def test_the_entry_point_imports_the_bench_only_when_run():
 
 def test_kvservice_imports_neither_deploy_nor_webapp():
     """The engine and the worker stand alone: the dev stack and the web app sit above them."""
-    importers = [p for p in _modules("kvservice")
-                 if {"deploy", "webapp"} & _imported_packages(p)]  # fmt: skip
+    importers = [p for p in _modules("kvservice") if {"deploy", "webapp"} & _imported_packages(p)]
     assert importers == []

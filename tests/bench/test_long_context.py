@@ -18,8 +18,20 @@ def test_synthetic_needs_no_data_and_has_long_context_defaults():
     args = parse_args(["--synthetic", "llama3-8b"])
     assert (args.context, args.chunks, args.repeats, args.warmup) == (16384, 12, 3, 1)
     assert args.device == torch.device("cpu") and args.dtype == torch.float32
-    args = parse_args(["--synthetic", "llama3-8b", "--layers", "2", "--context", "2048",
-                       "--chunks", "6", "--dtype", "bfloat16"])  # fmt: skip
+    args = parse_args(
+        [
+            "--synthetic",
+            "llama3-8b",
+            "--layers",
+            "2",
+            "--context",
+            "2048",
+            "--chunks",
+            "6",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     assert (args.layers, args.context, args.chunks, args.dtype) == (2, 2048, 6, torch.bfloat16)
     musique = parse_args(["--data", "x.json"])
     assert musique.repeats == 1 and musique.dtype == torch.float32
@@ -68,9 +80,28 @@ def test_prompt_fills_the_context_with_equal_random_chunks():
 def test_a_run_reports_ttft_memory_and_loading_per_mode(dtype, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(SYNTHETIC_CONFIGS, "tiny", {"model_type": "llama", **TINY_COMMON})
     out = tmp_path / "synthetic.json"
-    report = main(["--synthetic", "tiny", "--context", "400", "--chunks", "4", "--modes",
-                   "full,reuse,blend", "--ratio", "0.15", "--repeats", "2", "--dtype", dtype,
-                   "--threads", "1", "--json", str(out)])  # fmt: skip
+    report = main(
+        [
+            "--synthetic",
+            "tiny",
+            "--context",
+            "400",
+            "--chunks",
+            "4",
+            "--modes",
+            "full,reuse,blend",
+            "--ratio",
+            "0.15",
+            "--repeats",
+            "2",
+            "--dtype",
+            dtype,
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     tokens = report["prompt"]["tokens"]
     assert tokens == HEAD_TOKENS + 4 * 84 + QUESTION_TOKENS
@@ -106,9 +137,26 @@ def test_a_run_reports_ttft_memory_and_loading_per_mode(dtype, tmp_path, monkeyp
 def test_the_llama3_8b_shape_runs_end_to_end(capsys):
     """The real shape (vocabulary 128,256, 4:1 grouped heads, llama3 RoPE), one layer deep:
     2.5 GB of bfloat16 weights, ~20 s here."""
-    report = main(["--synthetic", "llama3-8b", "--layers", "1", "--context", "1024", "--chunks",
-                   "4", "--modes", "full,reuse,blend", "--dtype", "bfloat16", "--repeats", "1",
-                   "--warmup", "0"])  # fmt: skip
+    report = main(
+        [
+            "--synthetic",
+            "llama3-8b",
+            "--layers",
+            "1",
+            "--context",
+            "1024",
+            "--chunks",
+            "4",
+            "--modes",
+            "full,reuse,blend",
+            "--dtype",
+            "bfloat16",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+        ]
+    )
     assert report["env"]["config"]["vocab_size"] == 128256 and report["env"]["layers"] == 1
     assert report["memory"]["weights_bytes"] == 2 * (2 * 128256 * 4096 + 218_112_000 + 4096)
     blend = report["modes"]["blend"]

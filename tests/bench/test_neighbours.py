@@ -14,8 +14,13 @@ def test_consecutive_chunks_of_a_document_go_together_in_its_order():
     positions = [("a", 3), ("b", 0), ("a", 2), ("c", 5), ("a", 4), ("b", 2)]
     order = keep_neighbours_together(positions)
     assert [positions[i] for i in order] == [
-        ("a", 2), ("a", 3), ("a", 4), ("b", 0), ("c", 5), ("b", 2),
-    ]  # fmt: skip
+        ("a", 2),
+        ("a", 3),
+        ("a", 4),
+        ("b", 0),
+        ("c", 5),
+        ("b", 2),
+    ]
     assert sorted(order) == list(range(len(positions)))
     assert keep_neighbours_together([("x", 1), ("y", 1)]) == [0, 1]  # nothing to group
 

@@ -46,8 +46,9 @@ def test_unknown_or_bench_owned_settings_are_refused(pair):
 
 
 def test_command_line_picks_examples_and_settings(capsys):
-    args = parse_args(["--data", "x.json", "--first", "10", "--examples", "20",
-                       "--blend", "smooth_window=5"])  # fmt: skip
+    args = parse_args(
+        ["--data", "x.json", "--first", "10", "--examples", "20", "--blend", "smooth_window=5"]
+    )
     assert (args.first, args.examples, args.blend) == (10, 20, {"smooth_window": 5})
     with pytest.raises(SystemExit):
         parse_args(["--data", "x.json", "--blend", "smooth_window=5", "--engine", "vllm"])
@@ -55,17 +56,35 @@ def test_command_line_picks_examples_and_settings(capsys):
 
 
 def test_ratios_add_blend_runs_without_running_a_setting_twice(capsys):
-    args = parse_args(["--data", "x.json", "--modes", "full,reuse,blend", "--ratio", "0.15",
-                       "--ratios", "0.05,0.15,0.4", "--plot", "curve.svg"])  # fmt: skip
+    args = parse_args(
+        [
+            "--data",
+            "x.json",
+            "--modes",
+            "full,reuse,blend",
+            "--ratio",
+            "0.15",
+            "--ratios",
+            "0.05,0.15,0.4",
+            "--plot",
+            "curve.svg",
+        ]
+    )
     assert args.ratios == [0.05, 0.15, 0.4]
-    assert args.plan == {"full": ("full", 0.15), "reuse": ("reuse", 0.15),
-                         "blend": ("blend", 0.15), "blend@0.05": ("blend", 0.05),
-                         "blend@0.4": ("blend", 0.4)}  # fmt: skip
+    assert args.plan == {
+        "full": ("full", 0.15),
+        "reuse": ("reuse", 0.15),
+        "blend": ("blend", 0.15),
+        "blend@0.05": ("blend", 0.05),
+        "blend@0.4": ("blend", 0.4),
+    }
     assert run_plan(["full"], 0.15, [0.1]) == {"full": ("full", 0.15), "blend@0.1": ("blend", 0.1)}
-    for argv, message in [(["--modes", "reuse,blend", "--ratios", "0.1"], "needs full"),
-                          (["--plot", "c.svg"], "give --ratios"),
-                          (["--ratios", "0.1,x"], "expected numbers"),
-                          (["--ratios", "1.5"], "between 0 and 1")]:  # fmt: skip
+    for argv, message in [
+        (["--modes", "reuse,blend", "--ratios", "0.1"], "needs full"),
+        (["--plot", "c.svg"], "give --ratios"),
+        (["--ratios", "0.1,x"], "expected numbers"),
+        (["--ratios", "1.5"], "between 0 and 1"),
+    ]:
         with pytest.raises(SystemExit):
             parse_args(["--data", "x.json", *argv])
         assert message in capsys.readouterr().err
@@ -117,11 +136,24 @@ def test_teacher_forced_fidelity_kl_on_the_first_positions_gap_on_all():
 
 
 def _row(kl: dict[str, float], ttft: dict[str, float]) -> dict:
-    return {"num_tokens": 900, "modes": {key: {
-        "ttft_s": ttft[key], "tf_agreement": 1 - value, "tf_kl": value,
-        "tf_logprob_gap": value / 2, "fidelity_f1": 1.0, "gold_f1": 0.5,
-        "recompute_ratio": 0.1, "load_s": 0.0, "hidden_load_fraction": None,
-        "ratio_chosen": None} for key, value in kl.items()}}  # fmt: skip
+    return {
+        "num_tokens": 900,
+        "modes": {
+            key: {
+                "ttft_s": ttft[key],
+                "tf_agreement": 1 - value,
+                "tf_kl": value,
+                "tf_logprob_gap": value / 2,
+                "fidelity_f1": 1.0,
+                "gold_f1": 0.5,
+                "recompute_ratio": 0.1,
+                "load_s": 0.0,
+                "hidden_load_fraction": None,
+                "ratio_chosen": None,
+            }
+            for key, value in kl.items()
+        },
+    }
 
 
 def test_summary_gives_distributions_counts_against_reuse_and_the_curve():
@@ -151,15 +183,35 @@ def test_summary_gives_distributions_counts_against_reuse_and_the_curve():
     point = curve[2]
     assert point["tf_kl_mean"] == blend["tf_kl"] and point["tf_kl_median"] == 0.05
     assert point["ttft_ratio_to_full"] == pytest.approx(0.3)
-    assert set(point) >= {"label", "ratio", "ttft_median_s", "ttft_ratio_to_full", "tf_kl_mean",
-                          "tf_kl_median", "tf_agreement", "tf_logprob_gap_mean"}  # fmt: skip
+    assert set(point) >= {
+        "label",
+        "ratio",
+        "ttft_median_s",
+        "ttft_ratio_to_full",
+        "tf_kl_mean",
+        "tf_kl_median",
+        "tf_agreement",
+        "tf_logprob_gap_mean",
+    }
     assert "curve" not in summarize(rows, plan)
     print_table(summary)  # every column it prints is there
 
 
 def test_also_tiers_runs_reuse_and_blend_from_another_tier_and_reports_the_slowdown(capsys):
-    args = parse_args(["--data", "x.json", "--modes", "full,reuse,blend", "--tier", "cpu",
-                       "--also-tiers", "s3,cpu", "--ratios", "0.05"])  # fmt: skip
+    args = parse_args(
+        [
+            "--data",
+            "x.json",
+            "--modes",
+            "full,reuse,blend",
+            "--tier",
+            "cpu",
+            "--also-tiers",
+            "s3,cpu",
+            "--ratios",
+            "0.05",
+        ]
+    )
     assert args.run_tiers == {"reuse[s3]": "s3", "blend[s3]": "s3"}  # cpu is --tier already
     assert args.plan["blend[s3]"] == ("blend", 0.15) and args.plan["reuse[s3]"] == ("reuse", 0.15)
     with pytest.raises(SystemExit):
@@ -193,8 +245,9 @@ def test_the_kl_window_of_the_long_teacher_forcing_is_the_short_one(tiny_llama):
     answer = torch.randint(0, 128, (GAP_TOKENS,), generator=gen).tolist()
     kvs = precompute_chunks(tiny_llama, head, chunks)
     for mode in ("full", "reuse"):
-        result = blend_prefill(tiny_llama, head, kvs, question, mode=mode,
-                               extra_capacity=GAP_TOKENS)  # fmt: skip
+        result = blend_prefill(
+            tiny_llama, head, kvs, question, mode=mode, extra_capacity=GAP_TOKENS
+        )
         short = teacher_forced_logits(tiny_llama, result, answer[:TF_TOKENS])
         long = teacher_forced_logits(tiny_llama, result, answer)
         assert long.shape[0] == GAP_TOKENS
@@ -207,26 +260,50 @@ def test_python_m_kvservice_bench_is_still_the_command():
     """The command the README, the docs and the issues give reaches this bench's parser."""
     done = subprocess.run(
         [sys.executable, "-m", "kvservice.bench", "--modes", "full"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "python -m kvservice.bench: error: --data is required" in done.stderr
 
 
 def test_refresh_adds_a_progressive_run_of_each_blend_below_it_with_its_second_token(capsys):
-    args = parse_args(["--data", "x.json", "--modes", "full,reuse,blend", "--ratio", "0.1",
-                       "--refresh", "0.25", "--ratios", "0.05,0.4"])  # fmt: skip
+    args = parse_args(
+        [
+            "--data",
+            "x.json",
+            "--modes",
+            "full,reuse,blend",
+            "--ratio",
+            "0.1",
+            "--refresh",
+            "0.25",
+            "--ratios",
+            "0.05,0.4",
+        ]
+    )
     assert args.plan["blend>0.25"] == ("blend", 0.1)
     assert args.plan["blend@0.05>0.25"] == ("blend", 0.05) and "blend@0.4>0.25" not in args.plan
     assert args.refresh_keys == {"blend>0.25": 0.25, "blend@0.05>0.25": 0.25}
-    refused = [(["--modes", "full,reuse", "--refresh", "0.25"], "give blend"),
-               (["--ratio", "0.3", "--refresh", "0.25"], "between --ratio")]  # fmt: skip
+    refused = [
+        (["--modes", "full,reuse", "--refresh", "0.25"], "give blend"),
+        (["--ratio", "0.3", "--refresh", "0.25"], "between --ratio"),
+    ]
     for argv, message in refused:
         with pytest.raises(SystemExit):
             parse_args(["--data", "x.json", *argv])
         assert message in capsys.readouterr().err
-    ttft = {"full": 2.0, "reuse": 0.2, "blend": 0.6, "blend@0.05": 0.4, "blend@0.4": 1.0,
-            "blend>0.25": 0.6, "blend@0.05>0.25": 0.4}  # fmt: skip
+    ttft = {
+        "full": 2.0,
+        "reuse": 0.2,
+        "blend": 0.6,
+        "blend@0.05": 0.4,
+        "blend@0.4": 1.0,
+        "blend>0.25": 0.6,
+        "blend@0.05>0.25": 0.4,
+    }
     rows = [_row({key: 0.1 for key in ttft}, ttft) for _ in range(3)]
     for row, second in zip(rows, (1.2, 1.4, 1.3), strict=True):
         for key in args.refresh_keys:
@@ -238,8 +315,15 @@ def test_refresh_adds_a_progressive_run_of_each_blend_below_it_with_its_second_t
     assert progressive["refresh_ratio"] == 0.25
     assert "second_token_median_s" not in summary["modes"]["blend"]
     labels = [p["label"] for p in summary["curve"]]
-    assert labels == ["reuse", "blend@0.05", "blend@0.05>0.25", "blend@0.1", "blend@0.1>0.25",
-                      "blend@0.4", "full"]  # fmt: skip
+    assert labels == [
+        "reuse",
+        "blend@0.05",
+        "blend@0.05>0.25",
+        "blend@0.1",
+        "blend@0.1>0.25",
+        "blend@0.4",
+        "full",
+    ]
     points = {p["label"]: p for p in summary["curve"]}
     assert points["blend@0.1>0.25"]["refresh_ratio"] == 0.25
     assert points["blend@0.1>0.25"]["second_token_ratio_to_full"] == pytest.approx(0.65)
@@ -258,15 +342,23 @@ def test_progressive_logits_and_answer_come_from_the_refreshed_cache(tiny_llama)
     kvs = precompute_chunks(tiny_llama, head, chunks)
 
     def blend(ratio):
-        return blend_prefill(tiny_llama, head, kvs, question, recompute_ratio=ratio,
-                             chunk_ids=chunks, extra_capacity=8)  # fmt: skip
+        return blend_prefill(
+            tiny_llama,
+            head,
+            kvs,
+            question,
+            recompute_ratio=ratio,
+            chunk_ids=chunks,
+            extra_capacity=8,
+        )
 
     answer = [5, 9, 2, 7]
     logits = progressive_logits(tiny_llama, lambda: blend(0.1), 0.5, answer)
     high = blend(0.5)
     n = high.num_tokens
-    later, _ = tiny_llama(torch.tensor([answer[:-1]]), torch.arange(n, n + 3)[None], high.cache,
-                          all_logits=True)  # fmt: skip
+    later, _ = tiny_llama(
+        torch.tensor([answer[:-1]]), torch.arange(n, n + 3)[None], high.cache, all_logits=True
+    )
     assert logits.shape == (4, later.shape[-1])
     torch.testing.assert_close(logits[0], blend(0.1).logits)
     torch.testing.assert_close(logits[1:], later[0], atol=1e-4, rtol=1e-4)
@@ -274,8 +366,9 @@ def test_progressive_logits_and_answer_come_from_the_refreshed_cache(tiny_llama)
     # positions over the low ratio's cache, the last over the upgraded one
     lagged = progressive_logits(tiny_llama, lambda: blend(0.1), 0.5, answer, lag=3)
     low = blend(0.1)
-    before, _ = tiny_llama(torch.tensor([answer[:2]]), torch.arange(n, n + 2)[None], low.cache,
-                           all_logits=True)  # fmt: skip
+    before, _ = tiny_llama(
+        torch.tensor([answer[:2]]), torch.arange(n, n + 2)[None], low.cache, all_logits=True
+    )
     torch.testing.assert_close(lagged[1:3], before[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lagged[3], later[0, 2], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(lagged[1], logits[1], atol=1e-4)  # the ratios' caches differ
@@ -299,11 +392,33 @@ def test_the_musique_bench_runs_progressive_blend_end_to_end(tmp_path):
     data, out = tmp_path / "musique.json", tmp_path / "out.json"
     data.write_text(json.dumps([example]))
     done = subprocess.run(
-        [sys.executable, "-m", "kvservice.bench", "--data", str(data), "--examples", "1",
-         "--passages", "3", "--modes", "full,blend", "--ratio", "0.1", "--refresh", "0.5",
-         "--no-hf", "--threads", "1", "--json", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvservice.bench",
+            "--data",
+            str(data),
+            "--examples",
+            "1",
+            "--passages",
+            "3",
+            "--modes",
+            "full,blend",
+            "--ratio",
+            "0.1",
+            "--refresh",
+            "0.5",
+            "--no-hf",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     row = report["examples"][0]["modes"]

@@ -10,8 +10,11 @@ def _passage(text: str, similarity: float, coverage: float, sha: str = "") -> Pa
 
 
 def test_keep_skips_low_scores_and_repeated_texts_and_stops_at_six() -> None:
-    ranked = [_passage("low", 0.1, 0.0), _passage("a", 0.9, 0.0), _passage("a again", 0.9, 0.0,
-              sha="a")] + [_passage(f"p{i}", 0.5, 0.0) for i in range(10)]  # fmt: skip
+    ranked = [
+        _passage("low", 0.1, 0.0),
+        _passage("a", 0.9, 0.0),
+        _passage("a again", 0.9, 0.0, sha="a"),
+    ] + [_passage(f"p{i}", 0.5, 0.0) for i in range(10)]
     kept = keep(ranked, lambda p: p.similarity, 0.3)
     assert [p.text for p in kept] == ["a", "p0", "p1", "p2", "p3", "p4"]
 

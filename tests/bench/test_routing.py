@@ -20,6 +20,9 @@ def test_summary_gives_the_hot_share_ttft_and_questions_per_worker():
     assert summary["random"]["ttft_p90_s"] == pytest.approx(2.8)  # linear, as numpy
     assert summary["random"]["per_worker"] == {"0": 1, "1": 1}
     assert summary["cache-aware"] == {
-        "questions": 2, "hot_hit_rate": 1.0, "ttft_median_s": 2.0, "ttft_p90_s": 2.0,
+        "questions": 2,
+        "hot_hit_rate": 1.0,
+        "ttft_median_s": 2.0,
+        "ttft_p90_s": 2.0,
         "per_worker": {"0": 2, "1": 0},
-    }  # fmt: skip
+    }

@@ -222,12 +222,22 @@ def test_a_tiny_run_against_the_suites_stack_writes_every_figure(
     out = tmp_path / "serving.json"
     data = tmp_path / "musique.json"  # two examples as musique_dev.json holds them
     passages = json.loads(MUSIQUE_PASSAGES.read_text())["passages"]
-    data.write_text(json.dumps([
-        {"question": "Who developed the thriller television series for NBC?",
-         "answers": ["bryan fuller"], "ctxs": [{"title": "Hannibal", "text": passages[0]}]},
-        {"question": "When was the play Hannibal and Scipio first performed?",
-         "answers": ["1635"], "ctxs": [{"title": "Hannibal and Scipio", "text": passages[1]}]},
-    ]))  # fmt: skip
+    data.write_text(
+        json.dumps(
+            [
+                {
+                    "question": "Who developed the thriller television series for NBC?",
+                    "answers": ["bryan fuller"],
+                    "ctxs": [{"title": "Hannibal", "text": passages[0]}],
+                },
+                {
+                    "question": "When was the play Hannibal and Scipio first performed?",
+                    "answers": ["1635"],
+                    "ctxs": [{"title": "Hannibal and Scipio", "text": passages[1]}],
+                },
+            ]
+        )
+    )
     code = main(
         [
             "--data",

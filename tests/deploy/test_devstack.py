@@ -26,14 +26,28 @@ from tests.deploy.test_private_data import assert_private
 pytestmark = pytest.mark.slow
 
 # The suite's own services are in this process's environment; the stack must start its own.
-_SUITE_VARIABLES = ("DATABASE_URL", "S3_ENDPOINT", "S3_ACCESS_KEY", "S3_SECRET_KEY", "REDIS_URL",
-                    "SECRET_KEY", "DATA_DIR", "DJANGO_SETTINGS_MODULE", "DEBUG")  # fmt: skip
+_SUITE_VARIABLES = (
+    "DATABASE_URL",
+    "S3_ENDPOINT",
+    "S3_ACCESS_KEY",
+    "S3_SECRET_KEY",
+    "REDIS_URL",
+    "SECRET_KEY",
+    "DATA_DIR",
+    "DJANGO_SETTINGS_MODULE",
+    "DEBUG",
+)
 
 
 def _stack_env(data_dir: Path, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SUITE_VARIABLES}
-    return env | {"DATA_DIR": str(data_dir), "PORT": str(port), "PYTHONUNBUFFERED": "1",
-                  "ADMIN_USERNAME": "root", "ADMIN_PASSWORD": "stack-test-password"}  # fmt: skip
+    return env | {
+        "DATA_DIR": str(data_dir),
+        "PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+        "ADMIN_USERNAME": "root",
+        "ADMIN_PASSWORD": "stack-test-password",
+    }
 
 
 def _healthz(port: int) -> tuple[int, dict] | None:
@@ -55,9 +69,12 @@ def _as_background_job() -> None:
 def _start(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "deploy.devstack"],
-        cwd=ROOT, env=_stack_env(data_dir, port), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=_stack_env(data_dir, port),
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
         preexec_fn=_as_background_job,
-    )  # fmt: skip
+    )
 
 
 def _descendants(process: subprocess.Popen) -> list[psutil.Process]:
@@ -95,7 +112,9 @@ def _stop(process: subprocess.Popen, log: Path) -> list[psutil.Process]:
         process.wait(90)
     except subprocess.TimeoutExpired:
         process.kill()
-        raise AssertionError(f"launcher did not stop on Ctrl-C:\n{log.read_text()[-3000:]}")
+        raise AssertionError(
+            f"launcher did not stop on Ctrl-C:\n{log.read_text()[-3000:]}"
+        ) from None
     return started
 
 
@@ -107,8 +126,9 @@ def _login_status(port: int, username: str, password: str, forwarded_for: str) -
     url = f"http://127.0.0.1:{port}/accounts/login/"
     with opener.open(url, timeout=30) as response:
         token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', response.read().decode())
-    form = urllib.parse.urlencode({"username": username, "password": password,
-                                   "csrfmiddlewaretoken": token[1]}).encode()  # fmt: skip
+    form = urllib.parse.urlencode(
+        {"username": username, "password": password, "csrfmiddlewaretoken": token[1]}
+    ).encode()
     request = urllib.request.Request(url, data=form, headers={"X-Forwarded-For": forwarded_for})
     opener.add_handler(_NoRedirect())
     try:
@@ -132,8 +152,11 @@ def _killed_service_comes_back(process, log: Path, port: int, name: str, binary:
     """kill -9 an embedded service: the launcher starts it again and the stack is healthy."""
     victim = _service_process(process, binary)
     victim.send_signal(signal.SIGKILL)
-    wait_for(lambda: f"{name} is running again" in log.read_text(), timeout=120,
-             what=f"{name} started again")  # fmt: skip
+    wait_for(
+        lambda: f"{name} is running again" in log.read_text(),
+        timeout=120,
+        what=f"{name} started again",
+    )
     assert f"{name} exited with -9" in log.read_text()
     assert not _alive(victim)
     wait_for(lambda: (_healthz(port) or (0,))[0] == 200, timeout=120, what="healthy again")
@@ -179,17 +202,33 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
         # manage.py with the same DATA_DIR (and nothing else) talks to this running stack.
         env = {k: v for k, v in _stack_env(data_dir, port).items() if k != "PORT"}
         out = subprocess.run(
-            [sys.executable, "manage.py", "shell", "-c",
-             "from django.contrib.auth.models import User; print(list(User.objects.values_list('username', flat=True)))"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "manage.py",
+                "shell",
+                "-c",
+                "from django.contrib.auth.models import User; "
+                "print(list(User.objects.values_list('username', flat=True)))",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         assert "['root']" in out.stdout
 
         # Beat runs in the Celery worker: the reaper of answers nobody will finish runs.
         celery_log = data_dir / "logs" / "celery.log"
-        wait_for(lambda: "reap_stale_answers" in celery_log.read_text() and
-                 "succeeded" in celery_log.read_text(), timeout=60, what="the reaper task")  # fmt: skip
+        wait_for(
+            lambda: (
+                "reap_stale_answers" in celery_log.read_text()
+                and "succeeded" in celery_log.read_text()
+            ),
+            timeout=60,
+            what="the reaper task",
+        )
 
         # All the stack wrote (logs, valkey's files, beat's schedule) is its user's alone.
         assert_private(data_dir)
@@ -214,8 +253,11 @@ def test_dev_stack_boots_healthy_and_stops_cleanly(tmp_path: Path) -> None:
         # A killed inference worker is started again; the rest of the stack stays up.
         (killed,) = _inference_workers(process)
         killed.send_signal(signal.SIGKILL)
-        wait_for(lambda: [p for p in _inference_workers(process) if p.pid != killed.pid],
-                 timeout=60, what="a new inference worker")  # fmt: skip
+        wait_for(
+            lambda: [p for p in _inference_workers(process) if p.pid != killed.pid],
+            timeout=60,
+            what="a new inference worker",
+        )
         assert "inference worker exited with -9" in log.read_text()
         assert process.poll() is None
 

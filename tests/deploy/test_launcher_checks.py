@@ -46,8 +46,14 @@ def test_the_launcher_gives_the_workers_reasons_for_a_bad_model_path(tmp_path) -
     model.mkdir()
     for name in ("model.safetensors", "tokenizer.json"):
         (model / name).write_text("{}")
-    config = {"model_type": "llama", "num_attention_heads": 2, "hidden_size": 32,
-              "vocab_size": 8, "num_hidden_layers": 1, "intermediate_size": 8}  # fmt: skip
+    config = {
+        "model_type": "llama",
+        "num_attention_heads": 2,
+        "hidden_size": 32,
+        "vocab_size": 8,
+        "num_hidden_layers": 1,
+        "intermediate_size": 8,
+    }
     (model / "config.json").write_text(json.dumps(config))
     assert resolve_llm_path(str(model)) == model
     assert devstack.model_path_problem(str(model)) is None
@@ -80,9 +86,13 @@ def test_a_bad_model_path_stops_make_dev_at_once_naming_path_and_reason(
     env = _stack_env(data, services.free_port()) | {"MODEL_PATH": str(path)}
     started = time.monotonic()
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "deploy.devstack"], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "deploy.devstack"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         output, _ = launcher.communicate(timeout=30)
     except subprocess.TimeoutExpired as still_running:

@@ -49,8 +49,12 @@ def _compose() -> dict:
 
 
 def _check_compose(path: Path) -> subprocess.CompletedProcess:
-    command = [str(Path(sys.executable).parent / "check-jsonschema"),
-               "--builtin-schema", "vendor.compose-spec", str(path)]  # fmt: skip
+    command = [
+        str(Path(sys.executable).parent / "check-jsonschema"),
+        "--builtin-schema",
+        "vendor.compose-spec",
+        str(path),
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
@@ -69,8 +73,11 @@ def test_a_broken_compose_file_fails_the_check(tmp_path) -> None:
 
 
 def _app_services(compose: dict) -> dict[str, dict]:
-    return {name: service for name, service in compose["services"].items()
-            if str(service.get("image", "")).startswith("${RAGBLEND")}  # fmt: skip
+    return {
+        name: service
+        for name, service in compose["services"].items()
+        if str(service.get("image", "")).startswith("${RAGBLEND")
+    }
 
 
 def test_compose_runs_every_role_from_the_one_image_after_the_migrations() -> None:
@@ -108,8 +115,11 @@ def test_compose_sets_only_variables_the_code_reads() -> None:
 def test_env_example_lists_every_variable_compose_needs_and_nothing_else() -> None:
     text = (DEPLOY / "compose.yaml").read_text()
     needed = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", text))
-    example = {line.split("=", 1)[0] for line in (DEPLOY / ".env.example").read_text().splitlines()
-               if line and not line.startswith("#")}  # fmt: skip
+    example = {
+        line.split("=", 1)[0]
+        for line in (DEPLOY / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
     assert needed <= example, sorted(needed - example)
     assert example - needed <= {"COMPOSE_PROFILES"}, sorted(example - needed)
 
@@ -126,8 +136,9 @@ def _kubectl() -> str:
 
 
 def _render(overlay: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([_kubectl(), "kustomize", str(overlay)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [_kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -208,15 +219,16 @@ def test_each_role_runs_as_a_deployment_of_the_one_image(rendered) -> None:
 
 def test_web_is_probed_scaled_and_protected(rendered) -> None:
     _, documents = rendered
-    (web,) = [d for d in _by_kind(documents, "Deployment").values()
-              if "webapp.asgi" in _command(d)]  # fmt: skip
+    (web,) = [d for d in _by_kind(documents, "Deployment").values() if "webapp.asgi" in _command(d)]
     container = _container(web)
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
     (hpa,) = _by_kind(documents, "HorizontalPodAutoscaler").values()
     assert hpa["spec"]["scaleTargetRef"]["name"] == web["metadata"]["name"]
-    budgets = {d["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component")
-               for d in _by_kind(documents, "PodDisruptionBudget").values()}  # fmt: skip
+    budgets = {
+        d["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component")
+        for d in _by_kind(documents, "PodDisruptionBudget").values()
+    }
     assert {"web", "ingest", "inference"} <= budgets
     assert _by_kind(documents, "Ingress") and _by_kind(documents, "Service")
 
@@ -231,14 +243,17 @@ def test_every_web_server_ignores_proxy_headers(rendered) -> None:
     from deploy.devstack import web_server_argv
 
     _, documents = rendered
-    (web,) = [d for d in _by_kind(documents, "Deployment").values()
-              if "webapp.asgi" in _command(d)]  # fmt: skip
+    (web,) = [d for d in _by_kind(documents, "Deployment").values() if "webapp.asgi" in _command(d)]
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     image_command = dockerfile[dockerfile.rindex("CMD [") :]
     compose_command = " ".join(_compose()["services"]["web"]["command"])
     dev_command = " ".join(web_server_argv(8000))
-    for where, command in [("Kubernetes", _command(web)), ("image", image_command),
-                           ("Compose", compose_command), ("dev", dev_command)]:  # fmt: skip
+    for where, command in [
+        ("Kubernetes", _command(web)),
+        ("image", image_command),
+        ("Compose", compose_command),
+        ("dev", dev_command),
+    ]:
         assert _refuses_proxy_headers(command), (where, command)
     assert not _refuses_proxy_headers("uvicorn app --proxy-headers --forwarded-allow-ips *")
     config = _by_kind(documents, "ConfigMap")
@@ -283,11 +298,14 @@ def _image_entrypoint() -> list[str]:
 def test_the_images_entrypoint_runs_the_role_under_umask_077(tmp_path) -> None:
     """The entrypoint run here, as the image runs it, before a role that writes a file."""
     written = tmp_path / "written"
-    role = [sys.executable, "-c",
-            "import sys; open(sys.argv[1], 'w').write('x'); print('role', sys.argv[2])",
-            str(written), "with 'quoted' args"]  # fmt: skip
-    result = subprocess.run(_image_entrypoint() + role, capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+    role = [
+        sys.executable,
+        "-c",
+        "import sys; open(sys.argv[1], 'w').write('x'); print('role', sys.argv[2])",
+        str(written),
+        "with 'quoted' args",
+    ]
+    result = subprocess.run(_image_entrypoint() + role, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "role with 'quoted' args\n"
     assert stat.S_IMODE(written.stat().st_mode) == 0o600

@@ -86,11 +86,21 @@ def test_the_stacks_services_keep_data_dir_private(data: Path, monkeypatch) -> N
         valkey = redis.Redis.from_url(env["REDIS_URL"])
         valkey.set("question", "what does the passage say?")
         valkey.save()  # dump.rdb, beside the append-only files
-        s3 = Minio(env["S3_ENDPOINT"], access_key=env["S3_ACCESS_KEY"],
-                   secret_key=env["S3_SECRET_KEY"], secure=False)  # fmt: skip
+        s3 = Minio(
+            env["S3_ENDPOINT"],
+            access_key=env["S3_ACCESS_KEY"],
+            secret_key=env["S3_SECRET_KEY"],
+            secure=False,
+        )
         s3.put_object("documents", "original.txt", io.BytesIO(b"passage"), 7)
-        written = ("valkey/dump.rdb", "valkey/appendonlydir", "logs/valkey.log",
-                   "logs/seaweedfs.log", "logs/postgres.log", "postgres/PG_VERSION")  # fmt: skip
+        written = (
+            "valkey/dump.rdb",
+            "valkey/appendonlydir",
+            "logs/valkey.log",
+            "logs/seaweedfs.log",
+            "logs/postgres.log",
+            "postgres/PG_VERSION",
+        )
         for path in written:
             assert (data / path).exists(), path
         assert_private(data)

@@ -22,8 +22,13 @@ def _flag_ports(service: services.RunningService) -> dict[str, int]:
 
 
 # What an attacker on the host sent the master (issue: every stored original deleted).
-MASTER_ATTACKS = ("/col/delete?collection=documents", "/col/delete?collection=kvcache",
-                  "/dir/assign", "/vol/grow?count=1", "/dir/status")  # fmt: skip
+MASTER_ATTACKS = (
+    "/col/delete?collection=documents",
+    "/col/delete?collection=kvcache",
+    "/dir/assign",
+    "/vol/grow?count=1",
+    "/dir/status",
+)
 
 
 def _plain_http_answer(port: int, path: str) -> bytes:
@@ -51,8 +56,12 @@ def _tls_answer_without_certificate(port: int, path: str) -> bytes:
 
 def test_only_the_s3_port_answers_and_it_checks_keys(s3_service) -> None:
     env = s3_service.env
-    client = Minio(env["S3_ENDPOINT"], access_key=env["S3_ACCESS_KEY"],
-                   secret_key=env["S3_SECRET_KEY"], secure=False)  # fmt: skip
+    client = Minio(
+        env["S3_ENDPOINT"],
+        access_key=env["S3_ACCESS_KEY"],
+        secret_key=env["S3_SECRET_KEY"],
+        secure=False,
+    )
     bucket = client.list_buckets()[0].name
     client.put_object(bucket, "probe/secret.txt", io.BytesIO(b"private"), 7)
     try:

@@ -72,10 +72,24 @@ def test_sigterm_ends_a_run_as_ctrl_c_does_tearing_down_its_services(tmp_path):
     (tmp_path / "test_long.py").write_text(TEST)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     run = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:django",
-         "--rootdir", str(tmp_path), str(tmp_path / "test_long.py")],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:django",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_long.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     pid = None
     try:
         _wait(tmp_path / "running")

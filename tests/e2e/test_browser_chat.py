@@ -39,11 +39,21 @@ def running_asgi_server(django_db_blocker, log: Path, **env: str) -> Iterator[st
         database_url = _test_database_url()
     port = services.free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "webapp.asgi:application", "--host", "127.0.0.1",
-         "--port", str(port)],
-        cwd=ROOT, env={**os.environ, "DATABASE_URL": database_url, **env},
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "webapp.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": database_url, **env},
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for(lambda: not services.port_is_free(port), timeout=60, what="uvicorn")
         yield f"http://127.0.0.1:{port}"
@@ -55,9 +65,11 @@ def running_asgi_server(django_db_blocker, log: Path, **env: str) -> Iterator[st
 @pytest.fixture
 def asgi_server(django_db_blocker, tmp_path):
     with running_asgi_server(
-        django_db_blocker, tmp_path / "uvicorn.log",
-        INFERENCE_QUEUE=LIVE_INFERENCE_QUEUE, HEARTBEAT_KEY=LIVE_HEARTBEAT_KEY,
-    ) as url:  # fmt: skip
+        django_db_blocker,
+        tmp_path / "uvicorn.log",
+        INFERENCE_QUEUE=LIVE_INFERENCE_QUEUE,
+        HEARTBEAT_KEY=LIVE_HEARTBEAT_KEY,
+    ) as url:
         yield url
 
 
@@ -112,8 +124,11 @@ def test_log_in_upload_ask_and_watch_the_answer_stream(
     question.send_keys("Who dug the harbour of Port Vellin?")
     question.send_keys(Keys.ENTER)
     ask = browser.find_element(By.CSS_SELECTOR, "#ask-form button[type=submit]")
-    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"), timeout=30,
-             what="the question to be sent by Enter")  # fmt: skip
+    wait_for(
+        lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"),
+        timeout=30,
+        what="the question to be sent by Enter",
+    )
     assert ask.get_attribute("disabled") is not None  # no second question while it streams
 
     # While the answer is open, its text grows token by token.

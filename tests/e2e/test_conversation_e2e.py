@@ -34,17 +34,18 @@ def turn_report(answer: Message, text: str, turn: dict) -> dict:
     fact = turn["fact"]
     question = answer.conversation.messages.filter(role="user", id__lt=answer.id).last()
     return {
-        "question": turn["question"], "expected": turn["document"], "answer": text,
+        "question": turn["question"],
+        "expected": turn["document"],
+        "answer": text,
         "follow_up": turn["follow_up"],
         "given": [c.document_title for c in citations],
         "cited": [c.document_title for c in cited],
-        "on_topic": fact is not None and (
-            fact.lower() in text.lower() or any(fact in c.text for c in cited)
-        ),
+        "on_topic": fact is not None
+        and (fact.lower() in text.lower() or any(fact in c.text for c in cited)),
         "not_found": says_not_found(text),
         "cut": answer.was_cut,
         "history": [t.content for t in conversation_history(answer.conversation, before=question)],
-    }  # fmt: skip
+    }
 
 
 def upload_station(django_user_model):

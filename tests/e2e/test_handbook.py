@@ -77,10 +77,15 @@ def test_handbook_answers_are_grounded_or_not_found_and_never_loop(
         results.append((item, answer, text))
 
     report = [
-        {"question": item["question"], "answer": text, "loops": loops(text),
-         "grounded": grounded(answer, text, item["fact"]), "not_found": says_not_found(text)}
+        {
+            "question": item["question"],
+            "answer": text,
+            "loops": loops(text),
+            "grounded": grounded(answer, text, item["fact"]),
+            "not_found": says_not_found(text),
+        }
         for item, answer, text in results
-    ]  # fmt: skip
+    ]
     print(json.dumps(report, indent=1))
     assert not [r for r in report if r["loops"]]
     assert not [r for r in report if any(m in r["answer"] for m in TURN_MARKERS)]

@@ -39,17 +39,30 @@ def kdn_inference_worker(redis_service, live_server, tmp_path) -> Iterator[None]
     variable in its environment, no disk tier (what it serves came through the API)."""
     # No S3 variable, and no Django settings (the worker is not a Django process: Celery
     # would set Django up for it, and the settings want S3).
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("S3_") and k != "DJANGO_SETTINGS_MODULE"}  # fmt: skip
-    env |= {"KV_SOURCE": "kdn", "KDN_URL": live_server.url, "KV_DISK_CAPACITY_BYTES": "0",
-            "INFERENCE_QUEUE": KDN_QUEUE, "HEARTBEAT_KEY": KDN_HEARTBEAT_KEY,
-            "INFERENCE_CONCURRENCY": "2", "INFERENCE_NODE_NAME": "inference-kdn@%h",
-            "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("S3_") and k != "DJANGO_SETTINGS_MODULE"
+    }
+    env |= {
+        "KV_SOURCE": "kdn",
+        "KDN_URL": live_server.url,
+        "KV_DISK_CAPACITY_BYTES": "0",
+        "INFERENCE_QUEUE": KDN_QUEUE,
+        "HEARTBEAT_KEY": KDN_HEARTBEAT_KEY,
+        "INFERENCE_CONCURRENCY": "2",
+        "INFERENCE_NODE_NAME": "inference-kdn@%h",
+        "PYTHONUNBUFFERED": "1",
+    }
     log_path = tmp_path / "inference-kdn.log"
     process = _spawn_worker([sys.executable, "-m", "kvservice.serve.server"], log_path, env)
     try:
-        wait_for(lambda: process.poll() is not None or _heartbeat().get("model_loaded"),
-                 timeout=300, interval=1, what="the KV_SOURCE=kdn worker")  # fmt: skip
+        wait_for(
+            lambda: process.poll() is not None or _heartbeat().get("model_loaded"),
+            timeout=300,
+            interval=1,
+            what="the KV_SOURCE=kdn worker",
+        )
         if process.poll() is not None:
             raise RuntimeError(f"the worker died:\n{log_path.read_text()[-3000:]}")
         yield
@@ -68,8 +81,9 @@ def test_a_kdn_worker_answers_from_kv_fetched_through_the_api(
     upload_ready(user, TEXT, "varnholt.txt")
     conversation = chat.conversation_create(owner=user)
     with TestCase.captureOnCommitCallbacks(execute=True):
-        answer = chat.chat_ask(user=user, conversation=conversation,
-                               question="Who ground the Varnholt telescope?")  # fmt: skip
+        answer = chat.chat_ask(
+            user=user, conversation=conversation, question="Who ground the Varnholt telescope?"
+        )
     tokens, kind, payload = collect_stream(str(answer.request_id))
     assert kind == "done", payload
     assert payload["text"].strip()

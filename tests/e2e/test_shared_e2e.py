@@ -25,8 +25,9 @@ def test_a_shared_collections_answer_blends_the_owners_cached_kv(
     documents.collection_share(collection=collection, usernames=[reader.username])
 
     conversation = chat.conversation_create(owner=reader)
-    chat.conversation_set_scope(user=reader, conversation=conversation,
-                                collection_ids=[collection.pk], document_ids=[])  # fmt: skip
+    chat.conversation_set_scope(
+        user=reader, conversation=conversation, collection_ids=[collection.pk], document_ids=[]
+    )
     with TestCase.captureOnCommitCallbacks(execute=True):
         answer = chat.chat_ask(
             user=reader, conversation=conversation, question="Who built the Ostrel lighthouse?"

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import redis
 
 from kvservice.model.sampling import AnswerText
-from kvservice.protocol.prompt import PromptFormat
 from kvservice.protocol import (
     AnswerOutcome,
     ChunkRef,
@@ -24,6 +23,7 @@ from kvservice.protocol import (
     answer_stream,
     first_token_time_s,
 )
+from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.answer import answer_request
 from kvservice.serve.citing import UNSUPPORTED, WITHDRAWN
 
@@ -131,20 +131,27 @@ def answer_through_the_worker(smollm2_tokenizer, redis_service, plan: ScriptedPl
     worker's report, never on the stream (the web side ends the stream once it is stored)."""
     client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
     runtime = SimpleNamespace(
-        prompt=PromptFormat.for_tokenizer(smollm2_tokenizer), context_len=2048,
-        tokenizer=smollm2_tokenizer, engine=SimpleNamespace(stop_ids=set()),
-        plan=lambda planned: plan, controller=None, refresh_ratio=None,
+        prompt=PromptFormat.for_tokenizer(smollm2_tokenizer),
+        context_len=2048,
+        tokenizer=smollm2_tokenizer,
+        engine=SimpleNamespace(stop_ids=set()),
+        plan=lambda planned: plan,
+        controller=None,
+        refresh_ratio=None,
         chunk_key=lambda token_ids, scope="": (scope, tuple(token_ids)),
-    )  # fmt: skip
+    )
     passage = "The Gannet seats six people. The Osprey seats four."
     request = GenerateRequest(
-        request_id=uuid.uuid4().hex, question="How many does the Gannet seat?",
+        request_id=uuid.uuid4().hex,
+        question="How many does the Gannet seat?",
         chunks=[ChunkRef(chunk_id=1, token_ids=smollm2_tokenizer.encode(passage))],
-    )  # fmt: skip
+    )
     plan.request_id = request.request_id
     result = answer_request(runtime, request, client)
-    events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
-              for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
+    events = [
+        (fields[b"type"].decode(), json.loads(fields[b"data"]))
+        for _, fields in client.xrange(answer_stream(request.request_id))
+    ]
     streamed = "".join(data["text"] for kind, data in events if kind == "token")
     assert {kind for kind, _ in events} <= {"queue", "token"}  # sent once: in the report
     assert AnswerOutcome.from_dict(json.loads(json.dumps(result.to_dict()))) == result
@@ -160,13 +167,16 @@ def test_the_questions_place_in_line_goes_on_its_stream_before_its_words(
 ) -> None:
     """The engine's places for a waiting question reach its stream as ``queue`` events, and
     the stream's first token is still found as the first token (the TTFT the page shows)."""
-    plan = ScriptedPlan(words("The Gannet seats six people [1]."), finish_reason="stop",
-                        places=(2, 1, 0, None))  # fmt: skip
+    plan = ScriptedPlan(
+        words("The Gannet seats six people [1]."), finish_reason="stop", places=(2, 1, 0, None)
+    )
     client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
     result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
     request_id = plan.request_id
-    events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
-              for _, fields in client.xrange(answer_stream(request_id))]  # fmt: skip
+    events = [
+        (fields[b"type"].decode(), json.loads(fields[b"data"]))
+        for _, fields in client.xrange(answer_stream(request_id))
+    ]
     kinds = [kind for kind, _ in events]
     assert kinds[:5] == ["queue"] * 4 + ["token"]
     assert [data["ahead"] for kind, data in events if kind == "queue"] == [2, 1, 0, None]

@@ -62,23 +62,27 @@ class _Answer:
             prefill=prefill,
             sampling=request.sampling,
             stop_ids=set(),  # every answer runs to max_tokens: the decode rows stay open
-            on_token=lambda _text, token: (self.tokens.append(token),
-                                           self.at.append(time.perf_counter())),
+            on_token=lambda _text, token: (
+                self.tokens.append(token),
+                self.at.append(time.perf_counter()),
+            ),
             on_finish=lambda reason, _error: (setattr(self, "reason", reason), self.done.set()),
             on_prefill=lambda _result, times: setattr(self, "times", times),
             prompt_ids=request.prompt.token_ids,
             **extra,
-        )  # fmt: skip
+        )
 
 
 def _open_answer_then_a_prefill(engine: Engine, budget: StepBudget):
     """Answer A is decoding when question B (a full prefill of every passage) arrives."""
     short = engine.format.build(PASSAGES[:1], "When was the lighthouse first lit?")
     long = engine.format.build(PASSAGES * 3, "How many pupils does the island school have?")
-    a_request = Request(short, [None] * len(short.chunk_ids), "full",
-                        sampling=SamplingParams(max_tokens=60))  # fmt: skip
-    b_request = Request(long, [None] * len(long.chunk_ids), "full",
-                        sampling=SamplingParams(max_tokens=4))  # fmt: skip
+    a_request = Request(
+        short, [None] * len(short.chunk_ids), "full", sampling=SamplingParams(max_tokens=60)
+    )
+    b_request = Request(
+        long, [None] * len(long.chunk_ids), "full", sampling=SamplingParams(max_tokens=4)
+    )
     batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=budget).start()
     a, b = _Answer(), _Answer()
     try:
@@ -110,8 +114,9 @@ def test_an_open_answer_keeps_streaming_while_another_question_prefills(engine):
     # B's prefill computed for less time than it took: the decode steps ran in between
     assert b.times.compute_s < b.times.wall_s
     gaps = [later - earlier for earlier, later in zip(a.at, a.at[1:], strict=False)]
-    whole_gaps = [later - earlier for earlier, later in zip(whole_a.at, whole_a.at[1:],
-                                                            strict=False)]  # fmt: skip
+    whole_gaps = [
+        later - earlier for earlier, later in zip(whole_a.at, whole_a.at[1:], strict=False)
+    ]
     assert max(gaps) < max(whole_gaps)
 
 
@@ -126,10 +131,11 @@ def test_a_progressive_upgrade_gives_way_to_waiting_questions(smollm2, smollm2_t
         for report, done in zip(reports, finished, strict=True):  # all three at once
             request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3))
             progressive.submit(
-                request, on_token=lambda *_: None,
+                request,
+                on_token=lambda *_: None,
                 on_finish=lambda reason, error, done=done: done.set(),
                 on_refresh=lambda ratio, seconds, report=report: report.append((ratio, seconds)),
-            )  # fmt: skip
+            )
         assert all(done.wait(300) for done in finished)
     finally:
         progressive.close()
@@ -149,9 +155,11 @@ def test_a_progressive_upgrade_lands_while_its_answer_streams(engine):
     request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=48))
     answer, landed = _Answer(), []
     job = answer.job(
-        engine, request, refresh=engine._refresher(0.6),
+        engine,
+        request,
+        refresh=engine._refresher(0.6),
         on_refresh=lambda outcome: landed.append((outcome, len(answer.tokens))),
-    )  # fmt: skip
+    )
     batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=StepBudget(0.001))
     batcher.start()
     try:
@@ -192,8 +200,9 @@ def _greedy(model, cache, position, tokens, count, fed=False) -> list[int]:
 
 def test_a_waiting_question_whose_reader_left_never_starts(engine):
     prompt = engine.format.build(PASSAGES[:2], "When was the harbour closed?")
-    request = Request(prompt, [None] * len(prompt.chunk_ids), "full",
-                      sampling=SamplingParams(max_tokens=8))  # fmt: skip
+    request = Request(
+        prompt, [None] * len(prompt.chunk_ids), "full", sampling=SamplingParams(max_tokens=8)
+    )
     batcher = ContinuousBatcher(engine.model, engine.tokenizer).start()
     first, left = _Answer(), _Answer()
     try:
@@ -208,8 +217,9 @@ def test_a_waiting_question_whose_reader_left_never_starts(engine):
 
 def test_waiting_questions_are_told_their_place_until_they_start(engine):
     prompt = engine.format.build(PASSAGES, "When was the harbour closed?")
-    request = Request(prompt, [None] * len(prompt.chunk_ids), "full",
-                      sampling=SamplingParams(max_tokens=4))  # fmt: skip
+    request = Request(
+        prompt, [None] * len(prompt.chunk_ids), "full", sampling=SamplingParams(max_tokens=4)
+    )
     # a layer a step once an answer streams: the places are told between the steps
     batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=StepBudget(0.001))
     answers = [_Answer() for _ in range(3)]
@@ -232,8 +242,12 @@ def test_rows_come_and_go_in_the_batchs_slots_without_copying_the_batch(engine):
     prompt = engine.format.build(PASSAGES[:2], "When was the harbour closed?")
 
     def request(tokens: int) -> Request:
-        return Request(prompt, [None] * len(prompt.chunk_ids), "full",
-                       sampling=SamplingParams(max_tokens=tokens))  # fmt: skip
+        return Request(
+            prompt,
+            [None] * len(prompt.chunk_ids),
+            "full",
+            sampling=SamplingParams(max_tokens=tokens),
+        )
 
     alone = []
     for tokens in (40, 6, 6):
@@ -307,8 +321,12 @@ def test_a_prefill_waiting_for_its_kv_lets_the_open_answers_stream(engine):
     opened = threading.Event()
     opened.set()
     alone, _, _ = answer_of(opened, None)
-    long = Request(streaming, [None] * len(streaming.chunk_ids), "full",
-                   sampling=SamplingParams(max_tokens=200))  # fmt: skip
+    long = Request(
+        streaming,
+        [None] * len(streaming.chunk_ids),
+        "full",
+        sampling=SamplingParams(max_tokens=200),
+    )
     tokens, during, asked = answer_of(threading.Event(), long)
     assert tokens == alone and len(tokens) == 5
     assert during >= 3, during  # held by a blocking wait, the open answer would get none
@@ -329,5 +347,7 @@ def test_the_step_budget_setting():
     assert auto.slice_s(10.0) == MIN_SLICE_S
     assert StepBudget(0.2).slice_s(10.0) == 0.2
     assert [str(b) for b in (auto, StepBudget(math.inf), StepBudget(0.2))] == [
-        "auto", "off", "0.2 s"
-    ]  # fmt: skip
+        "auto",
+        "off",
+        "0.2 s",
+    ]

@@ -93,8 +93,9 @@ def test_rotate_into_places_side_by_side_segments_as_each_alone(tiny_llama, rota
     start = 1
     for part, scale in zip(parts, scales, strict=True):
         stop = start + part.shape[1]
-        rotate_into(alone[:, start:stop], part, cos[start - 1 : stop - 1],
-                    sin[start - 1 : stop - 1], scale)  # fmt: skip
+        rotate_into(
+            alone[:, start:stop], part, cos[start - 1 : stop - 1], sin[start - 1 : stop - 1], scale
+        )
         start = stop
     per_token = torch.cat(
         [torch.full((p.shape[1], 1), s) for p, s in zip(parts, scales, strict=True)]
@@ -343,8 +344,15 @@ def test_zero_percent_hit_equals_full(tiny_llama, prompt):
     # (full prefill's one causal pass, the same numbers, not the masked path after a cache)
     head_kv = precompute_head(tiny_llama, head)
     for mode in ("blend", "reuse"):
-        missed = blend_prefill(tiny_llama, head, [None] * len(chunks), question, mode=mode,
-                               chunk_ids=chunks, head_kv=head_kv)  # fmt: skip
+        missed = blend_prefill(
+            tiny_llama,
+            head,
+            [None] * len(chunks),
+            question,
+            mode=mode,
+            chunk_ids=chunks,
+            head_kv=head_kv,
+        )
         torch.testing.assert_close(missed.logits, full.logits, atol=0, rtol=0)
         assert missed.recomputed_per_layer[0] == full.recomputed_per_layer[0]
 
@@ -377,9 +385,14 @@ def test_a_partial_hit_selected_by_attention_equals_the_same_slots_given(tiny_ll
         attention_importance(selected.question_attention, candidate), candidate, budget
     )
     given = blend_prefill(
-        tiny_llama, head, partial, question, mode="blend", chunk_ids=chunks,
+        tiny_llama,
+        head,
+        partial,
+        question,
+        mode="blend",
+        chunk_ids=chunks,
         recompute_slots=slots.tolist(),
-    )  # fmt: skip
+    )
     torch.testing.assert_close(selected.logits, given.logits, atol=1e-5, rtol=1e-5)
 
 
@@ -392,9 +405,16 @@ def test_a_reuse_pass_stopped_at_the_selection_depth_equals_a_whole_one(tiny_lla
     layers = tiny_llama.config.n_layers
     settings = BlendSettings(attention_from_depth=0.25, attention_to_depth=0.5)
     short = blend_prefill(
-        tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3, head_kv=head_kv,
-        chunk_ids=chunks, settings=settings,
-    )  # fmt: skip
+        tiny_llama,
+        head,
+        kvs,
+        question,
+        mode="blend",
+        recompute_ratio=0.3,
+        head_kv=head_kv,
+        chunk_ids=chunks,
+        settings=settings,
+    )
     first, until = selection_layers(layers, 0.25, 0.5)
     assert short.question_attention.shape[0] == until < layers
     candidate = torch.zeros(short.num_tokens, dtype=torch.bool)
@@ -403,9 +423,16 @@ def test_a_reuse_pass_stopped_at_the_selection_depth_equals_a_whole_one(tiny_lla
     importance = attention_importance(short.question_attention, candidate, 0.25, 0.5, layers)
     slots = select_recompute(importance, candidate, budget)
     given = blend_prefill(
-        tiny_llama, head, kvs, question, mode="blend", head_kv=head_kv, chunk_ids=chunks,
-        recompute_slots=slots.tolist(), settings=settings,
-    )  # fmt: skip
+        tiny_llama,
+        head,
+        kvs,
+        question,
+        mode="blend",
+        head_kv=head_kv,
+        chunk_ids=chunks,
+        recompute_slots=slots.tolist(),
+        settings=settings,
+    )
     torch.testing.assert_close(short.logits, given.logits, atol=1e-5, rtol=1e-5)
     k_short, v_short = _cache_kv(short)
     k_given, v_given = _cache_kv(given)
@@ -415,9 +442,16 @@ def test_a_reuse_pass_stopped_at_the_selection_depth_equals_a_whole_one(tiny_lla
     expected = [per_pass + len(question)] * until + [per_pass] * (layers - until)
     assert short.recomputed_per_layer == expected
     whole = blend_prefill(
-        tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.3, head_kv=head_kv,
-        chunk_ids=chunks, settings=BlendSettings(attention_from_depth=0.5),
-    )  # fmt: skip
+        tiny_llama,
+        head,
+        kvs,
+        question,
+        mode="blend",
+        recompute_ratio=0.3,
+        head_kv=head_kv,
+        chunk_ids=chunks,
+        settings=BlendSettings(attention_from_depth=0.5),
+    )
     assert whole.question_attention.shape[0] == layers
     # below the first layer selection reads no weights are computed; from it on, each
     # layer's sum to one
@@ -472,9 +506,15 @@ def test_cached_kv_is_read_layer_by_layer_in_order(tiny_llama, prompt, to_depth)
     logs: list[list[int]] = [[] for _ in kvs]
     sources = [_RecordingKV(kv, log) for kv, log in zip(kvs, logs, strict=True)]
     blend = functools.partial(
-        blend_prefill, tiny_llama, head, question_ids=question, mode="blend",
-        recompute_ratio=0.3, head_kv=head_kv, settings=BlendSettings(attention_to_depth=to_depth),
-    )  # fmt: skip
+        blend_prefill,
+        tiny_llama,
+        head,
+        question_ids=question,
+        mode="blend",
+        recompute_ratio=0.3,
+        head_kv=head_kv,
+        settings=BlendSettings(attention_to_depth=to_depth),
+    )
     plain, recorded = blend(chunks=kvs), blend(chunks=sources)
     torch.testing.assert_close(recorded.logits, plain.logits, atol=0, rtol=0)
     if to_depth < 1.0:
@@ -489,8 +529,16 @@ def test_refresh_upgrades_the_cache_to_a_blend_at_the_higher_ratio(tiny_llama, p
     head, chunks, question, kvs = prompt
 
     def blend(ratio):
-        return blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=ratio,
-                             chunk_ids=chunks, extra_capacity=4)  # fmt: skip
+        return blend_prefill(
+            tiny_llama,
+            head,
+            kvs,
+            question,
+            mode="blend",
+            recompute_ratio=ratio,
+            chunk_ids=chunks,
+            extra_capacity=4,
+        )
 
     low, high = blend(0.1), blend(0.4)
     answer = [int(low.logits.argmax()), 7]
@@ -500,8 +548,9 @@ def test_refresh_upgrades_the_cache_to_a_blend_at_the_higher_ratio(tiny_llama, p
     expected, _ = tiny_llama(torch.tensor([answer]), positions, high.cache)
     assert upgraded.num_tokens == n + 2 and upgraded.cache is low.cache
     torch.testing.assert_close(upgraded.logits, expected[0], atol=ATOL, rtol=ATOL)
-    torch.testing.assert_close(_cache_kv(upgraded), _cache_kv(replace(high, num_tokens=n + 2)),
-                               atol=ATOL, rtol=ATOL)  # fmt: skip
+    torch.testing.assert_close(
+        _cache_kv(upgraded), _cache_kv(replace(high, num_tokens=n + 2)), atol=ATOL, rtol=ATOL
+    )
     assert upgraded.recompute_ratio_effective == high.recompute_ratio_effective
     # decoding the same tokens over the 0.1 cache gives something else: the refresh did work
     stale, _ = tiny_llama(torch.tensor([answer]), positions, blend(0.1).cache)
@@ -510,17 +559,34 @@ def test_refresh_upgrades_the_cache_to_a_blend_at_the_higher_ratio(tiny_llama, p
 
 def test_only_a_blend_that_selected_can_be_refreshed(tiny_llama, prompt):
     head, chunks, question, kvs = prompt
-    reuse = blend_prefill(tiny_llama, head, kvs, question, mode="reuse", chunk_ids=chunks,
-                          extra_capacity=2)  # fmt: skip
+    reuse = blend_prefill(
+        tiny_llama, head, kvs, question, mode="reuse", chunk_ids=chunks, extra_capacity=2
+    )
     with pytest.raises(ValueError, match="refreshed"):
         refresh(tiny_llama, reuse, [1], 0.4)
-    rounds = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.2,
-                           chunk_ids=chunks, extra_capacity=2,
-                           settings=BlendSettings(rounds=2))  # fmt: skip
+    rounds = blend_prefill(
+        tiny_llama,
+        head,
+        kvs,
+        question,
+        mode="blend",
+        recompute_ratio=0.2,
+        chunk_ids=chunks,
+        extra_capacity=2,
+        settings=BlendSettings(rounds=2),
+    )
     with pytest.raises(ValueError, match="rounds"):
         refresh(tiny_llama, rounds, [1], 0.4)
-    blend = blend_prefill(tiny_llama, head, kvs, question, mode="blend", recompute_ratio=0.2,
-                          chunk_ids=chunks, extra_capacity=2)  # fmt: skip
+    blend = blend_prefill(
+        tiny_llama,
+        head,
+        kvs,
+        question,
+        mode="blend",
+        recompute_ratio=0.2,
+        chunk_ids=chunks,
+        extra_capacity=2,
+    )
     with pytest.raises(ValueError, match="answer"):
         refresh(tiny_llama, blend, [], 0.4)
 
@@ -538,9 +604,17 @@ def test_sources_held_whole_are_placed_once_as_layer_by_layer(
     head_kv = precompute_head(tiny_llama, head)
     settings = BlendSettings(stale_key_scale=0.9, stale_ramp_tokens=8)
     run = functools.partial(
-        blend_prefill, tiny_llama, head, kvs, question, mode=mode, recompute_ratio=0.3,
-        head_kv=head_kv, chunk_ids=chunks, settings=settings,
-    )  # fmt: skip
+        blend_prefill,
+        tiny_llama,
+        head,
+        kvs,
+        question,
+        mode=mode,
+        recompute_ratio=0.3,
+        head_kv=head_kv,
+        chunk_ids=chunks,
+        settings=settings,
+    )
     whole = run()
     monkeypatch.setattr(prefill_module, "place_whole", lambda *args: [])
     layered = run()

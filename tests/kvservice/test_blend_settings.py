@@ -60,14 +60,19 @@ def test_rounds_chunk_starts_and_bias_recompute_the_budget_and_change_the_result
     model, head, chunks, chunk_ids, question = tiny_blend
     kwargs = dict(chunk_ids=chunk_ids, recompute_ratio=0.25)
     plain = blend_prefill(model, head, chunks, question, **kwargs)
-    for settings in (BlendSettings(rounds=2), BlendSettings(rounds=3, first_round_share=0.2),
-                     BlendSettings(chunk_starts=2), BlendSettings(stale_bias=-0.5),
-                     BlendSettings(stale_key_scale=1.0)):  # fmt: skip
+    for settings in (
+        BlendSettings(rounds=2),
+        BlendSettings(rounds=3, first_round_share=0.2),
+        BlendSettings(chunk_starts=2),
+        BlendSettings(stale_bias=-0.5),
+        BlendSettings(stale_key_scale=1.0),
+    ):
         result = blend_prefill(model, head, chunks, question, settings=settings, **kwargs)
         assert result.recompute_ratio_effective == pytest.approx(plain.recompute_ratio_effective)
         assert result.recomputed_per_layer[0] >= plain.recomputed_per_layer[0]
-    biased = blend_prefill(model, head, chunks, question, settings=BlendSettings(stale_bias=-2.0),
-                           **kwargs)  # fmt: skip
+    biased = blend_prefill(
+        model, head, chunks, question, settings=BlendSettings(stale_bias=-2.0), **kwargs
+    )
     assert not torch.allclose(biased.logits, plain.logits, atol=1e-4)
     untouched = blend_prefill(model, head, chunks, question, settings=BlendSettings(), **kwargs)
     torch.testing.assert_close(untouched.logits, plain.logits)
@@ -80,25 +85,47 @@ def test_the_stale_corrections_leave_reuse_as_stored(tiny_blend):
     model, head, chunks, chunk_ids, question = tiny_blend
     plain = blend_prefill(model, head, chunks, question, mode="reuse", chunk_ids=chunk_ids)
     corrected = blend_prefill(
-        model, head, chunks, question, mode="reuse", chunk_ids=chunk_ids,
+        model,
+        head,
+        chunks,
+        question,
+        mode="reuse",
+        chunk_ids=chunk_ids,
         settings=BlendSettings(stale_key_scale=0.5, stale_bias=-3.0),
-    )  # fmt: skip
+    )
     torch.testing.assert_close(corrected.logits, plain.logits)
     scaled = blend_prefill(
-        model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
+        model,
+        head,
+        chunks,
+        question,
+        chunk_ids=chunk_ids,
+        recompute_ratio=0.25,
         settings=BlendSettings(stale_key_scale=0.5, stale_ramp_tokens=0, stale_shift=0.0),
-    )  # fmt: skip
+    )
     as_stored = blend_prefill(
-        model, head, chunks, question, chunk_ids=chunk_ids, recompute_ratio=0.25,
+        model,
+        head,
+        chunks,
+        question,
+        chunk_ids=chunk_ids,
+        recompute_ratio=0.25,
         settings=BlendSettings(stale_key_scale=1.0, stale_shift=0.0),
-    )  # fmt: skip
+    )
     assert not torch.allclose(scaled.logits, as_stored.logits, atol=1e-4)
     # the default's temperature, in full (its ramp off): these chunks are ~50 tokens, and by
     # default a chunk gets the temperature in full only after 2,400 cached tokens
     assert BlendSettings().stale_key_scale == 0.9 and BlendSettings().stale_ramp_tokens == 2400
     unramped_settings = BlendSettings(stale_ramp_tokens=0, stale_shift=0.0)
-    unramped = blend_prefill(model, head, chunks, question, chunk_ids=chunk_ids,
-                             recompute_ratio=0.25, settings=unramped_settings)  # fmt: skip
+    unramped = blend_prefill(
+        model,
+        head,
+        chunks,
+        question,
+        chunk_ids=chunk_ids,
+        recompute_ratio=0.25,
+        settings=unramped_settings,
+    )
     assert not torch.allclose(unramped.logits, as_stored.logits, atol=1e-4)
 
 
@@ -176,10 +203,24 @@ def test_the_stale_shift_takes_a_constant_error_out_of_every_token_of_a_chunk(ti
 
     def blend(sources=shifted, **settings):
         # each chunk on its own tokens' mean (no pooling), and no temperature: exact
-        settings = BlendSettings(**{"stale_key_scale": 1.0, "stale_shift_pool": 0,
-                                    "stale_shift_ramp_tokens": 0, **settings})  # fmt: skip
-        return blend_prefill(model, head, sources, question, mode="blend", recompute_ratio=0.5,
-                             chunk_ids=chunk_ids, settings=settings)  # fmt: skip
+        settings = BlendSettings(
+            **{
+                "stale_key_scale": 1.0,
+                "stale_shift_pool": 0,
+                "stale_shift_ramp_tokens": 0,
+                **settings,
+            }
+        )
+        return blend_prefill(
+            model,
+            head,
+            sources,
+            question,
+            mode="blend",
+            recompute_ratio=0.5,
+            chunk_ids=chunk_ids,
+            settings=settings,
+        )
 
     common = [exact[0], *_offset(exact[1:], torch.Generator().manual_seed(6), shared=True)]
     pooled = blend(common, stale_shift=1.0, stale_shift_pool=16)
@@ -207,8 +248,16 @@ def test_the_stale_shift_leaves_reuse_and_exact_chunks_alone(tiny_blend):
 
     def run(mode, sources, settings=None):
         settings = settings or BlendSettings()
-        return blend_prefill(model, head, sources, question, mode=mode, chunk_ids=chunk_ids,
-                             recompute_ratio=0.25, settings=settings)  # fmt: skip
+        return blend_prefill(
+            model,
+            head,
+            sources,
+            question,
+            mode=mode,
+            chunk_ids=chunk_ids,
+            recompute_ratio=0.25,
+            settings=settings,
+        )
 
     off = BlendSettings(stale_shift=0.0)
     torch.testing.assert_close(run("reuse", chunks).logits, run("reuse", chunks, off).logits)
@@ -270,10 +319,17 @@ def test_local_layer_weight_changes_what_gemma3_blend_recomputes(tmp_path):
     from .conftest import perturbed
 
     config = transformers.Gemma3TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-        query_pre_attn_scalar=16, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     perturbed(transformers.Gemma3ForCausalLM(config)).save_pretrained(tmp_path)
     model = Transformer.from_pretrained(tmp_path)
@@ -283,10 +339,16 @@ def test_local_layer_weight_changes_what_gemma3_blend_recomputes(tmp_path):
     question = torch.randint(0, 128, (6,), generator=gen).tolist()
     chunks = precompute_chunks(model, head, chunk_ids)
     alike, global_only = (
-        blend_prefill(model, head, chunks, question, recompute_ratio=0.2,
-                      settings=BlendSettings(local_layer_weight=weight))
+        blend_prefill(
+            model,
+            head,
+            chunks,
+            question,
+            recompute_ratio=0.2,
+            settings=BlendSettings(local_layer_weight=weight),
+        )
         for weight in (1.0, 0.0)
-    )  # fmt: skip
+    )
     torch.testing.assert_close(alike.question_attention, global_only.question_attention)
     assert torch.isfinite(global_only.logits).all()
     assert not torch.equal(alike.logits, global_only.logits)

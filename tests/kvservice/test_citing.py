@@ -79,12 +79,16 @@ def test_sentences_end_neither_after_abbreviations_nor_list_numbers() -> None:
 def test_a_period_before_a_capital_ends_a_sentence_even_after_a_number_or_a_short_word() -> None:
     text = "The answer is no. The ferry seats 48. It sails at 9 a.m. Boarding ends at 8.45."
     assert _split(text) == [
-        "The answer is no.", "The ferry seats 48.", "It sails at 9 a.m.", "Boarding ends at 8.45."
-    ]  # fmt: skip
+        "The answer is no.",
+        "The ferry seats 48.",
+        "It sails at 9 a.m.",
+        "Boarding ends at 8.45.",
+    ]
     # A line a PDF wrapped goes on in lowercase: one sentence; a new line in capitals: two.
     assert _split("Laptops are replaced\nevery four years.\nPasswords") == [
-        "Laptops are replaced\nevery four years.", "Passwords"
-    ]  # fmt: skip
+        "Laptops are replaced\nevery four years.",
+        "Passwords",
+    ]
 
 
 def test_the_highlight_is_the_whole_sentence_with_its_decimal_and_e_mail_address() -> None:
@@ -104,8 +108,10 @@ def test_a_supported_answer_is_one_verdict_without_a_not_found_note() -> None:
     question = "How much is the home office allowance?"
     cited = verdict("The allowance is 750 euros [2].", PASSAGES, question)
     assert (cited.citation, cited.text, cited.withheld) == (
-        "model", "The allowance is 750 euros [2].", ""
-    )  # fmt: skip
+        "model",
+        "The allowance is 750 euros [2].",
+        "",
+    )
     attributed = verdict("It is 750 euros.", PASSAGES, question)
     assert attributed.citation == "attributed" and attributed.text == "It is 750 euros. [2]"
     assert attributed.streamed == " [2]"

@@ -32,8 +32,10 @@ def test_a_list_number_starts_its_item_and_is_no_sentence_of_its_own() -> None:
     ]
     lettered = "Before you leave: a. switch off the lights. b. Lock the door. iv. Rest."
     assert [lettered[start:end] for start, end in sentences(lettered)] == [
-        "Before you leave: a. switch off the lights.", "b. Lock the door.", "iv. Rest."
-    ]  # fmt: skip
+        "Before you leave: a. switch off the lights.",
+        "b. Lock the door.",
+        "iv. Rest.",
+    ]
 
 
 def test_the_highlight_is_the_list_item_not_its_number() -> None:

@@ -11,9 +11,14 @@ BASE = {"REDIS_URL": "redis://127.0.0.1:1/0"}
 
 
 def test_the_worker_reads_its_settings_from_the_mapping_it_is_given() -> None:
-    env = {"BLEND_REFRESH_RATIO": "0.25", "PREFIX_CACHE_BYTES": "64MiB",
-           "INFERENCE_CONCURRENCY": "3", "ENGINE_COMPILE": " OFF",
-           "ENGINE_BUFFER_BYTES": "3GiB", "ENGINE_STEP_BUDGET": "0.15"}  # fmt: skip
+    env = {
+        "BLEND_REFRESH_RATIO": "0.25",
+        "PREFIX_CACHE_BYTES": "64MiB",
+        "INFERENCE_CONCURRENCY": "3",
+        "ENGINE_COMPILE": " OFF",
+        "ENGINE_BUFFER_BYTES": "3GiB",
+        "ENGINE_STEP_BUDGET": "0.15",
+    }
     config = WorkerConfig.from_env({**BASE, **env})
     assert (config.refresh_ratio, config.prefix_cache_bytes) == (0.25, 64 << 20)
     assert config.concurrency == 3 and config.kv_source.kind == "s3"
@@ -28,10 +33,17 @@ def test_the_worker_reads_its_settings_from_the_mapping_it_is_given() -> None:
 
 @pytest.mark.parametrize(
     ("variable", "value"),
-    [("BLEND_REFRESH_RATIO", "2"), ("PREFIX_CACHE_BYTES", "lots"), ("KV_SOURCE", "gcs"),
-     ("ENGINE", "tgi"), ("REDIS_URL", ""), ("ENGINE_COMPILE", "maybe"),
-     ("ENGINE_BUFFER_BYTES", "big"), ("ENGINE_STEP_BUDGET", "soon")],
-)  # fmt: skip
+    [
+        ("BLEND_REFRESH_RATIO", "2"),
+        ("PREFIX_CACHE_BYTES", "lots"),
+        ("KV_SOURCE", "gcs"),
+        ("ENGINE", "tgi"),
+        ("REDIS_URL", ""),
+        ("ENGINE_COMPILE", "maybe"),
+        ("ENGINE_BUFFER_BYTES", "big"),
+        ("ENGINE_STEP_BUDGET", "soon"),
+    ],
+)
 def test_a_bad_value_is_refused_naming_the_variable(variable: str, value: str) -> None:
     with pytest.raises(ValueError, match=variable):
         WorkerConfig.from_env({**BASE, variable: value})

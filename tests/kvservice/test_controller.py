@@ -52,9 +52,12 @@ def test_cheapest_tier_that_hides_loading():
 
 def test_no_measurements_fall_back_to_r_min_and_say_so():
     decision = choose_ratio(
-        num_tokens=100, num_layers=4, load_bytes_by_tier={"s3": MB}, tier_bandwidth={},
+        num_tokens=100,
+        num_layers=4,
+        load_bytes_by_tier={"s3": MB},
+        tier_bandwidth={},
         recompute_token_layers_per_s=None,
-    )  # fmt: skip
+    )
     assert decision.recompute_ratio == 0.15 and "no measurement" in decision.why["rule"]
     json.dumps(decision.to_dict())
 
@@ -117,9 +120,11 @@ def test_some_chunks_recomputed_while_the_rest_arrive():
 def test_never_estimated_slower_than_full_whatever_the_link():
     for mbps in (0.01, 1, 10, 50, 100, 1000, 1e6):
         plan = choose_loads(
-            chunks=_chunks(5 * MB), tier_bandwidth={"s3": mbps * MB}, recompute_ratio=0.15,
+            chunks=_chunks(5 * MB),
+            tier_bandwidth={"s3": mbps * MB},
+            recompute_ratio=0.15,
             **LOAD,
-        )  # fmt: skip
+        )
         assert plan.total_s_estimate <= plan.full_s_estimate + 1e-12
 
 
@@ -136,9 +141,13 @@ def test_chunks_of_unmeasured_tiers_are_read_and_no_throughput_reads_all():
     )
     assert plan.load == (True,) * 6
     unmeasured = choose_loads(
-        chunks=_chunks(10 * MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
-        question_tokens=100, num_layers=30, recompute_token_layers_per_s=None,
-    )  # fmt: skip
+        chunks=_chunks(10 * MB),
+        tier_bandwidth=BANDWIDTH,
+        recompute_ratio=0.15,
+        question_tokens=100,
+        num_layers=30,
+        recompute_token_layers_per_s=None,
+    )
     assert unmeasured.load == (True,) * 6 and "no measurement" in unmeasured.why["rule"]
     json.dumps(plan.to_dict())
 
@@ -168,9 +177,12 @@ def test_blends_own_cost_per_read_token_can_make_recomputing_pay():
     )
     assert free.recomputed == 5
     priced = choose_loads(
-        chunks=_chunks(5 * MB), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
-        read_token_layer_s=2e-6, **LOAD,
-    )  # fmt: skip
+        chunks=_chunks(5 * MB),
+        tier_bandwidth=BANDWIDTH,
+        recompute_ratio=0.15,
+        read_token_layer_s=2e-6,
+        **LOAD,
+    )
     assert priced.recomputed == 6
     assert priced.total_s_estimate == pytest.approx(priced.full_s_estimate)
 
@@ -180,9 +192,12 @@ def test_chunks_are_all_read_when_loading_hides_behind_blends_compute():
     # (0.2 us a read token-layer): loading is not what the request waits on, and the whole
     # blend (0.066 s) is well below full prefill (0.103 s)
     plan = choose_loads(
-        chunks=_chunks(MB // 2), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
-        read_token_layer_s=2e-7, **LOAD,
-    )  # fmt: skip
+        chunks=_chunks(MB // 2),
+        tier_bandwidth=BANDWIDTH,
+        recompute_ratio=0.15,
+        read_token_layer_s=2e-7,
+        **LOAD,
+    )
     assert plan.recomputed == 0 and plan.load_s_estimate < plan.compute_s_estimate
     assert plan.total_s_estimate == pytest.approx(0.03 + 550 * 30 / 900_000 + 3000 * 30 * 2e-7)
 
@@ -204,9 +219,12 @@ def test_where_loading_hides_every_chunk_is_read_whatever_blend_costs():
     # 1 MB a chunk in CPU memory: loading hides; blend's own compute (2 us a read
     # token-layer) is estimated slower than full, and the stored KV is still read
     plan = choose_loads(
-        chunks=_chunks(MB, "cpu"), tier_bandwidth=BANDWIDTH, recompute_ratio=0.15,
-        read_token_layer_s=2e-6, **LOAD,
-    )  # fmt: skip
+        chunks=_chunks(MB, "cpu"),
+        tier_bandwidth=BANDWIDTH,
+        recompute_ratio=0.15,
+        read_token_layer_s=2e-6,
+        **LOAD,
+    )
     assert plan.load == (True,) * 6 and plan.total_s_estimate > plan.full_s_estimate
 
 
@@ -215,8 +233,9 @@ def test_what_reading_costs_beyond_the_link_is_learned_and_priced():
     controller.observe_recompute(tokens=3100, layers=30, seconds=3100 * 30 / 900_000)
     controller.observe_tier_bandwidths({"s3": 100 * MB})
     # 400 kB a chunk at 100 MB/s: loading is what the request waits on (one is recomputed)
-    kwargs = dict(chunks=_chunks(400 * 1024), question_tokens=100, num_layers=30,
-                  recompute_ratio=0.15)  # fmt: skip
+    kwargs = dict(
+        chunks=_chunks(400 * 1024), question_tokens=100, num_layers=30, recompute_ratio=0.15
+    )
     plan = controller.choose_loads(**kwargs)
     assert plan.recomputed == 1 and plan.read_bytes == 5 * 400 * 1024 and plan.overhead_s == 0
     # the request took 0.01 s longer than estimated: that much per byte it read

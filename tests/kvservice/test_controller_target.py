@@ -40,9 +40,13 @@ def test_the_tier_that_hides_loading_is_judged_at_the_target_ratio():
 
 def test_without_measurements_the_target_ratio_is_the_ratio():
     decision = choose_ratio(
-        num_tokens=3000, num_layers=30, load_bytes_by_tier={"cpu": MB}, tier_bandwidth={},
-        recompute_token_layers_per_s=None, target_ratio=0.08,
-    )  # fmt: skip
+        num_tokens=3000,
+        num_layers=30,
+        load_bytes_by_tier={"cpu": MB},
+        tier_bandwidth={},
+        recompute_token_layers_per_s=None,
+        target_ratio=0.08,
+    )
     assert decision.recompute_ratio == 0.08 and "no measurement" in decision.why["rule"]
 
 

@@ -49,9 +49,14 @@ def test_every_mode_on_cuda_equals_cpu_in_float32(tiny_checkpoints, prompt):
         for mode in ("full", "prefix", "reuse", "blend"):
             # blend's slots fixed: a near tie in the attention must not pick other tokens
             result = blend_prefill(
-                model, head, kvs, question, mode=mode, head_kv=head_kv,
+                model,
+                head,
+                kvs,
+                question,
+                mode=mode,
+                head_kv=head_kv,
                 recompute_slots=list(range(20, 35)) if mode == "blend" else None,
-            )  # fmt: skip
+            )
             assert result.cache.k.device.type == device == result.logits.device.type
             results[device, mode] = result.logits.cpu()
     for mode in ("full", "prefix", "reuse", "blend"):
@@ -105,8 +110,22 @@ def test_a_cuda_loader_decodes_the_codec_on_the_device_as_the_host_does(tiny_che
 
 def test_the_synthetic_bench_on_cuda_reports_peak_memory_per_mode(monkeypatch):
     monkeypatch.setitem(SYNTHETIC_CONFIGS, "tiny", TINY)
-    report = main(["--synthetic", "tiny", "--context", "400", "--chunks", "4", "--modes",
-                   "full,reuse,blend", "--repeats", "2", "--device", "cuda"])  # fmt: skip
+    report = main(
+        [
+            "--synthetic",
+            "tiny",
+            "--context",
+            "400",
+            "--chunks",
+            "4",
+            "--modes",
+            "full,reuse,blend",
+            "--repeats",
+            "2",
+            "--device",
+            "cuda",
+        ]
+    )
     assert report["env"]["dtype"] == "bfloat16"  # the CUDA default
     memory = report["memory"]
     assert "max_memory_allocated" in memory["measure"]
@@ -143,16 +162,25 @@ def _batch_tokens(model, tokenizer, prompt, budget) -> list[list[int]]:
     try:
         for index, mode in enumerate(("full", "reuse", "blend")):
             steps = lambda extra, mode=mode: blend_prefill_steps(  # noqa: E731
-                model, head, kvs, question, mode=mode, head_kv=head_kv, chunk_ids=chunks,
-                extra_capacity=extra, recompute_slots=list(range(20, 35)) if mode == "blend"
-                else None,
-            )  # fmt: skip
-            batcher.submit(Job(
-                prefill=steps, stop_ids=set(),
-                sampling=SamplingParams(max_tokens=12, presence_penalty=2.0),
-                on_token=lambda _t, token, index=index: out[index].append(token),
-                on_finish=lambda _r, _e, index=index: done[index].set(),
-            ))  # fmt: skip
+                model,
+                head,
+                kvs,
+                question,
+                mode=mode,
+                head_kv=head_kv,
+                chunk_ids=chunks,
+                extra_capacity=extra,
+                recompute_slots=list(range(20, 35)) if mode == "blend" else None,
+            )
+            batcher.submit(
+                Job(
+                    prefill=steps,
+                    stop_ids=set(),
+                    sampling=SamplingParams(max_tokens=12, presence_penalty=2.0),
+                    on_token=lambda _t, token, index=index: out[index].append(token),
+                    on_finish=lambda _r, _e, index=index: done[index].set(),
+                )
+            )
             time.sleep(0.05)
         assert all(event.wait(120) for event in done)
     finally:

@@ -31,10 +31,17 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 
 def _point(label: str, ratio: float, ttft: float, kl: float) -> dict:
-    return {"label": label, "ratio": ratio, "ttft_median_s": ttft * 2.0,
-            "ttft_ratio_to_full": ttft, "tf_kl_mean": kl, "tf_kl_median": kl / 2,
-            "tf_kl_ci95": [kl * 0.8, kl * 1.2], "tf_agreement": 1 - kl,
-            "tf_logprob_gap_mean": kl / 3}  # fmt: skip
+    return {
+        "label": label,
+        "ratio": ratio,
+        "ttft_median_s": ttft * 2.0,
+        "ttft_ratio_to_full": ttft,
+        "tf_kl_mean": kl,
+        "tf_kl_median": kl / 2,
+        "tf_kl_ci95": [kl * 0.8, kl * 1.2],
+        "tf_agreement": 1 - kl,
+        "tf_logprob_gap_mean": kl / 3,
+    }
 
 
 POINTS = [
@@ -61,8 +68,11 @@ def test_one_marker_per_point_with_full_and_reuse_drawn_apart():
     svg = ratio_curve_svg(POINTS, "Quality against speed")
     markers = _markers(svg)
     assert len(markers) == len(POINTS)
-    assert [cls for cls, _, _ in markers] == ["marker marker-reuse", *["marker marker-blend"] * 3,
-                                              "marker marker-full"]  # fmt: skip
+    assert [cls for cls, _, _ in markers] == [
+        "marker marker-reuse",
+        *["marker marker-blend"] * 3,
+        "marker marker-full",
+    ]
     for label in ("reuse", "0.05", "0.15", "0.4", "full"):  # blend points: their ratio
         assert f'class="point-label">{label}</text>' in svg
     line = ET.fromstring(svg).find(f"{SVG}polyline")
@@ -76,8 +86,9 @@ def test_x_grows_with_ttft_and_y_falls_with_kl():
     assert xs == sorted(xs) and len(set(xs)) == len(xs)  # TTFT rises along POINTS
     assert ys == sorted(ys) and len(set(ys)) == len(ys)  # KL falls: SVG y grows downwards
     # The mapping is linear: equal steps in TTFT are equal steps on the page.
-    even = _markers(ratio_curve_svg([_point(f"blend@{i}", i / 10, i / 4, 0.1)
-                                     for i in range(1, 5)], "t"))  # fmt: skip
+    even = _markers(
+        ratio_curve_svg([_point(f"blend@{i}", i / 10, i / 4, 0.1) for i in range(1, 5)], "t")
+    )
     steps = [b[1] - a[1] for a, b in zip(even, even[1:], strict=False)]
     assert min(steps) > 0 and max(steps) - min(steps) < 0.2
 
@@ -131,32 +142,43 @@ def test_predict_interpolates_kl_and_f1_and_says_none_without_the_field():
 
 def _series(codec: str, shift: float) -> CurveSeries:
     """A codec's curve: the same ratios, its KL ``shift`` above ``POINTS``' (full stays 0)."""
-    return CurveSeries(codec, [dict(p, tf_kl_mean=p["tf_kl_mean"] + shift * (p["label"] != "full"))
-                               for p in POINTS])  # fmt: skip
+    return CurveSeries(
+        codec,
+        [dict(p, tf_kl_mean=p["tf_kl_mean"] + shift * (p["label"] != "full")) for p in POINTS],
+    )
 
 
 def test_one_series_per_codec_each_in_its_colour_with_full_drawn_once():
-    svg = ratio_curves_svg([_series("kivi4k3v", 0.0), _series("fp16", -0.01)], "t",
-                           current="kivi4k3v")  # fmt: skip
+    svg = ratio_curves_svg(
+        [_series("kivi4k3v", 0.0), _series("fp16", -0.01)], "t", current="kivi4k3v"
+    )
     root = ET.fromstring(svg)
     markers = [g for g in root.iter(f"{SVG}g") if "marker" in g.get("class", "").split()]
-    by_codec = {codec: [g.get("class") for g in markers if g.get("data-codec") == codec]
-                for codec in ("kivi4k3v", "fp16")}  # fmt: skip
+    by_codec = {
+        codec: [g.get("class") for g in markers if g.get("data-codec") == codec]
+        for codec in ("kivi4k3v", "fp16")
+    }
     assert by_codec["kivi4k3v"] == [c for c, _, _ in _markers(ratio_curve_svg(POINTS, "t"))]
     assert by_codec["fp16"] == ["marker marker-reuse", *["marker marker-blend"] * 3]  # no full
     lines = root.findall(f"{SVG}polyline")
     assert [line.get("stroke") for line in lines] == list(SERIES_COLORS[:2])  # a line per codec
     # every point labelled in its series' colour, blend points with their ratio
-    labels = [(t.get("fill"), t.text) for t in root.iter(f"{SVG}text")
-              if t.get("class") == "point-label"]  # fmt: skip
+    labels = [
+        (t.get("fill"), t.text) for t in root.iter(f"{SVG}text") if t.get("class") == "point-label"
+    ]
     assert labels.count((SERIES_COLORS[1], "0.05")) == 1
     assert labels.count((SERIES_COLORS[0], "0.05")) == 1 and labels.count((FULL_COLOR, "full")) == 1
     legend = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "series-label"]
     assert legend == ["KV stored as kivi4k3v (the store's codec)", "KV stored as fp16"]
     # fp16's points (less KL) lie lower on the page than the same ratios' of the other codec
-    ys = {codec: [float(g.get("transform").split()[1].rstrip(")"))
-                  for g in markers if g.get("data-codec") == codec][:4]
-          for codec in ("kivi4k3v", "fp16")}  # fmt: skip
+    ys = {
+        codec: [
+            float(g.get("transform").split()[1].rstrip(")"))
+            for g in markers
+            if g.get("data-codec") == codec
+        ][:4]
+        for codec in ("kivi4k3v", "fp16")
+    }
     assert all(f > k for f, k in zip(ys["fp16"], ys["kivi4k3v"], strict=True))
 
 
@@ -170,8 +192,9 @@ def test_a_series_reads_its_codec_and_note_and_an_old_file_is_the_old_defaults(t
     fp16 = series_path(primary, "fp16", "kivi4k3v")
     assert fp16 == tmp_path / "ratio_curve_fp16.json"
     assert series_path(primary, "kivi4k3v", "kivi4k3v") == primary
-    fp16.write_text(json.dumps({"curve": POINTS[:2], "env": {"kv_codec": "fp16"},
-                                "note": "busy machine"}))  # fmt: skip
+    fp16.write_text(
+        json.dumps({"curve": POINTS[:2], "env": {"kv_codec": "fp16"}, "note": "busy machine"})
+    )
     (tmp_path / "other.json").write_text("{}")  # not a sibling of the primary
     assert series_paths(primary) == [primary, fp16]
     read = load_series(fp16)
@@ -187,8 +210,11 @@ def test_the_bench_command_names_the_codec_it_measures():
 
 
 def _progressive(ratio: float, ttft: float, kl: float, refresh: float = 0.25) -> dict:
-    return dict(_point(f"blend@{ratio:g}>{refresh:g}", ratio, ttft, kl), refresh_ratio=refresh,
-                second_token_ratio_to_full=ttft + 0.5)  # fmt: skip
+    return dict(
+        _point(f"blend@{ratio:g}>{refresh:g}", ratio, ttft, kl),
+        refresh_ratio=refresh,
+        second_token_ratio_to_full=ttft + 0.5,
+    )
 
 
 # progressive blend upgrading to 0.25: 0.05 -> 0.030, 0.15 -> 0.026 (plain: 0.09, 0.05)
@@ -239,8 +265,11 @@ def test_labels_that_would_overlap_are_moved_apart():
     other covers it, a ring's (its first token's ratio) below it by preference."""
     svg = ratio_curve_svg(WITH_PROGRESSIVE, "Quality against speed")
     root = ET.fromstring(svg)
-    labels = [(float(t.get("x")), float(t.get("y")), t.text)
-              for t in root.iter(f"{SVG}text") if t.get("class") == "point-label"]  # fmt: skip
+    labels = [
+        (float(t.get("x")), float(t.get("y")), t.text)
+        for t in root.iter(f"{SVG}text")
+        if t.get("class") == "point-label"
+    ]
     assert sorted(text for *_, text in labels) == sorted(
         ["reuse", "0.05", "0.15", "0.4", "full", "0.05", "0.15"]
     )

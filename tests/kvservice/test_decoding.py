@@ -29,9 +29,13 @@ def test_apply_penalties_follows_vllms_definition() -> None:
     prompt_mask = torch.tensor([[True, True, False, False]])
     output_counts = torch.tensor([[0.0, 0.0, 2.0, 0.0]])
     out = apply_penalties(
-        logits, prompt_mask, output_counts,
-        repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
-    )  # fmt: skip
+        logits,
+        prompt_mask,
+        output_counts,
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+    )
     # seen positive: divided; seen negative: multiplied; generated twice: also -2*0.5 - 0.25
     assert out.tolist() == [[1.0, -4.0, 3.0 / 2 - 1.0 - 0.25, 1.0]]
 
@@ -90,9 +94,12 @@ def test_repetition_penalty_decodes_as_transformers_does(engine, smollm2_dir) ->
     ids = torch.tensor([prompt.token_ids])
     with torch.no_grad():
         hf_out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
             repetition_penalty=1.3,
-        )  # fmt: skip
+        )
     hf_tokens = [t for t in hf_out[0, ids.shape[1] :].tolist() if t not in engine.stop_ids]
     sampling = SamplingParams(16, repetition_penalty=1.3)
     ours = engine.generate(Request(prompt, [None] * len(prompt.chunk_ids), "full", 1.0, sampling))

@@ -205,16 +205,18 @@ def test_a_token_reaches_the_reader_before_the_next_is_computed(
     monkeypatch.setattr("kvservice.serve.engine.refresh_steps", waiting)
     refreshed = []
     try:
-        request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3),
-                          refresh_ratio=0.5)  # fmt: skip
+        request = Request(
+            prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3), refresh_ratio=0.5
+        )
         for event in progressive.stream(request, on_refresh=lambda *a: refreshed.append(a)):
             if event.index == 0:
                 assert event.token_id >= 0 and not seen  # before the upgrade began
                 read_first.set()
         assert [ratio for _, ratio in seen] == [0.5] and seen[0][0]
         assert len(refreshed) == 1 and refreshed[0][0] == 0.5 and refreshed[0][1] > 0
-        off = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3),
-                      refresh_ratio=0.0)  # fmt: skip
+        off = Request(
+            prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3), refresh_ratio=0.0
+        )
         assert progressive.refresh_ratio_for(off) is None
         assert progressive.refresh_ratio_for(replace(off, refresh_ratio=None)) == 0.9
         assert progressive.refresh_ratio_for(replace(off, recompute_ratio=0.9)) is None

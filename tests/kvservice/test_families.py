@@ -33,10 +33,18 @@ STOP_IDS = [2, 7]  # generation_config.json's eos_token_id list (2 is SmolLM2's 
 def tiny_family_common(vocab_size: int) -> dict:
     """The tiny shape every family's test model shares (here and in test_gguf.py)."""
     return dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def tiny_family_config(kind: str, vocab_size: int):
@@ -45,9 +53,14 @@ def tiny_family_config(kind: str, vocab_size: int):
 
     common = tiny_family_common(vocab_size)
     if kind == "llama3":
-        llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                  "rope_theta": 50000.0}  # fmt: skip
+        llama3 = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 50000.0,
+        }
         return transformers.LlamaConfig(
             **common, rope_parameters=llama3, tie_word_embeddings=True
         ), transformers.LlamaForCausalLM
@@ -56,22 +69,38 @@ def tiny_family_config(kind: str, vocab_size: int):
             **common, head_dim=32, tie_word_embeddings=True
         ), transformers.Qwen3ForCausalLM
     if kind == "gemma3":
-        ropes = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+        ropes = {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
         types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
         return transformers.Gemma3TextConfig(
-            **common, head_dim=16, sliding_window=WINDOW, layer_types=types,
-            query_pre_attn_scalar=24, rope_parameters=ropes, final_logit_softcapping=30.0,
-        ), transformers.Gemma3ForCausalLM  # fmt: skip
+            **common,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=types,
+            query_pre_attn_scalar=24,
+            rope_parameters=ropes,
+            final_logit_softcapping=30.0,
+        ), transformers.Gemma3ForCausalLM
     if kind == "phi3":  # long-context LongRoPE with partial rotary, as Phi-4-mini
-        longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                    "original_max_position_embeddings": 512, "factor": 2.0,
-                    "short_factor": [1.0, 1.5, 2.0, 3.0],
-                    "long_factor": [2.0, 3.0, 4.0, 5.0]}  # fmt: skip
+        longrope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 512,
+            "factor": 2.0,
+            "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [2.0, 3.0, 4.0, 5.0],
+        }
         return transformers.Phi3Config(
-            **common, original_max_position_embeddings=512, partial_rotary_factor=0.5,
-            rope_parameters=longrope, sliding_window=WINDOW, tie_word_embeddings=False,
-        ), transformers.Phi3ForCausalLM  # fmt: skip
+            **common,
+            original_max_position_embeddings=512,
+            partial_rotary_factor=0.5,
+            rope_parameters=longrope,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+        ), transformers.Phi3ForCausalLM
     raise ValueError(kind)
 
 
@@ -178,10 +207,12 @@ def test_gemma3_blend_question_never_reads_past_a_local_window(family_dirs, smol
     blend's answer logits are finite."""
     model = Transformer.from_pretrained(family_dirs["gemma3"])
     prompt = PromptFormat.for_tokenizer(smollm2_tokenizer).build(
-        ["The Amazon river flows into the Atlantic Ocean. " * 4,
-         "Mount Kilimanjaro is the highest mountain in Africa. " * 4],
+        [
+            "The Amazon river flows into the Atlantic Ocean. " * 4,
+            "Mount Kilimanjaro is the highest mountain in Africa. " * 4,
+        ],
         "Where does the Amazon flow?",
-    )  # fmt: skip
+    )
     chunks = precompute_chunks(model, prompt.head_ids, prompt.chunk_ids)
     result = blend_prefill(
         model, prompt.head_ids, chunks, prompt.question_ids, recompute_ratio=0.15
@@ -223,8 +254,10 @@ def test_check_model_command_passes_gemma3_and_refuses_gpt2_by_name(family_dirs,
     assert "NOT supported" in refused.stdout and "'gpt2'" in refused.stdout
     passed = subprocess.run(
         [*command, str(family_dirs["gemma3"]), "--device", "cpu"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert ": supported (model type 'gemma3_text')" in passed.stdout
     assert "sliding window" in passed.stdout and "stop tokens: 2 '<|im_end|>'" in passed.stdout
@@ -243,13 +276,21 @@ def test_multimodal_gemma3_runs_its_language_model(tmp_path):
     text, _ = tiny_family_config("gemma3", 128)
     text.final_logit_softcapping = None
     vision = transformers.SiglipVisionConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-        image_size=28, patch_size=14,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
     config = transformers.Gemma3Config(
-        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-        image_token_index=120, boi_token_index=121, eoi_token_index=122,
-    )  # fmt: skip
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=120,
+        boi_token_index=121,
+        eoi_token_index=122,
+    )
     torch.manual_seed(5)
     hf_model = perturbed(transformers.Gemma3ForConditionalGeneration(config))
     hf_model.save_pretrained(tmp_path)
@@ -266,9 +307,14 @@ def test_a_sparse_multimodal_gemma3_config_gets_gemma3s_defaults():
     """Gemma 3 4B's ``text_config`` names six fields; the rest are Gemma3TextConfig's."""
     from kvservice.model.families import ModelConfig
 
-    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-            "sliding_window": 1024}  # fmt: skip
+    text = {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    }
     config = ModelConfig.from_hf_config({"model_type": "gemma3", "text_config": text})
     assert (config.n_heads, config.n_kv_heads, config.head_dim) == (8, 4, 256)
     assert (config.rope_type, config.rope_factor, config.local_rope_theta) == ("linear", 8.0, 1e4)

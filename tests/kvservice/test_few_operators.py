@@ -167,9 +167,18 @@ def test_a_layer_nobody_weighs_attends_as_the_weighed_one_in_fewer_operators() -
     k, v = torch.randn(1, 2, 50, 16, generator=gen), torch.randn(1, 2, 50, 16, generator=gen)
     positions, active = torch.arange(50), torch.arange(44, 50)
     plan = AttentionPlan(
-        positions, active, 0, 6, False, None, group_queries(active[-1:], positions, 2),
-        None, None, None, group_queries(active, positions, 2, min_rows=None),
-    )  # fmt: skip
+        positions,
+        active,
+        0,
+        6,
+        False,
+        None,
+        group_queries(active[-1:], positions, 2),
+        None,
+        None,
+        None,
+        group_queries(active, positions, 2, min_rows=None),
+    )
     weighed, weights = attend_layer(plan, q, k, v, last=False)
     plain, none = attend_layer(plan, q, k, v, last=False, weigh=False)
     assert none is None and weights.shape == (50,)

@@ -78,13 +78,27 @@ def _spm_vocab(gemma: bool) -> tuple[list[str], list[int], list[float]]:
 def _special_ids(kind: str, tokens: list[str]) -> dict[str, int]:
     index = {t: i for i, t in enumerate(tokens)}
     if kind == "bpe":
-        return dict(bos=index["<|begin_of_text|>"], eos=index["<|end_of_text|>"],
-                    eot=index["<|eot_id|>"], pad=index["<|end_of_text|>"])  # fmt: skip
+        return dict(
+            bos=index["<|begin_of_text|>"],
+            eos=index["<|end_of_text|>"],
+            eot=index["<|eot_id|>"],
+            pad=index["<|end_of_text|>"],
+        )
     if "<bos>" in index:
-        return dict(bos=index["<bos>"], eos=index["<eos>"], eot=index["<end_of_turn>"],
-                    pad=index["<pad>"], unk=index["<unk>"])  # fmt: skip
-    return dict(bos=index["<s>"], eos=index["</s>"], eot=index["<|end|>"], pad=index["</s>"],
-                unk=index["<unk>"])  # fmt: skip
+        return dict(
+            bos=index["<bos>"],
+            eos=index["<eos>"],
+            eot=index["<end_of_turn>"],
+            pad=index["<pad>"],
+            unk=index["<unk>"],
+        )
+    return dict(
+        bos=index["<s>"],
+        eos=index["</s>"],
+        eot=index["<|end|>"],
+        pad=index["</s>"],
+        unk=index["<unk>"],
+    )
 
 
 def _vocab(family: str) -> tuple[str, list[str], list[int], dict]:
@@ -152,16 +166,22 @@ def _gemma3_config(family: str, common: dict):
 
     scaled = family == "gemma3-scaled"
     head_dim = 16 if scaled else 256
-    full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6} if scaled else {
-        "rope_type": "default", "rope_theta": 1e6}  # fmt: skip
+    full = (
+        {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+        if scaled
+        else {"rope_type": "default", "rope_theta": 1e6}
+    )
     ropes = {
         "full_attention": full,
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
     }
     return transformers.Gemma3TextConfig(
-        **(common | {"num_hidden_layers": 6}), head_dim=head_dim, sliding_window=WINDOW,
-        query_pre_attn_scalar=head_dim, rope_parameters=ropes,
-    )  # fmt: skip
+        **(common | {"num_hidden_layers": 6}),
+        head_dim=head_dim,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=head_dim,
+        rope_parameters=ropes,
+    )
 
 
 def _qtype(hf_name: str, tensor: torch.Tensor):
@@ -226,9 +246,13 @@ def _write_rope(writer, arch: str, config, family: str) -> None:
 
         head_dim = config.hidden_size // config.num_attention_heads
         factors = llama3_rope_factors(
-            rope["rope_theta"], head_dim, rope["factor"], rope["low_freq_factor"],
-            rope["high_freq_factor"], rope["original_max_position_embeddings"],
-        )  # fmt: skip
+            rope["rope_theta"],
+            head_dim,
+            rope["factor"],
+            rope["low_freq_factor"],
+            rope["high_freq_factor"],
+            rope["original_max_position_embeddings"],
+        )
         writer.add_tensor("rope_freqs.weight", factors.float().numpy())
     elif family == "gemma3-scaled":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -453,8 +477,10 @@ def test_a_directory_without_a_tokenizer_is_named_as_such(gguf_files, tmp_path):
         resolve_llm_path(str(bare))
     result = subprocess.run(
         [sys.executable, "-m", "kvservice.tools.check_model", str(bare)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "has no tokenizer" in result.stderr
     assert json.loads((directory / "config.json").read_text())["model_type"] == "qwen3"
 
@@ -472,8 +498,10 @@ def test_gemma3_270m_gguf_passes_check_model():
     path = package.assemble()
     result = subprocess.run(
         [sys.executable, "-m", "kvservice.tools.check_model", str(path), "--device", "cpu"],
-        capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert ": supported (model type 'gemma3_text')" in result.stdout
     assert "reference: transformers' own reading of the GGUF file" in result.stdout

@@ -165,8 +165,11 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        shapes = tuple(tuple(t.shape) for t in (out if isinstance(out, (list, tuple)) else [out])
-                       if isinstance(t, torch.Tensor))  # fmt: skip
+        shapes = tuple(
+            tuple(t.shape)
+            for t in (out if isinstance(out, (list, tuple)) else [out])
+            if isinstance(t, torch.Tensor)
+        )
         self.seen.append((func._schema.name.removeprefix("aten::"), shapes))
         return out
 
@@ -226,7 +229,11 @@ def test_pass_shapes_pad_rows_to_powers_of_two_and_keys_to_a_step(model):
     assert graphs.shape(3, 100, 2, 3, 1) == graphs.shape(16, 512, 2, 16, 1)  # one recorded pass
     assert graphs.shape(3, 100, 2, 3, 1).weigh_from == 1
     assert [graphs.shape(n, 3000, layers, 0, 0).rows for n in (100, 129, 640, 641)] == [
-        128, 256, 640, 768]  # fmt: skip
+        128,
+        256,
+        640,
+        768,
+    ]
     assert graphs.scratch >= 3000 and graphs.cache.capacity == graphs.scratch + 1
     # the engine's pass instead: too many rows, past capacity, the question recorded beside
     # other tokens

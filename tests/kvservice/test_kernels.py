@@ -26,9 +26,12 @@ def _parts(bias: bool) -> list[nn.Linear]:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
     "kernel,tolerance",
-    [("torch", 1e-5), pytest.param("onednn", 1e-5, marks=ONEDNN),
-     pytest.param("onednn-bf16", 3e-2, marks=ONEDNN)],
-)  # fmt: skip
+    [
+        ("torch", 1e-5),
+        pytest.param("onednn", 1e-5, marks=ONEDNN),
+        pytest.param("onednn-bf16", 3e-2, marks=ONEDNN),
+    ],
+)
 def test_each_kernel_computes_each_parts_product(kernel, tolerance, bias):
     parts = _parts(bias)
     fused = FusedLinear(*parts)
@@ -140,8 +143,9 @@ def test_bfloat16_products_stay_close_to_float32(tiny_checkpoints):
     assert forced.kernel == "onednn-bf16" and forced.prefill_ms == {}
     logits, _ = model(ids, positions, all_logits=True)
     assert logits.dtype == torch.float32
-    kl = F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,
-                  reduction="none").sum(-1)  # fmt: skip
+    kl = F.kl_div(
+        logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none"
+    ).sum(-1)
     assert float(kl.mean()) < 1e-3
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
     assert float(agree) > 0.9

@@ -82,9 +82,16 @@ def test_refuses_unknown_rope_scaling_and_partial_rotary(tiny_checkpoints):
 
 def test_rope_is_relative():
     config = ModelConfig(
-        vocab_size=8, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
-        intermediate_size=8, norm_eps=1e-5, rope_theta=10000.0,
-    )  # fmt: skip
+        vocab_size=8,
+        dim=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=16,
+        intermediate_size=8,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
     inv_freq = rope_inv_freq(config)
     from kvservice.model.transformer import rope_cos_sin
 

@@ -45,8 +45,9 @@ def test_precomputing_after_a_given_context_kv_equals_computing_it(tiny_llama):
     context = torch.randint(0, 128, (40,), generator=gen).tolist()
     chunks = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 13)]
     fresh = precompute_chunks(tiny_llama, context, chunks)
-    given = precompute_chunks(tiny_llama, context, chunks,
-                              head_kv=precompute_head(tiny_llama, context))  # fmt: skip
+    given = precompute_chunks(
+        tiny_llama, context, chunks, head_kv=precompute_head(tiny_llama, context)
+    )
     for a, b in zip(fresh, given, strict=True):
         torch.testing.assert_close(a.k, b.k, atol=0, rtol=0)
         assert a.head_hash == b.head_hash == head_hash(context)
@@ -66,8 +67,9 @@ def test_chunks_stored_after_the_preamble_are_all_candidates_and_blend_at_one_is
     question = torch.randint(0, 128, (5,), generator=gen).tolist()
     stored = precompute_chunks(tiny_llama, head + preamble, chunks)
     full = blend_prefill(tiny_llama, head, stored, question, mode="full", chunk_ids=chunks)
-    every = blend_prefill(tiny_llama, head, stored, question, mode="blend", recompute_ratio=1.0,
-                          chunk_ids=chunks)  # fmt: skip
+    every = blend_prefill(
+        tiny_llama, head, stored, question, mode="blend", recompute_ratio=1.0, chunk_ids=chunks
+    )
     torch.testing.assert_close(every.logits, full.logits, atol=1e-4, rtol=1e-4)
     assert every.recompute_ratio_effective == 1.0  # the first chunk counted and recomputed
     reuse = blend_prefill(tiny_llama, head, stored, question, mode="reuse")

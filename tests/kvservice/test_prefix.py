@@ -36,9 +36,14 @@ def test_a_follow_up_over_an_exact_prefix_equals_full_prefill(tiny_llama, turn):
     full = blend_prefill(tiny_llama, head, kvs, second, mode="full")
     for mode in ("reuse", "blend"):
         follow = blend_prefill(
-            tiny_llama, head, [None] * len(chunks), second, mode=mode, chunk_ids=chunks,
+            tiny_llama,
+            head,
+            [None] * len(chunks),
+            second,
+            mode=mode,
+            chunk_ids=chunks,
             cached_prefix=prefix,
-        )  # fmt: skip
+        )
         torch.testing.assert_close(follow.logits, full.logits, atol=ATOL, rtol=ATOL)
         assert follow.recomputed_per_layer[0] == len(second)  # the question alone
         assert follow.recompute_ratio_effective == 0.0
@@ -51,11 +56,20 @@ def test_a_partial_prefix_leaves_the_other_chunks_to_blend(tiny_llama, turn):
     prefix = _prefix_after(tiny_llama, head, chunks, first, kvs, upto=2)
     sources = [None, None, *kvs[2:]]
     full = blend_prefill(tiny_llama, head, kvs, second, mode="full")
-    whole = blend_prefill(tiny_llama, head, sources, second, mode="blend", recompute_ratio=1.0,
-                          chunk_ids=chunks, cached_prefix=prefix)  # fmt: skip
+    whole = blend_prefill(
+        tiny_llama,
+        head,
+        sources,
+        second,
+        mode="blend",
+        recompute_ratio=1.0,
+        chunk_ids=chunks,
+        cached_prefix=prefix,
+    )
     torch.testing.assert_close(whole.logits, full.logits, atol=ATOL, rtol=ATOL)
-    reused = blend_prefill(tiny_llama, head, sources, second, mode="reuse", chunk_ids=chunks,
-                           cached_prefix=prefix)  # fmt: skip
+    reused = blend_prefill(
+        tiny_llama, head, sources, second, mode="reuse", chunk_ids=chunks, cached_prefix=prefix
+    )
     assert not torch.allclose(reused.logits, full.logits, atol=1e-3)
     assert reused.recomputed_per_layer[0] == len(second)
 

@@ -22,9 +22,13 @@ from kvservice.protocol import (
 
 def test_a_request_round_trips_and_a_newer_versions_fields_are_left_out():
     request = GenerateRequest(
-        request_id="r", question="q", chunks=[ChunkRef(1, [5, 6], "scope")],
-        history=[Turn("user", "hi")], target_ratio=0.1, refresh_ratio=0.25,
-    )  # fmt: skip
+        request_id="r",
+        question="q",
+        chunks=[ChunkRef(1, [5, 6], "scope")],
+        history=[Turn("user", "hi")],
+        target_ratio=0.1,
+        refresh_ratio=0.25,
+    )
     data = json.loads(json.dumps(request.to_dict()))
     assert GenerateRequest.from_dict(data) == request
     newer = dict(data, speculative_tokens=4)  # a field a newer web app sends

@@ -50,14 +50,24 @@ def _report(client: redis.Redis, request_id: str) -> dict | None:
 
 
 def _start_worker(shared: str, index: int, tmp_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_QUEUE": shared,
-           "INFERENCE_CONCURRENCY": "2", "INFERENCE_NODE_NAME": f"{shared}-{index}@%h",
-           "KV_DISK_DIR": str(tmp_path / f"disk{index}"),
-           "HEARTBEAT_KEY": f"ragblend:inference:heartbeat:{shared}-{index}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "INFERENCE_QUEUE": shared,
+        "INFERENCE_CONCURRENCY": "2",
+        "INFERENCE_NODE_NAME": f"{shared}-{index}@%h",
+        "KV_DISK_DIR": str(tmp_path / f"disk{index}"),
+        "HEARTBEAT_KEY": f"ragblend:inference:heartbeat:{shared}-{index}",
+    }
     log = open(tmp_path / f"inference{index}.log", "wb")  # noqa: SIM115 - the child keeps it
     try:
-        return subprocess.Popen([sys.executable, "-m", "kvservice.serve.server"], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvservice.serve.server"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     finally:
         log.close()
 
@@ -74,19 +84,28 @@ def test_questions_go_to_the_worker_holding_their_chunks_and_survive_its_death(
     texts = PASSAGES
 
     def chunks(scope: str, passages: list[str]) -> list[ChunkRef]:
-        return [ChunkRef(chunk_id=n, token_ids=smollm2_tokenizer.encode(text), kv_scope=scope)
-                for n, text in enumerate(passages)]  # fmt: skip
+        return [
+            ChunkRef(chunk_id=n, token_ids=smollm2_tokenizer.encode(text), kv_scope=scope)
+            for n, text in enumerate(passages)
+        ]
 
     def ask(refs: list[ChunkRef], queue: str | None = None) -> dict:
         """Send a question as the web side does (or to ``queue``); its outcome's metrics."""
         request = GenerateRequest(
-            request_id=str(uuid.uuid4()), question="Which river is named here?", chunks=refs,
-            mode="reuse", max_new_tokens=2,
-        )  # fmt: skip
+            request_id=str(uuid.uuid4()),
+            question="Which river is named here?",
+            chunks=refs,
+            mode="reuse",
+            max_new_tokens=2,
+        )
         queue = queue or routing.choose_queue(client, refs, shared).queue
         sender.send_task(GENERATE_TASK, args=[request.to_dict()], queue=queue)
-        final = wait_for(lambda: _report(client, request.request_id), timeout=240, interval=0.3,
-                         what="the answer")  # fmt: skip
+        final = wait_for(
+            lambda: _report(client, request.request_id),
+            timeout=240,
+            interval=0.3,
+            what="the answer",
+        )
         assert "metrics" in final, final
         return final["metrics"]
 
@@ -96,9 +115,15 @@ def test_questions_go_to_the_worker_holding_their_chunks_and_survive_its_death(
 
     set_a, set_b = chunks("ra", texts[:3]), chunks("rb", texts[3:6])
     try:
-        wait_for(lambda: all(worker_alive(client, w) for w in ids) or any(
-                     p.poll() is not None for p in processes),
-                 timeout=300, interval=1, what="both inference workers")  # fmt: skip
+        wait_for(
+            lambda: (
+                all(worker_alive(client, w) for w in ids)
+                or any(p.poll() is not None for p in processes)
+            ),
+            timeout=300,
+            interval=1,
+            what="both inference workers",
+        )
         assert all(p.poll() is None for p in processes), (tmp_path / "inference1.log").read_text()
 
         # Nobody holds set A: the shared queue, whichever worker is free.
@@ -121,14 +146,20 @@ def test_questions_go_to_the_worker_holding_their_chunks_and_survive_its_death(
         dead = processes[ids.index(first)]
         dead.send_signal(signal.SIGKILL)
         dead.wait(10)
-        orphan = GenerateRequest(str(uuid.uuid4()), "Which river?", set_a, mode="reuse",
-                                 max_new_tokens=2)  # fmt: skip
-        sender.send_task(GENERATE_TASK, args=[orphan.to_dict()],
-                         queue=routing.worker_queue(first, shared))  # fmt: skip
+        orphan = GenerateRequest(
+            str(uuid.uuid4()), "Which river?", set_a, mode="reuse", max_new_tokens=2
+        )
+        sender.send_task(
+            GENERATE_TASK, args=[orphan.to_dict()], queue=routing.worker_queue(first, shared)
+        )
         wait_for(lambda: not worker_alive(client, first), timeout=20, what="the alive key")
         assert routing.requeue_orphans(client, shared) == 1
-        wait_for(lambda: (_report(client, orphan.request_id) or {}).get("status") == "done",
-                 timeout=240, interval=0.3, what="the requeued question's answer")  # fmt: skip
+        wait_for(
+            lambda: (_report(client, orphan.request_id) or {}).get("status") == "done",
+            timeout=240,
+            interval=0.3,
+            what="the requeued question's answer",
+        )
         assert ask(set_a)["worker"] == other
     finally:
         stop_all(processes)

@@ -26,12 +26,27 @@ from kvservice.protocol import (
 from kvservice.protocol.events import answer_stream, decode_event, encode_event
 
 MEASURED = AnswerMetrics(
-    mode="blend", worker="host:42", ttft_s=0.31, second_token_s=0.4, total_s=1.25,
-    recompute_ratio=0.15, prompt_tokens=412, completion_tokens=37, finish_reason="length",
-    temperature=0.7, seed=11, dropped_chunks=(9, 10), citation="cited",
-    controller={"source": "auto", "why": {"load_s": 0.02}}, chunk_tiers={"3": "cpu", "4": "s3"},
-    recomputed_chunks=1, queue_s=0.01, prefill_s=0.2, load_s=0.05, hidden_load_fraction=0.8,
-)  # fmt: skip
+    mode="blend",
+    worker="host:42",
+    ttft_s=0.31,
+    second_token_s=0.4,
+    total_s=1.25,
+    recompute_ratio=0.15,
+    prompt_tokens=412,
+    completion_tokens=37,
+    finish_reason="length",
+    temperature=0.7,
+    seed=11,
+    dropped_chunks=(9, 10),
+    citation="cited",
+    controller={"source": "auto", "why": {"load_s": 0.02}},
+    chunk_tiers={"3": "cpu", "4": "s3"},
+    recomputed_chunks=1,
+    queue_s=0.01,
+    prefill_s=0.2,
+    load_s=0.05,
+    hidden_load_fraction=0.8,
+)
 
 
 def test_metrics_round_trip_through_json() -> None:
@@ -42,8 +57,11 @@ def test_metrics_round_trip_through_json() -> None:
 
 def test_an_older_workers_metrics_missing_keys_read_as_their_defaults() -> None:
     """A worker from before a key existed sends none: the default is what a ``.get`` read."""
-    older = {k: v for k, v in MEASURED.to_dict().items() if k not in ("second_token_s", "seed",
-             "prefix_cache", "chunk_tiers", "finish_reason")}  # fmt: skip
+    older = {
+        k: v
+        for k, v in MEASURED.to_dict().items()
+        if k not in ("second_token_s", "seed", "prefix_cache", "chunk_tiers", "finish_reason")
+    }
     read = AnswerMetrics.from_dict(older | {"speculated": 3})  # and a newer worker's key
     assert read.second_token_s is None and read.seed is None and read.prefix_cache is False
     assert read.chunk_tiers == {} and read.finish_reason == ""
@@ -53,10 +71,17 @@ def test_an_older_workers_metrics_missing_keys_read_as_their_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("ttft_s", "0.3"), ("prompt_tokens", 4.5), ("prompt_tokens", True), ("mode", None),
-     ("chunk_tiers", {"3": 1}), ("dropped_chunks", ["9"]), ("prefix_cache", 1),
-     ("controller", "auto")],
-)  # fmt: skip
+    [
+        ("ttft_s", "0.3"),
+        ("prompt_tokens", 4.5),
+        ("prompt_tokens", True),
+        ("mode", None),
+        ("chunk_tiers", {"3": 1}),
+        ("dropped_chunks", ["9"]),
+        ("prefix_cache", 1),
+        ("controller", "auto"),
+    ],
+)
 def test_metrics_of_the_wrong_type_are_refused_by_name(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=repr(key)):
         AnswerMetrics.from_dict(MEASURED.to_dict() | {key: value})
@@ -68,9 +93,11 @@ def test_a_json_integer_is_a_float_measure() -> None:
 
 def test_the_outcome_carries_typed_metrics_and_refuses_bad_ones() -> None:
     outcome = AnswerOutcome.answered(
-        "done", text="Vienna [1].", metrics=MEASURED,
+        "done",
+        text="Vienna [1].",
+        metrics=MEASURED,
         passages=[PassageUse(rank=1, chunk_id=3, tier="cpu", cited=True, highlight=(0, 6))],
-    )  # fmt: skip
+    )
     assert AnswerOutcome.from_dict(json.loads(json.dumps(outcome.to_dict()))) == outcome
     bad = outcome.to_dict() | {"metrics": {"total_s": "soon"}}
     with pytest.raises(ValueError, match="total_s"):
@@ -108,18 +135,25 @@ def test_events_round_trip_through_a_real_stream(redis_service) -> None:
 
 def test_one_error_shape_and_an_older_workers_error_reads_as_one() -> None:
     assert json.loads(encode_event(EVENTS[-2])["data"]) == {
-        "code": "generation_failed", "message": "TimeoutError: too slow", "text": "Vien",
-    }  # fmt: skip
+        "code": "generation_failed",
+        "message": "TimeoutError: too slow",
+        "text": "Vien",
+    }
     older = decode_event("error", {"message": "model exploded", "text": ""})  # no code
     assert older == Error(code="generation_failed", message="model exploded")
 
 
 @pytest.mark.parametrize(
     ("kind", "data"),
-    [("tokens", {"text": "x"}), ("token", {"text": 3}), ("queue", {"ahead": "2"}),
-     ("error", {"code": "oops", "message": "m"}), ("error", {"code": "not_answered"}),
-     ("done", {"metrics": {"ttft_s": [1]}})],
-)  # fmt: skip
+    [
+        ("tokens", {"text": "x"}),
+        ("token", {"text": 3}),
+        ("queue", {"ahead": "2"}),
+        ("error", {"code": "oops", "message": "m"}),
+        ("error", {"code": "not_answered"}),
+        ("done", {"metrics": {"ttft_s": [1]}}),
+    ],
+)
 def test_a_malformed_event_is_refused(kind: str, data: dict) -> None:
     with pytest.raises(ValueError):
         decode_event(kind, data)

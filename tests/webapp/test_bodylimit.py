@@ -11,10 +11,20 @@ from webapp.bodylimit import BodySizeLimit
 
 
 def _scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "root_path": "", "headers": [(b"host", b"testserver"), *headers],
-            "client": ("127.0.0.1", 40000), "server": ("testserver", 80)}  # fmt: skip
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"testserver"), *headers],
+        "client": ("127.0.0.1", 40000),
+        "server": ("testserver", 80),
+    }
 
 
 async def _call(app, scope: dict, chunks: list[bytes]) -> tuple[int, bytes, int]:
@@ -26,8 +36,11 @@ async def _call(app, scope: dict, chunks: list[bytes]) -> tuple[int, bytes, int]
         nonlocal read
         if read < len(chunks):
             read += 1
-            return {"type": "http.request", "body": chunks[read - 1],
-                    "more_body": read < len(chunks)}  # fmt: skip
+            return {
+                "type": "http.request",
+                "body": chunks[read - 1],
+                "more_body": read < len(chunks),
+            }
         await asyncio.sleep(3600)  # the client would keep sending: never reached when refused
 
     async def send(message: dict) -> None:

@@ -38,6 +38,12 @@ def test_the_web_process_imports_no_worker_code() -> None:
         "print(os.environ.get('OMP_WAIT_POLICY'))"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert done.stdout.split("\n")[:2] == ["[]", "None"], done.stdout

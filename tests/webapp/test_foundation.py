@@ -43,9 +43,15 @@ def test_healthz_reports_each_component_and_is_503_without_workers(client) -> No
     response = client.get("/healthz")
     body = response.json()
     assert set(body["components"]) == {
-        "database", "pgvector", "object_store", "broker", "web_models",
-        "celery_worker", "inference_worker", "model",
-    }  # fmt: skip
+        "database",
+        "pgvector",
+        "object_store",
+        "broker",
+        "web_models",
+        "celery_worker",
+        "inference_worker",
+        "model",
+    }
     for name in ("database", "pgvector", "object_store", "broker"):
         assert body["components"][name]["status"] == "up", body["components"][name]
     # No inference worker runs in this test: the check must say so, and the status must be 503.

@@ -93,9 +93,12 @@ def private_valkey(tmp_path_factory) -> Iterator[services.RunningService]:
 @pytest.fixture(scope="module")
 def private_s3(tmp_path_factory) -> Iterator[services.RunningService]:
     s3 = services.start_seaweedfs(
-        tmp_path_factory.mktemp("frozen-s3"), port=services.free_port(also_free_at_offset=10000),
-        access_key="frozen-access", secret_key="frozen-secret-key", buckets=TEST_S3_BUCKETS,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("frozen-s3"),
+        port=services.free_port(also_free_at_offset=10000),
+        access_key="frozen-access",
+        secret_key="frozen-secret-key",
+        buckets=TEST_S3_BUCKETS,
+    )
     yield s3
     os.killpg(s3.process.pid, signal.SIGCONT)
     s3.stop()
@@ -233,9 +236,11 @@ def pending_answer(django_user_model) -> Message:
     owner = django_user_model.objects.create_user(username="bob", password="bob-passphrase")
     conversation = Conversation.objects.create(owner=owner, title="t")
     return Message.objects.create(
-        conversation=conversation, role=Message.Role.ASSISTANT,
-        status=Message.Status.PENDING, mode="blend",
-    )  # fmt: skip
+        conversation=conversation,
+        role=Message.Role.ASSISTANT,
+        status=Message.Status.PENDING,
+        mode="blend",
+    )
 
 
 def _events(client: redis.Redis, request_id: str) -> list[tuple[str, dict]]:
@@ -272,8 +277,10 @@ def test_a_worker_whose_broker_freezes_gives_its_request_up_and_the_reaper_ends_
         published, publish_s = timed(lambda: publish_event(client, request_id, Token(text="!")))
         _, leave_s = timed(lambda: inference_server._leave_flight(client, request, reported=False))
         assert request_id in inference_server._unsettled  # kept for the heartbeat
-    print(f"frozen valkey: a token's publish failed after {publish_s:.2f} s, "
-          f"leaving flight after {leave_s:.2f} s")  # fmt: skip
+    print(
+        f"frozen valkey: a token's publish failed after {publish_s:.2f} s, "
+        f"leaving flight after {leave_s:.2f} s"
+    )
     assert isinstance(published, redis.TimeoutError)
     assert publish_s < REDIS_COMMAND_TIMEOUT_S + 2 and leave_s < REDIS_COMMAND_TIMEOUT_S + 2
 
@@ -300,13 +307,17 @@ def test_a_real_worker_whose_broker_freezes_mid_answer_has_its_answer_failed_onc
     answer pending until the worker was killed (11 min 36 s). The real inference worker now
     gives the request up, and the reaper ends the answer within seconds of valkey's return."""
     queue = f"inference-frozen-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": web_on_private_valkey,
-           "INFERENCE_QUEUE": queue, "INFERENCE_CONCURRENCY": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "REDIS_URL": web_on_private_valkey,
+        "INFERENCE_QUEUE": queue,
+        "INFERENCE_CONCURRENCY": "1",
+    }
     log_path = tmp_path / "inference.log"
     with open(log_path, "wb") as log:
         argv = [sys.executable, "-m", "kvservice.serve.server"]
-        worker = subprocess.Popen(argv, cwd=ROOT, env=env,
-                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        worker = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         _freeze_mid_answer(worker, private_valkey, pending_answer, queue, log_path)
     finally:
@@ -316,21 +327,37 @@ def test_a_real_worker_whose_broker_freezes_mid_answer_has_its_answer_failed_onc
 
 
 def _freeze_mid_answer(
-    worker: subprocess.Popen, valkey: services.RunningService, answer: Message, queue: str,
+    worker: subprocess.Popen,
+    valkey: services.RunningService,
+    answer: Message,
+    queue: str,
     log_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     client, request_id = redis_client(), str(answer.request_id)
-    request = GenerateRequest(request_id, "Write a long story about a river.", [],
-                              message_id=answer.id, max_new_tokens=400)  # fmt: skip
+    request = GenerateRequest(
+        request_id,
+        "Write a long story about a river.",
+        [],
+        message_id=answer.id,
+        max_new_tokens=400,
+    )
     celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=queue)
-    wait_for(lambda: worker.poll() is not None or _events(client, request_id), timeout=300,
-             interval=0.5, what="the first token")  # fmt: skip
+    wait_for(
+        lambda: worker.poll() is not None or _events(client, request_id),
+        timeout=300,
+        interval=0.5,
+        what="the first token",
+    )
     assert worker.poll() is None, log_path.read_text()[-3000:]
     with frozen(valkey):
         time.sleep(25)  # the worker's calls time out meanwhile (about 15 s of them)
     thawed = time.monotonic()
-    wait_for(lambda: inflight_entries(client).get(request_id, {}).get("abandoned"), timeout=30,
-             interval=0.5, what="the worker to give the request up")  # fmt: skip
+    wait_for(
+        lambda: inflight_entries(client).get(request_id, {}).get("abandoned"),
+        timeout=30,
+        interval=0.5,
+        what="the worker to give the request up",
+    )
 
     wait_until_reaped(answer)
     print(f"frozen valkey 25 s: answer failed {time.monotonic() - thawed:.1f} s after the thaw")
@@ -409,9 +436,12 @@ def _read_query_stream(base_url: str, auth: str, timeline: Timeline) -> None:
 
     try:
         with requests.post(
-            f"{base_url}/api/v1/query", json={"question": "Which rice for a risotto?",
-            "stream": True}, headers={"Authorization": auth}, stream=True, timeout=120,
-        ) as response:  # fmt: skip
+            f"{base_url}/api/v1/query",
+            json={"question": "Which rice for a risotto?", "stream": True},
+            headers={"Authorization": auth},
+            stream=True,
+            timeout=120,
+        ) as response:
             for line in response.iter_lines(chunk_size=None):
                 if line:
                     timeline.append((time.monotonic(), line.decode()))
@@ -424,8 +454,9 @@ def _read_completion_stream(base_url: str, auth: str, timeline: Timeline) -> Non
     """A streamed /v1/chat/completions as OpenAI's own client reads it."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=auth.removeprefix("Bearer "),
-                           timeout=120, max_retries=0)  # fmt: skip
+    client = openai.OpenAI(
+        base_url=f"{base_url}/v1", api_key=auth.removeprefix("Bearer "), timeout=120, max_retries=0
+    )
     messages = [{"role": "user", "content": "Which rice for a risotto?"}]
     try:
         for chunk in client.chat.completions.create(
@@ -443,9 +474,12 @@ def _streams_over_http_over_a_freeze(
     """Both streams started; 1 s after both began, valkey frozen for 25 s. {API: timeline},
     times in seconds since the freeze."""
     timelines: dict[str, Timeline] = {"/api/v1/query": [], "/v1/chat/completions": []}
-    readers = [threading.Thread(target=read, args=(base_url, auth, timeline), daemon=True)
-               for read, timeline in zip((_read_query_stream, _read_completion_stream),
-                                         timelines.values(), strict=True)]  # fmt: skip
+    readers = [
+        threading.Thread(target=read, args=(base_url, auth, timeline), daemon=True)
+        for read, timeline in zip(
+            (_read_query_stream, _read_completion_stream), timelines.values(), strict=True
+        )
+    ]
     for reader in readers:
         reader.start()
     wait_for(lambda: all(timelines.values()), timeout=180, what="both streams to begin")
@@ -455,8 +489,10 @@ def _streams_over_http_over_a_freeze(
         time.sleep(25)
     for reader in readers:
         reader.join(60)
-    return {name: [(round(at - froze, 1), got) for at, got in timeline]
-            for name, timeline in timelines.items()}  # fmt: skip
+    return {
+        name: [(round(at - froze, 1), got) for at, got in timeline]
+        for name, timeline in timelines.items()
+    }
 
 
 def _healthz_over_http_over_a_freeze(base_url: str, valkey: services.RunningService) -> Timeline:
@@ -469,8 +505,12 @@ def _healthz_over_http_over_a_freeze(base_url: str, valkey: services.RunningServ
         broker = health.json()["components"]["broker"]["status"]
         return time.monotonic(), f"{health.status_code} broker {broker}"
 
-    before = wait_for(lambda: (got := probe())[1].endswith("broker up") and got, timeout=30,
-                      interval=0.5, what="the broker up again")  # fmt: skip
+    before = wait_for(
+        lambda: (got := probe())[1].endswith("broker up") and got,
+        timeout=30,
+        interval=0.5,
+        what="the broker up again",
+    )
     with frozen(valkey):
         froze = time.monotonic()
         after = probe()
@@ -487,8 +527,7 @@ def test_over_http_both_streams_end_with_their_error_and_healthz_says_the_broker
     prematurely"), and /healthz said the broker was up (its results of just before)."""
     from tests.e2e.test_browser_chat import running_asgi_server
 
-    make_document(django_user_model.objects.get(username="alice"), "notes",
-                  list(PASSAGES.values()))  # fmt: skip
+    make_document(django_user_model.objects.get(username="alice"), "notes", list(PASSAGES.values()))
     env = {"REDIS_URL": private_valkey.env["REDIS_URL"], "HEALTH_CACHE_S": "5"}
     with running_asgi_server(django_db_blocker, tmp_path / "uvicorn.log", **env) as base_url:
         got = _streams_over_http_over_a_freeze(
@@ -496,8 +535,10 @@ def test_over_http_both_streams_end_with_their_error_and_healthz_says_the_broker
         )
         got["/healthz"] = _healthz_over_http_over_a_freeze(base_url, private_valkey)
     for name, timeline in got.items():
-        print(f"frozen valkey over HTTP, {name}: " + "; ".join(f"{at:+.1f} s {what[:160]}"
-                                                             for at, what in timeline))  # fmt: skip
+        print(
+            f"frozen valkey over HTTP, {name}: "
+            + "; ".join(f"{at:+.1f} s {what[:160]}" for at, what in timeline)
+        )
     query = got["/api/v1/query"]
     error_at = next((at for at, line in query if line == "event: error"), None)
     assert error_at is not None and error_at < 25, query

@@ -38,8 +38,12 @@ def test_a_request_joins_the_check_under_way(settings) -> None:
     first = threading.Thread(target=health.run_checks, args=(["celery_worker"],))
     first.start()
     try:
-        run = wait_for(lambda: _under_way("celery_worker", before), timeout=10, interval=0.01,
-                       what="the first request's ping")  # fmt: skip
+        run = wait_for(
+            lambda: _under_way("celery_worker", before),
+            timeout=10,
+            interval=0.01,
+            what="the first request's ping",
+        )
         health.run_checks(["celery_worker"])
         assert health._runs["celery_worker"] is run  # joined: no second ping
     finally:

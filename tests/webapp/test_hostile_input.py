@@ -130,9 +130,11 @@ def test_a_multipart_form_and_a_fields_name_are_checked_too(alice_client) -> Non
 def test_htmx_gets_the_message_as_a_fragment(alice_client, alice) -> None:
     conversation = Conversation.objects.create(owner=alice, title="Kitchen")
     response = alice_client.post(
-        f"/chat/{conversation.pk}/ask", _encoded(question="Kit\x00chen"), content_type=FORM,
+        f"/chat/{conversation.pk}/ask",
+        _encoded(question="Kit\x00chen"),
+        content_type=FORM,
         HTTP_HX_REQUEST="true",
-    )  # fmt: skip
+    )
     assert response.status_code == 400
     html = response.content.decode()
     assert "<html" not in html and "holds a NUL character" in html

@@ -45,9 +45,13 @@ ALLOWED = {"kvservice.paths"}
 def _probe() -> dict:
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "webapp.settings", "WEB_WARM_UP": "false"}
     result = subprocess.run(
-        [sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -57,6 +61,7 @@ def test_the_web_process_imports_no_torch_and_only_the_protocol_of_kvservice() -
     assert seen["views"] > 50  # the walk reached the apps' and the APIs' views
     assert not seen["embedder_loaded"]
     assert seen["torch"] == []
-    engine = [m for m in seen["kvservice"]
-              if not m.startswith("kvservice.protocol") and m not in ALLOWED]  # fmt: skip
+    engine = [
+        m for m in seen["kvservice"] if not m.startswith("kvservice.protocol") and m not in ALLOWED
+    ]
     assert engine == []

@@ -72,9 +72,10 @@ def test_asking_with_the_broker_down_is_a_503_and_the_answer_does_not_stay_pendi
     client.force_login(alice)
     conversation = chat.conversation_create(owner=alice)
     response = client.post(
-        f"/chat/{conversation.id}/ask", {"question": "Where does the Danube flow?"},
+        f"/chat/{conversation.id}/ask",
+        {"question": "Where does the Danube flow?"},
         HTTP_HX_REQUEST="true",
-    )  # fmt: skip
+    )
     assert response.status_code == 503 and response["Retry-After"].isdigit()
     assert "not responding" in response.content.decode()  # refused up front (rate limit)
     assert not Message.objects.filter(conversation=conversation).exists()
@@ -159,14 +160,16 @@ def test_a_question_beyond_the_backlog_limit_is_refused_before_anything_is_recor
     try:
         client.force_login(alice)
         conversation = chat.conversation_create(owner=alice)
-        page = client.post(f"/chat/{conversation.id}/ask", {"question": "Anyone there?"},
-                           HTTP_HX_REQUEST="true")  # fmt: skip
+        page = client.post(
+            f"/chat/{conversation.id}/ask", {"question": "Anyone there?"}, HTTP_HX_REQUEST="true"
+        )
         assert page.status_code == 503 and page["Retry-After"].isdigit()
         assert "busy" in page.content.decode()
         _, key = api_key_create(user=alice, name="k")
         auth = {"HTTP_AUTHORIZATION": f"Bearer {key}"}
-        api = Client().post("/api/v1/query", {"question": "Anyone?"},
-                            content_type="application/json", **auth)  # fmt: skip
+        api = Client().post(
+            "/api/v1/query", {"question": "Anyone?"}, content_type="application/json", **auth
+        )
         assert api.status_code == 503 and api["Retry-After"].isdigit()
         assert not Message.objects.filter(conversation__owner=alice).exists()
         redis_client().lpop(settings.INFERENCE_QUEUE)  # one was taken: room again
@@ -186,9 +189,10 @@ def test_an_upload_while_s3_is_down_is_a_503_and_stores_nothing(alice, settings)
     object_store.cache_clear()
     try:
         response = Client().post(
-            "/api/v1/documents", {"file": SimpleUploadedFile("a.txt", b"Some notes.")},
+            "/api/v1/documents",
+            {"file": SimpleUploadedFile("a.txt", b"Some notes.")},
             HTTP_AUTHORIZATION=f"Bearer {key}",
-        )  # fmt: skip
+        )
     finally:
         object_store.cache_clear()
     assert response.status_code == 503, response.content

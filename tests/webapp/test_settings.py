@@ -13,18 +13,25 @@ STRONG_KEY = "k3Y-" + "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"
 
 def _manage(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, "DEBUG": "false", "HTTPS": "true", **env}, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DEBUG": "false", "HTTPS": "true", **env},
+        timeout=120,
+    )
 
 
 def test_the_production_defaults_pass_djangos_deploy_check() -> None:
     env = {k: v for k, v in os.environ.items() if k != "SECURE_COOKIES"}  # the defaults
     result = subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**env, "DEBUG": "false", "HTTPS": "true", "SECRET_KEY": STRONG_KEY},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no issues" in result.stdout
 
@@ -47,7 +54,8 @@ def test_a_rate_limit_that_is_not_a_count_per_period_is_refused() -> None:
 def test_a_health_timeout_within_the_celery_ping_is_refused() -> None:
     """/healthz's deadline must leave the Celery ping, which waits its whole timeout, time
     to answer, or the Celery worker would always read as down."""
-    result = _manage("check", SECRET_KEY=STRONG_KEY, HEALTH_PING_TIMEOUT_S="3",
-                     HEALTH_TIMEOUT_S="2")  # fmt: skip
+    result = _manage(
+        "check", SECRET_KEY=STRONG_KEY, HEALTH_PING_TIMEOUT_S="3", HEALTH_TIMEOUT_S="2"
+    )
     assert result.returncode != 0 and "HEALTH_TIMEOUT_S (2) must be longer" in result.stderr
     assert _manage("check", SECRET_KEY=STRONG_KEY, HEALTH_TIMEOUT_S="4").returncode == 0

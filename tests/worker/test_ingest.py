@@ -12,15 +12,15 @@ from django.conf import settings
 from django.urls import reverse
 
 from kvservice.chunk import token_ids_sha256
-from kvservice.protocol.prompt import PromptFormat
 from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.prompt import PromptFormat
 from tests.conftest import wait_for
 from tests.webapp.documents import files
 from tests.webapp.documents.conftest import upload
 from webapp.documents import services
 from webapp.documents.chunking import llm_tokenizer
-from worker.kv import kv_store
 from webapp.documents.models import Chunk, Document
+from worker.kv import kv_store
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -94,8 +94,11 @@ def test_every_format_reaches_ready_with_chunks_embeddings_and_kv(
     assert len(documents) == len(made)
     # Seven documents' KV on a pool that gives way to other work (WORKER_NICE): minutes on
     # a loaded 2-core machine.
-    settled = wait_for(lambda: _settled([d.pk for d in documents.values()]), timeout=600,
-                       what="all documents to finish")  # fmt: skip
+    settled = wait_for(
+        lambda: _settled([d.pk for d in documents.values()]),
+        timeout=600,
+        what="all documents to finish",
+    )
     for document in settled:
         _assert_ready(document)
     latin1 = Document.objects.get(pk=documents["latin1.txt"].pk)
@@ -127,8 +130,11 @@ def test_bad_inputs_fail_with_a_message_and_the_worker_keeps_going(
     }
     documents = _post(client, alice, {name: data for name, (data, _) in bad.items()})
     after = _post(client, alice, {"after.txt": files.text_bytes("after")})["after.txt"]
-    settled = wait_for(lambda: _settled([d.pk for d in documents.values()] + [after.pk]),
-                       timeout=240, what="the bad documents to fail")  # fmt: skip
+    settled = wait_for(
+        lambda: _settled([d.pk for d in documents.values()] + [after.pk]),
+        timeout=240,
+        what="the bad documents to fail",
+    )
     by_title = {d.title: d for d in settled}
     for name, (_, message) in bad.items():
         document = by_title[name]
@@ -191,8 +197,12 @@ def test_twenty_musique_passages_reach_ready_with_kv(celery_worker_process, clie
     start = time.monotonic()
     documents = _post(client, alice, {f"musique-{i}.txt": t.encode() for i, t in enumerate(unique)})
     assert len(documents) == 20
-    settled = wait_for(lambda: _settled([d.pk for d in documents.values()]), timeout=600,
-                       interval=0.2, what="20 passages")  # fmt: skip
+    settled = wait_for(
+        lambda: _settled([d.pk for d in documents.values()]),
+        timeout=600,
+        interval=0.2,
+        what="20 passages",
+    )
     for document in settled:
         _assert_ready(document)
     print(f"20 Musique passages ready in {time.monotonic() - start:.1f} s")

@@ -26,19 +26,32 @@ def user(django_user_model):
 def _stored(seed: int, codec: str) -> tuple[str, ChunkKV]:
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(4, 3, 40, 64, generator=gen)
-    chunk = ChunkKV(list(range(seed, seed + 40)), k, torch.randn(4, 3, 40, 64, generator=gen),
-                    model_fingerprint="reencode-test", head_hash="head")  # fmt: skip
+    chunk = ChunkKV(
+        list(range(seed, seed + 40)),
+        k,
+        torch.randn(4, 3, 40, 64, generator=gen),
+        model_fingerprint="reencode-test",
+        head_hash="head",
+    )
     key = kv_store().store.put(chunk, tiers=[], codec=codec_by_name(codec))
     return key.to_string(), chunk
 
 
 def _rows(user, keys: list[str]) -> None:
-    document = Document.objects.create(owner=user, title="t", content_sha256="1" * 64,
-                                       status=Document.Status.READY)  # fmt: skip
+    document = Document.objects.create(
+        owner=user, title="t", content_sha256="1" * 64, status=Document.Status.READY
+    )
     for index, key in enumerate(keys):
-        Chunk.objects.create(document=document, index=index, text="x", token_ids=[1] * 40,
-                             token_count=40, token_ids_sha256=f"{index:064x}", kv_key=key,
-                             kv_status="ready")  # fmt: skip
+        Chunk.objects.create(
+            document=document,
+            index=index,
+            text="x",
+            token_ids=[1] * 40,
+            token_count=40,
+            token_ids_sha256=f"{index:064x}",
+            kv_key=key,
+            kv_status="ready",
+        )
 
 
 def _run(*args: str) -> str:
@@ -48,8 +61,11 @@ def _run(*args: str) -> str:
 
 
 def test_fp16_objects_are_reencoded_resumably_and_their_bytes_recorded(user) -> None:
-    (first, chunk), (second, _), (int8, _) = _stored(1, "fp16"), _stored(2, "fp16"), _stored(
-        3, "int8")  # fmt: skip
+    (first, chunk), (second, _), (int8, _) = (
+        _stored(1, "fp16"),
+        _stored(2, "fp16"),
+        _stored(3, "int8"),
+    )
     _rows(user, [first, second, first, int8])  # a shared object is re-encoded once
     store = kv_store()
     fp16_bytes = store.object_bytes(first)

@@ -32,8 +32,9 @@ def pending(django_user_model):
     conversation = services.conversation_create(owner=owner)
 
     def make() -> Message:
-        return Message.objects.create(conversation=conversation, role="assistant",
-                                      status=Message.Status.PENDING)  # fmt: skip
+        return Message.objects.create(
+            conversation=conversation, role="assistant", status=Message.Status.PENDING
+        )
 
     return make
 

@@ -28,8 +28,14 @@ print("loaded", _build_producer.cache_info().currsize, _load_embedder.cache_info
 
 def test_a_task_waits_for_its_process_warm_up() -> None:
     env = {**os.environ, "WORKER_WARM_UP": "1", "WORKER_NICE": "0"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
     assert lines["loading"] == "True"  # the warm-up was still running when the task came

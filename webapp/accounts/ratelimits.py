@@ -64,9 +64,13 @@ def _seconds_until_allowed(request: HttpRequest, limit: str) -> int | None:
     setting, _ = LIMITS[limit]
     try:
         usage = get_usage(
-            request, group=limit, key=client_address, rate=getattr(settings, setting),
-            method="POST", increment=True,
-        )  # fmt: skip
+            request,
+            group=limit,
+            key=client_address,
+            rate=getattr(settings, setting),
+            method="POST",
+            increment=True,
+        )
     except outages.SERVICE_ERRORS as err:
         log.warning("the %s rate limit is not counted, the cache is down: %s", limit, err)
         return None
@@ -78,9 +82,12 @@ def user_seconds_until_allowed(request: HttpRequest, user) -> int | None:
     until its period ends."""
     rate = f"{settings.API_RATE_LIMIT_REQUESTS}/{settings.API_RATE_LIMIT_WINDOW_S}s"
     usage = get_usage(
-        request, group="user", key=lambda _group, _request: str(user.pk), rate=rate,
+        request,
+        group="user",
+        key=lambda _group, _request: str(user.pk),
+        rate=rate,
         increment=True,
-    )  # fmt: skip
+    )
     return _retry_after(usage)
 
 

@@ -144,9 +144,12 @@ def invite_create(
         raise InviteError(" ".join(errors))
     token = secrets.token_urlsafe(INVITE_TOKEN_BYTES)
     invite = Invite.objects.create(
-        created_by=created_by, token_sha256=secret_sha256(token), username=username,
-        email=email, expires_at=timezone.now() + timedelta(days=days),
-    )  # fmt: skip
+        created_by=created_by,
+        token_sha256=secret_sha256(token),
+        username=username,
+        email=email,
+        expires_at=timezone.now() + timedelta(days=days),
+    )
     return invite, token
 
 

@@ -59,7 +59,7 @@ def retrieval_of(answer: Message) -> list[dict[str, Any]]:
             "score": c.score,
             "similarity": c.similarity,
             "text_rank": c.text_rank,
-        }  # fmt: skip
+        }
         for c in answer.citations.all()
     ]
 
@@ -72,9 +72,10 @@ def metrics_of(answer: Message, metrics: AnswerMetrics) -> dict[str, Any]:
     """The API's metrics object, from the worker's outcome: its time to first token beside
     the user's (``ttft_seen_s``), as the chat records them."""
     ttft_seen = ttft_seen_s(
-        asked_at=answer.asked_at, request_id=str(answer.request_id),
+        asked_at=answer.asked_at,
+        request_id=str(answer.request_id),
         worker_ttft_s=metrics.ttft_s,
-    )  # fmt: skip
+    )
     return {
         "ttft_s": metrics.ttft_s,
         "ttft_seen_s": ttft_seen,
@@ -97,19 +98,29 @@ def citations_of(answer: Message, outcome: AnswerOutcome | None = None) -> list[
     citations = list(answer.citations.all())
     if outcome is None:
         cited = {c.rank for c in citations if c.cited}
-        spans = {c.rank: (c.highlight_start, c.highlight_end) for c in citations
-                 if c.highlight_start is not None}  # fmt: skip
+        spans = {
+            c.rank: (c.highlight_start, c.highlight_end)
+            for c in citations
+            if c.highlight_start is not None
+        }
     else:
         cited = {use.rank for use in outcome.passages if use.cited}
         spans = {use.rank: use.highlight for use in outcome.passages if use.highlight}
     out = []
     for c in citations:
         span = spans.get(c.rank)
-        out.append({
-            "rank": c.rank, "document_id": c.document_id, "chunk_id": c.chunk_id,
-            "document_title": c.document_title, "text": c.text, "cited": c.rank in cited,
-            "score": c.score, "highlight": c.text[span[0] : span[1]] if span else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "rank": c.rank,
+                "document_id": c.document_id,
+                "chunk_id": c.chunk_id,
+                "document_title": c.document_title,
+                "text": c.text,
+                "cited": c.rank in cited,
+                "score": c.score,
+                "highlight": c.text[span[0] : span[1]] if span else None,
+            }
+        )
     return out
 
 

@@ -43,9 +43,18 @@ def error_responses(*statuses: int) -> dict[int, type[ErrorOut]]:
     return {status: ErrorOut for status in sorted({400, 401, 422, 429, 503, *statuses})}
 
 
-_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-          405: "method_not_allowed", 413: "too_large", 422: "invalid_request",
-          429: "rate_limited", 500: "internal_error", 503: "service_unavailable"}  # fmt: skip
+_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "too_large",
+    422: "invalid_request",
+    429: "rate_limited",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 
 AUTH_MESSAGE = "Send a valid API key as 'Authorization: Bearer <key>' (create one under API keys)."
 

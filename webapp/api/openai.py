@@ -38,9 +38,16 @@ openai_api = NinjaAPI(
     urls_namespace="openai_v1",
 )
 
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                429: "rate_limit_error", 500: "server_error", 502: "server_error",
-                503: "server_error", 504: "timeout"}  # fmt: skip
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "timeout",
+}
 
 
 def _openai_error(error: ApiError) -> dict[str, Any]:
@@ -97,17 +104,23 @@ def _mode_for(request: HttpRequest, model: str) -> str:
 
 @openai_api.get("/models")
 def list_models(request: HttpRequest):
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": CREATED, "owned_by": "ragblend"}
-        for name in _models_for(request.user)
-    ]}  # fmt: skip
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": CREATED, "owned_by": "ragblend"}
+            for name in _models_for(request.user)
+        ],
+    }
 
 
 def _usage(metrics: AnswerMetrics) -> dict[str, int]:
     prompt = int(metrics.prompt_tokens or 0)
     completion = int(metrics.completion_tokens or 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _finish_reason(metrics: AnswerMetrics) -> str:
@@ -128,14 +141,18 @@ def _extras(answer: Message, result: AnswerOutcome) -> dict[str, Any]:
             "withheld": result.withheld,
             "parts_not_found": answer.parts_not_found,
             "metrics": answers.metrics_of(answer, result.metrics),
-        },  # fmt: skip
+        },
     }
 
 
 def _chunk(answer: Message, model: str, delta: dict, finish: str | None = None) -> dict:
-    return {"id": f"chatcmpl-{answer.request_id}", "object": "chat.completion.chunk",
-            "created": int(answer.created_at.timestamp()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    return {
+        "id": f"chatcmpl-{answer.request_id}",
+        "object": "chat.completion.chunk",
+        "created": int(answer.created_at.timestamp()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
 
 
 async def _completion_events(answer: Message, model: str) -> AsyncIterator[str]:
@@ -170,9 +187,11 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
     mode = _mode_for(request, payload.model)
     try:
         answer = completion_ask(
-            user=request.user, turns=[(m.role, m.text()) for m in payload.messages], mode=mode,
+            user=request.user,
+            turns=[(m.role, m.text()) for m in payload.messages],
+            mode=mode,
             scope=scope_of(payload),
-        )  # fmt: skip
+        )
     except AnswerServiceUnavailable as err:
         raise unavailable(str(err)) from err
     except ScopeNotFound as err:
@@ -198,6 +217,6 @@ def chat_completions(request: HttpRequest, payload: ChatCompletionIn):
                 "finish_reason": _finish_reason(result.metrics),
                 "message": {"role": "assistant", "content": result.text},
             }
-        ],  # fmt: skip
+        ],
         "usage": _usage(result.metrics),
     } | _extras(answer, result)

@@ -33,9 +33,11 @@ def completion_ask(
     conversation = chat.conversation_create(owner=user, source=Conversation.Source.API)
     if scope is not None:
         chat.conversation_set_scope(
-            user=user, conversation=conversation,
-            collection_ids=scope.collection_ids, document_ids=scope.document_ids,
-        )  # fmt: skip
+            user=user,
+            conversation=conversation,
+            collection_ids=scope.collection_ids,
+            document_ids=scope.document_ids,
+        )
     Message.objects.bulk_create(
         Message(
             conversation=conversation, role=role, content=text[:limit], status=Message.Status.DONE

@@ -91,11 +91,17 @@ def _get_document_for_user(
 
 def _document_out(document: Document, user) -> dict:
     return {
-        "id": document.pk, "title": document.title, "status": document.status,
-        "progress": document.progress, "error": document.error_message, "stage": document.stage,
-        "size_bytes": document.size_bytes, "created_at": document.created_at,
-        "updated_at": document.updated_at, "read_only": document.owner_id != user.pk,
-    }  # fmt: skip
+        "id": document.pk,
+        "title": document.title,
+        "status": document.status,
+        "progress": document.progress,
+        "error": document.error_message,
+        "stage": document.stage,
+        "size_bytes": document.size_bytes,
+        "created_at": document.created_at,
+        "updated_at": document.updated_at,
+        "read_only": document.owner_id != user.pk,
+    }
 
 
 @documents_router.post("", response={201: DocumentCreatedOut, **error_responses(413)})
@@ -202,9 +208,11 @@ def set_scope(request: HttpRequest, conversation: Conversation, scope: Scope | N
         return
     try:
         chat.conversation_set_scope(
-            user=request.user, conversation=conversation,
-            collection_ids=scope.collection_ids, document_ids=scope.document_ids,
-        )  # fmt: skip
+            user=request.user,
+            conversation=conversation,
+            collection_ids=scope.collection_ids,
+            document_ids=scope.document_ids,
+        )
     except chat.ScopeNotFound as err:
         raise ApiError(404, "not_found", str(err)) from err
 
@@ -256,8 +264,14 @@ def _query_out(answer: Message, result: AnswerOutcome) -> dict:
 
 
 async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator[str]:
-    yield sse("start", {"conversation_id": answer.conversation_id,
-                                "message_id": answer.pk, "citations": citations})  # fmt: skip
+    yield sse(
+        "start",
+        {
+            "conversation_id": answer.conversation_id,
+            "message_id": answer.pk,
+            "citations": citations,
+        },
+    )
     try:
         async for event in answers.answer_events(str(answer.request_id)):
             if isinstance(event, Token):
@@ -270,8 +284,7 @@ async def _query_events(answer: Message, citations: list[dict]) -> AsyncIterator
                     out = await sync_to_async(_query_out)(answer, result)  # reads citations
                     yield sse("done", out)
                 else:
-                    yield sse("error", {"code": "generation_failed",
-                                                "message": result.error})  # fmt: skip
+                    yield sse("error", {"code": "generation_failed", "message": result.error})
     except AnswerTimeout as err:
         yield sse("error", {"code": "timeout", "message": str(err)})
     except Exception as err:  # a service lost mid-stream: the client gets an end, not a cut
@@ -296,8 +309,13 @@ def event_stream_response(events: AsyncIterator[str]) -> StreamingHttpResponse:
 def query(request: HttpRequest, payload: QueryIn):
     """Ask a question over your ready documents (or the collections and documents named,
     which the conversation then keeps searching); the answer cites the chunks it was given."""
-    answer = ask(request, question=payload.question, mode=payload.mode,
-                 conversation_id=payload.conversation_id, scope=scope_of(payload))  # fmt: skip
+    answer = ask(
+        request,
+        question=payload.question,
+        mode=payload.mode,
+        conversation_id=payload.conversation_id,
+        scope=scope_of(payload),
+    )
     if payload.stream:
         return event_stream_response(_query_events(answer, answers.citations_of(answer)))
     try:
@@ -317,21 +335,31 @@ conversations_router = Router(tags=["conversations"])
 def _message_out(message: Message) -> dict:
     has_metrics = message.role == Message.Role.ASSISTANT and not message.is_open
     return {
-        "id": message.pk, "role": message.role, "content": message.content,
-        "withheld": message.withheld_text, "parts_not_found": message.parts_not_found,
-        "status": message.status, "error": message.error_message, "mode": message.mode,
+        "id": message.pk,
+        "role": message.role,
+        "content": message.content,
+        "withheld": message.withheld_text,
+        "parts_not_found": message.parts_not_found,
+        "status": message.status,
+        "error": message.error_message,
+        "mode": message.mode,
         "created_at": message.created_at,
         **answers.sources_of(message),
         "metrics": {
-            "ttft_s": message.ttft_s, "ttft_seen_s": message.ttft_seen_s,
-            "total_s": message.total_s, "mode": message.mode,
+            "ttft_s": message.ttft_s,
+            "ttft_seen_s": message.ttft_seen_s,
+            "total_s": message.total_s,
+            "mode": message.mode,
             "recompute_ratio": answers.rounded_ratio(message.recompute_ratio),
             "from_prefix_cache": message.from_prefix_cache,
-            "tiers": message.tiers or {}, "prompt_tokens": message.prompt_tokens,
+            "tiers": message.tiers or {},
+            "prompt_tokens": message.prompt_tokens,
             "completion_tokens": message.completion_tokens,
             "retrieval": answers.retrieval_of(message),
-        } if has_metrics else None,
-    }  # fmt: skip
+        }
+        if has_metrics
+        else None,
+    }
 
 
 def _conversation_out(conversation: Conversation) -> dict:
@@ -358,11 +386,13 @@ def conversation_detail(request: HttpRequest, conversation_id: int):
     messages = conversation.messages.shown().prefetch_related("citations")
     scope = conversation.scope
     return _conversation_out(conversation) | {
-        "scope": {"collection_ids": sorted(scope.collection_ids),
-                  "document_ids": sorted(scope.document_ids),
-                  "everything": scope.is_everything},
+        "scope": {
+            "collection_ids": sorted(scope.collection_ids),
+            "document_ids": sorted(scope.document_ids),
+            "everything": scope.is_everything,
+        },
         "messages": [_message_out(m) for m in messages],
-    }  # fmt: skip
+    }
 
 
 # --- collections -----------------------------------------------------------------------------
@@ -372,11 +402,14 @@ collections_router = Router(tags=["collections"])
 
 def _collection_out(collection: Collection, user) -> dict:
     return {
-        "id": collection.pk, "name": collection.name, "owner": collection.owner.get_username(),
+        "id": collection.pk,
+        "name": collection.name,
+        "owner": collection.owner.get_username(),
         "read_only": collection.owner_id != user.pk,
         "document_ids": sorted(d.pk for d in collection.documents.all()),
-        "created_at": collection.created_at, "updated_at": collection.updated_at,
-    }  # fmt: skip
+        "created_at": collection.created_at,
+        "updated_at": collection.updated_at,
+    }
 
 
 @collections_router.get("", response={200: CollectionListOut, **error_responses()})
@@ -480,7 +513,7 @@ def cache_stats(request: HttpRequest):
             mean_ttft_s=Avg("ttft_s"),
             mean_total_s=Avg("total_s"),
             mean_recompute_ratio=Avg("recompute_ratio"),
-        )  # fmt: skip
+        )
         .order_by("mode")
     )
     kv_objects = Chunk.objects.exclude(kv_key="").values("kv_key").distinct().count()
@@ -492,8 +525,13 @@ def cache_stats(request: HttpRequest):
         {**row, "mean_recompute_ratio": answers.rounded_ratio(row["mean_recompute_ratio"])}
         for row in modes
     ]
-    return {"chunks": chunks, "kv_objects": kv_objects, "tiers": tiers, "modes": modes,
-            "worker": worker}  # fmt: skip
+    return {
+        "chunks": chunks,
+        "kv_objects": kv_objects,
+        "tiers": tiers,
+        "modes": modes,
+        "worker": worker,
+    }
 
 
 api.add_router("/documents", documents_router)

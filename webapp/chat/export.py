@@ -11,17 +11,23 @@ from webapp.chat.models import Citation, Conversation, Message
 
 
 def _citation(citation: Citation) -> dict[str, Any]:
-    return {"rank": citation.rank, "document_title": citation.document_title,
-            "document_id": citation.document_id, "cited": citation.cited,
-            "text": citation.text}  # fmt: skip
+    return {
+        "rank": citation.rank,
+        "document_title": citation.document_title,
+        "document_id": citation.document_id,
+        "cited": citation.cited,
+        "text": citation.text,
+    }
 
 
 def _message(message: Message) -> dict[str, Any]:
     return {
-        "role": message.role, "content": message.content, "status": message.status,
+        "role": message.role,
+        "content": message.content,
+        "status": message.status,
         "created_at": message.created_at.isoformat(),
         "citations": [_citation(c) for c in message.citations.all()],
-    }  # fmt: skip
+    }
 
 
 def _messages(conversation: Conversation):
@@ -39,8 +45,12 @@ def conversation_json(conversation: Conversation) -> str:
 
 
 def conversation_markdown(conversation: Conversation) -> str:
-    lines = [f"# {conversation.title}", "",
-             f"Started {conversation.created_at:%Y-%m-%d %H:%M} UTC.", ""]  # fmt: skip
+    lines = [
+        f"# {conversation.title}",
+        "",
+        f"Started {conversation.created_at:%Y-%m-%d %H:%M} UTC.",
+        "",
+    ]
     for message in _messages(conversation):
         if message.role == Message.Role.USER:
             lines += ["## Question", "", message.content, ""]

@@ -76,9 +76,14 @@ def topic_questions(earlier: Sequence[str], question: str) -> list[str]:
 
 
 def follow_up_chunks(
-    *, user, question: str, topic: Sequence[str], top_k: int, min_score: float,
+    *,
+    user,
+    question: str,
+    topic: Sequence[str],
+    top_k: int,
+    min_score: float,
     scope: Scope = EVERYTHING,
-) -> list[Chunk]:  # fmt: skip
+) -> list[Chunk]:
     """A follow-up's passages, best first: it is searched alone and with ``topic`` (the
     earlier questions it refers to) joined on ("And what is her e-mail?" means little on its
     own), and the passages of both searches are ranked by their relevance scores: the joined
@@ -92,9 +97,13 @@ def follow_up_chunks(
     best: dict[str, Chunk] = {}  # by content: the better score of the two searches
     for query, vector in zip(queries, embed_texts(queries), strict=True):
         for chunk in retrieve_chunks(
-            user=user, question=query, query_embedding=vector, top_k=top_k,
-            min_score=min_score, scope=scope,
-        ):  # fmt: skip
+            user=user,
+            question=query,
+            query_embedding=vector,
+            top_k=top_k,
+            min_score=min_score,
+            scope=scope,
+        ):
             known = best.get(chunk.token_ids_sha256)
             if known is None or chunk.score > known.score:
                 best[chunk.token_ids_sha256] = chunk

@@ -54,9 +54,11 @@ QUESTION_WORDS = frozenset({"much", "mani", "often"})
 # the number only where it starts a line as a list's does (not "day 3" in a sentence).
 # The noun it counts ("the third step") names the kind of answer, as QUESTION_WORDS do: a
 # list says "3.", not "step", and a missing word counts as the rarest.
-ORDINAL_WORDS = ("first second third fourth fifth sixth seventh eighth ninth tenth eleventh "
-                 "twelfth thirteenth fourteenth fifteenth sixteenth seventeenth eighteenth "
-                 "nineteenth twentieth").split()  # fmt: skip
+ORDINAL_WORDS = (
+    "first second third fourth fifth sixth seventh eighth ninth tenth eleventh "
+    "twelfth thirteenth fourteenth fifteenth sixteenth seventeenth eighteenth "
+    "nineteenth twentieth"
+).split()
 _NUMBERED_ORDINAL = re.compile(r"(\d{1,4})(?:st|nd|rd|th)", re.IGNORECASE)  # "3rd"
 _COUNTED_NOUN = re.compile(
     rf"\b((?:{'|'.join(ORDINAL_WORDS)}|\d{{1,4}}(?:st|nd|rd|th))\s+)"
@@ -166,10 +168,13 @@ def term_weights(chunks: QuerySet[Chunk], terms: Sequence[str]) -> dict[str, flo
 def _share(weights: Mapping[str, float], terms: Sequence[str]) -> Expression:
     whole = sum(weights[term] for term in terms)
     parts = [
-        Case(When(_holds(term), then=Value(weights[term] / whole)), default=Value(0.0),
-             output_field=FloatField())
+        Case(
+            When(_holds(term), then=Value(weights[term] / whole)),
+            default=Value(0.0),
+            output_field=FloatField(),
+        )
         for term in terms
-    ]  # fmt: skip
+    ]
     total = parts[0]
     for part in parts[1:]:
         total = total + part
@@ -233,9 +238,13 @@ def _by_text(chunks: QuerySet[Chunk], question: str, covered: Expression, limit:
 
 
 def rank_candidates(
-    *, user, question: str, query_embedding: Sequence[float], limit: int,
+    *,
+    user,
+    question: str,
+    query_embedding: Sequence[float],
+    limit: int,
     scope: Scope = EVERYTHING,
-) -> list[Chunk]:  # fmt: skip
+) -> list[Chunk]:
     """Up to ``limit`` chunks by vector and up to ``limit`` by full text, fused by reciprocal
     rank, best first, each carrying ``similarity`` (cosine), ``text_rank`` (term coverage,
     0..1) and ``score`` (their mean, weighted by ``FULL_TEXT_SHARE``). No threshold."""
@@ -273,12 +282,16 @@ def retrieve_chunks(
     of their own), in fused order, one per distinct text, whose score reaches ``min_score``
     (see :func:`rank_candidates` for what each carries)."""
     candidates = rank_candidates(
-        user=user, question=question, query_embedding=query_embedding,
-        limit=max(top_k * 4, 20), scope=scope,
-    )  # fmt: skip
+        user=user,
+        question=question,
+        query_embedding=query_embedding,
+        limit=max(top_k * 4, 20),
+        scope=scope,
+    )
     # the same text in two documents is cited once
-    return first_distinct(candidates, lambda c: c.token_ids_sha256, lambda c: c.score,
-                          min_score, top_k)  # fmt: skip
+    return first_distinct(
+        candidates, lambda c: c.token_ids_sha256, lambda c: c.score, min_score, top_k
+    )
 
 
 @dataclass
@@ -302,17 +315,29 @@ def retrieve_question(
     queries = [question, *parts] if len(parts) > 1 else [question]
     vectors = embed_texts(queries)
     found = [
-        retrieve_chunks(user=user, question=query, query_embedding=vector, top_k=top_k,
-                        min_score=min_score, scope=scope)
+        retrieve_chunks(
+            user=user,
+            question=query,
+            query_embedding=vector,
+            top_k=top_k,
+            min_score=min_score,
+            scope=scope,
+        )
         for query, vector in zip(queries, vectors, strict=True)
-    ]  # fmt: skip
+    ]
     if len(found) == 1:
         return Retrieved(found[0])
     in_turn = itertools.chain.from_iterable(itertools.zip_longest(*found[1:], found[0]))
-    chunks = first_distinct((c for c in in_turn if c is not None), lambda c: c.token_ids_sha256,
-                            lambda c: c.score, min_score, top_k)  # fmt: skip
-    return Retrieved(chunks, [part for part, kept in zip(parts, found[1:], strict=True)
-                              if not kept])  # fmt: skip
+    chunks = first_distinct(
+        (c for c in in_turn if c is not None),
+        lambda c: c.token_ids_sha256,
+        lambda c: c.score,
+        min_score,
+        top_k,
+    )
+    return Retrieved(
+        chunks, [part for part, kept in zip(parts, found[1:], strict=True) if not kept]
+    )
 
 
 def first_distinct(

@@ -112,8 +112,11 @@ API_SCOPE_GONE = (
     "exist, or are no longer shared with you. Name others in collection_ids or document_ids "
     "(or empty lists, to search all your own documents), then ask again."
 )
-_API_WORDING = {NOTHING_OF_YOUR_OWN: API_NOTHING_OF_YOUR_OWN,
-                NOTHING_IN_SCOPE: API_NOTHING_IN_SCOPE, SCOPE_GONE: API_SCOPE_GONE}  # fmt: skip
+_API_WORDING = {
+    NOTHING_OF_YOUR_OWN: API_NOTHING_OF_YOUR_OWN,
+    NOTHING_IN_SCOPE: API_NOTHING_IN_SCOPE,
+    SCOPE_GONE: API_SCOPE_GONE,
+}
 NOT_IN_DOCUMENTS = (
     "I could not find this in your documents: no passage is close enough to the question. "
     "Try other words, or upload a document that covers it."
@@ -211,9 +214,13 @@ def conversation_set_scope(
 
 def _send(answer: Message, question: str, history: list[Turn], citations: list[Citation]) -> None:
     request = generate_request(
-        answer=answer, question=question, history=history, citations=citations,
-        mode=answer.mode, **request_ratios(),
-    )  # fmt: skip
+        answer=answer,
+        question=question,
+        history=history,
+        citations=citations,
+        mode=answer.mode,
+        **request_ratios(),
+    )
     try:
         # To the worker that holds most of the chunks hot, or to whichever is free first.
         route = routing.choose_queue(redis_client(), request.chunks, settings.INFERENCE_QUEUE)
@@ -351,8 +358,9 @@ def _retrieve(
     top_k, min_score = settings.RETRIEVAL_TOP_K, settings.RETRIEVAL_MIN_SCORE
     parts_not_found: list[str] = []
     if topic:
-        chunks = follow_up_chunks(user=user, question=question, topic=topic, top_k=top_k,
-                                  min_score=min_score, scope=scope)  # fmt: skip
+        chunks = follow_up_chunks(
+            user=user, question=question, topic=topic, top_k=top_k, min_score=min_score, scope=scope
+        )
     else:
         retrieved = retrieve_question(
             user=user, question=question, top_k=top_k, min_score=min_score, scope=scope

@@ -13,8 +13,14 @@ from webapp.dashboard.models import DashboardSettings, FidelityAudit
 
 @admin.register(DashboardSettings)
 class DashboardSettingsAdmin(admin.ModelAdmin):
-    list_display = ("__str__", "controller_mode", "fixed_recompute_ratio", "audit_sample_rate",
-                    "updated_at", "updated_by")  # fmt: skip
+    list_display = (
+        "__str__",
+        "controller_mode",
+        "fixed_recompute_ratio",
+        "audit_sample_rate",
+        "updated_at",
+        "updated_by",
+    )
     readonly_fields = ("updated_at", "updated_by")
 
     def has_add_permission(self, request) -> bool:  # the singleton is created on first use
@@ -26,8 +32,16 @@ class DashboardSettingsAdmin(admin.ModelAdmin):
 
 @admin.register(FidelityAudit)
 class FidelityAuditAdmin(admin.ModelAdmin):
-    list_display = ("message", "status", "token_f1", "blend_recompute_ratio", "blend_ttft_s",
-                    "full_ttft_s", "created_at", "completed_at")  # fmt: skip
+    list_display = (
+        "message",
+        "status",
+        "token_f1",
+        "blend_recompute_ratio",
+        "blend_ttft_s",
+        "full_ttft_s",
+        "created_at",
+        "completed_at",
+    )
     list_filter = ("status",)
     raw_id_fields = ("message",)
 
@@ -72,15 +86,35 @@ class CitationInline(admin.TabularInline):
 
 @admin.register(Message)
 class MessageAdmin(admin.ModelAdmin):
-    list_display = ("id", "conversation", "role", "status", "mode", "recompute_ratio", "ttft_s",
-                    "feedback", "created_at")  # fmt: skip
+    list_display = (
+        "id",
+        "conversation",
+        "role",
+        "status",
+        "mode",
+        "recompute_ratio",
+        "ttft_s",
+        "feedback",
+        "created_at",
+    )
     list_filter = ("role", "status", "mode", "feedback")
     search_fields = ("content", "request_id", "conversation__owner__username")
     raw_id_fields = ("conversation",)
     # What the worker measured and reported: editing it would falsify the metrics.
-    readonly_fields = ("conversation", "role", "request_id", "mode", "recompute_ratio", "ttft_s",
-                       "total_s", "prompt_tokens", "completion_tokens", "tiers", "created_at",
-                       "completed_at")  # fmt: skip
+    readonly_fields = (
+        "conversation",
+        "role",
+        "request_id",
+        "mode",
+        "recompute_ratio",
+        "ttft_s",
+        "total_s",
+        "prompt_tokens",
+        "completion_tokens",
+        "tiers",
+        "created_at",
+        "completed_at",
+    )
     inlines = [CitationInline]
 
     def has_add_permission(self, request) -> bool:

@@ -21,8 +21,13 @@ from webapp.dashboard.curve_chart import ratio_curves_svg
 WIDTH, HEIGHT = 520, 220
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 52, 16, 30, 42
 MODE_COLORS = {"blend": "#3056d3", "full": "#d92d20", "reuse": "#039855", "prefix": "#dc6803"}
-TIER_COLORS = {"device": "#7a5af8", "cpu": "#3056d3", "disk": "#dc6803", "s3": "#039855",
-               "recomputed": "#98a2b3"}  # fmt: skip
+TIER_COLORS = {
+    "device": "#7a5af8",
+    "cpu": "#3056d3",
+    "disk": "#dc6803",
+    "s3": "#039855",
+    "recomputed": "#98a2b3",
+}
 FALLBACK_COLORS = ("#475467", "#c11574", "#0e9384", "#854a0e")
 
 
@@ -130,8 +135,7 @@ def ratio_curve(series: Sequence[CurveSeries], *, current: str | None = None) ->
     for codec, words in named.items():
         if codec == current:
             named[codec] = f"{words} (in use)"
-    svg = ratio_curves_svg([replace(one, codec=named[one.codec]) for one in series],
-                           CURVE_TITLE)  # fmt: skip
+    svg = ratio_curves_svg([replace(one, codec=named[one.codec]) for one in series], CURVE_TITLE)
     for codec, words in named.items():  # the attribute keeps the codec's name
         svg = svg.replace(f'data-codec="{escape(words)}"', f'data-codec="{escape(codec)}"')
     svg = svg.replace(*CURVE_Y_LABEL)
@@ -203,8 +207,9 @@ def histogram(
         for v in vs:
             counts[min(bins - 1, int(v / width))] += 1
         shares[name] = [c / len(vs) for c in counts] if vs else counts
-    frame = _Frame(y_max=_nice_max(max(max(s) for s in shares.values())),
-                   y_label="share of answers")  # fmt: skip
+    frame = _Frame(
+        y_max=_nice_max(max(max(s) for s in shares.values())), y_label="share of answers"
+    )
     frame.axes()
     names = [n for n in values_by_series if values_by_series[n]]
     slot = frame.plot_w / bins
@@ -266,8 +271,10 @@ def stacked_bars(
         return empty_chart(title)
     frame = _Frame(y_max=_nice_max(max(sum(p.values()) for _, p in rows)), y_label=y_label)
     frame.axes()
-    names = sorted({n for _, p in rows for n in p}, key=lambda n: list(palette).index(n)
-                   if n in palette else len(palette))  # fmt: skip
+    names = sorted(
+        {n for _, p in rows for n in p},
+        key=lambda n: list(palette).index(n) if n in palette else len(palette),
+    )
     slot = frame.plot_w / len(rows)
     for i, (label, parts) in enumerate(rows):
         base = 0.0

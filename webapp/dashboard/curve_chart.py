@@ -193,18 +193,24 @@ def _axes(frame: _Frame) -> list[str]:
 
 
 def _points(
-    frame: _Frame, drawn: list[dict], codec: str, color: str,
+    frame: _Frame,
+    drawn: list[dict],
+    codec: str,
+    color: str,
     placed: list[tuple[float, float, float]],
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """One series' lines, markers and labels; ``placed``: the labels drawn so far, of every
     series, as (left, right, baseline), which this series' labels keep clear of and join."""
     parts = []
     for refresh in [None, *refresh_ratios(drawn)]:  # blend's line, then each progressive one
         line = sorted(
-            (p for p in drawn if _kind(p) in ("blend", "progressive")
-             and p.get("refresh_ratio") == refresh),
+            (
+                p
+                for p in drawn
+                if _kind(p) in ("blend", "progressive") and p.get("refresh_ratio") == refresh
+            ),
             key=lambda p: p.get("ratio") or 0,
-        )  # fmt: skip
+        )
         if len(line) < 2:
             continue
         path = " ".join(
@@ -244,8 +250,9 @@ def _points(
     return parts
 
 
-def _label(frame: _Frame, placed: list, x: float, y: float, text: str, color: str,
-           *, below: bool) -> str:  # fmt: skip
+def _label(
+    frame: _Frame, placed: list, x: float, y: float, text: str, color: str, *, below: bool
+) -> str:
     """A point's label beside (``x``, ``y``): to its right (left near the right edge), then
     on its other side, at the first of a few heights where it overlaps no label in
     ``placed`` (which it joins). Where every place is taken (three codecs' points crowd
@@ -257,8 +264,9 @@ def _label(frame: _Frame, placed: list, x: float, y: float, text: str, color: st
         left = x + (-8 if anchor == "end" else 6)
         left, right = (left - width, left) if anchor == "end" else (left, left + width)
         for dy in heights:
-            if all(right <= a or left >= b or abs(y + dy - baseline) >= 12
-                   for a, b, baseline in placed):  # fmt: skip
+            if all(
+                right <= a or left >= b or abs(y + dy - baseline) >= 12 for a, b, baseline in placed
+            ):
                 placed.append((left, right, y + dy))
                 x_text = right if anchor == "end" else left
                 return (

@@ -40,9 +40,12 @@ class DashboardSettings(models.Model):
     audit_sample_rate = models.FloatField(default=0.0, validators=UNIT_INTERVAL)
     updated_at = models.DateTimeField(auto_now=True)
     updated_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
         related_name="+",
-    )  # fmt: skip
+    )
 
     class Meta:
         verbose_name = "dashboard settings"

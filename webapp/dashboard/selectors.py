@@ -40,9 +40,11 @@ QUEUES = ("answers", "ingest", "kv", "inference")
 TIER_ORDER = ("device", "cpu", "disk", "s3", "kdn")
 # (S3's label is the store's own name: tier_label)
 TIER_LABELS = {
-    "device": "GPU memory", "cpu": "CPU memory", "disk": "Local disk",
+    "device": "GPU memory",
+    "cpu": "CPU memory",
+    "disk": "Local disk",
     "kdn": "Knowledge delivery API",
-}  # fmt: skip
+}
 WARMABLE_TIERS = ("device", "cpu", "disk")
 
 
@@ -186,10 +188,13 @@ def _conditions(path: Path, note: str | None) -> dict[str, Any]:
     except (OSError, ValueError, AttributeError):
         env = {}
     date = MEASURED_ON.search(note or "")
-    return {"date": date.group() if date else None,
-            "model": Path(str(env.get("model") or "")).name or None,
-            "questions": env.get("examples"), "threads": env.get("threads"),
-            "device": str(env.get("device") or "cpu").upper()}  # fmt: skip
+    return {
+        "date": date.group() if date else None,
+        "model": Path(str(env.get("model") or "")).name or None,
+        "questions": env.get("examples"),
+        "threads": env.get("threads"),
+        "device": str(env.get("device") or "cpu").upper(),
+    }
 
 
 def _how_measured(
@@ -221,8 +226,9 @@ def _how_measured(
         if model and running_model and not wording.same_model(model, running_model):
             running = wording.model_name(running_model)
             text += f". The model that runs now is {running}: these figures are {model}'s"
-        lines.append({"codec": one.codec, "words": wording.codec_in_words(one.codec),
-                      "text": text + "."})  # fmt: skip
+        lines.append(
+            {"codec": one.codec, "words": wording.codec_in_words(one.codec), "text": text + "."}
+        )
     return lines
 
 
@@ -355,7 +361,7 @@ def documents_with_cache_counts(
         Document.objects.select_related("owner")
         .annotate(
             chunk_count=Count("chunks"), kv_ready_count=Count("chunks", filter=ready), **by_model
-        )  # fmt: skip
+        )
         .order_by("-created_at", "-id")[:limit]
     )
 
@@ -428,8 +434,10 @@ def questions_per_hour(
         .annotate(n=Count("id"))
         .values_list("hour", "n")
     )
-    return [(start + timedelta(hours=i), counts.get(start + timedelta(hours=i), 0))
-            for i in range(hours)]  # fmt: skip
+    return [
+        (start + timedelta(hours=i), counts.get(start + timedelta(hours=i), 0))
+        for i in range(hours)
+    ]
 
 
 def metrics_summary(messages: list[Message]) -> list[dict[str, Any]]:
@@ -500,8 +508,11 @@ def last_serving_bench() -> dict[str, Any] | None:
     newest["target_ttft_s"] = unloaded.get("target_ttft_p95_s")
     newest["unloaded_ttft_s"] = unloaded.get("ttft_median_s")
     newest["modes"] = [
-        {"mode": mode, "capacity_per_min": entry.get("capacity_per_min"),
-         "burst": next((run for run in entry.get("runs", []) if run.get("burst")), None)}
+        {
+            "mode": mode,
+            "capacity_per_min": entry.get("capacity_per_min"),
+            "burst": next((run for run in entry.get("runs", []) if run.get("burst")), None),
+        }
         for mode, entry in (report.get("modes") or {}).items()
-    ]  # fmt: skip
+    ]
     return newest

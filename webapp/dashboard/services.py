@@ -66,10 +66,13 @@ def _parse_target(value: str | float | None) -> float:
 
 
 def controller_set(
-    *, mode: str, fixed_ratio: str | float | None = None,
-    fidelity_target: str | float | None = None, refresh_ratio: str | float | None = None,
+    *,
+    mode: str,
+    fixed_ratio: str | float | None = None,
+    fidelity_target: str | float | None = None,
+    refresh_ratio: str | float | None = None,
     user=None,
-) -> DashboardSettings:  # fmt: skip
+) -> DashboardSettings:
     """Auto, a fixed recompute ratio that every chat request carries from now on, or a
     fidelity target that the measured curve turns into each request's least ratio; and
     progressive blend's upgrade (``refresh_ratio``: blank for the worker's own setting, 0
@@ -154,9 +157,12 @@ def document_precompute_again(*, document: Document) -> int:
             raise DashboardError(f"“{document.title}” has no chunks; retry its ingest instead.")
         locked.chunks.update(kv_status=Chunk.KVStatus.PENDING, kv_error="")
         Document.objects.filter(pk=locked.pk).update(
-            status=Document.Status.PROCESSING, stage=Document.Stage.KV, progress=70,
-            error_message="", updated_at=timezone.now(),
-        )  # fmt: skip
+            status=Document.Status.PROCESSING,
+            stage=Document.Stage.KV,
+            progress=70,
+            error_message="",
+            updated_at=timezone.now(),
+        )
         dispatch.precompute_on_commit(chunk_ids)
     return len(chunk_ids)
 
@@ -179,9 +185,12 @@ def _audit_request(answer: Message) -> GenerateRequest | None:
     if any(c.chunk is None for c in citations):
         return None  # a cited document was deleted: the same context cannot be rebuilt
     return generate_request(  # the history the original read, in full prefill
-        question=question.content, history=conversation_history(conversation, before=question),
-        citations=citations, mode=Message.Mode.FULL, audit_of=answer.id,
-    )  # fmt: skip
+        question=question.content,
+        history=conversation_history(conversation, before=question),
+        citations=citations,
+        mode=Message.Mode.FULL,
+        audit_of=answer.id,
+    )
 
 
 def _model_words(outcome: AnswerOutcome) -> str:

@@ -16,5 +16,5 @@ urlpatterns = [
         "documents/<int:document_id>/precompute",
         views.document_precompute,
         name="document_precompute",
-    ),  # fmt: skip
+    ),
 ]

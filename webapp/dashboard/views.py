@@ -25,11 +25,15 @@ POLL_SECONDS = 3
 METRICS_WINDOW = timedelta(days=7)
 TIER_MIX_ANSWERS = 40  # the last answers shown in the tier-mix chart
 SERVICE_NAMES = {  # health.CHECKS' names, as an operator knows the parts
-    "database": "Database (PostgreSQL)", "pgvector": "Passage search (pgvector)",
-    "object_store": "Object store", "broker": "Task queue (valkey)",
-    "web_models": "Web app's embedding model", "celery_worker": "Document workers (Celery)",
-    "inference_worker": "Inference worker", "model": "Language model",
-}  # fmt: skip
+    "database": "Database (PostgreSQL)",
+    "pgvector": "Passage search (pgvector)",
+    "object_store": "Object store",
+    "broker": "Task queue (valkey)",
+    "web_models": "Web app's embedding model",
+    "celery_worker": "Document workers (Celery)",
+    "inference_worker": "Inference worker",
+    "model": "Language model",
+}
 
 
 def _by_tier_label(by_tier: dict[str, object]) -> dict[str, object]:
@@ -66,7 +70,7 @@ def _metrics(points: list[dict]) -> dict[str, object]:
             {mode: [v for _, v in points] for mode, points in ttft_by_mode.items()},
             title="How the times to first token spread, per mode",
             x_label="seconds to first token",
-        ),  # fmt: skip
+        ),
         "ratio_chart": charts.time_series(
             ratio_points, title="Recompute ratio per answer", y_label="share recomputed", y_max=1.0
         ),
@@ -75,13 +79,13 @@ def _metrics(points: list[dict]) -> dict[str, object]:
             title="Which tier served each answer's passages (answers by number, oldest first)",
             y_label="passages",
             palette=_by_tier_label(charts.TIER_COLORS),
-        ),  # fmt: skip
+        ),
         "hourly_chart": charts.bars(
             [(hour.strftime("%H:00"), count) for hour, count in hourly],
             title="Questions per hour (last 24 h)",
             y_label="questions",
             every=4,
-        ),  # fmt: skip
+        ),
         "questions_24h": sum(count for _, count in hourly),
         "audits": audits[::-1][:20],
         "audit_count": len(scored),
@@ -96,7 +100,7 @@ def _metrics(points: list[dict]) -> dict[str, object]:
             y_label="token F1 (0 to 1)",
             y_max=1.0,
             palette={"words shared with full": "#3056d3"},
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -105,9 +109,11 @@ def _ratio_curve(curve: dict[str, object]) -> dict[str, object]:
     # what the operator's fidelity target asks for, on the curve just read
     target, refresh = selectors.target_plan(points=curve["points"] or [])
     return {
-        "ratio_curve": curve, "ratio_curve_chart": chart,
-        "target_ratio": target, "target_refresh": refresh,
-    }  # fmt: skip
+        "ratio_curve": curve,
+        "ratio_curve_chart": chart,
+        "target_ratio": target,
+        "target_refresh": refresh,
+    }
 
 
 def _named_checks() -> dict[str, dict]:

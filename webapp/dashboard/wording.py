@@ -93,15 +93,26 @@ def model_kv(heartbeat: dict[str, Any] | None) -> dict[str, Any]:
     shape = _configured_shape()
     if shape:
         return _kv_of(Path(settings.MODEL_PATH).name, shape, "configured")
-    return {"name": None, "layers": None, "kv_heads": None, "head_dim": None,
-            "fp16_bytes_per_token": settings.KV_BYTES_PER_TOKEN, "source": "setting"}  # fmt: skip
+    return {
+        "name": None,
+        "layers": None,
+        "kv_heads": None,
+        "head_dim": None,
+        "fp16_bytes_per_token": settings.KV_BYTES_PER_TOKEN,
+        "source": "setting",
+    }
 
 
 def _kv_of(name: str, shape: dict[str, int], source: str) -> dict[str, Any]:
     layers, heads, dim = shape["layers"], shape["kv_heads"], shape["head_dim"]
-    return {"name": name, "layers": layers, "kv_heads": heads, "head_dim": dim,
-            "fp16_bytes_per_token": 2 * layers * heads * dim * FP16_BYTES,
-            "source": source}  # fmt: skip
+    return {
+        "name": name,
+        "layers": layers,
+        "kv_heads": heads,
+        "head_dim": dim,
+        "fp16_bytes_per_token": 2 * layers * heads * dim * FP16_BYTES,
+        "source": source,
+    }
 
 
 def _configured_shape() -> dict[str, int] | None:
@@ -112,9 +123,11 @@ def _configured_shape() -> dict[str, int] | None:
     try:
         hf = json.loads((Path(settings.MODEL_PATH).expanduser() / "config.json").read_text())
         heads = hf["num_attention_heads"]
-        return {"layers": hf["num_hidden_layers"],
-                "kv_heads": hf.get("num_key_value_heads") or heads,
-                "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads}  # fmt: skip
+        return {
+            "layers": hf["num_hidden_layers"],
+            "kv_heads": hf.get("num_key_value_heads") or heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        }
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
 
@@ -147,17 +160,25 @@ def decision_in_words(decision: dict[str, Any], throughput_now: float | None) ->
     break_even = why.get("break_even_ratio")
     if break_even is None:
         if full_s is None and throughput_now:
-            return (f"{share} ({reason}): chosen before the worker had measured how fast it "
-                    "recomputes; the next question uses that measurement.")  # fmt: skip
+            return (
+                f"{share} ({reason}): chosen before the worker had measured how fast it "
+                "recomputes; the next question uses that measurement."
+            )
         if full_s is None:
             return f"{share} ({reason}): the worker has not measured how fast it recomputes yet."
         tiers = ", ".join(why.get("unmeasured_tiers") or []) or "a tier"
         return f"{share} ({reason}): how fast {tiers} reads was not measured yet."
     if floor is not None and break_even <= floor:
-        return (f"{share} ({reason}): reading the stored KV (about {seconds(load_s)}) finishes "
-                "while they are recomputed.")  # fmt: skip
+        return (
+            f"{share} ({reason}): reading the stored KV (about {seconds(load_s)}) finishes "
+            "while they are recomputed."
+        )
     if break_even < 1.0:
-        return (f"{share}: reading the stored KV takes about {seconds(load_s)}, as long as "
-                "recomputing that share, so the extra recompute adds no wait.")  # fmt: skip
-    return (f"Every token recomputed: reading the stored KV (about {seconds(load_s)}) is slower "
-            f"than recomputing all of it ({seconds(full_s)}).")  # fmt: skip
+        return (
+            f"{share}: reading the stored KV takes about {seconds(load_s)}, as long as "
+            "recomputing that share, so the extra recompute adds no wait."
+        )
+    return (
+        f"Every token recomputed: reading the stored KV (about {seconds(load_s)}) is slower "
+        f"than recomputing all of it ({seconds(full_s)})."
+    )

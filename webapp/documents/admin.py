@@ -7,8 +7,16 @@ from webapp.documents.models import Chunk, Collection, Document
 
 @admin.register(Document)
 class DocumentAdmin(admin.ModelAdmin):
-    list_display = ("title", "owner", "detected_type", "size_bytes", "status", "stage",
-                    "progress", "created_at")  # fmt: skip
+    list_display = (
+        "title",
+        "owner",
+        "detected_type",
+        "size_bytes",
+        "status",
+        "stage",
+        "progress",
+        "created_at",
+    )
     list_filter = ("status", "stage", "detected_type")
     search_fields = ("title", "original_name", "content_sha256", "owner__username")
     readonly_fields = ("content_sha256", "object_key", "created_at", "updated_at", "ready_at")

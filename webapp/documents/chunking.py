@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from kvservice.protocol.prompt import chunk_token_ids
 from kvservice.protocol import token_ids_sha256
+from kvservice.protocol.prompt import chunk_token_ids
 
 # A sentence ends at . ! ? (optionally followed by closing quotes/brackets) before whitespace;
 # paragraph breaks always end one. Abbreviations split wrongly now and then; a chunk boundary
@@ -256,8 +256,9 @@ def chunk_text(text: str, *, tokenizer: Any, max_tokens: int = 512) -> list[Text
     if not sentences:
         return []
     runs = _measured(keep_together(sentences), tokenizer, max_tokens)
-    groups = [part for group in _pack(runs, max_tokens)
-              for part in _fit(group, tokenizer, max_tokens)]  # fmt: skip
+    groups = [
+        part for group in _pack(runs, max_tokens) for part in _fit(group, tokenizer, max_tokens)
+    ]
     texts = [t for t in (_join(group) for group in groups) if t]
     # The stored ids come from the one function the inference side uses for a chunk's ids.
     return [

@@ -100,10 +100,11 @@ def collection_rename(request: HttpRequest, collection_id: int) -> HttpResponse:
     collection = _get_collection_for_user(request, collection_id, change=True)
     name = request.POST.get("name", "")
     return _changed(
-        request, collection,
+        request,
+        collection,
         lambda: services.collection_rename(collection=collection, name=name),
         lambda renamed: f"Renamed to “{renamed.name}”.",
-    )  # fmt: skip
+    )
 
 
 @login_required

@@ -228,8 +228,18 @@ def parse_pdf(data: bytes) -> ParsedDocument:
             title = ""
     except ParseError:
         raise
-    except (PyPdfError, ValueError, KeyError, TypeError, AttributeError, OSError,
-            IndexError, AssertionError, RecursionError, zlib.error) as err:  # fmt: skip
+    except (
+        PyPdfError,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        OSError,
+        IndexError,
+        AssertionError,
+        RecursionError,
+        zlib.error,
+    ) as err:
         raise ParseError("This PDF could not be read: it looks damaged or truncated.") from err
     return ParsedDocument(text=normalize_text("\n\n".join(pages)), title=title)
 
@@ -319,8 +329,21 @@ def parse_docx(data: bytes, limits: DocxLimits) -> ParsedDocument:
 # for "the third step": each parser writes them into the text, as the reader sees them.
 
 BULLET = "-"  # what a bulleted item starts with, whatever the format's bullet glyph
-_ROMAN = [(1000, "m"), (900, "cm"), (500, "d"), (400, "cd"), (100, "c"), (90, "xc"),
-          (50, "l"), (40, "xl"), (10, "x"), (9, "ix"), (5, "v"), (4, "iv"), (1, "i")]  # fmt: skip
+_ROMAN = [
+    (1000, "m"),
+    (900, "cm"),
+    (500, "d"),
+    (400, "cd"),
+    (100, "c"),
+    (90, "xc"),
+    (50, "l"),
+    (40, "xl"),
+    (10, "x"),
+    (9, "ix"),
+    (5, "v"),
+    (4, "iv"),
+    (1, "i"),
+]
 
 
 def list_number(number: int, number_format: str, *, word_letters: bool = True) -> str:
@@ -563,9 +586,31 @@ class WordNumbering:
         return counters
 
 
-_BLOCK_TAGS = ["p", "div", "li", "tr", "br", "h1", "h2", "h3", "h4", "h5", "h6", "pre",
-               "blockquote", "section", "article", "table", "main", "header", "footer",
-               "aside", "figcaption", "dt", "dd"]  # fmt: skip
+_BLOCK_TAGS = [
+    "p",
+    "div",
+    "li",
+    "tr",
+    "br",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "pre",
+    "blockquote",
+    "section",
+    "article",
+    "table",
+    "main",
+    "header",
+    "footer",
+    "aside",
+    "figcaption",
+    "dt",
+    "dd",
+]
 
 
 # A page's boilerplate, the same on every page of a site and never what a question is
@@ -616,8 +661,13 @@ def strip_boilerplate(soup) -> None:
         tag.decompose()
 
 
-_HTML_NUMBER_FORMATS = {"1": "decimal", "a": "lowerLetter", "A": "upperLetter",
-                        "i": "lowerRoman", "I": "upperRoman"}  # fmt: skip
+_HTML_NUMBER_FORMATS = {
+    "1": "decimal",
+    "a": "lowerLetter",
+    "A": "upperLetter",
+    "i": "lowerRoman",
+    "I": "upperRoman",
+}
 
 
 def _html_int(value) -> int | None:

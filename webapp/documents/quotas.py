@@ -51,12 +51,17 @@ class Usage:
 
     def to_dict(self) -> dict[str, int | float | None]:
         per_token, ratio = self.kv_bytes_per_token, self.compression_ratio
-        return {"documents": self.documents, "max_documents": self.max_documents,
-                "tokens": self.tokens, "max_tokens": self.max_tokens,
-                "kdn_tokens": self.kdn_tokens,
-                "kv_bytes": self.kv_bytes, "max_kv_bytes": self.max_kv_bytes,
-                "kv_bytes_per_token": None if per_token is None else round(per_token, 1),
-                "compression_ratio": None if ratio is None else round(ratio, 2)}  # fmt: skip
+        return {
+            "documents": self.documents,
+            "max_documents": self.max_documents,
+            "tokens": self.tokens,
+            "max_tokens": self.max_tokens,
+            "kdn_tokens": self.kdn_tokens,
+            "kv_bytes": self.kv_bytes,
+            "max_kv_bytes": self.max_kv_bytes,
+            "kv_bytes_per_token": None if per_token is None else round(per_token, 1),
+            "compression_ratio": None if ratio is None else round(ratio, 2),
+        }
 
 
 def stored_kv(chunks) -> tuple[int, int]:
@@ -82,9 +87,14 @@ def usage_of(owner, *, excluding_document: int | None = None) -> Usage:
     kv_bytes, kv_tokens = stored_kv(chunks)
     kdn_tokens, kdn_bytes = _kdn_stored(owner, chunks)
     return Usage(
-        documents.count(), tokens + kdn_tokens, settings.QUOTA_DOCUMENTS, settings.QUOTA_TOKENS,
-        kv_bytes=kv_bytes + kdn_bytes, kv_tokens=kv_tokens + kdn_tokens, kdn_tokens=kdn_tokens,
-    )  # fmt: skip
+        documents.count(),
+        tokens + kdn_tokens,
+        settings.QUOTA_DOCUMENTS,
+        settings.QUOTA_TOKENS,
+        kv_bytes=kv_bytes + kdn_bytes,
+        kv_tokens=kv_tokens + kdn_tokens,
+        kdn_tokens=kdn_tokens,
+    )
 
 
 def _kdn_stored(owner, chunks) -> tuple[int, int]:

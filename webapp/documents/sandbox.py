@@ -46,9 +46,12 @@ def parse_isolated(
     command = [sys.executable, "-m", "webapp.documents.sandbox", doc_type, *docx]
     try:
         result = subprocess.run(
-            command, input=data, capture_output=True, preexec_fn=_limit(limits),
+            command,
+            input=data,
+            capture_output=True,
+            preexec_fn=_limit(limits),
             timeout=limits.cpu_seconds * 2 + 30,  # wall clock: a child waiting on nothing
-        )  # fmt: skip
+        )
     except subprocess.TimeoutExpired as err:
         raise ParseError(_too_slow(limits)) from err
     if result.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
@@ -73,8 +76,10 @@ def parse_isolated(
 def _ran_out_of_memory(stderr: bytes) -> bool:
     """Whether a child that crashed did so at its memory limit: a ``MemoryError``, or a failed
     mapping (a module loaded late, at the limit: "failed to map segment from shared object")."""
-    return any(sign in stderr for sign in (b"MemoryError", b"failed to map segment",
-                                           b"Cannot allocate memory"))  # fmt: skip
+    return any(
+        sign in stderr
+        for sign in (b"MemoryError", b"failed to map segment", b"Cannot allocate memory")
+    )
 
 
 def _too_slow(limits: SandboxLimits) -> str:
@@ -98,8 +103,9 @@ def _near_memory_limit() -> bool:
         return True
     except OSError:
         return False
-    peak_kb = next((int(line.split()[1]) for line in status.splitlines()
-                    if line.startswith("VmPeak:")), 0)  # fmt: skip
+    peak_kb = next(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmPeak:")), 0
+    )
     return peak_kb * 1024 >= 0.9 * limit
 
 

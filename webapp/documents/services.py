@@ -133,9 +133,12 @@ def _detect_or_refuse(*, owner: AbstractBaseUser, name: str, size: int, data: by
 def _store_original(*, key: str, data: bytes, name: str) -> None:
     try:
         object_store().put_object(
-            settings.S3_DOCUMENTS_BUCKET, key, io.BytesIO(data), length=len(data),
+            settings.S3_DOCUMENTS_BUCKET,
+            key,
+            io.BytesIO(data),
+            length=len(data),
             content_type="application/octet-stream",
-        )  # fmt: skip
+        )
     except (S3Error, urllib3.exceptions.HTTPError, OSError) as err:
         log.exception("could not store the original of %s", name)
         raise TransientError("Storage is unavailable right now; try again shortly.") from err
@@ -160,10 +163,18 @@ def document_upload_result(*, owner: AbstractBaseUser, uploaded_file: UploadedFi
         return UploadResult(existing, duplicate=True)
     detected = _detect_or_refuse(owner=owner, name=name, size=size, data=data)
     key = original_object_key(owner_id=owner.pk, content_sha256=sha)
-    fields = {"title": _title_from(name), "original_name": name[:255], "detected_type": detected,
-              "size_bytes": size, "status": Status.QUEUED, "stage": Stage.UPLOADED,
-              "progress": 0, "error_message": "", "object_key": key,
-              "ingest_attempts": 0}  # fmt: skip
+    fields = {
+        "title": _title_from(name),
+        "original_name": name[:255],
+        "detected_type": detected,
+        "size_bytes": size,
+        "status": Status.QUEUED,
+        "stage": Stage.UPLOADED,
+        "progress": 0,
+        "error_message": "",
+        "object_key": key,
+        "ingest_attempts": 0,
+    }
     try:
         with transaction.atomic():
             lock_original_key(key)
@@ -236,8 +247,14 @@ def document_retry(*, document: Document) -> Document:
         quotas.hold_quota(document.owner_id)
         if over_quota := quotas.upload_refusal(document.owner_id):
             raise RetryNotPossible(over_quota)
-        _update(document.pk, status=Status.QUEUED, stage=Stage.UPLOADED, progress=0,
-                error_message="", ingest_attempts=0)  # fmt: skip
+        _update(
+            document.pk,
+            status=Status.QUEUED,
+            stage=Stage.UPLOADED,
+            progress=0,
+            error_message="",
+            ingest_attempts=0,
+        )
         Chunk.objects.filter(document=document, kv_status=Chunk.KVStatus.FAILED).update(
             kv_status=Chunk.KVStatus.PENDING, kv_error=""
         )
@@ -298,7 +315,7 @@ def _claim(document_id: int) -> Document | None:
                 "error_message",
                 "ingest_attempts",
                 "updated_at",
-            ]  # fmt: skip
+            ]
         )
         return document
 
@@ -335,12 +352,14 @@ def _parse_and_chunk(document: Document) -> list[Any]:
         max_compression_ratio=settings.DOCX_MAX_COMPRESSION_RATIO,
     )
     parsed = parse_isolated(
-        _read_original(document.object_key), document.detected_type, docx_limits=limits,
+        _read_original(document.object_key),
+        document.detected_type,
+        docx_limits=limits,
         limits=SandboxLimits(
             memory_bytes=settings.PARSE_MAX_MEMORY_MB * 1024**2,
             cpu_seconds=settings.PARSE_TIMEOUT_S,
         ),
-    )  # fmt: skip
+    )
     _update(document.pk, stage=Stage.CHUNKING, progress=PROGRESS[Stage.CHUNKING])
     chunks = chunk_text(parsed.text, tokenizer=llm_tokenizer(), max_tokens=settings.CHUNK_TOKENS)
     if not chunks:
@@ -378,14 +397,18 @@ def _write_chunks(
         Chunk.objects.filter(document_id=document_id).delete()
         rows = Chunk.objects.bulk_create(
             Chunk(
-                document_id=document_id, index=chunk.index, text=chunk.text,
-                token_ids=chunk.token_ids, token_count=chunk.token_count,
-                token_ids_sha256=chunk.token_ids_sha256, embedding=vector,
+                document_id=document_id,
+                index=chunk.index,
+                text=chunk.text,
+                token_ids=chunk.token_ids,
+                token_count=chunk.token_count,
+                token_ids_sha256=chunk.token_ids_sha256,
+                embedding=vector,
                 kv_key=previous.get(chunk.token_ids_sha256, ""),
                 kv_status=Chunk.KVStatus.PENDING,
             )
             for chunk, vector in zip(chunks, vectors, strict=True)
-        )  # fmt: skip
+        )
         Chunk.objects.filter(document_id=document_id).update(
             search_vector=SearchVector("text", config=SEARCH_CONFIG)
         )
@@ -423,9 +446,12 @@ def lock_original_key(key: str) -> None:
 
 
 def document_precompute_kv(
-    *, chunk_ids: Sequence[int] | None = None, document_id: int | None = None,
-    producer: ChunkProducer, store: ChunkStore,
-) -> None:  # fmt: skip
+    *,
+    chunk_ids: Sequence[int] | None = None,
+    document_id: int | None = None,
+    producer: ChunkProducer,
+    store: ChunkStore,
+) -> None:
     """Compute and store the KV of these chunks (or of all of a document's chunks), skipping
     any the store already holds; mark them ready and finish their documents. Store outages
     raise ``TransientError``. ``producer`` and ``store``: the KV worker's (``worker/kv.py``)."""
@@ -488,9 +514,11 @@ def _store_chunks_kv(
                 stored_key = store.put(kv, scopes[chunk.pk])
                 assert stored_key == key, (stored_key, key)
             Chunk.objects.filter(pk=chunk.pk).update(
-                kv_key=key, kv_status=Chunk.KVStatus.READY, kv_error="",
+                kv_key=key,
+                kv_status=Chunk.KVStatus.READY,
+                kv_error="",
                 kv_bytes=store.object_bytes(key) or 0,
-            )  # fmt: skip
+            )
 
 
 def kv_object_reencode(*, key: str, codec: str, store: ChunkStore, write: bool = True):
@@ -535,8 +563,13 @@ def _finish_documents(document_ids: Iterable[int]) -> None:
             total = document.chunks.count()
             ready = document.chunks.filter(kv_status=Chunk.KVStatus.READY).count()
             if total and ready == total:
-                _update(document_id, status=Status.READY, stage=Stage.DONE, progress=100,
-                        ready_at=timezone.now())  # fmt: skip
+                _update(
+                    document_id,
+                    status=Status.READY,
+                    stage=Stage.DONE,
+                    progress=100,
+                    ready_at=timezone.now(),
+                )
             else:
                 base = PROGRESS[Stage.KV]
                 _update(document_id, progress=base + (100 - base) * ready // max(total, 1))

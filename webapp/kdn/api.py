@@ -45,9 +45,12 @@ def check_token_rate_limit(request: HttpRequest, user) -> None:
     recomputes (``kvservice.kdn.client.KdnTier``). 429 with ``Retry-After``, as a key's."""
     rate = f"{settings.API_RATE_LIMIT_REQUESTS}/{settings.API_RATE_LIMIT_WINDOW_S}s"
     usage = get_usage(
-        request, group="kdn-token", key=lambda _group, _request: str(user.pk), rate=rate,
+        request,
+        group="kdn-token",
+        key=lambda _group, _request: str(user.pk),
+        rate=rate,
         increment=True,
-    )  # fmt: skip
+    )
     if usage is not None and usage["should_limit"]:
         retry_after = max(1, usage["time_left"])
         message = f"This user's request tokens are over their rate limit; retry in {retry_after} s."
@@ -97,9 +100,10 @@ def _unicode(value: Any) -> Any:
             value.encode("utf-8")
     except UnicodeEncodeError as err:
         raise PydanticCustomError(
-            "unicode", "is not valid Unicode: a lone surrogate at character {at}",
+            "unicode",
+            "is not valid Unicode: a lone surrogate at character {at}",
             {"at": err.start},
-        ) from None  # fmt: skip
+        ) from None
     return value
 
 
@@ -159,11 +163,12 @@ _STREAM_DOC = {
             "description": "The texts' KV as one binary stream (docs/kdn.md, "
             "kvservice/protocol/kdn_stream.py): a preamble, every chunk's header, layer 0 of every "
             "chunk, layer 1 ..., then the token ids. Header X-KV-Tokens: total tokens.",
-            "content": {"application/octet-stream": {"schema": {"type": "string",
-                                                                "format": "binary"}}},
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
         }
     }
-}  # fmt: skip
+}
 
 
 def _refused(err: services.KdnRefused) -> ApiError:
@@ -202,9 +207,12 @@ def delete_kv(request: HttpRequest, payload: DeleteIn):
 
 
 @kdn_api.post(
-    "/fetch", response={200: None, **error_responses(403, 404, 413)}, openapi_extra=_STREAM_DOC,
-    auth=[ApiKeyAuth(), RequestTokenAuth()], tags=["kdn"],
-)  # fmt: skip
+    "/fetch",
+    response={200: None, **error_responses(403, 404, 413)},
+    openapi_extra=_STREAM_DOC,
+    auth=[ApiKeyAuth(), RequestTokenAuth()],
+    tags=["kdn"],
+)
 def fetch_kv(request: HttpRequest, payload: FetchIn):
     """Stream the stored KV of each text, layer by layer: texts you stored, and passages of
     documents you may read (your own, and those of collections shared with you) as ingest
@@ -222,8 +230,11 @@ def fetch_kv(request: HttpRequest, payload: FetchIn):
     try:
         streams.open()
     except StreamMissing as err:
-        raise ApiError(404, "not_stored", f"texts[{err.index}] is recorded but its KV is gone "
-                       "from the store: PUT it again.") from err  # fmt: skip
+        raise ApiError(
+            404,
+            "not_stored",
+            f"texts[{err.index}] is recorded but its KV is gone from the store: PUT it again.",
+        ) from err
     return _stream_response(streams)
 
 
@@ -231,8 +242,11 @@ def _check_token_scope(claims: RequestToken, payload: FetchIn) -> None:
     """A 403 for a text the token does not name, decided from the token alone: it says
     nothing of whether the text is stored, or whose it is."""
     if payload.head is not None:
-        raise ApiError(403, "out_of_scope", "A request token fetches after the deployment's "
-                       "prompt head only: send no head.")  # fmt: skip
+        raise ApiError(
+            403,
+            "out_of_scope",
+            "A request token fetches after the deployment's prompt head only: send no head.",
+        )
     index = claims.first_outside(payload.texts)
     if index is not None:
         message = f"texts[{index}] is not a text this request token was issued for."

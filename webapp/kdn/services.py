@@ -83,12 +83,16 @@ def _tokenizer() -> Any:
 
 def _tokenize(text: str, what: str) -> list[int]:
     if len(text) > settings.KDN_MAX_TEXT_CHARS:
-        raise KdnRefused("text_too_long", f"{what} has {len(text):,} characters; the limit is "
-                         f"{settings.KDN_MAX_TEXT_CHARS:,}.")  # fmt: skip
+        raise KdnRefused(
+            "text_too_long",
+            f"{what} has {len(text):,} characters; the limit is {settings.KDN_MAX_TEXT_CHARS:,}.",
+        )
     ids = chunk_token_ids(_tokenizer(), text)
     if len(ids) > settings.KDN_MAX_TEXT_TOKENS:
-        raise KdnRefused("text_too_long", f"{what} has {len(ids):,} tokens; the limit is "
-                         f"{settings.KDN_MAX_TEXT_TOKENS:,}.")  # fmt: skip
+        raise KdnRefused(
+            "text_too_long",
+            f"{what} has {len(ids):,} tokens; the limit is {settings.KDN_MAX_TEXT_TOKENS:,}.",
+        )
     if not ids:
         raise KdnRefused("empty_text", f"{what} has no tokens.")
     return ids
@@ -105,8 +109,9 @@ def _head_ids(head: str | None) -> list[int]:
 def tokenize(texts: Sequence[str], head: str | None) -> list[Tokenized]:
     """Each text's chunk tokens after the head; a clear 400 (``KdnRefused``) over a limit."""
     if len(texts) > settings.KDN_MAX_TEXTS:
-        raise KdnRefused("too_many_texts", f"{len(texts)} texts; at most "
-                         f"{settings.KDN_MAX_TEXTS} per request.")  # fmt: skip
+        raise KdnRefused(
+            "too_many_texts", f"{len(texts)} texts; at most {settings.KDN_MAX_TEXTS} per request."
+        )
     head_ids = _head_ids(head)
     return [Tokenized(_tokenize(t, f"texts[{i}]"), head_ids) for i, t in enumerate(texts)]
 
@@ -120,12 +125,17 @@ def tokens_used(owner) -> int:
 def _check_quota(owner, tokenized: Tokenized) -> None:
     limit = settings.QUOTA_TOKENS
     known = StoredText.objects.filter(
-        owner=owner, tokens_sha256=token_ids_sha256(tokenized.token_ids),
+        owner=owner,
+        tokens_sha256=token_ids_sha256(tokenized.token_ids),
         head_hash=tokenized.head_hash,
-    ).exists()  # fmt: skip
+    ).exists()
     if limit and not known and tokens_used(owner) + len(tokenized.token_ids) > limit:
-        raise KdnRefused("quota_exceeded", f"This text's {len(tokenized.token_ids):,} tokens "
-                         f"are over your quota of {limit:,} tokens of text.", 413)  # fmt: skip
+        raise KdnRefused(
+            "quota_exceeded",
+            f"This text's {len(tokenized.token_ids):,} tokens "
+            f"are over your quota of {limit:,} tokens of text.",
+            413,
+        )
 
 
 def kdn_put(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
@@ -145,18 +155,26 @@ def kdn_put(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
         quotas.hold_quota(owner.pk)
         _check_quota(owner, tokenized)
         StoredText.objects.update_or_create(
-            owner=owner, tokens_sha256=token_ids_sha256(tokenized.token_ids),
+            owner=owner,
+            tokens_sha256=token_ids_sha256(tokenized.token_ids),
             head_hash=tokenized.head_hash,
-            defaults={"kv_key": stored["key"], "token_count": stored["tokens"],
-                      "kv_bytes": stored["stored_bytes"]},
-        )  # fmt: skip
+            defaults={
+                "kv_key": stored["key"],
+                "token_count": stored["tokens"],
+                "kv_bytes": stored["stored_bytes"],
+            },
+        )
     return stored
 
 
 def kdn_compute(
-    *, token_ids: list[int], head_ids: list[int], scope: str, producer: ChunkProducer,
+    *,
+    token_ids: list[int],
+    head_ids: list[int],
+    scope: str,
+    producer: ChunkProducer,
     store: ChunkStore,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """In a KV worker (its ``producer`` and ``store``, ``worker/kv.py``): the object of these
     tokens after this head, in ``scope``, computed and stored unless S3 holds it already.
     Idempotent."""
@@ -168,8 +186,12 @@ def kdn_compute(
         (chunk,) = producer.compute([token_ids])
         store.put(chunk, scope=scope)
         stored_bytes = store.object_bytes(key.to_string()) or 0
-    return {"key": key.to_string(), "tokens": len(token_ids), "stored_bytes": stored_bytes,
-            "computed": computed}  # fmt: skip
+    return {
+        "key": key.to_string(),
+        "tokens": len(token_ids),
+        "stored_bytes": stored_bytes,
+        "computed": computed,
+    }
 
 
 def stored_keys(*, owner, texts: Sequence[str], head: str | None = None) -> list[str]:
@@ -182,9 +204,10 @@ def stored_keys(*, owner, texts: Sequence[str], head: str | None = None) -> list
     shas = [token_ids_sha256(t.token_ids) for t in tokenized]
     head_hash = tokenized[0].head_hash if tokenized else ""
     keys = dict(
-        StoredText.objects.filter(owner=owner, head_hash=head_hash, tokens_sha256__in=shas)
-        .values_list("tokens_sha256", "kv_key")
-    )  # fmt: skip
+        StoredText.objects.filter(
+            owner=owner, head_hash=head_hash, tokens_sha256__in=shas
+        ).values_list("tokens_sha256", "kv_key")
+    )
     missing = set(shas) - set(keys)
     if missing:
         keys.update(_document_chunk_keys(owner, missing, head_hash))
@@ -204,7 +227,7 @@ def _document_chunk_keys(owner, shas: set[str], head_hash: str) -> dict[str, str
         .annotate(own=Case(When(document__owner=owner, then=0), default=1))
         .order_by("own", "pk")
         .values_list("token_ids_sha256", "kv_key")
-    )  # fmt: skip
+    )
     found: dict[str, str] = {}
     for sha, key in rows:
         if ChunkKey.from_string(key).head_hash == head_hash:
@@ -223,8 +246,9 @@ def kdn_delete(*, owner, text: str, head: str | None = None) -> dict[str, Any]:
     (tokenized,) = tokenize([text], head)
     sha = token_ids_sha256(tokenized.token_ids)
     with transaction.atomic():
-        row = StoredText.objects.filter(owner=owner, tokens_sha256=sha,
-                                        head_hash=tokenized.head_hash).first()  # fmt: skip
+        row = StoredText.objects.filter(
+            owner=owner, tokens_sha256=sha, head_hash=tokenized.head_hash
+        ).first()
         if row is None:
             raise NotYours("You stored no such text (after this head): nothing to delete.")
         lock_kv_key(row.kv_key)

@@ -67,8 +67,9 @@ def token_claims(token: str) -> RequestToken | None:
         digests = payload["t"]
         if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
             return None
-        claims = RequestToken(int(payload["u"]), str(payload["r"]), float(payload["e"]),
-                              frozenset(digests))  # fmt: skip
+        claims = RequestToken(
+            int(payload["u"]), str(payload["r"]), float(payload["e"]), frozenset(digests)
+        )
     except (signing.BadSignature, KeyError, TypeError, ValueError):
         return None
     return claims if claims.expires_at > time.time() and claims.text_digests else None

@@ -7,6 +7,7 @@ import torch
 
 from kvservice.chunk import ChunkKV
 from kvservice.protocol.codecs import CODECS, DEFAULT_CODEC, FP16, codec_by_name, kivi
+from kvservice.protocol.keys import ChunkKey
 from kvservice.store.codec import (
     hadamard,
     pack_bits,
@@ -27,7 +28,6 @@ from kvservice.store.format import (
     layer_run,
     verify_object,
 )
-from kvservice.protocol.keys import ChunkKey
 
 from .conftest import make_chunk
 
@@ -121,11 +121,16 @@ def test_rotated_v_is_recorded_and_turned_back_at_decode():
 # relative error (Frobenius) of K and V through each codec on Gaussian KV, and the most
 # bytes per token each may take at SmolLM2's shape (fp16: 23,040 + 4 for the token id)
 BOUNDS = {
-    "fp16": (1e-3, 23_100), "int8": (0.02, 12_300), "fp8": (0.04, 12_000),
-    "kivi4": (0.1, 6_700), "kivi3": (0.22, 5_200), "kivi2": (0.5, 3_800),
+    "fp16": (1e-3, 23_100),
+    "int8": (0.02, 12_300),
+    "fp8": (0.04, 12_000),
+    "kivi4": (0.1, 6_700),
+    "kivi3": (0.22, 5_200),
+    "kivi2": (0.5, 3_800),
     # 150 tokens: the second 128-token K group mostly empty (600-token chunks: 5,598 / 5,694)
-    "kivi4k3v": (0.2, 5_750), "kivi4k3v-v4early": (0.2, 5_850),
-}  # fmt: skip
+    "kivi4k3v": (0.2, 5_750),
+    "kivi4k3v-v4early": (0.2, 5_850),
+}
 
 
 @pytest.mark.parametrize("name", BOUNDS)
@@ -157,8 +162,10 @@ def test_layer_dependent_bits_are_recorded_and_decoded_per_layer():
     assert header.layer_size(0) > header.layer_size(29)  # 4-bit K layers take more bytes
     first = decode_layer(header, 0, data[header.layer_offset(0) :])[0]
     last = decode_layer(header, 29, data[header.layer_offset(29) :])[0]
-    error = [(first - chunk.k[0]).norm() / chunk.k[0].norm(),
-             (last - chunk.k[29]).norm() / chunk.k[29].norm()]  # fmt: skip
+    error = [
+        (first - chunk.k[0]).norm() / chunk.k[0].norm(),
+        (last - chunk.k[29]).norm() / chunk.k[29].norm(),
+    ]
     assert error[0] < error[1] / 2
     verify_object(data, ChunkKey.of(chunk))
 
@@ -186,8 +193,9 @@ def test_objects_of_the_earlier_default_decode_as_they_were_written():
     old = encode_chunk(chunk, codec=CODECS["kivi4k3v"], narrow_to=torch.float16)
     assert decode_header(old).codec_name == "kivi k4v3"  # what re-encoding compares
     back = decode_chunk(old, ChunkKey.of(chunk))
-    new = decode_chunk(encode_chunk(chunk, codec=CODECS["kivi4k3v-v4early"],
-                                    narrow_to=torch.float16))  # fmt: skip
+    new = decode_chunk(
+        encode_chunk(chunk, codec=CODECS["kivi4k3v-v4early"], narrow_to=torch.float16)
+    )
     assert torch.equal(back.k, new.k)  # K is stored alike
     assert torch.equal(back.v[4:], new.v[4:]) and not torch.equal(back.v[:4], new.v[:4])
 
@@ -283,8 +291,9 @@ def test_encoding_on_cuda_gives_the_cpu_object_up_to_rounding(name):
     chunk = smol_like_chunk(tokens=90)
     codec = codec_by_name(name)
     on_cpu = encode_chunk(chunk, codec=codec, narrow_to=torch.float16)
-    cuda_chunk = ChunkKV(chunk.token_ids, chunk.k.cuda(), chunk.v.cuda(),
-                         chunk.model_fingerprint, chunk.head_hash)  # fmt: skip
+    cuda_chunk = ChunkKV(
+        chunk.token_ids, chunk.k.cuda(), chunk.v.cuda(), chunk.model_fingerprint, chunk.head_hash
+    )
     on_cuda = encode_chunk(cuda_chunk, codec=codec, narrow_to=torch.float16)
     assert len(on_cuda) == len(on_cpu)
     a, b = decode_chunk(on_cpu), decode_chunk(on_cuda)  # both decoded on the host
@@ -331,8 +340,10 @@ def test_chunks_decoded_together_equal_each_chunk_decoded_alone(name):
     chunk's values bit for bit as its own decode does, in each cache dtype: the cache, and
     so the logits, are unchanged."""
     codec = MIXED if name == "mixed" else codec_by_name(name)
-    datas = [encode_chunk(smol_like_chunk(tokens=n, seed=n), codec=codec, narrow_to=torch.float16)
-             for n in (90, 150, 37, 8)]  # fmt: skip
+    datas = [
+        encode_chunk(smol_like_chunk(tokens=n, seed=n), codec=codec, narrow_to=torch.float16)
+        for n in (90, 150, 37, 8)
+    ]
     headers = [decode_header(data) for data in datas]
     for dtype, first in ((d, f) for d in (None, torch.float32, torch.bfloat16) for f in (0, 4, 20)):
         count = layer_run(headers[0], first, 32)

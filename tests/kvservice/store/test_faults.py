@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from deploy import services
-from kvservice.store.config import StoreConfig
 from kvservice.protocol.errors import ChunkMissing, FingerprintMismatch, StoreUnavailable
-from kvservice.store.format import decode_header, encode_chunk
 from kvservice.protocol.keys import ChunkKey
+from kvservice.store.config import StoreConfig
+from kvservice.store.format import decode_header, encode_chunk
 from kvservice.store.tiered import TieredStore
 
 from .conftest import make_chunk
@@ -91,8 +91,11 @@ def test_s3_down_recomputes_quickly_with_a_clear_log(tmp_path, recompute_from, c
         secret_key="sk-short-lived",
         buckets=("kvcache",),
     )
-    fast_fail = {"KV_S3_CONNECT_TIMEOUT_S": "0.5", "KV_S3_RETRIES": "1",
-                 "KV_STORE_DTYPE": "float32"}  # fmt: skip
+    fast_fail = {
+        "KV_S3_CONNECT_TIMEOUT_S": "0.5",
+        "KV_S3_RETRIES": "1",
+        "KV_STORE_DTYPE": "float32",
+    }
     config = StoreConfig.from_env({**s3.env, **fast_fail, "KV_DISK_CAPACITY_BYTES": "0"})
     store = TieredStore.from_config(config)
     chunk = make_chunk(24)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kvservice.kdn.stream import StreamReader
-from kvservice.protocol.kdn_stream import MAGIC, PREAMBLE, ObjectStreams, StreamMissing
 from kvservice.protocol.codecs import codec_by_name
 from kvservice.protocol.errors import ChunkCorrupt, ChunkTruncated
-from kvservice.store.format import decode_chunk
+from kvservice.protocol.kdn_stream import MAGIC, PREAMBLE, ObjectStreams, StreamMissing
 from kvservice.protocol.keys import ChunkKey
+from kvservice.store.format import decode_chunk
 from tests.kvservice.store.conftest import L, make_chunk
 
 

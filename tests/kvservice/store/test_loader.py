@@ -145,8 +145,10 @@ class SlowDisk(DiskTier):
 
 
 def _slow_store(tmp_path, chunk):
-    store = TieredStore([MemoryTier(1 << 20), SlowDisk(tmp_path / "slow", 1 << 20)],
-                        config=StoreConfig(store_dtype="float32", codec="fp16"))  # fmt: skip
+    store = TieredStore(
+        [MemoryTier(1 << 20), SlowDisk(tmp_path / "slow", 1 << 20)],
+        config=StoreConfig(store_dtype="float32", codec="fp16"),
+    )
     return store, store.put(chunk, tiers=["disk"])
 
 
@@ -224,8 +226,11 @@ def test_disk_runs_of_layers_are_checked_served_and_promoted(store, recompute_fr
     bad[decode_header(bad).layer_offset(L - 1) + 1] ^= 0x40
     store.tier("disk").put(bad_key, bad)
     with KVLoader(store, decode_layers=3) as loader:
-        batch = loader.open([key, bad_key], token_ids=[chunk.token_ids, bad_chunk.token_ids],
-                            recompute_fn=recompute_from(bad_chunk))  # fmt: skip
+        batch = loader.open(
+            [key, bad_key],
+            token_ids=[chunk.token_ids, bad_chunk.token_ids],
+            recompute_fn=recompute_from(bad_chunk),
+        )
         assert batch.tiers == ["disk", "disk"]
         _assert_serves(batch[0], chunk)
         _assert_serves(batch[1], bad_chunk)
@@ -250,8 +255,9 @@ def test_a_corrupt_disk_run_is_never_promoted_into_memory(store, recompute_from)
     bad[decode_header(bad).layer_offset(L - 1) + 1] ^= 0x40
     store.tier("disk").put(key, bad)
     with KVLoader(store, decode_layers=3) as loader:
-        source = loader.open([key], token_ids=[chunk.token_ids],
-                             recompute_fn=recompute_from(chunk))[0]  # fmt: skip
+        source = loader.open(
+            [key], token_ids=[chunk.token_ids], recompute_fn=recompute_from(chunk)
+        )[0]
         _assert_serves(source, chunk)
     time.sleep(0.2)  # a promotion happens on a fetch thread
     held = store.tier("cpu").get(key)
@@ -268,8 +274,9 @@ def test_disk_runs_stop_at_the_byte_cap(store, monkeypatch):
     layer = decode_header(encode_chunk(chunk)).layer_size(0)
     disk, reads = store.tier("disk"), []
     read_into = disk.read_into
-    monkeypatch.setattr(disk, "read_into", lambda k, start, out: reads.append(len(out))
-                        or read_into(k, start, out))  # fmt: skip
+    monkeypatch.setattr(
+        disk, "read_into", lambda k, start, out: reads.append(len(out)) or read_into(k, start, out)
+    )
     for cap, per_read in ((2 * layer + 1, 2), (layer // 2, 1)):
         monkeypatch.setattr(layered_module, "DISK_RUN_BYTES", cap)
         reads.clear()
@@ -360,8 +367,15 @@ def _memory_store() -> TieredStore:
     return TieredStore([MemoryTier(1 << 30)], config=StoreConfig(store_dtype="float32"))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
 def test_a_requests_chunks_in_memory_are_decoded_together(monkeypatch, device):
     """Chunks of one request that the memory tier serves, joined: each run of layers is
     decoded for every chunk stored alike in one call (``decode_chunk_runs``), a chunk
@@ -404,8 +418,9 @@ def test_decoding_a_request_dispatches_as_many_operators_for_six_chunks_as_for_t
     store = _memory_store()
 
     def operators(chunks: int) -> int:
-        keys = [store.put(make_chunk(60 + i, tokens=17 + 5 * i), codec=JOINED)
-                for i in range(chunks)]  # fmt: skip
+        keys = [
+            store.put(make_chunk(60 + i, tokens=17 + 5 * i), codec=JOINED) for i in range(chunks)
+        ]
         with KVLoader(store, join_chunks=True) as loader:
 
             def run() -> None:
@@ -456,8 +471,9 @@ def test_chunks_read_from_disk_decode_into_their_own_tensors(tmp_path):
     bytes are checked, each into its own tensors (served exactly all the same)."""
     from kvservice.blend.placing import joined_view
 
-    store = TieredStore([DiskTier(tmp_path / "disk", 1 << 30)],
-                        config=StoreConfig(store_dtype="float32"))  # fmt: skip
+    store = TieredStore(
+        [DiskTier(tmp_path / "disk", 1 << 30)], config=StoreConfig(store_dtype="float32")
+    )
     chunks = [make_chunk(80 + i, tokens=n) for i, n in enumerate((17, 40))]
     keys = [store.put(chunk, codec=JOINED, tiers=["disk"]) for chunk in chunks]
     expected = [decode_chunk(encode_chunk(c, codec=JOINED)) for c in chunks]
@@ -523,8 +539,9 @@ def test_a_loaders_chunks_placed_by_runs_of_layers_fill_the_cache_as_layer_by_la
 
     def placed(by_runs: bool):
         size = (layers, 1, H, start, D)
-        cache = SimpleNamespace(k=torch.zeros(size, device=device),
-                                v=torch.zeros(size, device=device))  # fmt: skip
+        cache = SimpleNamespace(
+            k=torch.zeros(size, device=device), v=torch.zeros(size, device=device)
+        )
         placings = placing_runs(segments, stale, device)
 
         def run():

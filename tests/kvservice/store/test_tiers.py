@@ -6,17 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.objects import HEADER_PROBE_BYTES
 from kvservice.store.config import StoreConfig
 from kvservice.store.device import DeviceTier
 from kvservice.store.disk import DiskTier
-from kvservice.protocol.objects import HEADER_PROBE_BYTES
 from kvservice.store.format import (
     decode_chunk,
     decode_header,
     decode_layer,
     encode_chunk,
 )
-from kvservice.protocol.keys import ChunkKey
 from kvservice.store.memory import MemoryTier
 from kvservice.store.s3 import S3Tier
 from kvservice.store.tiered import TieredStore

@@ -63,9 +63,14 @@ def vllm_setup(smollm2, smollm2_dir, smollm2_tokenizer, tmp_path_factory):
     for ids, chunk in zip(chunk_ids, chunks, strict=True):
         keys[tuple(ids)] = store.put(chunk).to_string()
     return {
-        "model": smollm2, "path": smollm2_dir, "tokenizer": smollm2_tokenizer, "format": fmt,
-        "store": store, "store_config": config, "keys": keys,
-    }  # fmt: skip
+        "model": smollm2,
+        "path": smollm2_dir,
+        "tokenizer": smollm2_tokenizer,
+        "format": fmt,
+        "store": store,
+        "store_config": config,
+        "keys": keys,
+    }
 
 
 def _settings():
@@ -85,17 +90,23 @@ def plain_vllm_full(vllm_setup):
 
     fmt = vllm_setup["format"]
     engine = VllmEngine(
-        vllm_setup["path"], store_config=vllm_setup["store_config"], settings=_settings(),
-        connector=False, prompt_format=fmt,
-    )  # fmt: skip
+        vllm_setup["path"],
+        store_config=vllm_setup["store_config"],
+        settings=_settings(),
+        connector=False,
+        prompt_format=fmt,
+    )
     try:
         return {
             question: engine.generate(
-                VllmRequest(fmt.build(PASSAGES, question), mode="full",
-                            sampling=SamplingParams(max_tokens=MAX_TOKENS))
+                VllmRequest(
+                    fmt.build(PASSAGES, question),
+                    mode="full",
+                    sampling=SamplingParams(max_tokens=MAX_TOKENS),
+                )
             ).token_ids
             for question in QUESTIONS[:2]
-        }  # fmt: skip
+        }
     finally:
         engine.close()
 
@@ -105,8 +116,10 @@ def vllm_engine(vllm_setup, plain_vllm_full):
     from kvservice.vllm.engine import VllmEngine
 
     engine = VllmEngine(
-        vllm_setup["path"], store_config=vllm_setup["store_config"], settings=_settings(),
+        vllm_setup["path"],
+        store_config=vllm_setup["store_config"],
+        settings=_settings(),
         prompt_format=vllm_setup["format"],
-    )  # fmt: skip
+    )
     yield engine
     engine.close()

@@ -37,8 +37,10 @@ def _native(setup, question, mode):
 
     fmt = setup["format"]
     prompt = fmt.build(PASSAGES, question)
-    sources = [setup["store"].get(ChunkKey.from_string(setup["keys"][tuple(ids)]))
-               for ids in prompt.chunk_ids]  # fmt: skip
+    sources = [
+        setup["store"].get(ChunkKey.from_string(setup["keys"][tuple(ids)]))
+        for ids in prompt.chunk_ids
+    ]
     engine = Engine(setup["model"], setup["tokenizer"], fmt)
     request = Request(prompt, sources, mode=mode, sampling=SamplingParams(max_tokens=MAX_TOKENS))
     try:
@@ -142,12 +144,17 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     runtime.config = checkpoint_config(vllm_setup["path"])
     runtime.context_len, runtime.model_name = 2048, "smollm2"
     fmt = vllm_setup["format"]
-    chunks = [ChunkRef(chunk_id=i, token_ids=fmt.chunk_ids(text))
-              for i, text in enumerate(PASSAGES)]  # fmt: skip
+    chunks = [
+        ChunkRef(chunk_id=i, token_ids=fmt.chunk_ids(text)) for i, text in enumerate(PASSAGES)
+    ]
     request = GenerateRequest(
-        request_id=uuid.uuid4().hex, question=QUESTIONS[0], chunks=chunks, mode="blend",
-        recompute_ratio=0.15, max_new_tokens=MAX_TOKENS,
-    )  # fmt: skip
+        request_id=uuid.uuid4().hex,
+        question=QUESTIONS[0],
+        chunks=chunks,
+        mode="blend",
+        recompute_ratio=0.15,
+        max_new_tokens=MAX_TOKENS,
+    )
     client = redis.Redis.from_url(redis_service.env["REDIS_URL"])
     result = answer_request(runtime, request, client)
 
@@ -162,9 +169,14 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     keys = [runtime.chunk_key(ids).to_string() for ids in segments]
     suffix = fmt.question_ids(QUESTIONS[0])
     streamed = vllm_engine.stream(
-        VllmRequest(Prompt(list(fmt.head_ids), segments, suffix), mode="blend", chunk_keys=keys,
-                    recompute_ratio=0.15, sampling=answer_sampling(request))
-    )  # fmt: skip
+        VllmRequest(
+            Prompt(list(fmt.head_ids), segments, suffix),
+            mode="blend",
+            chunk_keys=keys,
+            recompute_ratio=0.15,
+            sampling=answer_sampling(request),
+        )
+    )
     shown = AnswerText()  # what the worker shows of it: no repeat, a clean cut at the cap
     for event in streamed:
         shown.push(event.text)
@@ -176,8 +188,10 @@ def test_inference_worker_answer_path_streams_a_blend_answer_through_vllm(
     judged = verdict(shown.text, passages, request.question)
     assert result.status == "done", result
     assert result.text == judged.text and result.metrics.citation == judged.citation
-    events = [(fields[b"type"].decode(), json.loads(fields[b"data"]))
-              for _, fields in client.xrange(answer_stream(request.request_id))]  # fmt: skip
+    events = [
+        (fields[b"type"].decode(), json.loads(fields[b"data"]))
+        for _, fields in client.xrange(answer_stream(request.request_id))
+    ]
     streamed = "".join(data["text"] for kind, data in events if kind == "token")
     assert streamed == shown.text + judged.streamed
     assert events[-1][0] == "token"  # the outcome is the report: the web side ends the stream

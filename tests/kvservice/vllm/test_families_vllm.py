@@ -32,13 +32,22 @@ KINDS = ("qwen3", "gemma3", "llama3", "phi3")
 # Weights drawn 10 times wider than HF's default, so that attention (and so RoPE, windows
 # and the written KV) decides the greedy tokens: at 0.02 the tokens follow the last token's
 # embedding and Phi-3 turned by the wrong RoPE factors still passed.
-VLLM_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-              "initializer_range": 0.2}  # fmt: skip
+VLLM_SHAPE = {
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "initializer_range": 0.2,
+}
 # Phi-3's LongRoPE then needs a factor per rotary frequency: 8 of them (16 rotary dims).
-PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-             "original_max_position_embeddings": 512, "factor": 2.0,
-             "short_factor": [1.0, 1.2, 1.5, 1.8, 2.0, 2.5, 3.0, 3.5],
-             "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5]}  # fmt: skip
+PHI3_ROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "original_max_position_embeddings": 512,
+    "factor": 2.0,
+    "short_factor": [1.0, 1.2, 1.5, 1.8, 2.0, 2.5, 3.0, 3.5],
+    "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5],
+}
 # Above Phi-3's LongRoPE original context (512), which VllmEngine caps it at: past it vLLM
 # turns every position by the long factors, the native engine and the blender by the short.
 MAX_MODEL_LEN = 1024
@@ -82,14 +91,23 @@ def family(request, tmp_path_factory, smollm2_dir):
     store = TieredStore.from_config(config)
     chunk_ids = [fmt.chunk_ids(text) for text in PASSAGES]
     chunks = precompute_chunks(model, fmt.head_ids, chunk_ids)
-    keys = {tuple(ids): store.put(chunk).to_string()
-            for ids, chunk in zip(chunk_ids, chunks, strict=True)}  # fmt: skip
+    keys = {
+        tuple(ids): store.put(chunk).to_string()
+        for ids, chunk in zip(chunk_ids, chunks, strict=True)
+    }
     settings = VllmSettings(gpu_memory_utilization=0.1, max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
     engine = VllmEngine(path, store_config=config, settings=settings, prompt_format=fmt)
     try:
         assert engine.fingerprint == model.fingerprint  # the stored chunks' keys are found
-        yield {"kind": kind, "model": model, "tokenizer": tokenizer, "format": fmt,
-               "store": store, "keys": keys, "engine": engine}  # fmt: skip
+        yield {
+            "kind": kind,
+            "model": model,
+            "tokenizer": tokenizer,
+            "format": fmt,
+            "store": store,
+            "keys": keys,
+            "engine": engine,
+        }
     finally:
         engine.close()
 
@@ -104,8 +122,13 @@ def _vllm(family, mode, ratio=0.15, question=QUESTIONS[0]):
 
     prompt = _prompt(family, question)
     keys = [family["keys"][tuple(ids)] for ids in prompt.chunk_ids]
-    request = VllmRequest(prompt, mode=mode, chunk_keys=keys, recompute_ratio=ratio,
-                          sampling=SamplingParams(max_tokens=MAX_TOKENS))  # fmt: skip
+    request = VllmRequest(
+        prompt,
+        mode=mode,
+        chunk_keys=keys,
+        recompute_ratio=ratio,
+        sampling=SamplingParams(max_tokens=MAX_TOKENS),
+    )
     return family["engine"].generate(request)
 
 
@@ -116,11 +139,18 @@ def _native(family, mode, ratio=0.15, question=QUESTIONS[0]):
     from kvservice.serve.engine import Engine, Request
 
     prompt = _prompt(family, question)
-    sources = [family["store"].get(ChunkKey.from_string(family["keys"][tuple(ids)]))
-               for ids in prompt.chunk_ids]  # fmt: skip
+    sources = [
+        family["store"].get(ChunkKey.from_string(family["keys"][tuple(ids)]))
+        for ids in prompt.chunk_ids
+    ]
     engine = Engine(family["model"], family["tokenizer"], family["format"])
-    request = Request(prompt, sources, mode=mode, recompute_ratio=ratio,
-                      sampling=SamplingParams(max_tokens=MAX_TOKENS))  # fmt: skip
+    request = Request(
+        prompt,
+        sources,
+        mode=mode,
+        recompute_ratio=ratio,
+        sampling=SamplingParams(max_tokens=MAX_TOKENS),
+    )
     try:
         return engine.generate(request)
     finally:

@@ -226,8 +226,12 @@ def test_the_defaults_are_ten_wrong_passwords_within_fifteen_minutes() -> None:
         "print(s.LOGIN_ACCOUNT_FAILURE_LIMIT, s.LOGIN_ACCOUNT_LOCKOUT.total_seconds())"
     )
     result = subprocess.run(
-        [sys.executable, "manage.py", "shell", "-c", show], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "manage.py", "shell", "-c", show],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     last_line = result.stdout.strip().splitlines()[-1:]  # after the shell's own notices
     assert last_line == ["10 900.0"], result.stdout + result.stderr

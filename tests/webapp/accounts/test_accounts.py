@@ -44,9 +44,12 @@ def test_password_change_takes_the_new_password_and_keeps_the_session(client, al
     assert page.status_code == 200 and 'class="topbar"' in page.content.decode()
     response = client.post(
         reverse("password_change"),
-        {"old_password": "pw-alice-123", "new_password1": "Harbour-lights-77",
-         "new_password2": "Harbour-lights-77"},
-    )  # fmt: skip
+        {
+            "old_password": "pw-alice-123",
+            "new_password1": "Harbour-lights-77",
+            "new_password2": "Harbour-lights-77",
+        },
+    )
     assert response.status_code == 302
     assert response["Location"] == reverse("password_change_done")
     assert client.get(reverse("api_keys")).status_code == 200  # still logged in
@@ -58,9 +61,12 @@ def test_password_change_refuses_a_wrong_old_password(client, alice) -> None:
     client.force_login(alice)
     response = client.post(
         reverse("password_change"),
-        {"old_password": "wrong", "new_password1": "Harbour-lights-77",
-         "new_password2": "Harbour-lights-77"},
-    )  # fmt: skip
+        {
+            "old_password": "wrong",
+            "new_password1": "Harbour-lights-77",
+            "new_password2": "Harbour-lights-77",
+        },
+    )
     assert response.status_code == 200
     assert "Your old password was entered incorrectly" in response.content.decode()
     alice.refresh_from_db()
@@ -146,9 +152,13 @@ def test_signup_when_enabled_creates_a_plain_user_and_logs_in(client, settings) 
     assert f'href="{reverse("signup")}"' in client.get(reverse("login")).content.decode()
     response = client.post(
         reverse("signup"),
-        {"username": "hal", "password1": "Quiet-river-2041", "password2": "Quiet-river-2041",
-         "is_staff": "on"},
-    )  # fmt: skip
+        {
+            "username": "hal",
+            "password1": "Quiet-river-2041",
+            "password2": "Quiet-river-2041",
+            "is_staff": "on",
+        },
+    )
     assert response.status_code == 302
     hal = User.objects.get(username="hal")
     assert not hal.is_staff and not hal.is_superuser

@@ -75,9 +75,11 @@ def test_the_invite_pages_fit_a_phone(phone, live_server, staff) -> None:  # noq
     Invite.objects.filter(pk=ended.pk).update(expires_at=timezone.now() - timedelta(days=1))
     _, fresh = services.invite_create(created_by=staff)
 
-    pages = {"invite-accept": f"/accounts/invite/{fresh}/",
-             "invite-used": f"/accounts/invite/{used}/",
-             "invite-expired": f"/accounts/invite/{expired}/"}  # fmt: skip
+    pages = {
+        "invite-accept": f"/accounts/invite/{fresh}/",
+        "invite-used": f"/accounts/invite/{used}/",
+        "invite-expired": f"/accounts/invite/{expired}/",
+    }
     widths = {}
     for name, path in pages.items():
         phone.get(f"{live_server.url}{path}")

@@ -106,9 +106,11 @@ def test_behind_a_trusted_proxy_each_client_counts_on_its_own(alice, settings) -
 
     def log_in(remote: str, forwarded: str, password: str = "guess"):
         return Client().post(
-            reverse("login"), {"username": "alice", "password": password},
-            REMOTE_ADDR=remote, HTTP_X_FORWARDED_FOR=forwarded,
-        )  # fmt: skip
+            reverse("login"),
+            {"username": "alice", "password": password},
+            REMOTE_ADDR=remote,
+            HTTP_X_FORWARDED_FOR=forwarded,
+        )
 
     settings.TRUSTED_PROXY_COUNT = 1
     proxy = "10.0.0.5"

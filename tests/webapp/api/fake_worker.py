@@ -28,10 +28,19 @@ class FakeInferenceWorker:
     the real worker's verdict on the words over the request's passages (its [n], or "not
     found" with the words withheld); ``metrics``: measurements to report over the canned."""
 
-    def __init__(self, client, *, words=("Arborio", " rice", " [1]."), fail: bool = False,
-                 finish_reason: str = "stop", queue: str = INFERENCE_QUEUE,
-                 token_delay_s: float = 0.0, record: bool = True, judged: bool = False,
-                 metrics: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        client,
+        *,
+        words=("Arborio", " rice", " [1]."),
+        fail: bool = False,
+        finish_reason: str = "stop",
+        queue: str = INFERENCE_QUEUE,
+        token_delay_s: float = 0.0,
+        record: bool = True,
+        judged: bool = False,
+        metrics: dict | None = None,
+    ):
         self.client, self.words, self.fail = client, words, fail
         self.finish_reason, self.judged, self.metrics = finish_reason, judged, metrics or {}
         self.queue, self.token_delay_s, self.record = queue, token_delay_s, record
@@ -70,17 +79,27 @@ class FakeInferenceWorker:
             time.sleep(self.token_delay_s)
             publish_event(self.client, request_id, Token(text=word))
         tiers = {str(chunk["chunk_id"]): "cpu" for chunk in request["chunks"]}
-        metrics = {"ttft_s": 0.05, "total_s": 0.2, "mode": request["mode"],
-                   "recompute_ratio": 0.15, "chunk_tiers": tiers, "prompt_tokens": 40,
-                   "completion_tokens": len(self.words),
-                   "finish_reason": self.finish_reason, **self.metrics}  # fmt: skip
+        metrics = {
+            "ttft_s": 0.05,
+            "total_s": 0.2,
+            "mode": request["mode"],
+            "recompute_ratio": 0.15,
+            "chunk_tiers": tiers,
+            "prompt_tokens": 40,
+            "completion_tokens": len(self.words),
+            "finish_reason": self.finish_reason,
+            **self.metrics,
+        }
         text, withheld = self._judge(request, metrics)
         passages = [chunk["text"] for chunk in request["chunks"]]
         chunk_ids = [chunk["chunk_id"] for chunk in request["chunks"]]
         outcome = AnswerOutcome.answered(
-            "done", text=text, withheld=withheld, metrics=AnswerMetrics.from_dict(metrics),
+            "done",
+            text=text,
+            withheld=withheld,
+            metrics=AnswerMetrics.from_dict(metrics),
             passages=passage_uses(text, passages, chunk_ids, tiers, request["question"]),
-        )  # fmt: skip
+        )
         self._report(request, outcome)
 
     def _report(self, request: dict, outcome: AnswerOutcome) -> None:
@@ -91,8 +110,9 @@ class FakeInferenceWorker:
 
         from webapp.chat.services import record_report
 
-        record_report(message_id=request["message_id"], request_id=request["request_id"],
-                      outcome=outcome)  # fmt: skip
+        record_report(
+            message_id=request["message_id"], request_id=request["request_id"], outcome=outcome
+        )
         connection.close()  # this thread's own: the test database is dropped after the test
 
     def _judge(self, request: dict, metrics: dict) -> tuple[str, str]:

@@ -53,8 +53,11 @@ def test_every_endpoint_needs_authentication(alice, method, url) -> None:
     error body on /v1/; a signed-in browser's session with a bad key is judged by the key."""
     client = Client(enforce_csrf_checks=True)
     body = {"question": "q", "model": "ragblend", "messages": [{"role": "user", "content": "q"}]}
-    for headers in ({}, {"HTTP_AUTHORIZATION": "Bearer rbk_not-a-key"},
-                    {"HTTP_AUTHORIZATION": "Basic YWxpY2U6cHc="}):  # fmt: skip
+    for headers in (
+        {},
+        {"HTTP_AUTHORIZATION": "Bearer rbk_not-a-key"},
+        {"HTTP_AUTHORIZATION": "Basic YWxpY2U6cHc="},
+    ):
         response = getattr(client, method)(url, body, content_type="application/json", **headers)
         assert response.status_code == 401, (url, headers, response.content)
         assert response["WWW-Authenticate"] == "Bearer"
@@ -75,8 +78,12 @@ def test_a_browser_session_still_needs_its_csrf_token(alice) -> None:
     assert response.status_code == 403 and "CSRF" in response.json()["message"]
     client.get("/documents/")  # a page sets the CSRF cookie, as in the browser
     token = client.cookies["csrftoken"].value
-    response = client.post("/api/v1/collections", {"name": "x"},
-                           content_type="application/json", HTTP_X_CSRFTOKEN=token)  # fmt: skip
+    response = client.post(
+        "/api/v1/collections",
+        {"name": "x"},
+        content_type="application/json",
+        HTTP_X_CSRFTOKEN=token,
+    )
     assert response.status_code == 201, response.content
 
 
@@ -92,8 +99,12 @@ def test_documents_upload_list_detail_delete(client, alice_auth) -> None:
 
     detail = client.get(f"/api/v1/documents/{created['id']}", **alice_auth).json()
     assert {k: detail[k] for k in ("id", "title", "status", "progress", "error")} == {
-        "id": created["id"], "title": "notes.md", "status": "queued", "progress": 0, "error": ""
-    }  # fmt: skip
+        "id": created["id"],
+        "title": "notes.md",
+        "status": "queued",
+        "progress": 0,
+        "error": "",
+    }
     listing = client.get("/api/v1/documents?limit=10", **alice_auth).json()
     assert listing["count"] == 1 and listing["items"][0]["id"] == created["id"]
 
@@ -126,22 +137,22 @@ def test_bad_payloads_get_4xx_with_a_message(client, alice_auth) -> None:
         client.post("/api/v1/query", "{not json", content_type="application/json", **alice_auth),
         client.post(
             "/api/v1/query", {"question": ""}, content_type="application/json", **alice_auth
-        ),  # fmt: skip
+        ),
         client.post(
             "/api/v1/query", {"question": "  "}, content_type="application/json", **alice_auth
-        ),  # fmt: skip
+        ),
         client.post(
             "/api/v1/query",
             {"question": "q", "mode": "warp"},
             content_type="application/json",
             **alice_auth,
-        ),  # fmt: skip
+        ),
         client.post(
             "/api/v1/query",
             {"question": "q", "colour": 1},
             content_type="application/json",
             **alice_auth,
-        ),  # fmt: skip
+        ),
         client.get("/api/v1/documents?limit=0", **alice_auth),
         client.get("/api/v1/documents/not-a-number", **alice_auth),
     ]
@@ -151,30 +162,39 @@ def test_bad_payloads_get_4xx_with_a_message(client, alice_auth) -> None:
         assert body["code"] and body["message"], body
     assert cases[1].json()["message"] == "The file is empty."
 
-    for payload in ({"model": "ragblend", "messages": []},
-                    {"model": "ragblend", "messages": [{"role": "wizard", "content": "x"}]},
-                    {"model": "ragblend", "messages": [{"role": "assistant", "content": "x"}]},
-                    {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]},
-                    ):  # fmt: skip
-        response = client.post("/v1/chat/completions", payload, content_type="application/json",
-                               **alice_auth)  # fmt: skip
+    for payload in (
+        {"model": "ragblend", "messages": []},
+        {"model": "ragblend", "messages": [{"role": "wizard", "content": "x"}]},
+        {"model": "ragblend", "messages": [{"role": "assistant", "content": "x"}]},
+        {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]},
+    ):
+        response = client.post(
+            "/v1/chat/completions", payload, content_type="application/json", **alice_auth
+        )
         assert 400 <= response.status_code < 500, response.content
         assert response.json()["error"]["message"]
 
 
 @pytest.mark.django_db
-def test_one_users_key_never_reaches_another_users_data(client, alice, alice_auth,
-                                                        mallory_auth) -> None:  # fmt: skip
+def test_one_users_key_never_reaches_another_users_data(
+    client, alice, alice_auth, mallory_auth
+) -> None:
     document = make_document(alice, "alice's secrets", [PASSAGES["space"]])
     conversation = chat.conversation_create(owner=alice, title="alice's chat")
-    for method, url in [("get", f"/api/v1/documents/{document.id}"),
-                        ("delete", f"/api/v1/documents/{document.id}"),
-                        ("get", f"/api/v1/conversations/{conversation.id}")]:  # fmt: skip
+    for method, url in [
+        ("get", f"/api/v1/documents/{document.id}"),
+        ("delete", f"/api/v1/documents/{document.id}"),
+        ("get", f"/api/v1/conversations/{conversation.id}"),
+    ]:
         response = getattr(client, method)(url, **mallory_auth)
         assert response.status_code == 404, url
         assert response.json()["code"] == "not_found"
-    response = client.post("/api/v1/query", {"question": "q", "conversation_id": conversation.id},
-                           content_type="application/json", **mallory_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query",
+        {"question": "q", "conversation_id": conversation.id},
+        content_type="application/json",
+        **mallory_auth,
+    )
     assert response.status_code == 404
     assert client.get("/api/v1/documents", **mallory_auth).json()["count"] == 0
     assert client.get("/api/v1/conversations", **mallory_auth).json()["count"] == 0
@@ -219,8 +239,12 @@ def test_session_auth_works_for_the_browser(client, alice) -> None:
 
 @pytest.mark.django_db
 def test_other_modes_and_cache_stats_are_for_staff(client, alice_auth, staff) -> None:
-    response = client.post("/api/v1/query", {"question": "q", "mode": "full"},
-                           content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query",
+        {"question": "q", "mode": "full"},
+        content_type="application/json",
+        **alice_auth,
+    )
     assert response.status_code == 403 and "staff" in response.json()["message"]
     assert client.get("/api/v1/cache/stats", **alice_auth).status_code == 403
     stats = client.get("/api/v1/cache/stats", **bearer(staff)).json()
@@ -236,8 +260,12 @@ def test_other_modes_and_cache_stats_are_for_staff(client, alice_auth, staff) ->
 def test_answer_that_never_comes_is_a_504_not_a_hang(client, alice, alice_auth, settings) -> None:
     settings.API_ANSWER_TIMEOUT_S = 0.5
     make_document(alice, "notes", list(PASSAGES.values()))
-    response = client.post("/api/v1/query", {"question": "Which rice for risotto?"},
-                           content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query",
+        {"question": "Which rice for risotto?"},
+        content_type="application/json",
+        **alice_auth,
+    )
     assert response.status_code == 504 and response.json()["code"] == "timeout"
 
 
@@ -253,8 +281,12 @@ def worker():
 @pytest.mark.django_db(transaction=True)
 def test_query_answers_with_citations_and_metrics(client, alice, alice_auth, worker) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
-    response = client.post("/api/v1/query", {"question": "Which rice goes into a risotto?"},
-                           content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query",
+        {"question": "Which rice goes into a risotto?"},
+        content_type="application/json",
+        **alice_auth,
+    )
     assert response.status_code == 200, response.content
     body = response.json()
     assert body["answer"] == "Arborio rice [1]."
@@ -265,9 +297,12 @@ def test_query_answers_with_citations_and_metrics(client, alice, alice_auth, wor
     assert set(body["metrics"]) >= {"ttft_s", "total_s", "mode", "recompute_ratio", "tiers"}
 
     # A follow-up in the same conversation carries the history to the worker.
-    follow = client.post("/api/v1/query", {"question": "And the stock?", "conversation_id":
-                         body["conversation_id"]}, content_type="application/json",
-                         **alice_auth)  # fmt: skip
+    follow = client.post(
+        "/api/v1/query",
+        {"question": "And the stock?", "conversation_id": body["conversation_id"]},
+        content_type="application/json",
+        **alice_auth,
+    )
     assert follow.status_code == 200
     assert worker.requests[-1]["history"][0]["content"] == "Which rice goes into a risotto?"
     detail = client.get(f"/api/v1/conversations/{body['conversation_id']}", **alice_auth).json()
@@ -277,8 +312,12 @@ def test_query_answers_with_citations_and_metrics(client, alice, alice_auth, wor
 @pytest.mark.django_db(transaction=True)
 def test_query_streams_server_sent_events(client, alice, alice_auth, worker) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
-    response = client.post("/api/v1/query", {"question": "Risotto rice?", "stream": True},
-                           content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query",
+        {"question": "Risotto rice?", "stream": True},
+        content_type="application/json",
+        **alice_auth,
+    )
     assert response.status_code == 200 and response["Content-Type"] == "text/event-stream"
     events = []
     for block in b"".join(response).decode().strip().split("\n\n"):
@@ -298,12 +337,24 @@ async def _asgi_query(auth: str, question: str):
     inbox, outbox = asyncio.Queue(), asyncio.Queue()
     body = json.dumps({"question": question, "stream": True}).encode()
     await inbox.put({"type": "http.request", "body": body, "more_body": False})
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/api/v1/query",
-             "raw_path": b"/api/v1/query", "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
-                         (b"authorization", auth.encode())],
-             "client": ("127.0.0.1", 40000), "server": ("testserver", 80)}  # fmt: skip
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/api/v1/query",
+        "raw_path": b"/api/v1/query",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"testserver"),
+            (b"content-type", b"application/json"),
+            (b"authorization", auth.encode()),
+        ],
+        "client": ("127.0.0.1", 40000),
+        "server": ("testserver", 80),
+    }
     call = asyncio.create_task(get_asgi_application()(scope, inbox.get, outbox.put))
     return call, outbox
 
@@ -377,8 +428,9 @@ def test_an_openai_stream_waits_through_the_queue_for_its_words(alice) -> None:
     from webapp.api.openai import _completion_events
 
     conversation = Conversation.objects.create(owner=alice, title="t")
-    answer = Message.objects.create(conversation=conversation, role=Message.Role.ASSISTANT,
-                                    status=Message.Status.PENDING)  # fmt: skip
+    answer = Message.objects.create(
+        conversation=conversation, role=Message.Role.ASSISTANT, status=Message.Status.PENDING
+    )
     client = redis_client()
     publish_event(client, str(answer.request_id), Queue(ahead=3))
     publish_event(client, str(answer.request_id), Token(text="Arborio"))
@@ -404,23 +456,32 @@ def test_an_openai_stream_waits_through_the_queue_for_its_words(alice) -> None:
 def test_failed_generation_is_a_502_with_the_reason(client, alice, alice_auth) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
     with FakeInferenceWorker(redis_client(), fail=True):
-        response = client.post("/api/v1/query", {"question": "Which rice for a risotto?"},
-                               content_type="application/json", **alice_auth)  # fmt: skip
+        response = client.post(
+            "/api/v1/query",
+            {"question": "Which rice for a risotto?"},
+            content_type="application/json",
+            **alice_auth,
+        )
     assert response.status_code == 502 and "exploded" in response.json()["message"]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_chat_completions_uses_the_last_user_message_and_history(client, alice, alice_auth,
-                                                                 worker) -> None:  # fmt: skip
+def test_chat_completions_uses_the_last_user_message_and_history(
+    client, alice, alice_auth, worker
+) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
-    payload = {"model": "ragblend", "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Where does the Danube flow?"},
-        {"role": "assistant", "content": "To the Black Sea."},
-        {"role": "user", "content": [{"type": "text", "text": "Which rice for risotto?"}]},
-    ]}  # fmt: skip
-    response = client.post("/v1/chat/completions", payload, content_type="application/json",
-                           **alice_auth)  # fmt: skip
+    payload = {
+        "model": "ragblend",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Where does the Danube flow?"},
+            {"role": "assistant", "content": "To the Black Sea."},
+            {"role": "user", "content": [{"type": "text", "text": "Which rice for risotto?"}]},
+        ],
+    }
+    response = client.post(
+        "/v1/chat/completions", payload, content_type="application/json", **alice_auth
+    )
     assert response.status_code == 200, response.content
     body = response.json()
     assert body["object"] == "chat.completion"
@@ -432,9 +493,19 @@ def test_chat_completions_uses_the_last_user_message_and_history(client, alice, 
     assert Message.objects.filter(conversation_id=body["ragblend"]["conversation_id"]).count() == 4
 
     follow_up = {"role": "user", "content": "And which stock?"}
-    response = client.post("/v1/chat/completions", payload | {"messages": [
-        *payload["messages"], {"role": "assistant", "content": "Arborio."}, follow_up,
-    ]}, content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/v1/chat/completions",
+        payload
+        | {
+            "messages": [
+                *payload["messages"],
+                {"role": "assistant", "content": "Arborio."},
+                follow_up,
+            ]
+        },
+        content_type="application/json",
+        **alice_auth,
+    )
     assert response.status_code == 200, response.content
     # A follow-up's earlier questions go to the model; the answers (the client's) do not.
     assert [t["content"] for t in worker.requests[-1]["history"]] == ["Which rice for risotto?"]
@@ -446,11 +517,14 @@ def test_chat_completions_keeps_only_the_history_the_model_reads(
 ) -> None:
     """A client that resends a long conversation (here 100 turns of 8 KB) stores what the
     model reads: the last exchanges, each cut to the question limit."""
-    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "x" * 8000}
-             for i in range(100)]  # fmt: skip
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "x" * 8000}
+        for i in range(100)
+    ]
     payload = {"model": "ragblend", "messages": [*turns, {"role": "user", "content": "Rice?"}]}
-    response = client.post("/v1/chat/completions", payload, content_type="application/json",
-                           **alice_auth)  # fmt: skip
+    response = client.post(
+        "/v1/chat/completions", payload, content_type="application/json", **alice_auth
+    )
     assert response.status_code == 200, response.content
     stored = Message.objects.filter(conversation_id=response.json()["ragblend"]["conversation_id"])
     history = [m.content for m in stored.order_by("id")][:-2]  # the question and its answer last
@@ -466,8 +540,12 @@ def test_an_answer_cut_at_the_token_limit_says_length_not_stop(client, alice, al
     payload = {"model": "ragblend", "messages": [{"role": "user", "content": question}]}
     for stream in (False, True):
         with FakeInferenceWorker(redis_client(), finish_reason="length"):
-            response = client.post("/v1/chat/completions", payload | {"stream": stream},
-                                   content_type="application/json", **alice_auth)  # fmt: skip
+            response = client.post(
+                "/v1/chat/completions",
+                payload | {"stream": stream},
+                content_type="application/json",
+                **alice_auth,
+            )
             assert response.status_code == 200, response.content
             if stream:
                 body = b"".join(response).decode()
@@ -498,8 +576,12 @@ def test_api_conversations_stay_out_of_the_browsers_sidebar(
 def test_with_no_documents_the_answer_says_nothing_was_found(client, alice, alice_auth) -> None:
     """Nothing to retrieve: no request reaches the model (none runs here), and the answer,
     streamed and stored like any other, says so instead of inventing one."""
-    response = client.post("/api/v1/query", {"question": "What is our leave policy?"},
-                           content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query",
+        {"question": "What is our leave policy?"},
+        content_type="application/json",
+        **alice_auth,
+    )
     assert response.status_code == 200, response.content
     body = response.json()
     assert body["answer"] == chat.NOTHING_FOUND and body["citations"] == []
@@ -512,8 +594,12 @@ def test_the_answer_lists_the_passages_it_cites_and_the_rest_as_also_retrieved(
     client, alice, alice_auth, worker
 ) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
-    response = client.post("/api/v1/query", {"question": "Which rice and stock for a risotto?"},
-                           content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query",
+        {"question": "Which rice and stock for a risotto?"},
+        content_type="application/json",
+        **alice_auth,
+    )
     body = response.json()
     assert body["answer"] == "Arborio rice [1]."
     assert [c["rank"] for c in body["citations"]] == [1] and body["citations"][0]["cited"]
@@ -529,16 +615,21 @@ def test_a_question_the_documents_do_not_answer_is_not_found_in_both_apis(
     client, alice, alice_auth, worker
 ) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
-    response = client.post("/api/v1/query", {"question": "What is the office dress code?"},
-                           content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query",
+        {"question": "What is the office dress code?"},
+        content_type="application/json",
+        **alice_auth,
+    )
     body = response.json()
     assert body["answer"] == chat.NOT_IN_DOCUMENTS and body["citations"] == []
     assert body["metrics"]["not_found"] is True and body["metrics"]["retrieval"] == []
     completion = client.post(
         "/v1/chat/completions",
         {"model": "ragblend", "messages": [{"role": "user", "content": "Office dress code?"}]},
-        content_type="application/json", **alice_auth,
-    ).json()  # fmt: skip
+        content_type="application/json",
+        **alice_auth,
+    ).json()
     assert completion["choices"][0]["message"]["content"] == chat.NOT_IN_DOCUMENTS
     assert completion["ragblend"]["metrics"]["not_found"] is True
     assert worker.requests == []  # the model was never asked

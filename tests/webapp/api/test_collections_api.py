@@ -43,17 +43,26 @@ def test_a_query_searches_only_the_collections_it_names(
     assert [c["text"] for c in body["citations"] + body["also_retrieved"]] == [PASSAGES["cooking"]]
     detail = client.get(f"/api/v1/conversations/{body['conversation_id']}", **alice_auth).json()
     assert detail["scope"] == {
-        "collection_ids": [kitchen.pk], "document_ids": [], "everything": False,
-    }  # fmt: skip
+        "collection_ids": [kitchen.pk],
+        "document_ids": [],
+        "everything": False,
+    }
 
     # The conversation keeps its scope; empty lists widen it to all of alice's documents.
-    follow = _query(client, alice_auth, question=question,
-                    conversation_id=body["conversation_id"]).json()  # fmt: skip
+    follow = _query(
+        client, alice_auth, question=question, conversation_id=body["conversation_id"]
+    ).json()
     assert {c["document_id"] for c in follow["citations"] + follow["also_retrieved"]} == {
         kitchen.documents.get().pk
     }
-    wide = _query(client, alice_auth, question=question, conversation_id=body["conversation_id"],
-                  collection_ids=[], document_ids=[]).json()  # fmt: skip
+    wide = _query(
+        client,
+        alice_auth,
+        question=question,
+        conversation_id=body["conversation_id"],
+        collection_ids=[],
+        document_ids=[],
+    ).json()
     assert len({c["document_id"] for c in wide["citations"] + wide["also_retrieved"]}) >= 2
 
 
@@ -68,8 +77,11 @@ def test_collections_list_own_and_shared_and_hide_the_rest(
     listing = client.get("/api/v1/collections", **bob_auth).json()
     (item,) = listing["items"]
     assert (item["id"], item["name"], item["owner"], item["read_only"]) == (
-        kitchen.pk, "Kitchen", "alice", True,
-    )  # fmt: skip
+        kitchen.pk,
+        "Kitchen",
+        "alice",
+        True,
+    )
     assert item["document_ids"] == [kitchen.documents.get().pk]
     own = client.get(f"/api/v1/collections/{kitchen.pk}", **bearer(alice)).json()
     assert own["read_only"] is False
@@ -85,8 +97,9 @@ def test_a_scope_of_someone_elses_collection_or_document_is_a_404(
         completion = client.post(
             "/v1/chat/completions",
             {"model": "ragblend", "messages": [{"role": "user", "content": "Risotto?"}], **scope},
-            content_type="application/json", **mallory_auth,
-        )  # fmt: skip
+            content_type="application/json",
+            **mallory_auth,
+        )
         assert completion.status_code == 404, completion.content
     assert not mallory.conversations.exists()  # nothing was created for the refused scopes
     assert worker.requests == []
@@ -98,10 +111,14 @@ def test_a_shared_collection_answers_through_the_api_in_the_owners_kv_scope(
     documents.collection_share(collection=kitchen, usernames=["bob"])
     response = client.post(
         "/v1/chat/completions",
-        {"model": "ragblend", "collection_ids": [kitchen.pk],
-         "messages": [{"role": "user", "content": "Which rice goes into a risotto?"}]},
-        content_type="application/json", **bearer(bob),
-    )  # fmt: skip
+        {
+            "model": "ragblend",
+            "collection_ids": [kitchen.pk],
+            "messages": [{"role": "user", "content": "Which rice goes into a risotto?"}],
+        },
+        content_type="application/json",
+        **bearer(bob),
+    )
     assert response.status_code == 200, response.content
     assert response.json()["citations"][0]["text"] == PASSAGES["cooking"]
     assert [ref["kv_scope"] for ref in worker.requests[-1]["chunks"]] == [kv_scope_for(alice.pk)]
@@ -113,8 +130,12 @@ def test_collections_are_made_changed_and_deleted_by_their_owner_only(
     json = {"content_type": "application/json"}
     mine = make_document(alice, "cooking.md", [PASSAGES["cooking"]])
     theirs = make_document(mallory, "space.md", [PASSAGES["space"]])
-    created = client.post("/api/v1/collections", {"name": "Kitchen", "shared_with": ["bob"],
-                          "document_ids": [mine.pk, theirs.pk]}, **json, **alice_auth)  # fmt: skip
+    created = client.post(
+        "/api/v1/collections",
+        {"name": "Kitchen", "shared_with": ["bob"], "document_ids": [mine.pk, theirs.pk]},
+        **json,
+        **alice_auth,
+    )
     assert created.status_code == 201, created.content
     body = created.json()
     assert body["document_ids"] == [mine.pk] and not body["read_only"]  # not mallory's
@@ -124,8 +145,10 @@ def test_collections_are_made_changed_and_deleted_by_their_owner_only(
     assert client.get(url, **bob_auth).json()["read_only"] is True
     assert client.patch(url, {"name": "Bob's"}, **json, **bob_auth).status_code == 403
     assert client.delete(url, **bob_auth).status_code == 403
-    for response in (client.patch(url, {"name": "x"}, **json, **mallory_auth),
-                     client.delete(url, **mallory_auth)):  # fmt: skip
+    for response in (
+        client.patch(url, {"name": "x"}, **json, **mallory_auth),
+        client.delete(url, **mallory_auth),
+    ):
         assert response.status_code == 404  # not shared with mallory: not there at all
 
     renamed = client.patch(url, {"name": "Cooking", "shared_with": []}, **json, **alice_auth)
@@ -176,13 +199,15 @@ def test_a_key_holder_with_only_shared_collections_is_told_of_collection_ids(
     completion = client.post(
         "/v1/chat/completions",
         {"model": "ragblend", "messages": [{"role": "user", "content": "Risotto rice?"}]},
-        content_type="application/json", **bob_auth,
-    ).json()  # fmt: skip
+        content_type="application/json",
+        **bob_auth,
+    ).json()
     for answer in (body["answer"], completion["choices"][0]["message"]["content"]):
         assert "collection_ids" in answer and "Search in" not in answer
     assert body["citations"] == [] and body["metrics"]["not_found"] is True
-    scoped = _query(client, bob_auth, question="Which rice goes into a risotto?",
-                    collection_ids=[kitchen.pk]).json()  # fmt: skip
+    scoped = _query(
+        client, bob_auth, question="Which rice goes into a risotto?", collection_ids=[kitchen.pk]
+    ).json()
     assert [c["text"] for c in scoped["citations"] + scoped["also_retrieved"]] == [
         PASSAGES["cooking"]
     ]  # what the hint says works

@@ -18,8 +18,9 @@ from webapp.redis import redis_client
 
 def _client(live_server, user) -> openai.OpenAI:
     api_key = bearer(user)["HTTP_AUTHORIZATION"].removeprefix("Bearer ")
-    return openai.OpenAI(base_url=f"{live_server.url}/v1", api_key=api_key, timeout=600,
-                         max_retries=0)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"{live_server.url}/v1", api_key=api_key, timeout=600, max_retries=0
+    )
 
 
 def _complete_both_ways(client: openai.OpenAI, question: str):
@@ -48,8 +49,9 @@ def test_openai_package_with_a_stand_in_worker(live_server, alice) -> None:
     assert chunks[-1].model_extra["citations"][0]["document_id"] == document.id
 
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="rbk_wrong",
-                      max_retries=0).models.list()  # fmt: skip
+        openai.OpenAI(
+            base_url=f"{live_server.url}/v1", api_key="rbk_wrong", max_retries=0
+        ).models.list()
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
 

@@ -68,8 +68,12 @@ def _run_schemathesis(api_schema, auth_headers) -> None:
     for operation, mode in itertools.product(operations, GenerationMode):
 
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def conforms(case) -> None:
             case.call_and_validate(headers=auth_headers, checks=CHECKS)
 

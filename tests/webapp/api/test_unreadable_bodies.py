@@ -15,16 +15,16 @@ BOUNDARY = "b0undary"
 
 
 def _multipart(part_headers: str) -> bytes:
-    return (
-        f"--{BOUNDARY}\r\n{part_headers}\r\n\r\nhello\r\n--{BOUNDARY}--\r\n"
-    ).encode()
+    return (f"--{BOUNDARY}\r\n{part_headers}\r\n\r\nhello\r\n--{BOUNDARY}--\r\n").encode()
 
 
 def _post(alice, body: bytes):
     return Client().post(
-        "/api/v1/documents", body, content_type=f"multipart/form-data; boundary={BOUNDARY}",
+        "/api/v1/documents",
+        body,
+        content_type=f"multipart/form-data; boundary={BOUNDARY}",
         **bearer(alice),
-    )  # fmt: skip
+    )
 
 
 def test_part_headers_over_djangos_limit_get_a_400(alice) -> None:
@@ -38,7 +38,8 @@ def test_part_headers_over_djangos_limit_get_a_400(alice) -> None:
 def test_too_many_fields_get_a_400(alice, settings) -> None:
     settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = 3
     parts = "".join(
-        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="f{n}"\r\n\r\nv\r\n' for n in range(5)
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="f{n}"\r\n\r\nv\r\n'
+        for n in range(5)
     )
     response = _post(alice, f"{parts}--{BOUNDARY}--\r\n".encode())
     assert response.status_code == 400, response.content

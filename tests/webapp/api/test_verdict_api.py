@@ -24,8 +24,13 @@ LONG_RATIO = 0.20041213932375773
 @pytest.fixture
 def unsupported_worker():
     """The real verdict on words no passage holds, recorded as the worker's report is."""
-    with FakeInferenceWorker(redis_client(), words=UNSUPPORTED_WORDS, judged=True, record=True,
-                             metrics={"recompute_ratio": LONG_RATIO}) as worker:  # fmt: skip
+    with FakeInferenceWorker(
+        redis_client(),
+        words=UNSUPPORTED_WORDS,
+        judged=True,
+        record=True,
+        metrics={"recompute_ratio": LONG_RATIO},
+    ) as worker:
         yield worker
 
 
@@ -33,8 +38,9 @@ def test_query_gives_not_found_with_the_words_withheld_and_ratios_rounded(
     client, alice, alice_auth, unsupported_worker
 ) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
-    response = client.post("/api/v1/query", {"question": QUESTION},
-                           content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.post(
+        "/api/v1/query", {"question": QUESTION}, content_type="application/json", **alice_auth
+    )
     assert response.status_code == 200, response.content
     body = response.json()
     assert body["answer"] == UNSUPPORTED and body["withheld"] == "The answer is: 4"
@@ -55,19 +61,26 @@ def test_openai_content_is_not_found_and_a_stream_marks_the_words_withdrawn(
 ) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
     payload = {"model": "ragblend", "messages": [{"role": "user", "content": QUESTION}]}
-    response = client.post("/v1/chat/completions", payload, content_type="application/json",
-                           **alice_auth)  # fmt: skip
+    response = client.post(
+        "/v1/chat/completions", payload, content_type="application/json", **alice_auth
+    )
     assert response.status_code == 200, response.content
     body = response.json()
     assert body["choices"][0]["message"]["content"] == UNSUPPORTED
     assert body["ragblend"]["withheld"] == "The answer is: 4"
     assert body["ragblend"]["metrics"]["recompute_ratio"] == 0.2
 
-    streamed = client.post("/v1/chat/completions", payload | {"stream": True},
-                           content_type="application/json", **alice_auth)  # fmt: skip
-    chunks = [json.loads(block.removeprefix("data: "))
-              for block in b"".join(streamed).decode().strip().split("\n\n")
-              if block != "data: [DONE]"]  # fmt: skip
+    streamed = client.post(
+        "/v1/chat/completions",
+        payload | {"stream": True},
+        content_type="application/json",
+        **alice_auth,
+    )
+    chunks = [
+        json.loads(block.removeprefix("data: "))
+        for block in b"".join(streamed).decode().strip().split("\n\n")
+        if block != "data: [DONE]"
+    ]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert text.startswith("The answer is: 4") and "(Withdrawn:" in text
     assert chunks[-1]["ragblend"]["withheld"] == "The answer is: 4"
@@ -75,8 +88,9 @@ def test_openai_content_is_not_found_and_a_stream_marks_the_words_withdrawn(
 
 def test_cache_stats_round_the_mean_ratio(client, alice, alice_auth, unsupported_worker) -> None:
     make_document(alice, "notes", list(PASSAGES.values()))
-    client.post("/api/v1/query", {"question": QUESTION}, content_type="application/json",
-                **alice_auth)  # fmt: skip
+    client.post(
+        "/api/v1/query", {"question": QUESTION}, content_type="application/json", **alice_auth
+    )
     alice.is_staff = True
     alice.save()
     stats = client.get("/api/v1/cache/stats", **bearer(alice, "staff")).json()

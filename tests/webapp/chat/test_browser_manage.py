@@ -112,15 +112,18 @@ def test_rename_search_and_delete_a_conversation(browser, live_server, alice) ->
 def test_collections_and_the_scope_panel_fit_a_phone(phone, live_server, alice, bob) -> None:  # noqa: F811
     from selenium.webdriver.common.by import By
 
-    document = make_document(alice, "A rather long title of a handbook about harbours.md",
-                             [PASSAGES["rivers"]])  # fmt: skip
+    document = make_document(
+        alice, "A rather long title of a handbook about harbours.md", [PASSAGES["rivers"]]
+    )
     collection = Collection.objects.create(owner=alice, name="Harbours and lighthouses north")
     collection.documents.add(document)
     conversation = Conversation.objects.create(owner=alice, title="A long conversation title " * 4)
     _log_in(phone, live_server, alice)
-    for name, path in (("collections", "/documents/collections/"),
-                       ("collection", f"/documents/collections/{collection.pk}/"),
-                       ("conversation", f"/chat/{conversation.id}/")):  # fmt: skip
+    for name, path in (
+        ("collections", "/documents/collections/"),
+        ("collection", f"/documents/collections/{collection.pk}/"),
+        ("conversation", f"/chat/{conversation.id}/"),
+    ):
         phone.get(f"{live_server.url}{path}")
         if name == "conversation":  # with its menus open
             phone.find_element(By.CSS_SELECTOR, "#scope summary").click()

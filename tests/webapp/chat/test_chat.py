@@ -20,7 +20,9 @@ from webapp.documents.models import SEARCH_CONFIG, Chunk, Document
 pytestmark = pytest.mark.django_db
 
 PASSAGES = {
-    "rivers": "The Danube flows through Vienna, Budapest and Belgrade before reaching the Black Sea.",
+    "rivers": (
+        "The Danube flows through Vienna, Budapest and Belgrade before reaching the Black Sea."
+    ),
     "cooking": "A risotto needs arborio rice, warm stock added slowly, and constant stirring.",
     "space": "Europa, a moon of Jupiter, hides a salty ocean beneath its icy crust.",
 }
@@ -34,9 +36,14 @@ def make_document(owner, title: str, texts: list[str]) -> Document:
     for index, (text, vector) in enumerate(zip(texts, embed_texts(texts), strict=True)):
         ids = [ord(ch) % 1000 for ch in text]  # stand-in token ids; only identity matters here
         Chunk.objects.create(
-            document=document, index=index, text=text, token_ids=ids, token_count=len(ids),
-            token_ids_sha256=hashlib.sha256(text.encode()).hexdigest(), embedding=vector,
-        )  # fmt: skip
+            document=document,
+            index=index,
+            text=text,
+            token_ids=ids,
+            token_count=len(ids),
+            token_ids_sha256=hashlib.sha256(text.encode()).hexdigest(),
+            embedding=vector,
+        )
     Chunk.objects.filter(document=document).update(
         search_vector=SearchVector("text", config=SEARCH_CONFIG)
     )  # as ingest writes it
@@ -54,12 +61,21 @@ def pending_answer(owner, title: str, passage: str, question: str, *, asked_at=N
     conversation = Conversation.objects.create(owner=owner, title=title)
     Message.objects.create(conversation=conversation, role="user", content=question)
     answer = Message.objects.create(
-        conversation=conversation, role="assistant", status="pending", mode="blend",
+        conversation=conversation,
+        role="assistant",
+        status="pending",
+        mode="blend",
         asked_at=asked_at or timezone.now(),
-    )  # fmt: skip
+    )
     chunk = document.chunks.get()
-    Citation.objects.create(message=answer, rank=1, chunk=chunk, document=document,
-                            document_title=document.title, text=chunk.text)  # fmt: skip
+    Citation.objects.create(
+        message=answer,
+        rank=1,
+        chunk=chunk,
+        document=document,
+        document_title=document.title,
+        text=chunk.text,
+    )
     return answer
 
 
@@ -157,10 +173,19 @@ def test_record_answer_stores_metrics_and_is_idempotent(alice) -> None:
     answer = Message.objects.create(
         conversation=conversation, role="assistant", status="pending", mode="blend"
     )
-    result = {"status": "done", "text": "Arborio [1].",
-              "metrics": {"ttft_s": 0.12, "total_s": 1.5, "mode": "blend", "recompute_ratio": 0.15,
-                          "chunk_tiers": {"7": "s3", "8": "cpu"}, "refresh_ratio": 0.25,
-                          "second_token_s": 0.4}}  # fmt: skip
+    result = {
+        "status": "done",
+        "text": "Arborio [1].",
+        "metrics": {
+            "ttft_s": 0.12,
+            "total_s": 1.5,
+            "mode": "blend",
+            "recompute_ratio": 0.15,
+            "chunk_tiers": {"7": "s3", "8": "cpu"},
+            "refresh_ratio": 0.25,
+            "second_token_s": 0.4,
+        },
+    }
     services.record_outcome(message_id=answer.id, outcome=AnswerOutcome.from_dict(result))
     answer.refresh_from_db()
     assert (answer.status, answer.content, answer.ttft_s, answer.tiers) == (
@@ -179,8 +204,12 @@ def test_record_answer_stores_metrics_and_is_idempotent(alice) -> None:
 
 def test_answers_render_markdown_without_script_injection(alice) -> None:
     conversation = services.conversation_create(owner=alice)
-    answer = Message.objects.create(conversation=conversation, role="assistant", status="done",
-                                    content="**Bold** <script>alert(1)</script> [link](javascript:alert(1)) see [1]")  # fmt: skip
+    answer = Message.objects.create(
+        conversation=conversation,
+        role="assistant",
+        status="done",
+        content="**Bold** <script>alert(1)</script> [link](javascript:alert(1)) see [1]",
+    )
     Citation.objects.create(message=answer, rank=1, document_title="d", text="t")
     html = Template("{% load chat_markdown %}{{ m.content|render_answer:m.citations.all }}").render(
         Context({"m": answer})
@@ -195,10 +224,13 @@ def test_a_citation_marker_inside_a_link_or_code_never_becomes_markup(alice) -> 
     """[n] is rewritten in the answer's text only: inside a link's title it once broke out of
     the attribute, letting the model's own words become attributes (an hx-get of its choice)."""
     conversation = services.conversation_create(owner=alice)
-    content = ('See [the site](https://a.example "per [1] hx-get=/accounts/logout/") and '
-               "`code [1]`, but [1] here.")  # fmt: skip
-    answer = Message.objects.create(conversation=conversation, role="assistant", status="done",
-                                    content=content)  # fmt: skip
+    content = (
+        'See [the site](https://a.example "per [1] hx-get=/accounts/logout/") and '
+        "`code [1]`, but [1] here."
+    )
+    answer = Message.objects.create(
+        conversation=conversation, role="assistant", status="done", content=content
+    )
     citation = Citation.objects.create(message=answer, rank=1, document_title="d", text="t")
     html = Template("{% load chat_markdown %}{{ m.content|render_answer:m.citations.all }}").render(
         Context({"m": answer})
@@ -219,11 +251,19 @@ def test_other_users_get_404_for_conversations_messages_and_citations(
     )
     citation = Citation.objects.create(message=answer, rank=1, document_title="d", text="secret")
     client.force_login(mallory)
-    for url in (f"/chat/{conversation.id}/", f"/chat/messages/{answer.id}/",
-                f"/chat/citations/{citation.id}/", f"/chat/messages/{answer.id}/stream"):  # fmt: skip
+    for url in (
+        f"/chat/{conversation.id}/",
+        f"/chat/messages/{answer.id}/",
+        f"/chat/citations/{citation.id}/",
+        f"/chat/messages/{answer.id}/stream",
+    ):
         assert client.get(url).status_code == 404, url
-    for url in (f"/chat/{conversation.id}/ask", f"/chat/messages/{answer.id}/stop",
-                f"/chat/messages/{answer.id}/feedback", f"/chat/messages/{answer.id}/regenerate"):  # fmt: skip
+    for url in (
+        f"/chat/{conversation.id}/ask",
+        f"/chat/messages/{answer.id}/stop",
+        f"/chat/messages/{answer.id}/feedback",
+        f"/chat/messages/{answer.id}/regenerate",
+    ):
         assert client.post(url, {"question": "q", "value": "1"}).status_code == 404, url
     client.force_login(alice)
     assert b"secret" in client.get(f"/chat/citations/{citation.id}/").content

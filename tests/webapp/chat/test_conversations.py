@@ -20,10 +20,16 @@ pytestmark = pytest.mark.django_db
 def _exchange(owner, title: str, question: str, answer: str, **conversation_fields):
     conversation = Conversation.objects.create(owner=owner, title=title, **conversation_fields)
     Message.objects.create(conversation=conversation, role="user", content=question)
-    reply = Message.objects.create(conversation=conversation, role="assistant", content=answer,
-                                   status="done", mode="blend")  # fmt: skip
-    Citation.objects.create(message=reply, rank=1, document_title="harbour.md", cited=True,
-                            text="The harbour of Velmont was dug in 1764.")  # fmt: skip
+    reply = Message.objects.create(
+        conversation=conversation, role="assistant", content=answer, status="done", mode="blend"
+    )
+    Citation.objects.create(
+        message=reply,
+        rank=1,
+        document_title="harbour.md",
+        cited=True,
+        text="The harbour of Velmont was dug in 1764.",
+    )
     Citation.objects.create(message=reply, rank=2, document_title="other.md", text="Unrelated.")
     return conversation
 
@@ -42,8 +48,9 @@ def test_rename_keeps_a_cleaned_title_and_refuses_an_empty_one(client, alice) ->
 
 def test_delete_removes_the_conversation_and_stops_an_open_answer(client, alice) -> None:
     conversation = _exchange(alice, "Harbour", "When?", "In 1764 [1].")
-    open_answer = Message.objects.create(conversation=conversation, role="assistant",
-                                         status="pending", mode="blend")  # fmt: skip
+    open_answer = Message.objects.create(
+        conversation=conversation, role="assistant", status="pending", mode="blend"
+    )
     client.force_login(alice)
     page = client.get(f"/chat/{conversation.id}/").content.decode()
     assert 'id="delete-form"' in page and "confirm(" in page  # asks before deleting
@@ -96,8 +103,11 @@ def test_someone_elses_conversation_is_a_404_and_stays(client, alice, mallory) -
     client.force_login(mallory)
     for url in (f"/chat/{conversation.id}/export.md", f"/chat/{conversation.id}/export.json"):
         assert client.get(url).status_code == 404, url
-    for url in (f"/chat/{conversation.id}/rename", f"/chat/{conversation.id}/delete",
-                f"/chat/{conversation.id}/scope"):  # fmt: skip
+    for url in (
+        f"/chat/{conversation.id}/rename",
+        f"/chat/{conversation.id}/delete",
+        f"/chat/{conversation.id}/scope",
+    ):
         assert client.post(url, {"title": "mine now"}).status_code == 404, url
     conversation.refresh_from_db()
     assert conversation.title == "Velmont harbour" and conversation.messages.count() == 2
@@ -124,8 +134,9 @@ def test_new_conversation_reuses_an_empty_one(client, alice) -> None:
 def test_the_first_question_renames_the_conversation_on_the_page(client, alice) -> None:
     client.force_login(alice)
     conversation = Conversation.objects.get(pk=client.post("/chat/new").url.split("/")[2])
-    response = client.post(f"/chat/{conversation.id}/ask", {"question": "When was it dug?"},
-                           HTTP_HX_REQUEST="true")  # fmt: skip
+    response = client.post(
+        f"/chat/{conversation.id}/ask", {"question": "When was it dug?"}, HTTP_HX_REQUEST="true"
+    )
     html = response.content.decode()
     assert f'id="conversation-link-{conversation.id}"' in html and 'hx-swap-oob="true"' in html
     assert '<h1 id="conversation-title" hx-swap-oob="true">When was it dug?</h1>' in html

@@ -54,18 +54,24 @@ def conversation_report(user) -> list[dict]:
             question = conversation.messages.filter(role=Message.Role.USER).order_by("-id")[0]
             citations = list(answer.citations.order_by("rank"))
             fresh = services.chat_ask(
-                user=user, conversation=services.conversation_create(owner=user),
+                user=user,
+                conversation=services.conversation_create(owner=user),
                 question=turn["question"],
-            )  # fmt: skip
+            )
             history = conversation_history(conversation, before=question)
-            report.append({
-                "conversation": spec["name"], "question": turn["question"],
-                "expected": turn["document"], "follow_up": turn["follow_up"],
-                "cited": [c.document_title for c in citations],
-                "cited_fresh": [c.document_title for c in fresh.citations.order_by("rank")],
-                "fact_given": bool(turn["fact"]) and any(turn["fact"] in c.text for c in citations),
-                "history": [t.content for t in history if t.role == Message.Role.USER],
-            })  # fmt: skip
+            report.append(
+                {
+                    "conversation": spec["name"],
+                    "question": turn["question"],
+                    "expected": turn["document"],
+                    "follow_up": turn["follow_up"],
+                    "cited": [c.document_title for c in citations],
+                    "cited_fresh": [c.document_title for c in fresh.citations.order_by("rank")],
+                    "fact_given": bool(turn["fact"])
+                    and any(turn["fact"] in c.text for c in citations),
+                    "history": [t.content for t in history if t.role == Message.Role.USER],
+                }
+            )
     return report
 
 
@@ -112,8 +118,11 @@ def test_each_question_of_a_conversation_is_searched_on_its_own_first(alice) -> 
     print(json.dumps(measured, indent=1))
     # Whether a passage is close enough is the relevance threshold's call (RETRIEVAL_MIN_SCORE),
     # the same as in a fresh conversation; the conversation never changes it.
-    as_fresh = ("not found when no document answers", "the same, each in a fresh conversation",
-                "new topic: only its own document's passages")  # fmt: skip
+    as_fresh = (
+        "not found when no document answers",
+        "the same, each in a fresh conversation",
+        "new topic: only its own document's passages",
+    )
     assert measured[as_fresh[0]] == measured[as_fresh[1]]
     for name, value in measured.items():
         done, total = value.split("/")
@@ -122,21 +131,35 @@ def test_each_question_of_a_conversation_is_searched_on_its_own_first(alice) -> 
 
 @pytest.mark.parametrize(
     "question",
-    ["And what about the Osprey?", "What about the Skua?", "Who built it?", "And in winter?",
-     "What is her extension?", "Why?", "How far ahead must it be booked?",
-     "On which day does it go?", "And the minus eighty freezers?", "What if mine breaks?"],
-)  # fmt: skip
+    [
+        "And what about the Osprey?",
+        "What about the Skua?",
+        "Who built it?",
+        "And in winter?",
+        "What is her extension?",
+        "Why?",
+        "How far ahead must it be booked?",
+        "On which day does it go?",
+        "And the minus eighty freezers?",
+        "What if mine breaks?",
+    ],
+)
 def test_a_short_question_that_refers_back_is_a_follow_up(question) -> None:
     assert is_follow_up(question)
 
 
 @pytest.mark.parametrize(
     "question",
-    ["Who must divers log every dive with?", "What is the wifi password at the station?",
-     "Which room holds the flow cytometer?", "Is there a swimming pool at the station?",
-     "Which boat makes the weekly trip to the mainland?", "How long is parental leave?",
-     "From how far away can the lamp of the Tessel lighthouse be seen, and who built it?"],
-)  # fmt: skip
+    [
+        "Who must divers log every dive with?",
+        "What is the wifi password at the station?",
+        "Which room holds the flow cytometer?",
+        "Is there a swimming pool at the station?",
+        "Which boat makes the weekly trip to the mainland?",
+        "How long is parental leave?",
+        "From how far away can the lamp of the Tessel lighthouse be seen, and who built it?",
+    ],
+)
 def test_a_question_with_its_own_subject_is_not_a_follow_up(question) -> None:
     assert not is_follow_up(question)
 
@@ -157,6 +180,9 @@ def test_a_follow_up_is_given_the_passage_of_the_person_asked_about_first(alice)
         user=alice, conversation=conversation, question="And what is her e-mail?"
     )
     assert answer.citations.order_by("rank").first().text == officer
-    fresh = services.chat_ask(user=alice, conversation=services.conversation_create(owner=alice),
-                              question="And what is her e-mail?")  # fmt: skip
+    fresh = services.chat_ask(
+        user=alice,
+        conversation=services.conversation_create(owner=alice),
+        question="And what is her e-mail?",
+    )
     assert fresh.citations.order_by("rank").first().text != officer

@@ -113,9 +113,10 @@ def test_history_is_a_follow_ups_earlier_questions_and_only_helpful_answers(alic
         return [(t.role, t.content) for t in turns]
 
     assert history("What is its crust made of?") == [
-        ("user", "Which moon hides an ocean?"), ("user", "And how big is it?"),
+        ("user", "Which moon hides an ocean?"),
+        ("user", "And how big is it?"),
         ("assistant", "A2 good"),
-    ]  # fmt: skip
+    ]
     assert history("Which rice goes into a risotto?") == []  # a new topic reads no history
 
 

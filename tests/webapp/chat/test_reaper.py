@@ -74,9 +74,12 @@ def new_answer(alice):
 
     def make(**fields) -> Message:
         answer = Message.objects.create(
-            conversation=conversation, role=Message.Role.ASSISTANT,
-            status=Message.Status.PENDING, mode="blend", **fields,
-        )  # fmt: skip
+            conversation=conversation,
+            role=Message.Role.ASSISTANT,
+            status=Message.Status.PENDING,
+            mode="blend",
+            **fields,
+        )
         made.append(answer)
         return answer
 
@@ -275,20 +278,36 @@ def test_killing_the_inference_worker_mid_answer_fails_the_answer_within_seconds
     """A real inference worker, on a queue of its own, is killed with SIGKILL after its first
     token: the reaper ends the answer as soon as the worker's alive key expires."""
     queue = f"inference-reaper-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFERENCE_QUEUE": queue,
-           "HEARTBEAT_KEY": f"ragblend:inference:heartbeat:{queue}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "INFERENCE_QUEUE": queue,
+        "HEARTBEAT_KEY": f"ragblend:inference:heartbeat:{queue}",
+    }
     log = open(tmp_path / "inference.log", "wb")  # noqa: SIM115
-    worker = subprocess.Popen([sys.executable, "-m", "kvservice.serve.server"], cwd=ROOT, env=env,
-                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "kvservice.serve.server"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         answer = new_answer()
         request = GenerateRequest(
-            str(answer.request_id), "Write a long story about a river.", [],
-            message_id=answer.id, max_new_tokens=400,
-        )  # fmt: skip
+            str(answer.request_id),
+            "Write a long story about a river.",
+            [],
+            message_id=answer.id,
+            max_new_tokens=400,
+        )
         celery_app.send_task(GENERATE_TASK, args=[request.to_dict()], queue=queue)
-        wait_for(lambda: worker.poll() is not None or _events(answer), timeout=300,
-                 interval=0.5, what="the first token")  # fmt: skip
+        wait_for(
+            lambda: worker.poll() is not None or _events(answer),
+            timeout=300,
+            interval=0.5,
+            what="the first token",
+        )
         assert worker.poll() is None, (tmp_path / "inference.log").read_text()[-3000:]
         assert str(answer.request_id) in inflight_entries(redis_client())
         worker.send_signal(signal.SIGKILL)

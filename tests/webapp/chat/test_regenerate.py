@@ -111,8 +111,9 @@ def test_the_page_and_the_api_show_only_the_new_answer(client, alice) -> None:
     from webapp.accounts.services import api_key_create
 
     _, key = api_key_create(user=alice, name="t")
-    detail = client.get(f"/api/v1/conversations/{conversation.id}",
-                        HTTP_AUTHORIZATION=f"Bearer {key}").json()  # fmt: skip
+    detail = client.get(
+        f"/api/v1/conversations/{conversation.id}", HTTP_AUTHORIZATION=f"Bearer {key}"
+    ).json()
     assert [m["id"] for m in detail["messages"]] == [answer.id - 1, new_id]
 
 

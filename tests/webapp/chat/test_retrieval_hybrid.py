@@ -42,8 +42,14 @@ def kestrel_documents(owner) -> None:
 
 def _retrieve(user, question: str, *, min_score: float, top_k: int = 6, scope=EVERYTHING):
     vector = embed_texts([question])[0]
-    return retrieve_chunks(user=user, question=question, query_embedding=vector, top_k=top_k,
-                           min_score=min_score, scope=scope)  # fmt: skip
+    return retrieve_chunks(
+        user=user,
+        question=question,
+        query_embedding=vector,
+        top_k=top_k,
+        min_score=min_score,
+        scope=scope,
+    )
 
 
 def test_a_verbatim_fact_ranked_low_by_vectors_is_found_by_full_text(alice) -> None:
@@ -74,8 +80,11 @@ def test_a_question_about_something_no_document_mentions_is_not_found(alice, que
 
 
 def test_a_rare_word_weighs_more_than_a_common_one_and_a_missing_one_no_more(alice) -> None:
-    notes = ["The cooperative runs three turbines.", "The cooperative pays its members.",
-             f"The cooperative sponsors the fell race. {PASSWORDS}"]  # fmt: skip
+    notes = [
+        "The cooperative runs three turbines.",
+        "The cooperative pays its members.",
+        f"The cooperative sponsors the fell race. {PASSWORDS}",
+    ]
     make_document(alice, "notes", notes)
     (terms,) = question_clauses("How often does the cooperative change passwords for football?")
     assert set(terms) == {"cooper", "chang", "password", "footbal"}  # no "how often"
@@ -103,8 +112,11 @@ def test_full_text_never_reads_another_users_document(alice, mallory) -> None:
 
     before = alices()
     assert len(before) == len(PASSAGES) + 1 and 0 < before["The cooperative sponsors a race."]
-    make_document(mallory, "mallory's policy", [PASSWORDS, "The cooperative's policy.",
-                                                "The cooperative's passwords."])  # fmt: skip
+    make_document(
+        mallory,
+        "mallory's policy",
+        [PASSWORDS, "The cooperative's policy.", "The cooperative's passwords."],
+    )
     hers = _retrieve(mallory, question, min_score=settings.RETRIEVAL_MIN_SCORE)
     assert PASSWORDS in [chunk.text for chunk in hers]  # found for her
     # For alice: none of mallory's chunks, and the same scores: how rare a word is counts
@@ -120,8 +132,10 @@ def test_another_users_nearer_chunks_do_not_crowd_out_the_users_own(alice, mallo
         # What the planner does once the table is large: walk the HNSW index over all users'
         # chunks (whose first 40 here are mallory's) and filter the rows it returns.
         cursor.execute("SET LOCAL enable_sort = off")
-        cursor.execute("EXPLAIN SELECT id FROM documents_chunk ORDER BY embedding <=> %s::vector"
-                       " LIMIT 5", [str(list(embed_texts([question])[0]))])  # fmt: skip
+        cursor.execute(
+            "EXPLAIN SELECT id FROM documents_chunk ORDER BY embedding <=> %s::vector LIMIT 5",
+            [str(list(embed_texts([question])[0]))],
+        )
         assert "chunk_embedding_hnsw" in " ".join(row for (row,) in cursor)
     found = _retrieve(alice, question, min_score=-1.0)  # 24 wanted: ef_search 40 < 60 + 4
     assert sorted(chunk.text for chunk in found) == sorted(

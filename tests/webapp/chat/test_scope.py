@@ -36,8 +36,9 @@ def _queued_requests(client) -> list[dict]:
 
 def _titles(user, question: str, scope: Scope) -> list[str]:
     vector = embed_texts([question])[0]
-    found = retrieve_chunks(user=user, question=question, query_embedding=vector, top_k=6,
-                            scope=scope)  # fmt: skip
+    found = retrieve_chunks(
+        user=user, question=question, query_embedding=vector, top_k=6, scope=scope
+    )
     return [chunk.document.title for chunk in found]
 
 
@@ -60,12 +61,14 @@ def test_a_scoped_conversation_retrieves_only_from_its_collections_and_documents
     assert set(_titles(alice, question, Scope.of([library.pk]))) == {"space.md"}
     rivers = alice.documents.get(title="rivers.md")
     assert set(_titles(alice, question, Scope.of([library.pk], [rivers.pk]))) == {
-        "space.md", "rivers.md",
-    }  # fmt: skip
+        "space.md",
+        "rivers.md",
+    }
 
     conversation = services.conversation_create(owner=alice)
-    services.conversation_set_scope(user=alice, conversation=conversation,
-                                    collection_ids=[library.pk], document_ids=[])  # fmt: skip
+    services.conversation_set_scope(
+        user=alice, conversation=conversation, collection_ids=[library.pk], document_ids=[]
+    )
     answer = _ask(alice, conversation, question)
     assert {c.document_title for c in answer.citations.all()} == {"space.md"}
 
@@ -73,8 +76,9 @@ def test_a_scoped_conversation_retrieves_only_from_its_collections_and_documents
 def test_a_scope_with_nothing_ready_says_so(alice, library, queue) -> None:
     library.documents.clear()
     conversation = services.conversation_create(owner=alice)
-    services.conversation_set_scope(user=alice, conversation=conversation,
-                                    collection_ids=[library.pk], document_ids=[])  # fmt: skip
+    services.conversation_set_scope(
+        user=alice, conversation=conversation, collection_ids=[library.pk], document_ids=[]
+    )
     answer = _ask(alice, conversation, "Europa ocean?")
     answer.refresh_from_db()
     assert answer.content == services.NOTHING_IN_SCOPE and answer.citations.count() == 0
@@ -85,12 +89,14 @@ def test_another_user_can_neither_scope_to_nor_retrieve_from_an_unshared_collect
 ) -> None:
     conversation = services.conversation_create(owner=bob)
     with pytest.raises(services.ScopeNotFound):
-        services.conversation_set_scope(user=bob, conversation=conversation,
-                                        collection_ids=[library.pk], document_ids=[])  # fmt: skip
+        services.conversation_set_scope(
+            user=bob, conversation=conversation, collection_ids=[library.pk], document_ids=[]
+        )
     space = library.documents.get()
     with pytest.raises(services.ScopeNotFound):
-        services.conversation_set_scope(user=bob, conversation=conversation,
-                                        collection_ids=[], document_ids=[space.pk])  # fmt: skip
+        services.conversation_set_scope(
+            user=bob, conversation=conversation, collection_ids=[], document_ids=[space.pk]
+        )
     client.force_login(bob)
     response = client.post(f"/chat/{conversation.id}/scope", {"collections": [library.pk]})
     assert response.status_code == 404
@@ -121,8 +127,9 @@ def test_a_shared_collection_is_searched_in_its_owners_kv_scope(
     documents.collection_share(collection=library, usernames=["bob"])
     conversation = services.conversation_create(owner=bob)
     client.force_login(bob)
-    response = client.post(f"/chat/{conversation.id}/scope", {"collections": [library.pk]},
-                           HTTP_HX_REQUEST="true")  # fmt: skip
+    response = client.post(
+        f"/chat/{conversation.id}/scope", {"collections": [library.pk]}, HTTP_HX_REQUEST="true"
+    )
     assert "Science" in response.content.decode()  # the "Search in" summary names it
     answer = _ask(bob, conversation, "Which moon has an ocean under its ice?")
     assert [c.document_title for c in answer.citations.all()] == ["space.md"]
@@ -147,8 +154,9 @@ def test_a_shared_collection_is_searched_in_its_owners_kv_scope(
 def test_unsharing_takes_effect_at_the_next_question(alice, bob, library, queue) -> None:
     documents.collection_share(collection=library, usernames=["bob"])
     conversation = services.conversation_create(owner=bob)
-    services.conversation_set_scope(user=bob, conversation=conversation,
-                                    collection_ids=[library.pk], document_ids=[])  # fmt: skip
+    services.conversation_set_scope(
+        user=bob, conversation=conversation, collection_ids=[library.pk], document_ids=[]
+    )
     assert _ask(bob, conversation, "Europa ocean?").citations.count() == 1
     documents.collection_share(collection=library, usernames=[])
     answer = _ask(bob, conversation, "Europa ocean?")
@@ -163,9 +171,11 @@ QUESTION = "Which moon hides an ocean, and where does the Danube flow?"
 def _scoped_to(user, *, collection_ids=(), document_ids=()):
     conversation = services.conversation_create(owner=user)
     services.conversation_set_scope(
-        user=user, conversation=conversation, collection_ids=collection_ids,
+        user=user,
+        conversation=conversation,
+        collection_ids=collection_ids,
         document_ids=document_ids,
-    )  # fmt: skip
+    )
     return conversation
 
 

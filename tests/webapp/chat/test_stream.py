@@ -113,8 +113,10 @@ def test_a_reconnect_resumes_after_the_last_event_id(answer, publisher, client) 
     # An id that is not a stream id is ignored: the whole answer again, nothing broken.
     response = client.get(f"/chat/messages/{answer.id}/stream", HTTP_LAST_EVENT_ID="0; DROP")
     assert [d for _, e, d in _events(_body(response)) if e == "token"] == [
-        "The", " Danube", " flows",
-    ]  # fmt: skip
+        "The",
+        " Danube",
+        " flows",
+    ]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -180,8 +182,9 @@ def test_a_report_ends_the_stream_once_even_when_the_task_runs_again(answer, pub
     answer.refresh_from_db()
     assert answer.status == Message.Status.DONE
 
-    failed = Message.objects.create(conversation=answer.conversation, role="assistant",
-                                    status=Message.Status.FAILED)  # fmt: skip
+    failed = Message.objects.create(
+        conversation=answer.conversation, role="assistant", status=Message.Status.FAILED
+    )
     publish_event(publisher, str(failed.request_id), Error("not_answered", "gone"))
     record_report(message_id=failed.id, request_id=str(failed.request_id), outcome=outcome)
     name = answer_stream(str(failed.request_id))
@@ -199,9 +202,11 @@ def test_a_waiting_question_shows_its_place_in_line_then_its_words(answer, publi
     publish_event(publisher, request_id, Done(AnswerOutcome("done", text="Vienna")))
     events = [(event, data) for _, event, data in _events(_collect(answer))]
     assert events[:4] == [
-        ("queue", "2 questions ahead of yours."), ("queue", "1 question ahead of yours."),
-        ("queue", "Yours is the next question the model takes."), ("queue", ""),
-    ]  # fmt: skip
+        ("queue", "2 questions ahead of yours."),
+        ("queue", "1 question ahead of yours."),
+        ("queue", "Yours is the next question the model takes."),
+        ("queue", ""),
+    ]
     assert events[4] == ("token", "Vienna") and events[-1][0] == "done"
 
 

@@ -42,23 +42,29 @@ def _office(owner) -> None:
 
 def test_a_question_is_split_where_it_asks_a_second_thing() -> None:
     assert question_parts("When does the office open and who do I call for keys?") == [
-        "When does the office open", "who do I call for keys?"
-    ]  # fmt: skip
+        "When does the office open",
+        "who do I call for keys?",
+    ]
     assert question_parts("Who is the HR advisor? And when is the library open?") == [
-        "Who is the HR advisor", "And when is the library open?"
-    ]  # fmt: skip
+        "Who is the HR advisor",
+        "And when is the library open?",
+    ]
     assert question_parts("Which boat seats twelve and sails on Thursdays?") == [
         "Which boat seats twelve and sails on Thursdays?"
     ]
     # a second yes/no question, by its verb and subject
     assert question_parts("When does the pool open on Mondays and does it have a sauna?") == [
-        "When does the pool open on Mondays", "does it have a sauna?"
-    ]  # fmt: skip
+        "When does the pool open on Mondays",
+        "does it have a sauna?",
+    ]
     assert question_parts("Who runs the pottery class and can I bring my own clay?") == [
-        "Who runs the pottery class", "can I bring my own clay?"
-    ]  # fmt: skip
-    for one in ("Are cats and dogs allowed in the garden?",
-                "What do the kiln and the wheel cost to rent?"):  # fmt: skip
+        "Who runs the pottery class",
+        "can I bring my own clay?",
+    ]
+    for one in (
+        "Are cats and dogs allowed in the garden?",
+        "What do the kiln and the wheel cost to rent?",
+    ):
         assert question_parts(one) == [one]
 
 
@@ -101,8 +107,9 @@ def test_a_part_no_passage_answers_is_said_with_the_answer(alice, queue, client)
     html = client.get(reverse("chat:message", args=[answer.id])).content.decode()
     assert "Not found in your documents: “where can I park my bike”." in html
     assert "It opens at 8:00" in html
-    detail = client.get(f"/api/v1/conversations/{conversation.pk}",
-                        HTTP_AUTHORIZATION=_bearer(alice)).json()  # fmt: skip
+    detail = client.get(
+        f"/api/v1/conversations/{conversation.pk}", HTTP_AUTHORIZATION=_bearer(alice)
+    ).json()
     said = [m for m in detail["messages"] if m["id"] == answer.id]
     assert said[0]["parts_not_found"] == ["where can I park my bike"]
 
@@ -115,7 +122,11 @@ def _bearer(user) -> str:
 
 def test_a_question_in_one_part_is_searched_as_before(alice) -> None:
     _office(alice)
-    retrieved = retrieve_question(user=alice, question="Who do I call for keys?", top_k=6,
-                                  min_score=settings.RETRIEVAL_MIN_SCORE)  # fmt: skip
+    retrieved = retrieve_question(
+        user=alice,
+        question="Who do I call for keys?",
+        top_k=6,
+        min_score=settings.RETRIEVAL_MIN_SCORE,
+    )
     assert retrieved.chunks[0].text == KEYS[0]
     assert retrieved.parts_not_found == []

@@ -38,12 +38,22 @@ def _record(answer: Message, words: str, **metrics) -> Message:
     chunk_id = answer.citations.get().chunk_id
     tiers = {str(chunk_id): "cpu"}
     outcome = AnswerOutcome.answered(
-        "done", text=judged.text, withheld=judged.withheld,
-        metrics=AnswerMetrics(**{"ttft_s": 0.05, "total_s": 0.3, "mode": "blend",
-                                 "recompute_ratio": 0.15, "chunk_tiers": tiers,
-                                 "citation": judged.citation, **metrics}),
+        "done",
+        text=judged.text,
+        withheld=judged.withheld,
+        metrics=AnswerMetrics(
+            **{
+                "ttft_s": 0.05,
+                "total_s": 0.3,
+                "mode": "blend",
+                "recompute_ratio": 0.15,
+                "chunk_tiers": tiers,
+                "citation": judged.citation,
+                **metrics,
+            }
+        ),
         passages=passage_uses(judged.text, [PASSAGES["cooking"]], [chunk_id], tiers),
-    )  # fmt: skip
+    )
     services.record_outcome(message_id=answer.id, outcome=outcome)
     answer.refresh_from_db()
     return answer
@@ -113,8 +123,13 @@ def test_an_answer_served_whole_from_the_prefix_cache_is_recorded_as_such(
 ) -> None:
     answer = _pending_answer(alice)
     chunk_id = str(answer.citations.get().chunk_id)
-    answer = _record(answer, "Arborio rice", recompute_ratio=None, prefix_cache=True,
-                     chunk_tiers={chunk_id: "prefix"})  # fmt: skip
+    answer = _record(
+        answer,
+        "Arborio rice",
+        recompute_ratio=None,
+        prefix_cache=True,
+        chunk_tiers={chunk_id: "prefix"},
+    )
     assert answer.recompute_ratio is None and answer.from_prefix_cache
     assert answer.tiers == {"prefix": 1}
     alice.is_staff = True

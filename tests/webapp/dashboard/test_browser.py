@@ -44,11 +44,18 @@ def _with_real_rows(staff, alice) -> None:
     document = make_document(alice, "Rivers of Europe", chunks=6)
     make_document(alice, "Moons of Jupiter", chunks=4)
     answers = make_answers(alice, document) + make_answers(staff, document)
-    for answer, f1 in zip([a for a in answers if a.mode == "blend"], [0.91, 0.74, 1.0, 0.83],
-                          strict=False):  # fmt: skip
-        FidelityAudit.objects.create(message=answer, blend_text=answer.content, full_text="x",
-                                     token_f1=f1, status="done", completed_at=answer.completed_at,
-                                     blend_recompute_ratio=answer.recompute_ratio)  # fmt: skip
+    for answer, f1 in zip(
+        [a for a in answers if a.mode == "blend"], [0.91, 0.74, 1.0, 0.83], strict=False
+    ):
+        FidelityAudit.objects.create(
+            message=answer,
+            blend_text=answer.content,
+            full_text="x",
+            token_f1=f1,
+            status="done",
+            completed_at=answer.completed_at,
+            blend_recompute_ratio=answer.recompute_ratio,
+        )
 
 
 def test_dashboard_renders_polls_and_is_screenshotted(
@@ -124,12 +131,17 @@ def test_dashboard_with_the_real_workers_evict_warm_and_screenshot(
     # The worker is shared by the whole session (other tests' chunks may sit in its tiers),
     # so the checks below count relative to what is there.
     conversation = chat.conversation_create(owner=staff)
-    questions = ["How long is the Velmont breakwater?", "What do barges carry on the canal?",
-                 "When was the harbour dug?", "How many locks does the canal have?"]  # fmt: skip
+    questions = [
+        "How long is the Velmont breakwater?",
+        "What do barges carry on the canal?",
+        "When was the harbour dug?",
+        "How many locks does the canal have?",
+    ]
     for question, mode in zip(questions, ["blend", "blend", "reuse", "full"], strict=True):
         with TestCase.captureOnCommitCallbacks(execute=True):
-            answer = chat.chat_ask(user=staff, conversation=conversation, question=question,
-                                   mode=mode)  # fmt: skip
+            answer = chat.chat_ask(
+                user=staff, conversation=conversation, question=question, mode=mode
+            )
         assert collect_stream(str(answer.request_id))[1] == "done"
     # Each question retrieves the one-chunk document it asks about; the first two, in blend,
     # read each chunk from the store and promote it into CPU memory (the questions after them
@@ -305,9 +317,11 @@ def _full_page_png(driver, width: int, height: int) -> bytes:
     tall = driver.execute_script("return document.documentElement.scrollHeight")
     shot = driver.execute_cdp_cmd(
         "Page.captureScreenshot",
-        {"captureBeyondViewport": True,
-         "clip": {"x": 0, "y": 0, "width": width, "height": tall, "scale": 1}},
-    )  # fmt: skip
+        {
+            "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": width, "height": tall, "scale": 1},
+        },
+    )
     return base64.b64decode(shot["data"])
 
 
@@ -337,9 +351,15 @@ def test_the_whole_dashboard_is_screenshotted_as_a_new_operator_sees_it(
     controller.observe_recompute(tokens=512, layers=30, seconds=0.02)
     kernels = KernelChoice("onednn-bf16", "auto", {}, {}, True, torch.bfloat16).to_dict()
     shape = {"layers": 30, "kv_heads": 3, "head_dim": 64}  # the bundled model's, as it reports
-    write_heartbeat(redis_client(), **{**worker_heartbeat, "controller": controller.snapshot()},
-                    model_shape=shape, kernels=kernels, pass_graphs={"on": False},
-                    buffers=pool.stats(), batch=batcher.stats())  # fmt: skip
+    write_heartbeat(
+        redis_client(),
+        **{**worker_heartbeat, "controller": controller.snapshot()},
+        model_shape=shape,
+        kernels=kernels,
+        pass_graphs={"on": False},
+        buffers=pool.stats(),
+        batch=batcher.stats(),
+    )
     settings.RATIO_CURVE_PATH = settings.BASE_DIR / "docs" / "ratio_curve.json"
     _with_real_rows(staff, alice)
     Chunk.objects.update(kv_bytes=20 * 2_880)  # 20 tokens a chunk, stored at 2,880 B a token

@@ -22,9 +22,14 @@ pytestmark = pytest.mark.django_db
 BLEND_RESULT = {
     "status": "done",
     "text": "The Danube flows through Vienna and Budapest [1].",
-    "metrics": {"mode": "blend", "recompute_ratio": 0.15, "ttft_s": 0.08, "total_s": 0.9,
-                "chunk_tiers": {}},
-}  # fmt: skip
+    "metrics": {
+        "mode": "blend",
+        "recompute_ratio": 0.15,
+        "ttft_s": 0.08,
+        "total_s": 0.9,
+        "chunk_tiers": {},
+    },
+}
 
 
 def _pending_blend_answer(owner) -> Message:
@@ -38,8 +43,14 @@ def _pending_blend_answer(owner) -> Message:
         conversation=conversation, role="assistant", status="pending", mode="blend"
     )
     for rank, chunk in enumerate(document.chunks.all(), start=1):
-        Citation.objects.create(message=answer, rank=rank, chunk=chunk, document=document,
-                                document_title=document.title, text=chunk.text)  # fmt: skip
+        Citation.objects.create(
+            message=answer,
+            rank=rank,
+            chunk=chunk,
+            document=document,
+            document_title=document.title,
+            text=chunk.text,
+        )
     return answer
 
 
@@ -63,9 +74,14 @@ def _set_rate(rate: float) -> None:
 
 @pytest.mark.parametrize(
     ("prediction", "reference", "expected"),
-    [("The Danube, in Vienna.", "danube in vienna", 1.0), ("one two", "three four", 0.0),
-     ("red blue green", "red blue", 0.8), ("", "", 1.0), ("words", "", 0.0)],
-)  # fmt: skip
+    [
+        ("The Danube, in Vienna.", "danube in vienna", 1.0),
+        ("one two", "three four", 0.0),
+        ("red blue green", "red blue", 0.8),
+        ("", "", 1.0),
+        ("words", "", 0.0),
+    ],
+)
 def test_token_f1(prediction, reference, expected) -> None:
     assert fidelity.token_f1(prediction, reference) == pytest.approx(expected)
 
@@ -93,8 +109,10 @@ def test_a_sampled_blend_answer_is_re_run_in_full_with_the_same_context(
     ]
     audit = FidelityAudit.objects.get(message=answer)
     assert (audit.status, audit.blend_text, audit.blend_recompute_ratio) == (
-        "pending", BLEND_RESULT["text"], 0.15
-    )  # fmt: skip
+        "pending",
+        BLEND_RESULT["text"],
+        0.15,
+    )
     answer.refresh_from_db()
     assert answer.status == "done" and answer.content == BLEND_RESULT["text"]
 
@@ -108,8 +126,12 @@ def test_the_workers_report_of_the_re_run_is_scored_and_not_stored_as_an_answer(
         chat.record_outcome(message_id=answer.id, outcome=AnswerOutcome.from_dict(BLEND_RESULT))
     _take_inference_requests()
     messages_before = Message.objects.count()
-    full = {"status": "done", "text": "The Danube flows through Vienna, Budapest and Belgrade.",
-            "audit_of": answer.id, "metrics": {"mode": "full", "ttft_s": 0.4}}  # fmt: skip
+    full = {
+        "status": "done",
+        "text": "The Danube flows through Vienna, Budapest and Belgrade.",
+        "audit_of": answer.id,
+        "metrics": {"mode": "full", "ttft_s": 0.4},
+    }
     chat.record_outcome(message_id=None, outcome=AnswerOutcome.from_dict(full))
     audit = FidelityAudit.objects.get(message=answer)
     expected = fidelity.token_f1(BLEND_RESULT["text"], full["text"])
@@ -135,8 +157,9 @@ def test_no_audit_at_rate_zero_nor_for_other_modes_nor_failures(
     _set_rate(1.0)
     full_mode = _pending_blend_answer(alice)
     Message.objects.filter(pk=full_mode.pk).update(mode="full")
-    failed = Message.objects.create(conversation=full_mode.conversation, role="assistant",
-                                    status="pending", mode="blend")  # fmt: skip
+    failed = Message.objects.create(
+        conversation=full_mode.conversation, role="assistant", status="pending", mode="blend"
+    )
     with django_capture_on_commit_callbacks(execute=True):
         chat.record_outcome(
             message_id=full_mode.id,
@@ -161,8 +184,9 @@ def test_the_sample_rate_draws(alice) -> None:
 
 def test_audits_show_on_the_dashboard(staff_client, alice) -> None:
     answer = _pending_blend_answer(alice)
-    FidelityAudit.objects.create(message=answer, blend_text="a b", full_text="a c",
-                                 token_f1=0.5, status="done")  # fmt: skip
+    FidelityAudit.objects.create(
+        message=answer, blend_text="a b", full_text="a c", token_f1=0.5, status="done"
+    )
     page = staff_client.get(reverse("dashboard:index")).content.decode()
     section = page.split('id="fidelity"')[1]
     assert "1 answer scored" in section and "mean token F1 0.500 (words shared" in section

@@ -25,10 +25,22 @@ pytestmark = pytest.mark.django_db
 
 # What a new operator found on the page and could not read (each seen on the real dashboard)
 ENGINEERS_WORDS = [
-    DEFAULT_CODEC, "kivi4k3v", "r_min", "r min", "token-layers", "teacher-forced",
-    "CUDA graphs: off", "handed out again", "validation examples", "added to env by hand",
-    "F1 columns", "MinIO", "no measurement of recompute throughput", "KV_CODEC=", "(--refresh",
-]  # fmt: skip
+    DEFAULT_CODEC,
+    "kivi4k3v",
+    "r_min",
+    "r min",
+    "token-layers",
+    "teacher-forced",
+    "CUDA graphs: off",
+    "handed out again",
+    "validation examples",
+    "added to env by hand",
+    "F1 columns",
+    "MinIO",
+    "no measurement of recompute throughput",
+    "KV_CODEC=",
+    "(--refresh",
+]
 SMOLLM2 = {"layers": 30, "kv_heads": 3, "head_dim": 64}
 
 
@@ -49,9 +61,18 @@ def _heartbeat(store: dict, **beat) -> dict:
     pool.empty((2, 1 << 20), torch.float32)
     pool.empty((2, 1 << 20), torch.float32)
     kernels = KernelChoice("onednn-bf16", "auto", {}, {}, True, torch.bfloat16).to_dict()
-    return {"pid": 1, "model": "SmolLM2-135M-Instruct", "model_loaded": True, "store": store,
-            "controller": controller.snapshot(), "kernels": kernels, "pass_graphs": {"on": False},
-            "buffers": pool.stats(), "model_shape": SMOLLM2, **beat}  # fmt: skip
+    return {
+        "pid": 1,
+        "model": "SmolLM2-135M-Instruct",
+        "model_loaded": True,
+        "store": store,
+        "controller": controller.snapshot(),
+        "kernels": kernels,
+        "pass_graphs": {"on": False},
+        "buffers": pool.stats(),
+        "model_shape": SMOLLM2,
+        **beat,
+    }
 
 
 def _page(client, beat: dict | None) -> str:
@@ -122,8 +143,9 @@ def test_the_per_token_figures_are_the_running_models(staff_client, alice, worke
     document = make_document(alice, chunks=3)  # 20 tokens a chunk, keys of another model
     Chunk.objects.filter(document=document).update(kv_bytes=20 * 2_880)
     qwen = {"layers": 36, "kv_heads": 8, "head_dim": 128}
-    beat = _heartbeat(worker_heartbeat["store"], model="Qwen3-4B", model_shape=qwen,
-                      model_fingerprint="qwen3fp")  # fmt: skip
+    beat = _heartbeat(
+        worker_heartbeat["store"], model="Qwen3-4B", model_shape=qwen, model_fingerprint="qwen3fp"
+    )
     page = _page(staff_client, beat)
     kv = _visible_text(page.split('id="model-kv"')[1].split("</p>")[0])
     assert "In 16 bits a token takes 144 KiB for Qwen3-4B: 36 layers × 8 KV heads" in kv
@@ -146,9 +168,16 @@ def test_without_a_heartbeat_the_configured_models_figures_are_shown(
 ) -> None:
     model = tmp_path / "Llama-3.2-1B"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 16, "hidden_size": 2048,
-                                                   "num_attention_heads": 32,
-                                                   "num_key_value_heads": 8}))  # fmt: skip
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 16,
+                "hidden_size": 2048,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+            }
+        )
+    )
     settings.MODEL_PATH = str(model)
     kv = _visible_text(_page(staff_client, None).split('id="model-kv"')[1].split("</p>")[0])
     assert "32 KiB for Llama-3.2-1B (the configured model" in kv  # 2 x 16 x 8 x 64 x 2 B
@@ -190,14 +219,22 @@ def test_the_last_serving_benchs_capacity_is_shown(staff_client, settings, tmp_p
     assert "No serving bench report yet" in page
 
     def report(started: str, blend_capacity: float | None) -> dict:
-        burst = {"burst": 16, "rate_per_min": None, "answers_per_min": 45.48,
-                 "ttft_s": {"p95": 16.89}, "max_pause_s": 1.74}  # fmt: skip
+        burst = {
+            "burst": 16,
+            "rate_per_min": None,
+            "answers_per_min": 45.48,
+            "ttft_s": {"p95": 16.89},
+            "max_pause_s": 1.74,
+        }
         return {
-            "bench": "serving", "started": started,
+            "bench": "serving",
+            "started": started,
             "unloaded_blend": {"ttft_median_s": 0.893, "target_ttft_p95_s": 3.57},
-            "modes": {"blend": {"capacity_per_min": blend_capacity, "runs": [burst]},
-                      "full": {"capacity_per_min": None, "runs": []}},
-        }  # fmt: skip
+            "modes": {
+                "blend": {"capacity_per_min": blend_capacity, "runs": [burst]},
+                "full": {"capacity_per_min": None, "runs": []},
+            },
+        }
 
     (tmp_path / "serving_b.json").write_text(json.dumps(report("20261127-090000", 3.0)))
     (tmp_path / "serving_a.json").write_text(json.dumps(report("20261128-200953", 8.0)))

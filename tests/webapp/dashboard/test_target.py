@@ -27,9 +27,18 @@ pytestmark = pytest.mark.django_db
 
 
 def _point(label: str, ratio: float, kl: float, f1: float) -> dict:
-    return {"label": label, "ratio": ratio, "ttft_median_s": 1.0, "ttft_ratio_to_full": ratio,
-            "tf_kl_mean": kl, "tf_kl_median": kl, "tf_kl_ci95": [kl, kl], "tf_agreement": 1 - kl,
-            "tf_logprob_gap_mean": kl, "fidelity_f1": f1}  # fmt: skip
+    return {
+        "label": label,
+        "ratio": ratio,
+        "ttft_median_s": 1.0,
+        "ttft_ratio_to_full": ratio,
+        "tf_kl_mean": kl,
+        "tf_kl_median": kl,
+        "tf_kl_ci95": [kl, kl],
+        "tf_agreement": 1 - kl,
+        "tf_logprob_gap_mean": kl,
+        "fidelity_f1": f1,
+    }
 
 
 CURVE = [
@@ -68,8 +77,11 @@ def test_a_fidelity_target_is_stored_and_the_curve_gives_its_ratio(staff_client,
 def test_the_target_reads_the_curve_of_the_codec_the_store_writes(
     staff_client, curve, monkeypatch
 ) -> None:
-    fp16 = [_point("reuse", 0.0, 0.06, 0.75), _point("blend@0.05", 0.05, 0.02, 0.90),
-            _point("full", 1.0, 0.0, 1.0)]  # fmt: skip
+    fp16 = [
+        _point("reuse", 0.0, 0.06, 0.75),
+        _point("blend@0.05", 0.05, 0.02, 0.90),
+        _point("full", 1.0, 0.0, 1.0),
+    ]
     sibling = curve.with_name("ratio_curve_fp16.json")
     sibling.write_text(json.dumps({"modes": {}, "curve": fp16, "env": {"kv_codec": "fp16"}}))
     target = {"mode": "target", "fidelity_target": "0.04"}
@@ -135,11 +147,17 @@ def test_the_next_chat_request_carries_the_targets_ratio(alice, staff_client, cu
 
 # Progressive blend upgrading to 0.25 on the same curve: from 0.05 KL 0.032, from 0.15 0.028.
 PROGRESSIVE = [
-    dict(_point("blend@0.05>0.25", 0.05, 0.032, 0.88), refresh_ratio=0.25,
-         second_token_ratio_to_full=0.9),
-    dict(_point("blend@0.15>0.25", 0.15, 0.028, 0.92), refresh_ratio=0.25,
-         second_token_ratio_to_full=1.0),
-]  # fmt: skip
+    dict(
+        _point("blend@0.05>0.25", 0.05, 0.032, 0.88),
+        refresh_ratio=0.25,
+        second_token_ratio_to_full=0.9,
+    ),
+    dict(
+        _point("blend@0.15>0.25", 0.15, 0.028, 0.92),
+        refresh_ratio=0.25,
+        second_token_ratio_to_full=1.0,
+    ),
+]
 
 
 def test_a_target_plain_blend_reaches_late_is_met_by_progressive_blend(
@@ -152,8 +170,9 @@ def test_a_target_plain_blend_reaches_late_is_met_by_progressive_blend(
     curve.write_text(json.dumps(dict(data, curve=[*CURVE, *PROGRESSIVE])))
     response = staff_client.post(
         reverse("dashboard:controller"),
-        {"mode": "target", "fidelity_target": "0.03", "refresh_ratio": "0.25"}, follow=True,
-    )  # fmt: skip
+        {"mode": "target", "fidelity_target": "0.03", "refresh_ratio": "0.25"},
+        follow=True,
+    )
     page = response.content.decode()
     assert "at least 0.100, upgraded to 0.25 after the first token" in page
     assert selectors.target_plan() == (pytest.approx(0.10), 0.25)
@@ -171,7 +190,10 @@ def test_a_target_plain_blend_reaches_late_is_met_by_progressive_blend(
     # auto: the setting as it is; blank: the worker's own (None)
     staff_client.post(reverse("dashboard:controller"), {"mode": "auto", "refresh_ratio": "0.3"})
     assert selectors.request_ratios() == {
-        "recompute_ratio": None, "target_ratio": None, "refresh_ratio": 0.3}  # fmt: skip
+        "recompute_ratio": None,
+        "target_ratio": None,
+        "refresh_ratio": 0.3,
+    }
     staff_client.post(reverse("dashboard:controller"), {"mode": "auto", "refresh_ratio": ""})
     assert selectors.request_ratios()["refresh_ratio"] is None
 
@@ -191,9 +213,15 @@ def test_the_audit_shows_the_curves_prediction_beside_the_measured_f1(
 ) -> None:
     document = make_dashboard_document(alice, "Rivers of Europe", chunks=2)
     answer = next(a for a in make_answers(alice, document) if a.mode == "blend")
-    audit = FidelityAudit.objects.create(message=answer, blend_text="x", full_text="y",
-                                         token_f1=0.62, status="done", blend_recompute_ratio=0.10,
-                                         completed_at=answer.completed_at)  # fmt: skip
+    audit = FidelityAudit.objects.create(
+        message=answer,
+        blend_text="x",
+        full_text="y",
+        token_f1=0.62,
+        status="done",
+        blend_recompute_ratio=0.10,
+        completed_at=answer.completed_at,
+    )
     page = staff_client.get(reverse("dashboard:index")).content.decode()
     row = page.split(f'id="audit-{audit.message_id}"')[1].split("</tr>")[0]
     assert '<td class="predicted-kl">0.0400</td>' in row  # halfway from 0.05 to 0.03
@@ -208,10 +236,16 @@ def test_a_progressive_answers_audit_is_predicted_from_the_progressive_curve(
     curve.write_text(json.dumps(dict(data, curve=[*CURVE, *PROGRESSIVE])))
     document = make_dashboard_document(alice, "Rivers of Europe", chunks=2)
     answer = next(a for a in make_answers(alice, document) if a.mode == "blend")
-    audit = FidelityAudit.objects.create(message=answer, blend_text="x", full_text="y",
-                                         token_f1=0.7, status="done", blend_recompute_ratio=0.10,
-                                         blend_refresh_ratio=0.25,
-                                         completed_at=answer.completed_at)  # fmt: skip
+    audit = FidelityAudit.objects.create(
+        message=answer,
+        blend_text="x",
+        full_text="y",
+        token_f1=0.7,
+        status="done",
+        blend_recompute_ratio=0.10,
+        blend_refresh_ratio=0.25,
+        completed_at=answer.completed_at,
+    )
     page = staff_client.get(reverse("dashboard:index")).content.decode()
     row = page.split(f'id="audit-{audit.message_id}"')[1].split("</tr>")[0]
     assert "0.100 → 0.25" in row
@@ -227,8 +261,10 @@ def test_the_answers_table_counts_progressive_answers_and_their_second_token(
         Message.objects.filter(pk=answer.pk).update(refresh_ratio=0.25, second_token_s=second)
     Message.objects.filter(pk=blends[2].pk).update(second_token_s=0.2)  # not upgraded
     page = staff_client.get(reverse("dashboard:index")).content.decode()
-    rows = {row.split("</th>")[0].rsplit(">", 1)[-1]: row
-            for row in page.split('<tr><th scope="row">')[1:]}  # fmt: skip
+    rows = {
+        row.split("</th>")[0].rsplit(">", 1)[-1]: row
+        for row in page.split('<tr><th scope="row">')[1:]
+    }
     # two upgraded (the third's second token is not counted), median: the lower of the two
     assert '<td class="progressive">2 (900.0 ms)</td>' in rows["blend"]
     assert '<td class="progressive">—</td>' in rows["full"]

@@ -47,8 +47,9 @@ def _all_urls(document_id: int) -> list[tuple[str, str]]:
     for pattern in urlpatterns:
         name = pattern.name
         kwargs = {"document_id": document_id} if name in DOCUMENT_URLS else {}
-        urls.append(("post" if name in POST_URLS else "get", reverse(f"dashboard:{name}",
-                                                                      kwargs=kwargs)))  # fmt: skip
+        urls.append(
+            ("post" if name in POST_URLS else "get", reverse(f"dashboard:{name}", kwargs=kwargs))
+        )
     assert len(urls) == len(POST_URLS) + 1
     return urls
 
@@ -70,8 +71,9 @@ def test_non_staff_get_403_on_every_page_and_action(client, alice) -> None:
     document = make_document(alice)
     client.force_login(alice)
     for method, url in _all_urls(document.pk):
-        response = getattr(client, method)(url, {"mode": "fixed", "fixed_ratio": "0.5",
-                                                 "sample_rate": "1", "tier": "cpu"})  # fmt: skip
+        response = getattr(client, method)(
+            url, {"mode": "fixed", "fixed_ratio": "0.5", "sample_rate": "1", "tier": "cpu"}
+        )
         assert response.status_code == 403, (method, url, response.status_code)
         htmx = getattr(client, method)(url, HTTP_HX_REQUEST="true")
         assert htmx.status_code == 403, (method, url, "htmx")
@@ -113,13 +115,16 @@ def test_dashboard_shows_the_engines_kernels_graphs_and_buffers(staff_client) ->
     graphs.recorded, graphs.replays, graphs.failed = {1: None, 2: None}, 1234, "OOM at capture"
     graphs.recording_s = [0.25, 0.5, 0.75]
     choice = KernelChoice("onednn-bf16", "auto", {}, {}, True, torch.bfloat16)
-    page = _page_with_heartbeat(staff_client, kernels=choice.to_dict(),
-                                pass_graphs=graphs.stats(), buffers=pool.stats())  # fmt: skip
+    page = _page_with_heartbeat(
+        staff_client, kernels=choice.to_dict(), pass_graphs=graphs.stats(), buffers=pool.stats()
+    )
     engine = page.split('id="engine-state"')[1].split("</dl>")[0]
     line = " ".join(re.sub(r"<.*?>", "", engine).split())
     assert "onednn-bf16, attention in bfloat16: the matrix code the worker timed fastest" in line
-    assert ("2 step shapes recorded (a recording takes 500.0 ms, at most 750.0 ms), replayed "
-            "1,234 times; recording stopped: OOM at capture") in line  # fmt: skip
+    assert (
+        "2 step shapes recorded (a recording takes 500.0 ms, at most 750.0 ms), replayed "
+        "1,234 times; recording stopped: OOM at capture"
+    ) in line
     assert "1 buffer kept (8 MiB); 1 of 2 requests for cache memory" in line
     assert "(a prefill's, a batch's) were served from a kept buffer" in line
     assert "CUDA graphs: off" not in page and "handed out again" not in page
@@ -142,8 +147,11 @@ def test_dashboard_shows_the_answers_streaming_waiting_and_the_step_budget(staff
     assert "takes 50.0 ms" in line and "1 answer skipped the quality upgrade" in line
     batcher.budget, batcher._jobs, batcher._waiting = StepBudget(math.inf), [], []
     batcher._work = None
-    line = _page_with_heartbeat(staff_client, batch=batcher.stats()).split(
-        'id="answering-state"')[1].split("</p>")[0]  # fmt: skip
+    line = (
+        _page_with_heartbeat(staff_client, batch=batcher.stats())
+        .split('id="answering-state"')[1]
+        .split("</p>")[0]
+    )
     assert "0 answers streaming, 0 questions waiting to start." in " ".join(line.split())
     assert "as long as they take (setting: off)" in line
 
@@ -202,8 +210,9 @@ def test_every_figure_on_the_dashboard_has_its_unit_and_a_line_saying_what_it_me
 ) -> None:
     document = make_document(alice, chunks=3)
     for answer in make_answers(alice, document)[:2]:
-        FidelityAudit.objects.create(message=answer, blend_text="a", full_text="b",
-                                     token_f1=0.5, status="done")  # fmt: skip
+        FidelityAudit.objects.create(
+            message=answer, blend_text="a", full_text="b", token_f1=0.5, status="done"
+        )
     points = [_curve_point("reuse", 0.0, 0.1, 0.31), _curve_point("full", 1.0, 1.0, 0.0)]
     curve = tmp_path / "curve.json"
     curve.write_text(json.dumps({"curve": points, "env": {"kv_codec": DEFAULT_CODEC}}))
@@ -261,9 +270,17 @@ def test_the_dashboard_speaks_of_dates_not_internal_steps(staff_client, settings
 
 
 def _curve_point(label: str, ratio: float, ttft: float, kl: float) -> dict:
-    return {"label": label, "ratio": ratio, "ttft_median_s": ttft * 3.0, "ttft_ratio_to_full": ttft,
-            "tf_kl_mean": kl, "tf_kl_median": kl * 0.7, "tf_kl_ci95": [kl * 0.8, kl * 1.3],
-            "tf_agreement": 1 - kl, "tf_logprob_gap_mean": kl / 2}  # fmt: skip
+    return {
+        "label": label,
+        "ratio": ratio,
+        "ttft_median_s": ttft * 3.0,
+        "ttft_ratio_to_full": ttft,
+        "tf_kl_mean": kl,
+        "tf_kl_median": kl * 0.7,
+        "tf_kl_ci95": [kl * 0.8, kl * 1.3],
+        "tf_agreement": 1 - kl,
+        "tf_logprob_gap_mean": kl / 2,
+    }
 
 
 def test_dashboard_draws_the_measured_ratio_curve(staff_client, settings, tmp_path) -> None:
@@ -284,8 +301,12 @@ def test_dashboard_draws_the_measured_ratio_curve(staff_client, settings, tmp_pa
     svg = panel.split("<svg")[1].split("</svg>")[0]
     assert svg.count('class="marker ') == 4 and "blend-line" in svg
     rows = panel.split("<tbody>")[1].split("</tbody>")[0]
-    for label, kl in [("reuse", "0.3125"), ("blend@0.05", "0.0875"), ("blend@0.15", "0.0431"),
-                      ("full", "0.0000")]:  # fmt: skip
+    for label, kl in [
+        ("reuse", "0.3125"),
+        ("blend@0.05", "0.0875"),
+        ("blend@0.15", "0.0431"),
+        ("full", "0.0000"),
+    ]:
         assert f'<th scope="row">{label}</th>' in rows and kl in rows
     assert "No curve has been measured" not in panel
     assert page.count("<svg") == 7  # the answers' six charts and the curve
@@ -294,10 +315,16 @@ def test_dashboard_draws_the_measured_ratio_curve(staff_client, settings, tmp_pa
 def test_dashboard_draws_a_curve_per_codec_and_names_the_one_the_store_writes(
     staff_client, settings, tmp_path, monkeypatch
 ) -> None:
-    kivi = [_curve_point("reuse", 0.0, 0.1, 0.3125), _curve_point("blend@0.05", 0.05, 0.2, 0.0875),
-            _curve_point("full", 1.0, 1.0, 0.0)]  # fmt: skip
-    fp16 = [_curve_point("reuse", 0.0, 0.3, 0.2941), _curve_point("blend@0.05", 0.05, 0.4, 0.0811),
-            _curve_point("full", 1.0, 1.0, 0.0)]  # fmt: skip
+    kivi = [
+        _curve_point("reuse", 0.0, 0.1, 0.3125),
+        _curve_point("blend@0.05", 0.05, 0.2, 0.0875),
+        _curve_point("full", 1.0, 1.0, 0.0),
+    ]
+    fp16 = [
+        _curve_point("reuse", 0.0, 0.3, 0.2941),
+        _curve_point("blend@0.05", 0.05, 0.4, 0.0811),
+        _curve_point("full", 1.0, 1.0, 0.0),
+    ]
     primary = settings.RATIO_CURVE_PATH  # tmp_path / "ratio_curve.json" (conftest)
     primary.write_text(json.dumps({"curve": kivi, "env": {"kv_codec": "kivi4k3v"}}))
     note = "TTFT taken on a busy machine"
@@ -396,8 +423,10 @@ def test_evict_and_warm_send_the_documents_kv_keys_to_the_inference_worker(
         staff_client.post(reverse("dashboard:document_evict", args=[document.pk]))
         staff_client.post(reverse("dashboard:document_warm", args=[document.pk]), {"tier": "cpu"})
     sent = _inference_messages()
-    assert sent == [{"task": EVICT_TASK, "args": [keys]},
-                    {"task": WARM_TASK, "args": [keys, "cpu"]}]  # fmt: skip
+    assert sent == [
+        {"task": EVICT_TASK, "args": [keys]},
+        {"task": WARM_TASK, "args": [keys, "cpu"]},
+    ]
     response = staff_client.post(
         reverse("dashboard:document_warm", args=[document.pk]), {"tier": "s3"}, follow=True
     )
@@ -461,8 +490,14 @@ def test_django_admin_lists_the_models_and_keeps_measurements_read_only(
     make_answers(alice, make_document(alice))
     admin = django_user_model.objects.create_superuser(username="root", password="root-pass")
     client.force_login(admin)
-    for name in ("chat_message", "chat_conversation", "chat_citation", "dashboard_fidelityaudit",
-                 "dashboard_dashboardsettings", "documents_chunk"):  # fmt: skip
+    for name in (
+        "chat_message",
+        "chat_conversation",
+        "chat_citation",
+        "dashboard_fidelityaudit",
+        "dashboard_dashboardsettings",
+        "documents_chunk",
+    ):
         assert client.get(reverse(f"admin:{name}_changelist")).status_code == 200, name
     from webapp.chat.models import Message
 
@@ -474,10 +509,14 @@ def test_django_admin_lists_the_models_and_keeps_measurements_read_only(
 
 def test_a_kdn_workers_tiers_are_listed_fastest_first_with_the_api_last() -> None:
     """A worker with KV_SOURCE=kdn reads through the knowledge delivery API in S3's place."""
-    beat = {"store": {"tiers": [
-        {"name": "kdn", "hits": 3, "misses": 1, "capacity_bytes": None, "bytes": None},
-        {"name": "cpu", "hits": 1, "misses": 3, "capacity_bytes": 100, "bytes": 25},
-    ]}}  # fmt: skip
+    beat = {
+        "store": {
+            "tiers": [
+                {"name": "kdn", "hits": 3, "misses": 1, "capacity_bytes": None, "bytes": None},
+                {"name": "cpu", "hits": 1, "misses": 3, "capacity_bytes": 100, "bytes": 25},
+            ]
+        }
+    }
     rows = selectors.tier_rows(beat)
     assert [row["name"] for row in rows] == ["cpu", "kdn"]
     assert rows[1]["label"] == "Knowledge delivery API" and rows[1]["hit_rate"] == 0.75
@@ -489,7 +528,10 @@ def test_the_answers_table_gives_the_users_wait_beside_the_workers(alice) -> Non
     the browser walk found only the worker's (0.42 s p50) where users waited 0.8-7.7 s."""
     make_answers(alice)
     since = timezone.now() - timedelta(days=7)
-    blend = next(r for r in selectors.metrics_summary(selectors.answered_messages(since=since))
-                 if r["mode"] == "blend")  # fmt: skip
+    blend = next(
+        r
+        for r in selectors.metrics_summary(selectors.answered_messages(since=since))
+        if r["mode"] == "blend"
+    )
     assert blend["ttft_p50"] == pytest.approx(0.12) and blend["seen_p50"] == pytest.approx(0.42)
     assert blend["seen_p90"] >= blend["seen_p50"] > blend["ttft_p90"]

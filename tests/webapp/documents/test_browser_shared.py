@@ -42,17 +42,27 @@ def _shared_document(alice, bob) -> tuple[Document, Collection]:
         settings.S3_DOCUMENTS_BUCKET, key, io.BytesIO(ORIGINAL), length=len(ORIGINAL)
     )
     document = Document.objects.create(
-        owner=alice, title=TITLE, original_name="handbook.md", content_sha256=sha,
-        object_key=key, size_bytes=len(ORIGINAL), detected_type=Document.Type.MARKDOWN,
+        owner=alice,
+        title=TITLE,
+        original_name="handbook.md",
+        content_sha256=sha,
+        object_key=key,
+        size_bytes=len(ORIGINAL),
+        detected_type=Document.Type.MARKDOWN,
         status=Document.Status.READY,
-        stage=Document.Stage.DONE, progress=100,
-    )  # fmt: skip
+        stage=Document.Stage.DONE,
+        progress=100,
+    )
     for index, text in enumerate(PASSAGES):
         Chunk.objects.create(
-            document=document, index=index, text=text, token_ids=[index], token_count=30,
+            document=document,
+            index=index,
+            text=text,
+            token_ids=[index],
+            token_count=30,
             token_ids_sha256=hashlib.sha256(text.encode()).hexdigest(),
             kv_status=Chunk.KVStatus.READY,
-        )  # fmt: skip
+        )
     collection = services.collection_create(owner=alice, name="Northern coast")
     collection.documents.add(document)
     services.collection_share(collection=collection, usernames=["bob"])

@@ -13,8 +13,11 @@ def tokenizer():
 
 def test_sentences_split_on_punctuation_and_paragraphs() -> None:
     assert split_sentences("One two. Three four? Five!\n\nSix seven.") == [
-        "One two.", "Three four?", "Five!", "\n\nSix seven."
-    ]  # fmt: skip
+        "One two.",
+        "Three four?",
+        "Five!",
+        "\n\nSix seven.",
+    ]
 
 
 def test_chunks_respect_the_token_budget_on_sentence_boundaries(tokenizer) -> None:

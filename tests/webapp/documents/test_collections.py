@@ -36,9 +36,10 @@ def test_the_owner_creates_renames_fills_and_deletes_a_collection(alice_client, 
     )
     assert "Renamed to “Harbours”." in renamed.content.decode()  # each change says so
     filled = alice_client.post(
-        f"/documents/collections/{collection.pk}/documents", {"documents": [harbour.pk]},
+        f"/documents/collections/{collection.pk}/documents",
+        {"documents": [harbour.pk]},
         follow=True,
-    )  # fmt: skip
+    )
     assert "Saved: “Harbours” holds 1 document." in filled.content.decode()
     collection.refresh_from_db()
     assert collection.name == "Harbours"
@@ -135,8 +136,9 @@ def test_a_documents_page_puts_it_in_the_owners_collections_only(
     page = alice_client.get(f"/documents/{document.pk}/").content.decode()
     assert 'id="document-collections"' in page and "Archive" in page
     assert "Mallory&#x27;s" not in page
-    alice_client.post(f"/documents/{document.pk}/collections",
-                      {"collections": [notes.pk, theirs.pk]})  # fmt: skip
+    alice_client.post(
+        f"/documents/{document.pk}/collections", {"collections": [notes.pk, theirs.pk]}
+    )
     assert list(document.collections.all()) == [notes]
     alice_client.post(f"/documents/{document.pk}/collections", {})
     assert not document.collections.exists()

@@ -12,8 +12,9 @@ from tests.webapp.documents import files
 from webapp.documents import parsing
 from webapp.documents.chunking import chunk_text, llm_tokenizer
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                derandomize=True)  # fmt: skip
+FUZZ = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
 KINDS = ["pdf", "docx", "html", "markdown", "text"]
 VALID = {
     kind: getattr(files, f"{kind}_bytes")("fuzzing keeps every parser honest") for kind in KINDS
@@ -64,8 +65,9 @@ def test_any_bytes_are_detected_or_refused(blob, name) -> None:
     _parse_or_refuse(blob, kind)
 
 
-WORDS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]),
-                min_size=1, max_size=12)  # fmt: skip
+WORDS = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1, max_size=12
+)
 
 
 @pytest.mark.timeout(300)

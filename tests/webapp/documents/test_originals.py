@@ -99,8 +99,9 @@ def test_other_users_and_anonymous_cannot_download(client, user, other_user) -> 
 
 def test_refused_or_vanished_originals_are_404(alice_client, user) -> None:
     # A row as upload refusals left them before they stored nothing: failed, no original.
-    refused = Document.objects.create(owner=user, title="empty.txt", content_sha256="e" * 64,
-                                      status="failed", object_key="")  # fmt: skip
+    refused = Document.objects.create(
+        owner=user, title="empty.txt", content_sha256="e" * 64, status="failed", object_key=""
+    )
     list_html = alice_client.get(reverse("documents:list")).content.decode()
     assert reverse("documents:download", args=[refused.pk]) not in list_html
     assert alice_client.get(reverse("documents:download", args=[refused.pk])).status_code == 404

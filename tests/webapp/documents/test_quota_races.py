@@ -48,7 +48,8 @@ def _waiting_on_locks(pids: list[int]) -> int:
         # The activity is read once a transaction unless its snapshot is dropped.
         cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s) AND wait_event_type = 'Lock'",
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE pid = ANY(%s) AND wait_event_type = 'Lock'",
             [pids],
         )
         return cursor.fetchone()[0]
@@ -81,8 +82,9 @@ def race(table: str, calls: list[Callable[[], Any]]) -> list[Any]:
             futures = [pool.submit(_in_thread(call, pids)) for call in calls]
             wait_for(
                 lambda: _waiting_on_locks(pids) == len(calls) or any(f.done() for f in futures),
-                timeout=240, what=f"{len(calls)} writers waiting on {table}",
-            )  # fmt: skip
+                timeout=240,
+                what=f"{len(calls)} writers waiting on {table}",
+            )
         return [f.exception() or f.result() for f in futures]
 
 
@@ -132,9 +134,10 @@ def test_concurrent_ingests_never_pass_the_token_quota(user, settings, queued) -
     Document.objects.filter(pk=documents[0].pk).update(status=Document.Status.QUEUED)
     settings.QUOTA_TOKENS = one + one // 2
 
-    race("documents_chunk", [
-        lambda d=d: services.document_ingest(document_id=d.pk) for d in documents
-    ])  # fmt: skip
+    race(
+        "documents_chunk",
+        [lambda d=d: services.document_ingest(document_id=d.pk) for d in documents],
+    )
     statuses = sorted(Document.objects.filter(owner=user).values_list("status", flat=True))
     print(f"4 concurrent ingests, quota for 1: {statuses}")
     usage = quotas.usage_of(user)

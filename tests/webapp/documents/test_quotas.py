@@ -19,8 +19,9 @@ pytestmark = pytest.mark.django_db
 def test_an_upload_past_the_document_quota_is_refused_with_the_reason(user, settings) -> None:
     settings.QUOTA_DOCUMENTS = 2
     for name in ("a", "b"):
-        kept = services.document_upload(owner=user, uploaded_file=upload(f"{name}.txt",
-                                        files.text_bytes(name)))  # fmt: skip
+        kept = services.document_upload(
+            owner=user, uploaded_file=upload(f"{name}.txt", files.text_bytes(name))
+        )
         assert kept.status == Document.Status.QUEUED
     with pytest.raises(services.UploadRefused, match="quota of 2 documents"):
         services.document_upload(owner=user, uploaded_file=upload("c.txt", files.text_bytes("c")))
@@ -43,10 +44,17 @@ def test_usage_is_shown_on_the_documents_page_and_in_the_api(
     user, other_user, client, settings
 ) -> None:
     settings.QUOTA_DOCUMENTS, settings.QUOTA_TOKENS = 10, 1000
-    document = Document.objects.create(owner=user, title="t", content_sha256="1" * 64,
-                                       status=Document.Status.READY)  # fmt: skip
-    Chunk.objects.create(document=document, index=0, text="x", token_ids=[1] * 300,
-                         token_count=300, token_ids_sha256="2" * 64)  # fmt: skip
+    document = Document.objects.create(
+        owner=user, title="t", content_sha256="1" * 64, status=Document.Status.READY
+    )
+    Chunk.objects.create(
+        document=document,
+        index=0,
+        text="x",
+        token_ids=[1] * 300,
+        token_count=300,
+        token_ids_sha256="2" * 64,
+    )
     usage = quotas.usage_of(user)
     assert (usage.documents, usage.tokens) == (1, 300)
     assert usage.kv_bytes == 0 and usage.kv_bytes_per_token is None  # no KV stored yet
@@ -74,13 +82,21 @@ def test_usage_is_shown_on_the_documents_page_and_in_the_api(
 def test_usage_counts_the_kv_bytes_actually_stored_each_object_once(user, client) -> None:
     from django.conf import settings
 
-    document = Document.objects.create(owner=user, title="t", content_sha256="1" * 64,
-                                       status=Document.Status.READY)  # fmt: skip
+    document = Document.objects.create(
+        owner=user, title="t", content_sha256="1" * 64, status=Document.Status.READY
+    )
     for index, (key, nbytes) in enumerate([("k/a", 500_000), ("k/a", 500_000), ("k/b", 0)]):
         # two chunks of identical text share one object; k/b is not stored yet
-        Chunk.objects.create(document=document, index=index, text="x", token_ids=[1] * 100,
-                             token_count=100, token_ids_sha256=f"{index:064x}", kv_key=key,
-                             kv_bytes=nbytes)  # fmt: skip
+        Chunk.objects.create(
+            document=document,
+            index=index,
+            text="x",
+            token_ids=[1] * 100,
+            token_count=100,
+            token_ids_sha256=f"{index:064x}",
+            kv_key=key,
+            kv_bytes=nbytes,
+        )
     usage = quotas.usage_of(user)
     assert usage.tokens == 300 and usage.kv_bytes == 500_000 and usage.kv_tokens == 100
     assert usage.kv_bytes_per_token == 5_000
@@ -94,8 +110,9 @@ def test_usage_counts_the_kv_bytes_actually_stored_each_object_once(user, client
 def test_a_retry_past_the_document_quota_is_refused_with_the_reason(user, settings) -> None:
     """A failed document does not count against the quota; retried, it would again."""
     settings.QUOTA_DOCUMENTS = 1
-    failed = services.document_upload(owner=user, uploaded_file=upload("a.txt",
-                                      files.text_bytes("a")))  # fmt: skip
+    failed = services.document_upload(
+        owner=user, uploaded_file=upload("a.txt", files.text_bytes("a"))
+    )
     services.document_fail(document_id=failed.pk, message="Storage was unavailable.")
     failed.refresh_from_db()
     services.document_upload(owner=user, uploaded_file=upload("b.txt", files.text_bytes("b")))
@@ -107,8 +124,9 @@ def test_a_retry_past_the_document_quota_is_refused_with_the_reason(user, settin
 
 def test_a_refused_retry_says_why_in_the_list_htmx_swaps_in(user, alice_client, settings) -> None:
     settings.QUOTA_DOCUMENTS = 1
-    failed = services.document_upload(owner=user, uploaded_file=upload("a.txt",
-                                      files.text_bytes("a")))  # fmt: skip
+    failed = services.document_upload(
+        owner=user, uploaded_file=upload("a.txt", files.text_bytes("a"))
+    )
     services.document_fail(document_id=failed.pk, message="Storage was unavailable.")
     services.document_upload(owner=user, uploaded_file=upload("b.txt", files.text_bytes("b")))
     response = alice_client.post(f"/documents/{failed.pk}/retry", HTTP_HX_REQUEST="true")

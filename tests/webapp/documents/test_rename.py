@@ -54,9 +54,10 @@ def test_the_owner_renames_a_document_with_the_plain_form(client, alice, notes) 
 def test_htmx_swaps_in_the_new_name(client, alice, notes) -> None:
     client.force_login(alice)
     response = client.post(
-        reverse("documents:rename", args=[notes.pk]), {"title": "  Harbour   notes "},
+        reverse("documents:rename", args=[notes.pk]),
+        {"title": "  Harbour   notes "},
         HTTP_HX_REQUEST="true",
-    )  # fmt: skip
+    )
     html = response.content.decode()
     assert response.status_code == 200 and "<html" not in html  # the heading, not the page
     assert '<div id="document-title">' in html and "<h1>Harbour notes</h1>" in html
@@ -66,9 +67,11 @@ def test_htmx_swaps_in_the_new_name(client, alice, notes) -> None:
 
 @pytest.mark.parametrize(
     ("typed", "error"),
-    [("   ", "Give the document a name."),
-     ("n" * 256, "A document&#x27;s name can be at most 255 characters; this one has 256.")],
-)  # fmt: skip
+    [
+        ("   ", "Give the document a name."),
+        ("n" * 256, "A document&#x27;s name can be at most 255 characters; this one has 256."),
+    ],
+)
 def test_an_empty_or_too_long_name_is_refused_saying_why(
     client, alice, notes, typed, error
 ) -> None:
@@ -114,11 +117,13 @@ def test_the_api_renames_a_document_for_its_owner_only(
 
 @pytest.mark.parametrize(
     ("body", "status", "says"),
-    [({"title": " "}, 400, "Give the document a name."),
-     ({"title": "n" * 256}, 400, "at most 255 characters; this one has 256"),
-     ({"title": "nul\u0000"}, 422, "title: Value error, holds a NUL character"),
-     ({"name": "the collections' field"}, 422, "title: Field required")],
-)  # fmt: skip
+    [
+        ({"title": " "}, 400, "Give the document a name."),
+        ({"title": "n" * 256}, 400, "at most 255 characters; this one has 256"),
+        ({"title": "nul\u0000"}, 422, "title: Value error, holds a NUL character"),
+        ({"name": "the collections' field"}, 422, "title: Field required"),
+    ],
+)
 def test_the_api_refuses_a_bad_name_saying_why(client, alice, notes, body, status, says) -> None:
     response = client.patch(f"/api/v1/documents/{notes.pk}", body, **JSON, **bearer(alice))
     assert response.status_code == status, response.content

@@ -23,16 +23,23 @@ def _stored_kv(n: int) -> str:
     from kvservice.chunk import ChunkKV
 
     k = torch.randn(2, 1, 3, 4)
-    chunk = ChunkKV([7, 8, n], k, torch.randn_like(k), model_fingerprint="test-model",
-                    head_hash="test-head")  # fmt: skip
+    chunk = ChunkKV(
+        [7, 8, n], k, torch.randn_like(k), model_fingerprint="test-model", head_hash="test-head"
+    )
     return kv_store().put(chunk)
 
 
 def _chunk(document: Document, index: int, kv_key: str) -> Chunk:
     return Chunk.objects.create(
-        document=document, index=index, text=f"chunk {index}", token_ids=[1, 2, index],
-        token_count=3, token_ids_sha256=f"{index:064x}", kv_key=kv_key, kv_status="ready",
-    )  # fmt: skip
+        document=document,
+        index=index,
+        text=f"chunk {index}",
+        token_ids=[1, 2, index],
+        token_count=3,
+        token_ids_sha256=f"{index:064x}",
+        kv_key=kv_key,
+        kv_status="ready",
+    )
 
 
 def _sha(data: bytes) -> str:
@@ -83,9 +90,13 @@ def test_upload_of_existing_content_returns_the_same_document(user) -> None:
 def _left_by_an_old_refusal(user, data: bytes) -> Document:
     """A row as upload refusals left them before they stored nothing: failed, no original."""
     return Document.objects.create(
-        owner=user, title="t.txt", content_sha256=_sha(data),
-        status="failed", error_message="The file is too large.", object_key="",
-    )  # fmt: skip
+        owner=user,
+        title="t.txt",
+        content_sha256=_sha(data),
+        status="failed",
+        error_message="The file is too large.",
+        object_key="",
+    )
 
 
 def test_a_refused_upload_raises_and_stores_nothing(user, settings) -> None:
@@ -141,13 +152,25 @@ def _processing_document(user, name: str, texts: list[str]) -> Document:
     from webapp.documents.chunking import llm_tokenizer
 
     tokenizer = llm_tokenizer()
-    document = Document.objects.create(owner=user, title=name, content_sha256=name.ljust(64, "0"),
-                                       status="processing", stage="kv", progress=70)  # fmt: skip
+    document = Document.objects.create(
+        owner=user,
+        title=name,
+        content_sha256=name.ljust(64, "0"),
+        status="processing",
+        stage="kv",
+        progress=70,
+    )
     for index, text in enumerate(texts):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         sha = token_ids_sha256(ids)
-        Chunk.objects.create(document=document, index=index, text=text, token_ids=ids,
-                             token_count=len(ids), token_ids_sha256=sha)  # fmt: skip
+        Chunk.objects.create(
+            document=document,
+            index=index,
+            text=text,
+            token_ids=ids,
+            token_count=len(ids),
+            token_ids_sha256=sha,
+        )
     return document
 
 

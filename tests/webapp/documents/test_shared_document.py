@@ -26,9 +26,14 @@ def harbour(alice) -> Document:
     document = result.document
     Document.objects.filter(pk=document.pk).update(status=Document.Status.READY)
     Chunk.objects.create(
-        document=document, index=0, text=PASSAGE, token_ids=[1, 2, 3], token_count=3,
-        token_ids_sha256="a" * 64, kv_status=Chunk.KVStatus.READY,
-    )  # fmt: skip
+        document=document,
+        index=0,
+        text=PASSAGE,
+        token_ids=[1, 2, 3],
+        token_count=3,
+        token_ids_sha256="a" * 64,
+        kv_status=Chunk.KVStatus.READY,
+    )
     document.refresh_from_db()
     return document
 

@@ -81,8 +81,9 @@ def _stored_originals(user) -> list[str]:
 def test_refused_uploads_are_a_message_and_store_nothing(
     alice_client, user, name, data, message
 ) -> None:
-    response = alice_client.post(reverse("documents:list"), {"files": [upload(name, data)]},
-                                 follow=True)  # fmt: skip
+    response = alice_client.post(
+        reverse("documents:list"), {"files": [upload(name, data)]}, follow=True
+    )
     shown = [m.message for m in response.context["messages"]]
     assert len(shown) == 1 and shown[0].startswith(f"{name}: ") and message in shown[0]
     assert not Document.objects.filter(owner=user).exists()
@@ -115,8 +116,14 @@ def test_oversize_upload_is_refused_with_the_limit_in_the_message(
 
 
 def test_page_lists_only_my_documents_with_status_and_progress(client, user, other_user) -> None:
-    Document.objects.create(owner=user, title="mine.pdf", content_sha256="a" * 64,
-                            status="processing", stage="embedding", progress=40)  # fmt: skip
+    Document.objects.create(
+        owner=user,
+        title="mine.pdf",
+        content_sha256="a" * 64,
+        status="processing",
+        stage="embedding",
+        progress=40,
+    )
     Document.objects.create(owner=other_user, title="theirs.pdf", content_sha256="b" * 64)
     client.force_login(user)
     html = client.get(reverse("documents:list")).content.decode()
@@ -127,8 +134,14 @@ def test_page_lists_only_my_documents_with_status_and_progress(client, user, oth
 
 
 def test_htmx_gets_the_partial_and_polling_stops_when_all_done(alice_client, user) -> None:
-    Document.objects.create(owner=user, title="done.txt", content_sha256="c" * 64,
-                            status="ready", stage="done", progress=100)  # fmt: skip
+    Document.objects.create(
+        owner=user,
+        title="done.txt",
+        content_sha256="c" * 64,
+        status="ready",
+        stage="done",
+        progress=100,
+    )
     response = alice_client.get(reverse("documents:list"), HTTP_HX_REQUEST="true")
     html = response.content.decode()
     assert "<html" not in html.lower() and 'id="document-list"' in html
@@ -136,18 +149,29 @@ def test_htmx_gets_the_partial_and_polling_stops_when_all_done(alice_client, use
 
 
 def test_failed_document_shows_message_and_retry(alice_client, user) -> None:
-    Document.objects.create(owner=user, title="bad.pdf", content_sha256="d" * 64,
-                            object_key="originals/x/d", status="failed",
-                            error_message="This PDF is password-protected.")  # fmt: skip
+    Document.objects.create(
+        owner=user,
+        title="bad.pdf",
+        content_sha256="d" * 64,
+        object_key="originals/x/d",
+        status="failed",
+        error_message="This PDF is password-protected.",
+    )
     html = alice_client.get(reverse("documents:list")).content.decode()
     assert "This PDF is password-protected." in html
     assert "Retry" in html
 
 
 def test_retry_requeues_a_failed_document(alice_client, user) -> None:
-    document = Document.objects.create(owner=user, title="bad.pdf", content_sha256="e" * 64,
-                                       object_key="originals/x/e", status="failed",
-                                       stage="parsing", error_message="boom")  # fmt: skip
+    document = Document.objects.create(
+        owner=user,
+        title="bad.pdf",
+        content_sha256="e" * 64,
+        object_key="originals/x/e",
+        status="failed",
+        stage="parsing",
+        error_message="boom",
+    )
     response = alice_client.post(reverse("documents:retry", args=[document.pk]))
     assert response.status_code == 302
     document.refresh_from_db()
@@ -156,8 +180,9 @@ def test_retry_requeues_a_failed_document(alice_client, user) -> None:
 
 @pytest.mark.parametrize("action", ["detail", "retry", "delete"])
 def test_another_users_document_is_404(client, user, other_user, action) -> None:
-    document = Document.objects.create(owner=other_user, title="theirs.pdf",
-                                       content_sha256="f" * 64, status="failed")  # fmt: skip
+    document = Document.objects.create(
+        owner=other_user, title="theirs.pdf", content_sha256="f" * 64, status="failed"
+    )
     client.force_login(user)
     url = reverse(f"documents:{action}", args=[document.pk])
     response = client.get(url) if action == "detail" else client.post(url)
@@ -190,7 +215,8 @@ def test_htmx_upload_returns_the_list_with_the_new_document(alice_client) -> Non
 
 def test_an_upload_without_htmx_says_what_was_uploaded(alice_client) -> None:
     response = alice_client.post(
-        reverse("documents:list"), {"files": [upload("plain.txt", files.text_bytes("plain"))]},
+        reverse("documents:list"),
+        {"files": [upload("plain.txt", files.text_bytes("plain"))]},
         follow=True,
-    )  # fmt: skip
+    )
     assert "Uploaded plain.txt." in response.content.decode()

@@ -13,8 +13,8 @@ from django.test import Client
 
 from kvservice.kdn.client import KdnClient, KdnNotFound
 from kvservice.protocol.kdn_stream import MAGIC, PREAMBLE
-from kvservice.store.format import decode_chunk, decode_header
 from kvservice.protocol.keys import ChunkKey
+from kvservice.store.format import decode_chunk, decode_header
 from tests.webapp.api.conftest import bearer
 
 PASSAGE = (
@@ -30,9 +30,11 @@ def _put(client: Client, auth: dict, text: str, **extra) -> dict:
     deadline = time.monotonic() + 300
     while True:
         response = client.put(
-            "/kdn/v1/kv", json.dumps({"text": text, **extra}), content_type="application/json",
+            "/kdn/v1/kv",
+            json.dumps({"text": text, **extra}),
+            content_type="application/json",
             **auth,
-        )  # fmt: skip
+        )
         if response.status_code != 202 or time.monotonic() > deadline:
             break
         time.sleep(float(response.headers.get("Retry-After", 1)))
@@ -145,13 +147,15 @@ def test_limits_on_count_and_size_are_clear_400s(alice_auth, settings) -> None:
     assert response.status_code == 400
     assert response.json()["code"] == "too_many_texts"
     assert "at most 2" in response.json()["message"]
-    response = client.put("/kdn/v1/kv", json.dumps({"text": PASSAGE}),
-                          content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.put(
+        "/kdn/v1/kv", json.dumps({"text": PASSAGE}), content_type="application/json", **alice_auth
+    )
     assert response.status_code == 400
     assert response.json()["code"] == "text_too_long"
     assert "the limit is 10" in response.json()["message"]
-    response = client.put("/kdn/v1/kv", json.dumps({"text": ""}),
-                          content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.put(
+        "/kdn/v1/kv", json.dumps({"text": ""}), content_type="application/json", **alice_auth
+    )
     assert response.status_code == 400
 
 
@@ -160,8 +164,9 @@ def test_keys_rate_limits_and_quotas_apply(alice_auth, settings) -> None:
     client = Client()
     assert _fetch(client, {}, {"texts": [PASSAGE]}).status_code == 401
     settings.QUOTA_TOKENS = 5
-    response = client.put("/kdn/v1/kv", json.dumps({"text": PASSAGE}),
-                          content_type="application/json", **alice_auth)  # fmt: skip
+    response = client.put(
+        "/kdn/v1/kv", json.dumps({"text": PASSAGE}), content_type="application/json", **alice_auth
+    )
     assert response.status_code == 413
     assert response.json()["code"] == "quota_exceeded"
     settings.API_RATE_LIMIT_REQUESTS = 1
@@ -194,9 +199,10 @@ def test_concurrent_puts_never_pass_the_token_quota(
     texts = [PASSAGE, PASSAGE.replace("Rhine", "Rhône")]
     one = max(len(services.tokenize([text], None)[0].token_ids) for text in texts)
     settings.QUOTA_TOKENS = quotas.usage_of(alice).tokens + one + one // 2
-    results = race("kdn_storedtext", [
-        lambda text=text: services.kdn_put(owner=alice, text=text) for text in texts
-    ])  # fmt: skip
+    results = race(
+        "kdn_storedtext",
+        [lambda text=text: services.kdn_put(owner=alice, text=text) for text in texts],
+    )
     refused = [r for r in results if isinstance(r, services.KdnRefused)]
     assert len(refused) == 1 and refused[0].code == "quota_exceeded", results
     assert StoredText.objects.filter(owner=alice).count() == 2  # OTHER and one of the two

@@ -85,9 +85,10 @@ def test_a_token_fetches_its_passage_and_no_other_text_of_its_user(
         assert f"texts[{index}] is not a text this request token" in response.json()["message"]
     # A text nobody stored gets the very same answer: the 403 says nothing of what exists.
     unknown = _fetch(client, token, {"texts": ["Nobody stored this sentence."]})
-    assert unknown.status_code == 403 and unknown.json() == _fetch(
-        client, token, {"texts": [OTHER]}
-    ).json()  # fmt: skip
+    assert (
+        unknown.status_code == 403
+        and unknown.json() == _fetch(client, token, {"texts": [OTHER]}).json()
+    )
     # Another head (other KV of the same text) is out of scope too.
     response = _fetch(client, token, {"texts": [PASSAGE], "head": "Another head.\n"})
     assert response.status_code == 403 and "send no head" in response.json()["message"]
@@ -169,18 +170,30 @@ def _question_citing(alice, *texts: str) -> Message:
         conversation=Conversation.objects.create(owner=alice), role=Message.Role.ASSISTANT
     )
     for index, text in enumerate(texts):
-        chunk = Chunk.objects.create(document=document, index=index, text=text,
-                                     token_ids=[index + 1], token_count=1,
-                                     token_ids_sha256=f"{index}" * 64)  # fmt: skip
-        Citation.objects.create(message=answer, rank=index + 1, chunk=chunk, document=document,
-                                document_title="t", text=text)  # fmt: skip
+        chunk = Chunk.objects.create(
+            document=document,
+            index=index,
+            text=text,
+            token_ids=[index + 1],
+            token_count=1,
+            token_ids_sha256=f"{index}" * 64,
+        )
+        Citation.objects.create(
+            message=answer,
+            rank=index + 1,
+            chunk=chunk,
+            document=document,
+            document_title="t",
+            text=text,
+        )
     return answer
 
 
 def _request_for(answer: Message):
     citations = answer.citations.order_by("rank")
-    return generate_request(question="q", history=[], citations=citations, mode="blend",
-                            answer=answer)  # fmt: skip
+    return generate_request(
+        question="q", history=[], citations=citations, mode="blend", answer=answer
+    )
 
 
 @pytest.mark.django_db
@@ -201,8 +214,14 @@ def test_no_token_is_signed_when_the_worker_reads_s3(alice, settings) -> None:
 
 def test_an_unknown_kv_source_stops_the_web_app_at_start() -> None:
     env = {**os.environ, "KV_SOURCE": "gcs"}
-    result = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "KV_SOURCE must be 's3' or 'kdn', not 'gcs'" in result.stderr
 
@@ -212,8 +231,9 @@ def test_an_unknown_kv_source_stops_the_web_app_at_start() -> None:
 
 def test_a_10_mb_body_is_a_413_before_it_is_read() -> None:
     declared = str(10 * 1024 * 1024).encode()
-    scope = _scope("/kdn/v1/fetch", [(b"content-length", declared),
-                                     (b"content-type", b"application/json")])  # fmt: skip
+    scope = _scope(
+        "/kdn/v1/fetch", [(b"content-length", declared), (b"content-type", b"application/json")]
+    )
     status, body, read = asyncio.run(_call(application, scope, [b"x" * 1024]))
     assert status == 413 and read == 0
     assert json.loads(body)["code"] == "too_large"

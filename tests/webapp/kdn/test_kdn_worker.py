@@ -18,9 +18,9 @@ from django.test import Client
 
 from kvservice.kdn.client import KdnClient, KdnRead, KdnTier, KvSource, kdn_store
 from kvservice.protocol import ChunkRef, GenerateRequest
+from kvservice.protocol.keys import ChunkKey
 from kvservice.store import KVLoader, StoreConfig
 from kvservice.store.format import decode_chunk
-from kvservice.protocol.keys import ChunkKey
 from kvservice.store.s3 import S3Tier
 from tests.conftest import ROOT
 from tests.e2e.test_chat_e2e import upload_ready
@@ -28,11 +28,11 @@ from tests.webapp.api.conftest import bearer
 from webapp.chat.models import Citation, Conversation, Message
 from webapp.chat.requests import generate_request
 from webapp.documents import quotas
-from worker.kv import kv_store
 from webapp.documents.models import Chunk, Collection, Document, OrphanObject
 from webapp.documents.services import document_delete
 from webapp.kdn.models import StoredText
 from webapp.kdn.tokens import SALT, request_token, text_digest, token_claims
+from worker.kv import kv_store
 
 TEXT = (
     "The Varnholt observatory sits above the village of Ostrel. Its great telescope was "
@@ -44,20 +44,26 @@ PASSAGE = "The river Tamsel freezes every winter, and the ferry to Ostrel then r
 
 def _fetch(client: Client, token: str, texts: list[str]):
     body, auth = json.dumps({"texts": texts}), f"Bearer {token}"
-    return client.post("/kdn/v1/fetch", body, content_type="application/json",
-                       HTTP_AUTHORIZATION=auth)  # fmt: skip
+    return client.post(
+        "/kdn/v1/fetch", body, content_type="application/json", HTTP_AUTHORIZATION=auth
+    )
 
 
 def _delete(client: Client, auth: dict, text: str):
-    return client.delete("/kdn/v1/kv", json.dumps({"text": text}),
-                         content_type="application/json", **auth)  # fmt: skip
+    return client.delete(
+        "/kdn/v1/kv", json.dumps({"text": text}), content_type="application/json", **auth
+    )
 
 
 def _worker_store(url: str):
     """The store a worker builds with KV_SOURCE=kdn: its CPU tier, then the API."""
     source = KvSource.from_env({"KV_SOURCE": "kdn", "KDN_URL": url})
-    config = StoreConfig(s3_endpoint="http://127.0.0.1:1", s3_access_key="unused",
-                         disk_capacity_bytes=0, cpu_capacity_bytes=1 << 30)  # fmt: skip
+    config = StoreConfig(
+        s3_endpoint="http://127.0.0.1:1",
+        s3_access_key="unused",
+        disk_capacity_bytes=0,
+        cpu_capacity_bytes=1 << 30,
+    )
     return kdn_store(config, source)
 
 
@@ -157,8 +163,9 @@ def test_an_expired_or_forged_token_is_a_401(alice) -> None:
     # A token fetches; it does not store or delete.
     auth = {"HTTP_AUTHORIZATION": f"Bearer {valid}"}
     assert _delete(client, auth, PASSAGE).status_code == 401
-    put = client.put("/kdn/v1/kv", json.dumps({"text": PASSAGE}),
-                     content_type="application/json", **auth)  # fmt: skip
+    put = client.put(
+        "/kdn/v1/kv", json.dumps({"text": PASSAGE}), content_type="application/json", **auth
+    )
     assert put.status_code == 401
 
 
@@ -176,10 +183,22 @@ def test_stored_texts_count_in_usage_and_the_quota(alice, alice_auth, mallory, s
     before = client.get("/api/v1/documents/usage", **alice_auth).json()
     assert before["tokens"] == before["kdn_tokens"] == 0
     key = f"fp/{'1' * 64}/u{alice.pk}/{'2' * 64}"
-    StoredText.objects.create(owner=alice, tokens_sha256="2" * 64, head_hash="1" * 64,
-                              kv_key=key, token_count=1200, kv_bytes=6000)  # fmt: skip
-    StoredText.objects.create(owner=mallory, tokens_sha256="3" * 64, head_hash="1" * 64,
-                              kv_key=key.replace("2", "3"), token_count=50, kv_bytes=9)  # fmt: skip
+    StoredText.objects.create(
+        owner=alice,
+        tokens_sha256="2" * 64,
+        head_hash="1" * 64,
+        kv_key=key,
+        token_count=1200,
+        kv_bytes=6000,
+    )
+    StoredText.objects.create(
+        owner=mallory,
+        tokens_sha256="3" * 64,
+        head_hash="1" * 64,
+        kv_key=key.replace("2", "3"),
+        token_count=50,
+        kv_bytes=9,
+    )
     usage = client.get("/api/v1/documents/usage", **alice_auth).json()
     assert usage["tokens"] == usage["kdn_tokens"] == 1200
     assert usage["kv_bytes"] == 6000 and usage["kv_bytes_per_token"] == 5.0
@@ -195,8 +214,9 @@ def test_delete_removes_the_text_and_its_kv_only_for_its_owner(
     celery_worker_process, alice, alice_auth, mallory_auth
 ) -> None:
     client = Client()
-    put = client.put("/kdn/v1/kv", json.dumps({"text": PASSAGE}),
-                     content_type="application/json", **alice_auth)  # fmt: skip
+    put = client.put(
+        "/kdn/v1/kv", json.dumps({"text": PASSAGE}), content_type="application/json", **alice_auth
+    )
     assert put.status_code == 200, put.content
     key = put.json()["key"]
     assert client.get("/api/v1/documents/usage", **alice_auth).json()["kdn_tokens"] > 0
@@ -210,8 +230,12 @@ def test_delete_removes_the_text_and_its_kv_only_for_its_owner(
     assert response.json() == {"key": key, "tokens": put.json()["tokens"], "kv_deleted": True}
     assert not kv_store().contains(key) and not StoredText.objects.exists()
     assert client.get("/api/v1/documents/usage", **alice_auth).json()["kdn_tokens"] == 0
-    fetch = client.post("/kdn/v1/fetch", json.dumps({"texts": [PASSAGE]}),
-                        content_type="application/json", **alice_auth)  # fmt: skip
+    fetch = client.post(
+        "/kdn/v1/fetch",
+        json.dumps({"texts": [PASSAGE]}),
+        content_type="application/json",
+        **alice_auth,
+    )
     assert fetch.status_code == 404
     assert _delete(client, alice_auth, PASSAGE).status_code == 404
 
@@ -247,8 +271,14 @@ def test_the_worker_refuses_to_start_with_kdn_and_no_kdn_url(redis_service) -> N
     env = {k: v for k, v in os.environ.items() if not k.startswith(("S3_", "KDN_"))}
     env |= {"KV_SOURCE": "kdn", "INFERENCE_QUEUE": "inference-never"}
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "kvservice.serve.server"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvservice.serve.server"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "KV_SOURCE=kdn needs KDN_URL" in result.stderr
     assert time.monotonic() - started < 60  # refused before loading the model
@@ -278,21 +308,29 @@ def test_the_tier_asks_only_for_keys_a_live_request_named() -> None:
 def test_a_question_sends_each_passage_with_its_text_and_the_askers_token(alice, settings) -> None:
     settings.KV_SOURCE = "kdn"  # with s3 no token is signed (test_kdn_hostile.py)
     document = Document.objects.create(owner=alice, title="t", content_sha256="0" * 64)
-    chunk = Chunk.objects.create(document=document, index=0, text="Some words.",
-                                 token_ids=[1, 2], token_count=2,
-                                 token_ids_sha256="1" * 64)  # fmt: skip
+    chunk = Chunk.objects.create(
+        document=document,
+        index=0,
+        text="Some words.",
+        token_ids=[1, 2],
+        token_count=2,
+        token_ids_sha256="1" * 64,
+    )
     conversation = Conversation.objects.create(owner=alice)
     answer = Message.objects.create(conversation=conversation, role=Message.Role.ASSISTANT)
-    citation = Citation.objects.create(message=answer, rank=1, chunk=chunk, document=document,
-                                       document_title="t", text=chunk.text)  # fmt: skip
-    request = generate_request(question="q", history=[], citations=[citation], mode="blend",
-                               answer=answer)  # fmt: skip
+    citation = Citation.objects.create(
+        message=answer, rank=1, chunk=chunk, document=document, document_title="t", text=chunk.text
+    )
+    request = generate_request(
+        question="q", history=[], citations=[citation], mode="blend", answer=answer
+    )
     (ref,) = GenerateRequest.from_dict(json.loads(json.dumps(request.to_dict()))).chunks
     assert ref.text == "Some words." and ref.kv_scope == f"u{alice.pk}"
     claims = token_claims(ref.kdn_token)
     assert claims.user_id == alice.pk and claims.request_id == str(answer.request_id)
     assert claims.text_digests == {text_digest("Some words.")}  # this passage, no other
     assert 0 < claims.expires_at - time.time() <= min(request.timeout_s, settings.KDN_TOKEN_TTL_S)
-    audit = generate_request(question="q", history=[], citations=[citation], mode="full",
-                             audit_of=answer.id)  # fmt: skip
+    audit = generate_request(
+        question="q", history=[], citations=[citation], mode="full", audit_of=answer.id
+    )
     assert token_claims(audit.chunks[0].kdn_token).user_id == alice.pk

@@ -11,6 +11,10 @@ from tests.e2e.test_browser_chat import running_asgi_server
 @pytest.fixture
 def chat_server(request, django_db_blocker, tmp_path):
     queue = request.module.QUEUE
-    with running_asgi_server(django_db_blocker, tmp_path / "uvicorn.log", INFERENCE_QUEUE=queue,
-                             HEARTBEAT_KEY=f"ragblend:test:{queue}") as url:  # fmt: skip
+    with running_asgi_server(
+        django_db_blocker,
+        tmp_path / "uvicorn.log",
+        INFERENCE_QUEUE=queue,
+        HEARTBEAT_KEY=f"ragblend:test:{queue}",
+    ) as url:
         yield url

@@ -31,5 +31,6 @@ def test_each_action_of_an_answer_stands_apart(browser, live_server, alice) -> N
     between_copy_and_regenerate, between_feedback = browser.execute_script(GAPS, actions)
     assert between_copy_and_regenerate >= 10
     assert abs(between_feedback - between_copy_and_regenerate) <= 1, (
-        between_feedback, between_copy_and_regenerate,
-    )  # fmt: skip
+        between_feedback,
+        between_copy_and_regenerate,
+    )

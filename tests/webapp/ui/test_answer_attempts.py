@@ -47,8 +47,9 @@ def _last_answer(browser):
         lambda: browser.find_elements(
             By.CSS_SELECTOR, "#messages > .msg.assistant:last-child[data-status=done]"
         ),
-        timeout=30, what="the recorded answer",
-    )[0]  # fmt: skip
+        timeout=30,
+        what="the recorded answer",
+    )[0]
 
 
 def test_a_cut_answer_says_so_and_regenerate_gives_another_attempt(
@@ -61,7 +62,9 @@ def test_a_cut_answer_says_so_and_regenerate_gives_another_attempt(
     conversation = Conversation.objects.create(owner=alice, title="Boats")
     log_in(browser, chat_server, alice)
     browser.get(f"{chat_server}{reverse('chat:conversation', args=[conversation.id])}")
-    browser.find_element(By.NAME, "question").send_keys("How many do the Gannet and the Osprey seat?", Keys.ENTER)
+    browser.find_element(By.NAME, "question").send_keys(
+        "How many do the Gannet and the Osprey seat?", Keys.ENTER
+    )
 
     answer = _last_answer(browser)
     assert "Osprey…" in answer.find_element(By.CSS_SELECTOR, ".bubble").text

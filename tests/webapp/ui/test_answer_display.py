@@ -53,16 +53,49 @@ STEP_2 = "2. Found items are kept for two months at the office."
 # of others: the cited step is out of sight until the panel scrolls to it.
 PASSAGE = "\n".join(
     ["Kestrel Quay harbour notice"]
-    + [f"The {name} ferry stops at Kestrel Quay on weekdays and on Sundays in summer."
-       for name in ("Gannet", "Osprey", "Skua", "Tern", "Fulmar", "Petrel", "Puffin", "Eider",
-                    "Shag", "Gull", "Heron", "Kittiwake")]
-    + ["Found property", f"1. Bring what you find to the ticket office. {STEP_2} 3. Collect "
-       "an item with its receipt number.", "Safety", "The safety officer is Olga Brandt."]
-)  # fmt: skip
+    + [
+        f"The {name} ferry stops at Kestrel Quay on weekdays and on Sundays in summer."
+        for name in (
+            "Gannet",
+            "Osprey",
+            "Skua",
+            "Tern",
+            "Fulmar",
+            "Petrel",
+            "Puffin",
+            "Eider",
+            "Shag",
+            "Gull",
+            "Heron",
+            "Kittiwake",
+        )
+    ]
+    + [
+        "Found property",
+        f"1. Bring what you find to the ticket office. {STEP_2} 3. Collect "
+        "an item with its receipt number.",
+        "Safety",
+        "The safety officer is Olga Brandt.",
+    ]
+)
 OFFICER = ("The", " safety", " officer", " is", " Olga", " Brandt.", "\n[1]")
 NUMBERED = ("1.", " The", " ticket", " office", " keeps", " it.", "\n2.", " [1]")
-FIRST_STEP = ("1.", " The", " first", " step", " is", " to", " bring", " what", " you",
-              " find", " to", " the", " ticket", " office.")  # fmt: skip
+FIRST_STEP = (
+    "1.",
+    " The",
+    " first",
+    " step",
+    " is",
+    " to",
+    " bring",
+    " what",
+    " you",
+    " find",
+    " to",
+    " the",
+    " ticket",
+    " office.",
+)
 
 
 class RealisticWorker(FakeInferenceWorker):
@@ -83,9 +116,11 @@ class RealisticWorker(FakeInferenceWorker):
             metrics = AnswerMetrics(ttft_s=0.05, total_s=0.2, mode=request["mode"])
             text = "".join(written)
             outcome = AnswerOutcome.answered(
-                "stopped" if stopped else "done", text=text, metrics=metrics,
+                "stopped" if stopped else "done",
+                text=text,
+                metrics=metrics,
                 passages=passage_uses(text, passages, chunk_ids, tiers, request["question"]),
-            )  # fmt: skip
+            )
             self._report(request, outcome)
             publish_event(self.client, request_id, Done(outcome))
         finally:
@@ -140,8 +175,14 @@ return {inside: t.top >= p.top && t.bottom <= p.bottom, onTop: onTop,
 def _assert_title_whole(driver) -> None:
     state = driver.execute_script(TITLE_WHOLE)
     assert state["text"] == f"[1] {TITLE}"
-    assert state == {**state, "inside": True, "onTop": True, "uncut": True, "markBelow": True,
-                     "scrolled": True}, state  # fmt: skip
+    assert state == {
+        **state,
+        "inside": True,
+        "onTop": True,
+        "uncut": True,
+        "markBelow": True,
+        "scrolled": True,
+    }, state
 
 
 def _first_paragraph(answer) -> str:
@@ -189,23 +230,36 @@ def test_highlight_line_breaks_regenerate_and_stop_on_a_desktop(chat_server, wor
         earlier = set(driver.execute_script(done_ids))
         answer.find_element(By.CSS_SELECTOR, "button.regenerate").click()
         (again_id,) = wait_for(
-            lambda: set(driver.execute_script(done_ids)) - earlier, timeout=60,
+            lambda: set(driver.execute_script(done_ids)) - earlier,
+            timeout=60,
             what="the answer asked again, in the first one's place",
-        )  # fmt: skip
+        )
         again = driver.find_element(By.ID, again_id)
         assert not again.find_elements(By.CSS_SELECTOR, ".bubble li")
         assert _first_paragraph(again) == "1. The ticket office keeps it. [1]"
 
         worker.words, worker.token_delay_s = FIRST_STEP, 0.4
         driver.find_element(By.NAME, "question").send_keys("What is the first step?\n")
-        wait_for(lambda: "first" in (driver.execute_script(
-            "const b = document.querySelector('.bubble.streaming'); return b && b.textContent"
-        ) or ""), timeout=30, what="the answer to stream")  # fmt: skip
+        wait_for(
+            lambda: (
+                "first"
+                in (
+                    driver.execute_script(
+                        "const b = document.querySelector('.bubble.streaming');"
+                        " return b && b.textContent"
+                    )
+                    or ""
+                )
+            ),
+            timeout=30,
+            what="the answer to stream",
+        )
         driver.find_element(By.XPATH, "//button[text()='Stop']").click()
         stopped = wait_for(
             lambda: driver.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-status=stopped]"),
-            timeout=30, what="the stopped answer",
-        )[0]  # fmt: skip
+            timeout=30,
+            what="the stopped answer",
+        )[0]
         saved = Message.objects.filter(role="assistant", status="stopped").get()
         assert saved.content.startswith("1. The first step is to")
         assert _first_paragraph(stopped) == saved.content  # as saved, and as written

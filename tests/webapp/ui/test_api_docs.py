@@ -33,9 +33,10 @@ def test_the_api_docs_render_every_operation_without_a_console_error(
     operations = sum(len(methods) for methods in schema["paths"].values())
     logging_browser.get(f"{live_server.url}/api/v1/docs")
     blocks = wait_for(
-        lambda: logging_browser.find_elements(By.CSS_SELECTOR, ".opblock"), timeout=30,
+        lambda: logging_browser.find_elements(By.CSS_SELECTOR, ".opblock"),
+        timeout=30,
         what="Swagger UI's operations",
-    )  # fmt: skip
+    )
     assert len(blocks) == operations
     assert not logging_browser.find_elements(By.CSS_SELECTOR, ".errors-wrapper")
     errors = [e for e in logging_browser.get_log("browser") if e["level"] == "SEVERE"]
@@ -57,16 +58,18 @@ def test_the_api_docs_fit_a_phone_with_every_operation_open(phone, live_server) 
 
     phone.get(f"{live_server.url}/api/v1/docs")
     blocks = wait_for(
-        lambda: phone.find_elements(By.CSS_SELECTOR, ".opblock"), timeout=30,
+        lambda: phone.find_elements(By.CSS_SELECTOR, ".opblock"),
+        timeout=30,
         what="Swagger UI's operations",
-    )  # fmt: skip
+    )
     for block in blocks:  # each with its parameters, body and responses
         phone.execute_script("arguments[0].scrollIntoView()", block)
         block.find_element(By.CSS_SELECTOR, ".opblock-summary").click()
     wait_for(
         lambda: len(phone.find_elements(By.CSS_SELECTOR, ".responses-wrapper")) == len(blocks),
-        timeout=20, what="every operation to open",
-    )  # fmt: skip
+        timeout=20,
+        what="every operation to open",
+    )
     widths = phone.execute_script(
         "return [document.scrollingElement.scrollWidth, window.innerWidth]"
     )
@@ -95,9 +98,10 @@ def test_the_api_docs_lead_back_to_the_product_and_follow_dark_mode(
     )
     logging_browser.get(f"{live_server.url}/api/v1/docs")
     wait_for(
-        lambda: logging_browser.find_elements(By.CSS_SELECTOR, ".opblock"), timeout=30,
+        lambda: logging_browser.find_elements(By.CSS_SELECTOR, ".opblock"),
+        timeout=30,
         what="Swagger UI's operations",
-    )  # fmt: skip
+    )
     assert logging_browser.execute_script(luminance) < 0.15
     swagger = logging_browser.find_element(By.ID, "swagger-ui")
     assert "invert" in swagger.value_of_css_property("filter")  # its light page, inverted

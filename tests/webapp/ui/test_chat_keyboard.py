@@ -48,8 +48,13 @@ def _conversation_with_history(owner) -> Conversation:
     for i in range(6):  # earlier turns: the page is taller than the window
         Message.objects.create(conversation=conversation, role="user", content=f"Question {i}?")
         earlier = "\n\n".join(["An earlier answer."] * 3)
-        Message.objects.create(conversation=conversation, role="assistant", status="done",
-                               content=earlier, mode="blend")  # fmt: skip
+        Message.objects.create(
+            conversation=conversation,
+            role="assistant",
+            status="done",
+            content=earlier,
+            mode="blend",
+        )
     return conversation
 
 
@@ -90,8 +95,9 @@ def test_keyboard_and_a_streaming_answer(browser, chat_server, slow_worker, alic
 
     wait_for(
         lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .bubble.streaming"),
-        timeout=30, what="the answer to start streaming",
-    )  # fmt: skip
+        timeout=30,
+        what="the answer to start streaming",
+    )
     assert ask.get_attribute("disabled") is not None  # no second question meanwhile
     question.send_keys("A second question", Keys.ENTER)  # Enter does not send it either
     followed = []
@@ -108,8 +114,9 @@ def test_keyboard_and_a_streaming_answer(browser, chat_server, slow_worker, alic
     assert followed and all(followed), "the page did not follow the streaming answer"
     answer = wait_for(
         lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-status=done]")[-1:],
-        timeout=30, what="the recorded answer",
-    )[0]  # fmt: skip
+        timeout=30,
+        what="the recorded answer",
+    )[0]
     assert "word47" in answer.find_element(By.CSS_SELECTOR, ".bubble").text
     wait_for(lambda: ask.get_attribute("disabled") is None, timeout=10, what="Ask enabled again")
     assert question.get_attribute("value") == "A second question"
@@ -145,8 +152,9 @@ def test_keyboard_and_a_streaming_answer(browser, chat_server, slow_worker, alic
     answers = browser.find_elements(By.CSS_SELECTOR, "#messages .msg.assistant")
     assert len(answers) == 7 and answers[-1].get_attribute("data-status") in ("pending", "done")
     last_done = "#messages > .msg.assistant:last-child[data-status=done]"
-    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, last_done), timeout=60,
-             what="the new answer")  # fmt: skip
+    wait_for(
+        lambda: browser.find_elements(By.CSS_SELECTOR, last_done), timeout=60, what="the new answer"
+    )
     questions = browser.find_elements(By.CSS_SELECTOR, "#messages .msg.user")
     assert len(questions) == 7 and "risotto" in questions[-1].text  # asked once
     browser.refresh()

@@ -20,8 +20,9 @@ def _copied(driver, base_url: str, selector: str) -> str:
     from selenium.webdriver.common.by import By
 
     permissions = ["clipboardReadWrite", "clipboardSanitizedWrite"]
-    driver.execute_cdp_cmd("Browser.grantPermissions", {"origin": base_url,
-                                                        "permissions": permissions})  # fmt: skip
+    driver.execute_cdp_cmd(
+        "Browser.grantPermissions", {"origin": base_url, "permissions": permissions}
+    )
     button = driver.find_element(By.CSS_SELECTOR, selector)
     button.click()
     wait_for(lambda: button.text == "Copied", timeout=5, what="the copy to be confirmed")
@@ -32,8 +33,10 @@ def _copied(driver, base_url: str, selector: str) -> str:
 
 
 def test_a_new_api_key_is_copied_and_the_page_says_how_to_connect(
-    browser, live_server, alice  # noqa: F811
-) -> None:  # fmt: skip
+    browser,  # noqa: F811 - the fixture imported above
+    live_server,
+    alice,  # noqa: F811
+) -> None:
     from selenium.webdriver.common.by import By
 
     log_in(browser, live_server.url, alice)

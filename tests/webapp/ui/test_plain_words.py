@@ -38,8 +38,12 @@ def test_an_answer_the_model_never_ran_for_has_no_timing_line(client, staff) -> 
     answer = make_answers(staff)[0]
     Message.objects.filter(pk=answer.pk).update(
         content="I could not find this in your documents: no passage is close enough.",
-        ttft_s=None, ttft_seen_s=None, total_s=None, recompute_ratio=None, tiers={},
-    )  # fmt: skip
+        ttft_s=None,
+        ttft_seen_s=None,
+        total_s=None,
+        recompute_ratio=None,
+        tiers={},
+    )
     client.force_login(staff)
     page = client.get(reverse("chat:conversation", args=[answer.conversation_id])).content
     bubble = page.decode().split(f'id="message-{answer.id}"')[1].split('class="msg ')[0]

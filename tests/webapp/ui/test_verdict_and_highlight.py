@@ -34,11 +34,25 @@ TIMETABLES = "Timetables are at https://brightwater.coop/timetables/summer-winte
 TITLE = "brightwater_ferry_cooperative_annual_report_2025.pdf"
 # One passage, taller than the panel: the cited sentences come after a screenful of others.
 PASSAGE = " ".join(
-    [f"The ferry {name} sails from the harbour of Brightwater every morning, on Sundays too."
-     for name in ("Gannet", "Osprey", "Skua", "Tern", "Fulmar", "Petrel", "Puffin", "Eider",
-                  "Shag", "Gull", "Heron", "Kittiwake")]
+    [
+        f"The ferry {name} sails from the harbour of Brightwater every morning, on Sundays too."
+        for name in (
+            "Gannet",
+            "Osprey",
+            "Skua",
+            "Tern",
+            "Fulmar",
+            "Petrel",
+            "Puffin",
+            "Eider",
+            "Shag",
+            "Gull",
+            "Heron",
+            "Kittiwake",
+        )
+    ]
     + [REVENUE, HELPDESK, "The cooperative has members in every harbour town.", TIMETABLES]
-)  # fmt: skip
+)
 
 
 @pytest.fixture
@@ -120,11 +134,13 @@ def test_on_a_phone_the_panel_scrolls_to_the_highlight_and_close_stays_in_sight(
     in_sight = phone.execute_script(
         "const c = arguments[0].getBoundingClientRect(), p = arguments[1].getBoundingClientRect();"
         "return c.top >= p.top - 1 && c.bottom <= p.bottom + 1",
-        close, overlay,
-    )  # fmt: skip
+        close,
+        overlay,
+    )
     screenshot(phone, "highlight-phone.png")
     assert in_sight
-    assert phone.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth",
-                                overlay)  # fmt: skip
+    assert phone.execute_script(
+        "return arguments[0].scrollWidth <= arguments[0].clientWidth", overlay
+    )
     close.click()
     assert not overlay.is_displayed()

@@ -4,15 +4,16 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chat', '0001_initial'),
+        ("chat", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='conversation',
-            name='source',
-            field=models.CharField(choices=[('browser', 'browser'), ('api', 'API')], default='browser', max_length=16),
+            model_name="conversation",
+            name="source",
+            field=models.CharField(
+                choices=[("browser", "browser"), ("api", "API")], default="browser", max_length=16
+            ),
         ),
     ]

@@ -4,21 +4,20 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chat', '0003_citation_scores_and_highlight'),
-        ('documents', '0005_collection'),
+        ("chat", "0003_citation_scores_and_highlight"),
+        ("documents", "0005_collection"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='conversation',
-            name='scope_collections',
-            field=models.ManyToManyField(blank=True, related_name='+', to='documents.collection'),
+            model_name="conversation",
+            name="scope_collections",
+            field=models.ManyToManyField(blank=True, related_name="+", to="documents.collection"),
         ),
         migrations.AddField(
-            model_name='conversation',
-            name='scope_documents',
-            field=models.ManyToManyField(blank=True, related_name='+', to='documents.document'),
+            model_name="conversation",
+            name="scope_documents",
+            field=models.ManyToManyField(blank=True, related_name="+", to="documents.document"),
         ),
     ]

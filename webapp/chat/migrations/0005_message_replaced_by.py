@@ -5,15 +5,20 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chat', '0004_conversation_scope'),
+        ("chat", "0004_conversation_scope"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='message',
-            name='replaced_by',
-            field=models.OneToOneField(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='replaces', to='chat.message'),
+            model_name="message",
+            name="replaced_by",
+            field=models.OneToOneField(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="replaces",
+                to="chat.message",
+            ),
         ),
     ]

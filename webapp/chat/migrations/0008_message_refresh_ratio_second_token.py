@@ -4,20 +4,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chat', '0007_message_finish_reason_and_sampling'),
+        ("chat", "0007_message_finish_reason_and_sampling"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='message',
-            name='refresh_ratio',
+            model_name="message",
+            name="refresh_ratio",
             field=models.FloatField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='message',
-            name='second_token_s',
+            model_name="message",
+            name="second_token_s",
             field=models.FloatField(blank=True, null=True),
         ),
     ]

@@ -4,25 +4,24 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('chat', '0008_message_refresh_ratio_second_token'),
+        ("chat", "0008_message_refresh_ratio_second_token"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='message',
-            name='asked_at',
+            model_name="message",
+            name="asked_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='message',
-            name='ttft_seen_s',
+            model_name="message",
+            name="ttft_seen_s",
             field=models.FloatField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='message',
-            name='withheld_text',
+            model_name="message",
+            name="withheld_text",
             field=models.TextField(blank=True),
         ),
     ]

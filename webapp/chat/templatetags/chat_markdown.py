@@ -26,9 +26,30 @@ _markdown = MarkdownIt("commonmark", {"html": False, "linkify": False, "breaks":
 )
 _CITATION = re.compile(r"\[(\d{1,2})\]")
 _CITATIONS_ALONE = re.compile(r"\s*(?:\[\d{1,2}\]\s*)+")
-_ALLOWED_TAGS = {"p", "br", "strong", "em", "code", "pre", "ul", "ol", "li", "blockquote", "a",
-                 "h1", "h2", "h3", "h4", "table", "thead", "tbody", "tr", "th", "td",
-                 "hr"}  # fmt: skip
+_ALLOWED_TAGS = {
+    "p",
+    "br",
+    "strong",
+    "em",
+    "code",
+    "pre",
+    "ul",
+    "ol",
+    "li",
+    "blockquote",
+    "a",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "table",
+    "thead",
+    "tbody",
+    "tr",
+    "th",
+    "td",
+    "hr",
+}
 
 
 def _cite(text: Token, by_rank: dict) -> list[Token]:
@@ -54,8 +75,13 @@ def _item_paragraph(tokens: list[Token], at: int) -> Token | None:
     """The inline token of the list item opening at ``at`` when the item is one paragraph
     (a tight list's item: open, paragraph, inline, paragraph, close); else None."""
     kinds = [t.type for t in tokens[at : at + 5]]
-    if kinds != ["list_item_open", "paragraph_open", "inline", "paragraph_close",
-                 "list_item_close"]:  # fmt: skip
+    if kinds != [
+        "list_item_open",
+        "paragraph_open",
+        "inline",
+        "paragraph_close",
+        "list_item_close",
+    ]:
         return None
     return tokens[at + 2]
 

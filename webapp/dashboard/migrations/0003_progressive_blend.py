@@ -6,25 +6,38 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0002_fidelity_target'),
+        ("dashboard", "0002_fidelity_target"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='dashboardsettings',
-            name='refresh_ratio',
-            field=models.FloatField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0.0), django.core.validators.MaxValueValidator(1.0)]),
+            model_name="dashboardsettings",
+            name="refresh_ratio",
+            field=models.FloatField(
+                blank=True,
+                null=True,
+                validators=[
+                    django.core.validators.MinValueValidator(0.0),
+                    django.core.validators.MaxValueValidator(1.0),
+                ],
+            ),
         ),
         migrations.AddField(
-            model_name='fidelityaudit',
-            name='blend_refresh_ratio',
+            model_name="fidelityaudit",
+            name="blend_refresh_ratio",
             field=models.FloatField(blank=True, null=True),
         ),
         migrations.AddConstraint(
-            model_name='dashboardsettings',
-            constraint=models.CheckConstraint(condition=models.Q(('refresh_ratio__isnull', True), models.Q(('refresh_ratio__gte', 0.0), ('refresh_ratio__lte', 1.0)), _connector='OR'), name='dashboard_refresh_ratio_0_1'),
+            model_name="dashboardsettings",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    ("refresh_ratio__isnull", True),
+                    models.Q(("refresh_ratio__gte", 0.0), ("refresh_ratio__lte", 1.0)),
+                    _connector="OR",
+                ),
+                name="dashboard_refresh_ratio_0_1",
+            ),
         ),
     ]

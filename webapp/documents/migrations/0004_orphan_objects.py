@@ -4,24 +4,36 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('documents', '0003_document_ingest_attempts'),
+        ("documents", "0003_document_ingest_attempts"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='OrphanObject',
+            name="OrphanObject",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(choices=[('original', 'uploaded original'), ('kv', 'chunk KV cache')], max_length=16)),
-                ('key', models.CharField(max_length=1024)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('last_error', models.TextField(blank=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[("original", "uploaded original"), ("kv", "chunk KV cache")],
+                        max_length=16,
+                    ),
+                ),
+                ("key", models.CharField(max_length=1024)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("last_error", models.TextField(blank=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('kind', 'key'), name='orphan_unique_key')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("kind", "key"), name="orphan_unique_key")
+                ],
             },
         ),
     ]

@@ -4,15 +4,25 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('documents', '0005_collection'),
+        ("documents", "0005_collection"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='document',
-            name='stage',
-            field=models.CharField(choices=[('uploaded', 'Uploaded'), ('parsing', 'Reading the file'), ('chunking', 'Splitting it into passages'), ('embedding', 'Indexing it for search'), ('kv', 'Preparing it for fast answers'), ('done', 'Done')], default='uploaded', max_length=16),
+            model_name="document",
+            name="stage",
+            field=models.CharField(
+                choices=[
+                    ("uploaded", "Uploaded"),
+                    ("parsing", "Reading the file"),
+                    ("chunking", "Splitting it into passages"),
+                    ("embedding", "Indexing it for search"),
+                    ("kv", "Preparing it for fast answers"),
+                    ("done", "Done"),
+                ],
+                default="uploaded",
+                max_length=16,
+            ),
         ),
     ]
