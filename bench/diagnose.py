@@ -43,9 +43,10 @@ from bench.prefill import (
 from kvservice.blend.prefill import BlendResult, BlendSettings, blend_prefill
 from kvservice.blend.selection import attention_importance, select_recompute
 from kvservice.chunk import ChunkKV
-from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.bundled import resolve_llm_path
 from kvservice.model.producer import KVProducer
 from kvservice.model.transformer import Transformer
+from kvservice.protocol.models import default_cache_dir
 from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.engine import stop_token_ids
 

@@ -36,9 +36,10 @@ from bench.prefill import (
 )
 from bench.stats import quantile
 from kvservice.blend.prefill import blend_prefill
-from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.bundled import resolve_llm_path
 from kvservice.model.producer import KVProducer
 from kvservice.model.transformer import Transformer
+from kvservice.protocol.models import default_cache_dir
 from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve.engine import stop_token_ids
 

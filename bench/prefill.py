@@ -65,11 +65,13 @@ from bench.stats import bootstrap_ci, quantile
 from bench.timing import cpu_name, timed
 from kvservice.blend.prefill import MODES, BlendResult, BlendSettings, Mode, blend_prefill, refresh
 from kvservice.chunk import ChunkKV, LayeredKV
-from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.bundled import resolve_llm_path
 from kvservice.model.kernels import DEFAULT_PRECISION, KERNELS, PRECISIONS
 from kvservice.model.producer import KVProducer
 from kvservice.model.transformer import Transformer
+from kvservice.protocol.models import default_cache_dir
 from kvservice.protocol.prompt import Prompt, PromptFormat, preamble_from_env, preamble_passages
+from kvservice.protocol.ratio import DEFAULT_RECOMPUTE_RATIO
 from kvservice.serve.engine import stop_token_ids
 from kvservice.store.config import StoreConfig
 from kvservice.tools.synthetic import SYNTHETIC_CONFIGS
@@ -323,7 +325,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--first", type=int, default=0, help="index of the first example")
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--modes", default="full,prefix,reuse,blend")
-    parser.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    parser.add_argument(
+        "--ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO, help="blend recompute ratio"
+    )
     parser.add_argument(
         "--ratios",
         default="",

@@ -39,11 +39,12 @@ import torch
 from bench.data import passage_texts
 from bench.prefill import INSTRUCTION, QUESTION_PREFIX, SYSTEM_PROMPT
 from bench.timing import cpu_name
-from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+from kvservice.model.bundled import resolve_llm_path
 from kvservice.model.producer import KVProducer
 from kvservice.model.sampling import SamplingParams
 from kvservice.model.transformer import Transformer
 from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.models import default_cache_dir
 from kvservice.protocol.prompt import Prompt, PromptFormat, preamble_passages
 from kvservice.serve.engine import Engine, Request
 from kvservice.store import StoreConfig, TieredStore

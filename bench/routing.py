@@ -5,7 +5,7 @@
 
 Two users' document sets (each the passages of ``--per-set`` Musique examples, a scope each)
 have their KV precomputed into S3 first, so every miss is a load from S3, never a recompute.
-Two real inference workers (``python -m kvservice.serve.server``) then answer the same questions,
+Two real inference workers (``python -m kvservice.worker``) then answer the same questions,
 the two sets' examples alternating, ``--rounds`` times over, one at a time, under each policy
 in turn, each policy with freshly started workers (cold memory tiers):
 
@@ -92,7 +92,7 @@ def _start_workers(shared: str, env: dict[str, str], logs: Path) -> list[subproc
         log = open(logs / f"{shared}-{index}.log", "wb")  # noqa: SIM115 - the child keeps it
         processes.append(
             subprocess.Popen(
-                [sys.executable, "-m", "kvservice.serve.server"],
+                [sys.executable, "-m", "kvservice.worker"],
                 cwd=REPO_ROOT,
                 env=worker_env,
                 stdout=log,
@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from transformers import AutoTokenizer
 
-    from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+    from kvservice.model.bundled import resolve_llm_path
+    from kvservice.protocol.models import default_cache_dir
 
     model_dir = resolve_llm_path(None, default_cache_dir())
     sets = _documents(args.data, args.first, args.per_set, AutoTokenizer.from_pretrained(model_dir))

@@ -73,7 +73,6 @@ TIMING_KEYS = (
     "prefill_wall_s",
     "refresh_s",
     "decode_s",
-    "record_s",
 )
 # vLLM's CPU build here: float32 (bf16 is emulated, slower), no graph compilation (a 45 s
 # start instead of minutes), 0.3 of RAM for its KV cache (docs/architecture.md).
@@ -658,10 +657,10 @@ class VllmServer:
 class WorkerReports:
     """Each answer's report as the inference worker sent it: the ``done`` event on the
     answer's Redis stream (``prefill_s``, ``load_s``, ``chunk_tiers``… which the API's done
-    event leaves out), found through the answer's ``request_id`` in the stack's database,
-    with ``record_s``: from that event to the answer being recorded (at most 0: the record
-    task appends the event once the answer is stored). Needs the stack's
-    DATA_DIR (this process then runs Django on it), read once the run has ended."""
+    event leaves out), found through the answer's ``request_id`` in the stack's database.
+    (No time from that event to the answer's record: the record task stores the answer
+    before it appends the event, so it would be at most 0.) Needs the stack's DATA_DIR (this
+    process then runs Django on it), read once the run has ended."""
 
     def __init__(self, data_dir: Path) -> None:
         from django.conf import settings
@@ -696,14 +695,9 @@ class WorkerReports:
         from webapp.redis import redis_client
 
         entries = redis_client().xrange(answer_stream(str(message.request_id)))
-        for entry_id, event in decode_events([(None, entries)]):
-            if not isinstance(event, Done):
-                continue
-            report = event.outcome.metrics.to_dict()
-            done_at = int(entry_id.split("-")[0]) / 1000
-            if message.completed_at is not None:
-                report["record_s"] = round(message.completed_at.timestamp() - done_at, 4)
-            return report
+        for _entry_id, event in decode_events([(None, entries)]):
+            if isinstance(event, Done):
+                return event.outcome.metrics.to_dict()
         return {}
 
 
@@ -991,7 +985,8 @@ def start_vllm(args: argparse.Namespace, results_dir: str | None) -> VllmServer:
     bundled one names it, converted to a checkpoint directory as the worker converts it)."""
     import shlex
 
-    from kvservice.model.bundled import default_cache_dir, resolve_llm_path
+    from kvservice.model.bundled import resolve_llm_path
+    from kvservice.protocol.models import default_cache_dir
 
     try:
         model_dir = resolve_llm_path(

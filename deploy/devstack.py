@@ -26,10 +26,10 @@ from pathlib import Path
 
 from deploy import services
 from deploy.stack import data_dir, read_stack_env, write_stack_env
-from kvservice.model.bundled import ModelPathError, check_model_path, is_gguf
 from kvservice.model.families import ModelConfig, UnsupportedModelError
 from kvservice.paths import kv_disk_dir
 from kvservice.protocol import environment
+from kvservice.protocol.models import ModelPathError, check_model_path, is_gguf
 
 BUCKETS = ("documents", "kvcache")
 
@@ -272,7 +272,7 @@ def start_app(children: list[Supervised], env: dict[str, str], data: Path, port:
     # memory and disk tiers; questions go to the one that holds their chunks
     # (kvservice.protocol.routing).
     for name, worker_env, log in inference_workers(env, data, logs):
-        argv = [sys.executable, "-m", "kvservice.serve.server"]
+        argv = [sys.executable, "-m", "kvservice.worker"]
         children.append(Supervised(partial(run_child, name, argv, worker_env, log)))
     children.append(Supervised(partial(run_child, "web server", web_server_argv(port), env, None)))
 

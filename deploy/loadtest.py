@@ -45,7 +45,7 @@ QUESTIONS = [
 ]
 ROLES = {
     "uvicorn": "web",
-    "kvservice.serve.server": "inference",
+    "kvservice.worker": "inference",
     "inference@": "inference",
     "celery": "celery",
     "postgres": "postgres",

@@ -23,11 +23,11 @@ from typing import Any
 
 from kvservice.blend.graphs import graphs_from_env
 from kvservice.kdn.client import KvSource
-from kvservice.model.bundled import default_cache_dir
 from kvservice.model.kernels import DEFAULT_PRECISION
 from kvservice.protocol import environment
 from kvservice.protocol.heartbeat import HEARTBEAT_KEY
 from kvservice.protocol.keys import ChunkKey
+from kvservice.protocol.models import default_cache_dir
 from kvservice.protocol.prompt import PromptFormat, preamble_from_env
 from kvservice.serve.batcher import StepBudget
 from kvservice.serve.engine import refresh_ratio_from_env

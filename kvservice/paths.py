@@ -7,7 +7,7 @@ The disk tier sits under ``DATA_DIR`` because that is where a deployment gives l
 room: the dev stack's data directory, and the sized ``/data`` volume of the Compose and
 Kubernetes inference workers. (The model cache, ``RAGBLEND_MODEL_CACHE``, is another matter:
 converted weights shared by every stack of a machine:
-``kvservice.model.bundled.default_cache_dir``.)
+``kvservice.protocol.models.default_cache_dir``.)
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def celery_worker_process(
 def inference_worker_process(
     redis_service, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[subprocess.Popen]:
-    """The real inference worker (``python -m kvservice.serve.server``) with the bundled model."""
+    """The real inference worker (``python -m kvservice.worker``) with the bundled model."""
     from webapp.redis import redis_client
 
     log_path = tmp_path_factory.mktemp("logs") / "inference.log"
@@ -214,7 +214,7 @@ def inference_worker_process(
         "INFERENCE_QUEUE": LIVE_INFERENCE_QUEUE,
         "HEARTBEAT_KEY": LIVE_HEARTBEAT_KEY,
     }
-    process = _spawn_worker([sys.executable, "-m", "kvservice.serve.server"], log_path, env)
+    process = _spawn_worker([sys.executable, "-m", "kvservice.worker"], log_path, env)
     try:
         wait_for(
             lambda: (

@@ -45,7 +45,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-R_MIN_DEFAULT = 0.15
+from kvservice.protocol.ratio import DEFAULT_RECOMPUTE_RATIO
+
 TIER_COST_ORDER = ("s3", "disk", "cpu", "device")  # cheapest storage first
 
 
@@ -69,7 +70,7 @@ def choose_ratio(
     load_bytes_by_tier: Mapping[str, int],
     tier_bandwidth: Mapping[str, float | None],
     recompute_token_layers_per_s: float | None,
-    r_min: float = R_MIN_DEFAULT,
+    r_min: float = DEFAULT_RECOMPUTE_RATIO,
     target_ratio: float | None = None,
 ) -> RatioDecision:
     """The recompute ratio for one request, and the cheapest tier that would hide loading.
@@ -362,7 +363,7 @@ class LoadingController:
     def __init__(
         self,
         *,
-        r_min: float = R_MIN_DEFAULT,
+        r_min: float = DEFAULT_RECOMPUTE_RATIO,
         smoothing: float = 0.3,
     ) -> None:
         if not 0.0 < smoothing <= 1.0:

@@ -1,23 +1,37 @@
 """How one request will run, decided in one place for either engine (``plan_request``): what
-of it fits the context, its chunks' store keys, how the answer is decoded, and the recompute
-ratio's policy. A runtime is handed the result (``Runtime.plan(request, planned)``) and never
-calls back here.
+of it fits the context, its chunks' store keys, how the answer is decoded, and its recompute
+ratio (``RatioPolicy``). A runtime is handed the result (``Runtime.plan(request, planned)``)
+and calls back once, into ``RatioPolicy.choose``, with what only it knows after opening the
+chunks: the loader's estimate (the bytes each tier will deliver); the native plan also asks
+``RatioPolicy.expected`` for the ratio to price its per-chunk loads at before that.
 
-The ratio, in this order (``RatioPolicy``): the request's own (where the web app puts the
-admin's fixed ratio, ``webapp.dashboard.selectors.request_ratios``), a fixed mode's, then
-the loading controller's choice for a blend, from the fidelity target's floor; progressive
-blend's refresh ratio: the request's, else the worker's ``BLEND_REFRESH_RATIO``.
+The ratio, in this order (``RatioPolicy``): the request's own (the admin's fixed ratio, which
+the web app puts there: ``kvservice.protocol.ratio.plan_ratios``, the same decision that
+turns the operator's fidelity target into the request's ``target_ratio`` on a curve measured
+on this model), a fixed mode's, then the loading controller's choice for a blend from the
+fidelity target's floor, else ``DEFAULT_RECOMPUTE_RATIO``, raised where loading is slower.
+Progressive blend's refresh ratio is resolved here, once: the request's, else the worker's
+``BLEND_REFRESH_RATIO``; the engine is handed it with the request.
+
+``check_ratio_curve``: whether the measured curve the web app reads fits the worker's model,
+logged at start and carried in the heartbeat.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvservice.blend.controller import LoadingController, RatioDecision
 from kvservice.model.sampling import SamplingParams
 from kvservice.protocol import GenerateRequest
+from kvservice.protocol.curve import bench_command, configured_path, series_for_codec
 from kvservice.protocol.prompt import TURN_MARKERS, PromptFormat
+from kvservice.protocol.ratio import no_curve_note, resolve_refresh_ratio
+
+log = logging.getLogger(__name__)
 
 FIXED_RATIOS = {"full": 1.0, "prefix": None, "reuse": 0.0}
 
@@ -42,7 +56,7 @@ class Plannable(Protocol):
     prompt: PromptFormat
     context_len: int
     controller: LoadingController
-    refresh_ratio: float | None  # the worker's BLEND_REFRESH_RATIO (None: off)
+    refresh_ratio: float | None  # BLEND_REFRESH_RATIO (None: off), where a request sets none
 
     def chunk_key(self, token_ids: list[int], scope: str = ""): ...
 
@@ -102,8 +116,7 @@ class RatioPolicy:
     @property
     def refresh_ratio(self) -> float | None:
         """Progressive blend's ratio after the first token (None or 0: not upgraded)."""
-        requested = self.request.refresh_ratio
-        return self.worker_refresh_ratio if requested is None else requested
+        return resolve_refresh_ratio(self.request.refresh_ratio, self.worker_refresh_ratio)
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,34 @@ def plan_request(runtime: Plannable, request: GenerateRequest) -> PlannedRequest
     ]  # each in the scope the web side stored it in
     policy = RatioPolicy(request, runtime.controller, runtime.refresh_ratio)
     return PlannedRequest(request, fitted, keys, answer_sampling(request), policy)
+
+
+def check_ratio_curve(
+    model_fingerprint: str, codec: str, path: str | Path | None = None
+) -> dict[str, Any]:
+    """Whether the measured ratio curve of ``codec`` (at ``path``, else ``RATIO_CURVE_PATH``'s)
+    was measured on this model, for the heartbeat: where it was not, target mode reads no
+    curve (``kvservice.protocol.ratio.plan_ratios``), and the worker's log says so at start."""
+    path = configured_path() if path is None else Path(path)
+    curve = series_for_codec(path, codec)
+    if curve is None:
+        return {"path": path.name, "codec": codec, "fits": None, "note": None}
+    note = no_curve_note(curve, model_fingerprint, bench_command(str(path), codec))
+    if note is not None:
+        log.warning(
+            "the ratio curve %s was measured on model %s, not this one (%s). %s",
+            path.name,
+            curve.model_fingerprint,
+            model_fingerprint,
+            note,
+        )
+    return {
+        "path": path.name,
+        "codec": codec,
+        "model_fingerprint": curve.model_fingerprint,
+        "fits": note is None,
+        "note": note,
+    }
 
 
 def answer_sampling(request: GenerateRequest) -> SamplingParams:

@@ -89,6 +89,7 @@ from kvservice.blend.selection import (
 from kvservice.blend.settings import BlendSettings
 from kvservice.chunk import LayeredKV
 from kvservice.model.transformer import KVCache, Transformer
+from kvservice.protocol.ratio import DEFAULT_RECOMPUTE_RATIO
 
 T = TypeVar("T")
 # A computation that pauses after each layer it runs (yielding None), or while the cached KV
@@ -308,7 +309,7 @@ def blend_prefill_steps(
     question_ids: Sequence[int],
     *,
     mode: Mode = "blend",
-    recompute_ratio: float = 0.15,
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
     chunk_ids: Sequence[Sequence[int]] | None = None,
     head_kv: LayeredKV | None = None,
     extra_capacity: int = 0,
@@ -485,7 +486,7 @@ def warm_graphs(
     graphs: PassGraphs,
     contexts: Sequence[int] = (2048, 4096, 8192),
     question: int = 32,
-    ratio: float = 0.15,
+    ratio: float = DEFAULT_RECOMPUTE_RATIO,
     settings: BlendSettings = BlendSettings(),
 ) -> list:
     """Record the passes a question of up to ``question`` tokens over a prompt of each of

@@ -17,8 +17,8 @@ models in) written out as the HF checkpoint directory the engine loads.
 
 A file this engine would run wrongly (another architecture, RoPE scaling it cannot read)
 is refused with ``UnsupportedModelError`` before anything is written. What this module writes
-is cached by ``kvservice.model.bundled.gguf_checkpoint``: bump ``CONVERTER_VERSION`` there when it
-changes.
+is cached by ``kvservice.model.bundled.gguf_checkpoint``: bump ``CONVERTER_VERSION``
+(``kvservice.protocol.models``) when it changes.
 """
 
 from __future__ import annotations

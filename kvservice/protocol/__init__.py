@@ -26,10 +26,17 @@ no torch (the web app reads it without loading the engine).
   (a chunk object's header), ``kdn_stream`` (the knowledge delivery stream and its server
   side), ``errors`` (the store's typed faults), ``curve`` (the measured ratio curve). Each
   imported as a module (``kvservice.protocol.codecs``...).
+- ``ratio``: the recompute ratio's one default (``DEFAULT_RECOMPUTE_RATIO``) and the
+  operator's setting turned into a request's ratios (a fidelity target read on a curve
+  measured on the running model), which the dashboard shows and the worker's planner takes
+  up; imported as the module ``kvservice.protocol.ratio``.
 - ``routing``: which worker's queue a question goes to (each worker advertises the chunks it
   holds hot); imported as the module ``kvservice.protocol.routing``.
 - ``environment``: every environment variable either side reads, declared once (type,
   default, doc); imported as the module ``kvservice.protocol.environment``.
+- ``models``: where the models' files are (the bundled ones, ``MODEL_PATH``'s checkpoint, the
+  tokenizer ingest chunks with) and the checks on a ``MODEL_PATH``, without converting
+  anything; imported as the module ``kvservice.protocol.models``.
 
 The names below are the package's whole surface: import them from ``kvservice.protocol``.
 """

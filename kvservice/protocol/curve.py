@@ -28,9 +28,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvservice.protocol import environment
+
+# where RATIO_CURVE_PATH is relative to: the repository (kvservice's parent)
+REPOSITORY = Path(__file__).resolve().parents[2]
 # docs/ratio_curve.json was measured (966f619) before the bench recorded its codec, under
 # the default of then; a curve that records none is taken to be that codec's.
 UNRECORDED_CODEC = "kivi4k3v"
@@ -39,13 +44,16 @@ UNRECORDED_CODEC = "kivi4k3v"
 @dataclass(frozen=True)
 class CurveSeries:
     """One measured curve: the codec its chunk KV was stored in, its points (the bench
-    JSON's ``curve``), the file it was read from and the file's ``note`` on how it was
-    measured (e.g. that its TTFT was taken on a busy machine)."""
+    JSON's ``curve``), the file it was read from, the file's ``note`` on how it was
+    measured (e.g. that its TTFT was taken on a busy machine) and the fingerprint of the
+    model it was measured on (``env.model_fingerprint``; None where the file records none):
+    a curve steers target mode only for that model (``kvservice.protocol.ratio``)."""
 
     codec: str
     points: list[dict]
     path: str = ""
     note: str | None = None
+    model_fingerprint: str | None = None
 
 
 # The ratio progressive blend upgrades to on the measured curve: "0.10, then 0.25" was chosen
@@ -95,16 +103,36 @@ def _read(path: str | Path) -> dict | None:
 
 def load_series(path: str | Path) -> CurveSeries | None:
     """The ``curve`` of a JSON written by ``kvservice.bench --ratios``, with the codec it was
-    measured with (``env.kv_codec``, else :data:`UNRECORDED_CODEC`) and the file's ``note``;
-    None if there is no file. A file that is not such a JSON raises ValueError, saying what is
-    wrong."""
+    measured with (``env.kv_codec``, else :data:`UNRECORDED_CODEC`), the file's ``note`` and
+    the model's fingerprint (``env.model_fingerprint``); None if there is no file. A file that
+    is not such a JSON raises ValueError, saying what is wrong."""
     data = _read(path)
     if data is None:
         return None
     env = data.get("env") if isinstance(data.get("env"), dict) else {}
     codec = env.get("kv_codec") or UNRECORDED_CODEC
     note = data.get("note") if isinstance(data.get("note"), str) else None
-    return CurveSeries(str(codec), data["curve"], str(path), note)
+    fingerprint = env.get("model_fingerprint") or None
+    return CurveSeries(str(codec), data["curve"], str(path), note, fingerprint and str(fingerprint))
+
+
+def configured_path(environ: Mapping[str, str] | None = None) -> Path:
+    """The curve ``RATIO_CURVE_PATH`` names, relative to the repository (as the web app's
+    settings read it), for the worker's own check of it."""
+    return REPOSITORY / environment.read("RATIO_CURVE_PATH", environ)
+
+
+def series_for_codec(path: str | Path, codec: str) -> CurveSeries | None:
+    """The first curve of ``codec`` among ``path`` and its siblings (:func:`series_paths`),
+    files that cannot be read skipped (the dashboard shows why); None where none is."""
+    for one_path in series_paths(path):
+        try:
+            one = load_series(one_path)
+        except (OSError, ValueError):
+            continue
+        if one is not None and one.codec == codec:
+            return one
+    return None
 
 
 def refresh_ratios(points: list[dict]) -> list[float]:

@@ -505,7 +505,8 @@ _declare(
     "RATIO_CURVE_PATH",
     _text(strip=True),
     "docs/ratio_curve.json",
-    "the measured ratio curve the dashboard draws (relative to the repository)",
+    "the measured ratio curve: the dashboard draws it, target mode reads it on the model it"
+    " was measured on (relative to the repository)",
 )
 _declare(
     "SERVING_BENCH_DIR",

@@ -36,6 +36,7 @@ from kvservice.model.sampling import SamplingParams
 from kvservice.model.transformer import Transformer
 from kvservice.protocol import TokenEvent, environment
 from kvservice.protocol.prompt import Prompt, PromptFormat, stop_token_ids
+from kvservice.protocol.ratio import DEFAULT_RECOMPUTE_RATIO
 from kvservice.serve.batcher import (
     AUTO_BUDGET,
     ContinuousBatcher,
@@ -50,11 +51,11 @@ class Request:
     prompt: Prompt
     chunks: list[LayeredKV | None]  # cached KV of prompt.chunk_ids, same order (None: computed)
     mode: Mode = "blend"
-    recompute_ratio: float = 0.15
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cached_prefix: LayeredKV | None = None  # an earlier prompt's KV for the first slots
-    # progressive blend: the ratio the cache is upgraded to after the first token; None: the
-    # engine's (BLEND_REFRESH_RATIO), 0: not upgraded
+    # progressive blend: the ratio the cache is upgraded to after the first token, as the
+    # planner resolved it (kvservice.blend.planning.RatioPolicy); None or 0: not upgraded
     refresh_ratio: float | None = None
 
 
@@ -86,13 +87,11 @@ class Engine:
         *,
         max_batch: int = 8,
         threads: int | None = None,
-        refresh_ratio: float | None = None,
         step_budget: StepBudget = AUTO_BUDGET,
     ) -> None:
-        """``refresh_ratio``: progressive blend (``refresh_ratio_from_env``), None: off;
-        ``step_budget``: the prefill work each batch step runs beside the decode rows."""
+        """``step_budget``: the prefill work each batch step runs beside the decode rows.
+        Progressive blend is the request's (``Request.refresh_ratio``)."""
         self.model = model
-        self.refresh_ratio = refresh_ratio
         self.tokenizer = tokenizer
         self.format = prompt_format or PromptFormat(tokenizer)
         self.device = model.device
@@ -181,9 +180,9 @@ class Engine:
 
     def refresh_ratio_for(self, request: Request) -> float | None:
         """The ratio progressive blend upgrades ``request``'s cache to after the first token
-        (the request's, else the engine's): None where there is none, or the request is not
-        a blend below it."""
-        ratio = self.refresh_ratio if request.refresh_ratio is None else request.refresh_ratio
+        (the request's, resolved by the planner): None where there is none, or the request is
+        not a blend below it."""
+        ratio = request.refresh_ratio
         if request.mode != "blend" or not ratio or ratio <= request.recompute_ratio:
             return None
         return ratio

@@ -2,7 +2,8 @@
 format, store and loader, prefix cache, controller, the engine and its batch), and how it
 plans one request (``NativePlan``): the context KV a previous prompt left
 (``kvservice.serve.prefix``), the other chunks loaded through the store's tiers, the recompute
-ratio, and the engine's request. ``kvservice.serve.answer`` drives the plan;
+ratio (the planner's ``RatioPolicy``, asked with the loader's estimate), and the engine's
+request. ``kvservice.serve.answer`` drives the plan;
 ``kvservice.serve.server`` serves it over Celery.
 """
 
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvservice.blend.controller import ChunkLoad, LoadingController
 from kvservice.blend.graphs import graphs_report, use_pass_graphs
-from kvservice.blend.planning import PlannedRequest
+from kvservice.blend.planning import PlannedRequest, check_ratio_curve
 from kvservice.blend.prefill import BlendResult, warm_graphs
 from kvservice.protocol import TokenEvent
 from kvservice.protocol.prompt import Prompt
@@ -78,10 +79,11 @@ class NativeRuntime:
             self.tokenizer,
             self.prompt,
             max_batch=cfg.concurrency,
-            refresh_ratio=refresh_ratio,
             step_budget=cfg.step_budget,
         )
-        self.refresh_ratio = refresh_ratio  # the planner's, where a request sets none
+        # progressive blend where a request sets none: the planner resolves a request's
+        # refresh ratio once (RatioPolicy) and the engine's request carries it
+        self.refresh_ratio = refresh_ratio
         self.engine.head_kv  # computed now, not on the first question  # noqa: B018
         store_config = cfg.store or StoreConfig.from_env()
         if kv_source.kind == "kdn":  # the API in S3's place, behind the worker's own tiers
@@ -89,6 +91,7 @@ class NativeRuntime:
             self.kdn = next(t for t in self.store.tiers if isinstance(t, KdnTier))
         else:
             self.store = TieredStore.from_config(store_config)
+        self.ratio_curve = check_ratio_curve(self.model.fingerprint, store_config.codec)
         # decoded where it runs, as what its cache holds
         self.loader = KVLoader(self.store, device=self.model.device, dtype=self.model.cache_dtype)
         self.prefix_cache = PrefixCache(cfg.prefix_cache_bytes)
@@ -122,6 +125,7 @@ class NativeRuntime:
                 "head_dim": config.head_dim,
             }
             state["model_fingerprint"] = self.model.fingerprint  # its chunk keys' first part
+            state["ratio_curve"] = self.ratio_curve  # whether target mode's curve is this model's
             state["batch"] = self.engine.batcher.stats()
             state["prefix_cache"] = self.prefix_cache.stats()
             state["buffers"] = KV_BUFFERS.stats()

@@ -1,6 +1,7 @@
-"""The inference worker: one process that loads the model once and serves the ``inference``
-queue and a queue of its own. Run: ``python -m kvservice.serve.server`` (``make dev`` starts it;
-``INFERENCE_WORKERS=2 make dev`` starts two).
+"""The inference worker's serving: one process that loads the model once and serves the
+``inference`` queue and a queue of its own. It is started as ``python -m kvservice.worker``
+(the composition root: it reads the configuration, makes and loads the runtime, then calls
+``configure`` and ``serve`` here).
 
 It is a Celery worker with a thread pool: each task thread hands its request to the shared
 runtime and streams the result; a heartbeat thread tells /healthz and the dashboard that the
@@ -15,15 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import Celery
 
-from kvservice.config import WorkerConfig, check_stored_keys
 from kvservice.protocol import (
     ALIVE_INTERVAL_S,
     EVICT_TASK,
@@ -41,39 +40,30 @@ from kvservice.protocol.deadlines import celery_options, redis_from_url
 from kvservice.protocol.heartbeat import HEARTBEAT_INTERVAL_S, write_heartbeat
 from kvservice.protocol.routing import advertise_hot, worker_queue
 
+if TYPE_CHECKING:
+    from kvservice.config import WorkerConfig
+
 log = logging.getLogger("kvservice.serve.server")
 
 
 # This process (a restarted worker is another one): names the answers it has in flight.
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
-# Importing this module does nothing else: ``main`` reads the configuration, connects and
-# loads the model (``configure``); the tasks below use what it set.
+# Importing this module does nothing else: ``kvservice.worker.main`` reads the configuration
+# and hands it and the runtime to ``configure``; the tasks below use what it set.
 app = Celery("ragblend-inference")
 config: WorkerConfig
 runtime: Any
 _redis: redis.Redis
-# Why this worker's chunk keys match none of the stored chunks' (a setting that differs from
-# ingest's, by name), or None: said at start, and in every heartbeat for the dashboard.
-key_check: str | None = None
 
 
 def redis_client() -> redis.Redis:
     return _redis
 
 
-def _make_runtime(engine: str):
-    if engine == "vllm":  # every mode through vLLM; the specifics live in kvservice.vllm
-        from kvservice.vllm.runtime import VllmRuntime
-
-        return VllmRuntime()
-    from kvservice.serve.runtime import NativeRuntime
-
-    return NativeRuntime()
-
-
-def configure(cfg: WorkerConfig) -> None:
-    """Point the Celery app and the Redis client at ``cfg`` and make the runtime (not loaded)."""
+def configure(cfg: WorkerConfig, engine_runtime: Any) -> None:
+    """Point the Celery app and the Redis client at ``cfg``, and serve with ``engine_runtime``
+    (either engine's, loaded before ``serve``)."""
     global config, runtime, _redis
     config = cfg
     _redis = redis_from_url(cfg.redis_url)
@@ -87,7 +77,7 @@ def configure(cfg: WorkerConfig) -> None:
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
     )
-    runtime = _make_runtime(cfg.engine)
+    runtime = engine_runtime
     runtime.worker_id = WORKER_ID  # named in each answer's metrics
 
 
@@ -185,9 +175,10 @@ def _advertise_hot(client: redis.Redis) -> None:
         log.warning("hot chunks not advertised: %s", err)
 
 
-def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
+def _heartbeat_forever(client: redis.Redis, stop: threading.Event, key_check: str | None) -> None:
     """Renew this worker's alive key every ``ALIVE_INTERVAL_S`` (and settle the in-flight
-    entries Redis missed), and write the status heartbeat every ``HEARTBEAT_INTERVAL_S``."""
+    entries Redis missed), and write the status heartbeat every ``HEARTBEAT_INTERVAL_S``
+    (with ``key_check``, for the dashboard)."""
     last_status = 0.0
     while not stop.is_set():
         try:
@@ -203,25 +194,16 @@ def _heartbeat_forever(client: redis.Redis, stop: threading.Event) -> None:
         stop.wait(ALIVE_INTERVAL_S)
 
 
-def main() -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        configure(WorkerConfig.from_env())
-    except ValueError as err:
-        print(f"inference worker: {err}", file=sys.stderr)
-        return 2
-    try:
-        runtime.load(config)
-    except Exception as err:
-        print(f"inference worker: cannot load the model: {err}", file=sys.stderr)
-        return 2
-    log.info("model %s loaded", runtime.model_name)
-    global key_check
-    key_check = check_stored_keys(runtime, config)
+def serve(*, key_check: str | None) -> int:
+    """Serve the queues until the worker is stopped, with the heartbeat thread beside.
+    ``key_check``: why this worker's chunk keys match none of the stored chunks' (a setting
+    that differs from ingest's, by name), or None (``kvservice.config.check_stored_keys``),
+    said in every heartbeat."""
     stop = threading.Event()
-    threading.Thread(target=_heartbeat_forever, args=(_redis, stop), daemon=True).start()
+    beating = threading.Thread(
+        target=_heartbeat_forever, args=(_redis, stop, key_check), daemon=True
+    )
+    beating.start()
     try:
         app.worker_main(
             [
@@ -244,7 +226,3 @@ def main() -> int:
         if close is not None:
             close()  # ENGINE=vllm: vLLM's processes end with the worker
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

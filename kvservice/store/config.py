@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvservice.paths import DEFAULT_DATA_DIR, data_dir, kv_disk_dir
 from kvservice.protocol import environment
-from kvservice.protocol.codecs import DEFAULT_CODEC, Codec, codec_by_name
+from kvservice.protocol.codecs import DEFAULT_CODEC, Codec, codec_by_name, configured_codec
 
 # Each field that the environment sets, and its variable.
 _VARIABLES = {
@@ -82,8 +82,8 @@ class StoreConfig:
         fields["s3_endpoint"] = fields["s3_endpoint"] or None
         if fields["disk_dir"] is None:
             fields["disk_dir"] = str(kv_disk_dir(data_dir(environ)))
-        if fields["codec"] is None:
-            fields["codec"] = "int8" if fields["quantize"] else DEFAULT_CODEC
+        # the rule the dashboard names the configured codec by, so the two never differ
+        fields["codec"] = configured_codec(fields["codec"], fields["quantize"])
         config = cls(**fields)
         config.validate()
         return config

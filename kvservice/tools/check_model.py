@@ -303,13 +303,9 @@ def check(path: str | Path, device: str | None = None) -> Report:
     """The report for the checkpoint directory or GGUF file ``path`` (``ModelPathError`` when
     it is neither). An unsupported model type or layout is a report with ``supported`` False,
     not an error."""
-    from kvservice.model.bundled import (
-        check_checkpoint_dir,
-        check_gguf_file,
-        check_tokenizer,
-        gguf_checkpoint,
-    )
+    from kvservice.model.bundled import gguf_checkpoint
     from kvservice.model.families import ModelConfig
+    from kvservice.protocol.models import check_checkpoint_dir, check_gguf_file, check_tokenizer
 
     given = Path(path).expanduser()
     gguf_path = check_gguf_file(given) if given.suffix.lower() == ".gguf" else None
@@ -344,7 +340,7 @@ def _gguf_architecture(gguf_path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvservice.model.bundled import ModelPathError
+    from kvservice.protocol.models import ModelPathError
 
     parser = argparse.ArgumentParser(
         prog="python -m kvservice.tools.check_model", description=__doc__.split("\n\n")[0]

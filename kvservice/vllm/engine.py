@@ -34,6 +34,7 @@ from kvservice.blend.prefill import MODES, Completion
 from kvservice.model.sampling import SamplingParams
 from kvservice.protocol import TokenEvent, environment
 from kvservice.protocol.prompt import Prompt, PromptFormat, stop_token_ids
+from kvservice.protocol.ratio import DEFAULT_RECOMPUTE_RATIO
 from kvservice.store import StoreConfig
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class VllmRequest:
     prompt: Prompt
     mode: str = "blend"
     chunk_keys: Sequence[str] = ()  # ChunkKey strings of prompt.chunk_ids, same order
-    recompute_ratio: float = 0.15
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 

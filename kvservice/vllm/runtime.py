@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from kvservice.blend.planning import PlannedRequest
+from kvservice.blend.planning import PlannedRequest, check_ratio_curve
 from kvservice.protocol import TokenEvent
 from kvservice.protocol.prompt import Prompt, PromptFormat
 from kvservice.vllm.engine import VllmEngine, VllmRequest, VllmSettings
@@ -69,6 +69,7 @@ class VllmRuntime:
         )
         self.tokenizer = self.engine.tokenizer
         self.prompt = self.engine.format
+        self.ratio_curve = check_ratio_curve(self.fingerprint, store_config.codec)
         hf_config = json.loads((path / "config.json").read_text())
         declared = int(hf_config.get("max_position_embeddings", 4096))
         self.context_len = min(
@@ -108,6 +109,8 @@ class VllmRuntime:
             state["store"] = self.store.stats().to_dict()
             state["controller"] = self.controller.snapshot()
             state["kv_bytes_per_token"] = self.kv_bytes_per_token()
+            state["model_fingerprint"] = self.fingerprint  # its chunk keys' first part
+            state["ratio_curve"] = self.ratio_curve  # whether target mode's curve is this model's
             # No connector stats here: they are an RPC into vLLM's worker, which waits while a
             # long prefill runs, and the heartbeat must not.
             state["batch"] = {"active": self.active, "steps": None}

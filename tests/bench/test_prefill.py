@@ -427,3 +427,9 @@ def test_the_musique_bench_runs_progressive_blend_end_to_end(tmp_path):
     assert progressive["second_token_s"] > progressive["ttft_s"] > 0
     assert 0 <= progressive["tf_kl"] and 0 <= blend["tf_kl"] and progressive["answer"]
     assert "blend>0.5: second token's logits at" in done.stdout
+    # the model it measured, as its chunk keys name it: a ratio curve steers target mode for
+    # that model only (kvservice.protocol.ratio)
+    from kvservice.model.bundled import resolve_llm_path
+    from kvservice.model.checkpoint import checkpoint_fingerprint
+
+    assert report["env"]["model_fingerprint"] == checkpoint_fingerprint(resolve_llm_path(None))

@@ -120,17 +120,38 @@ def test_timings_say_where_the_time_went_and_take_the_workers_report_first() -> 
         "prefill_s": 0.6,
         "load_s": 0.05,
         "queue_s": 0.2,
-        "record_s": 0.1,
         "chunk_tiers": {"1": "cpu", "2": "s3"},
         "cached": True,
     }
     went = timings_of(answer)
-    assert went["prefill_s"] == 0.6 and went["queue_s"] == 0.2 and went["record_s"] == 0.1
+    assert went["prefill_s"] == 0.6 and went["queue_s"] == 0.2
     assert "cached" not in went and "chunk_tiers" not in went
     run = summarize([answer], rate_per_min=2, burst=None, elapsed_s=60)
     assert run["tiers"] == {"cpu": 1, "s3": 1}
     assert run["load_s_by_tiers"] == {"cpu+s3": 0.05}
     assert timings_of(Answer("vllm", 0, "q", 0.0)) == {}  # vLLM's stream carries none
+
+
+def test_the_workers_report_is_its_done_events_metrics_and_nothing_after_it(
+    redis_service,
+) -> None:
+    """The answer is recorded before its stream's ``done`` (the record task appends it), so
+    no time from that event to the record is reported: it would be at most 0."""
+    import uuid
+    from datetime import UTC, datetime
+    from types import SimpleNamespace
+
+    from bench.serving import WorkerReports
+    from kvservice.protocol import AnswerMetrics, AnswerOutcome, Done, publish_event
+    from webapp.redis import redis_client
+
+    request_id = str(uuid.uuid4())
+    outcome = AnswerOutcome("done", text="Six", metrics=AnswerMetrics(ttft_s=0.4, total_s=1.5))
+    publish_event(redis_client(), request_id, Done(outcome))
+    recorded = SimpleNamespace(request_id=request_id, completed_at=datetime.now(UTC))
+    report = WorkerReports._report(recorded)
+    assert (report["ttft_s"], report["total_s"]) == (0.4, 1.5)
+    assert "record_s" not in report
 
 
 def _run(rate, p95, *, pause=0.1, failed=0, completed=5) -> dict:

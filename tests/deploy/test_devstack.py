@@ -97,7 +97,7 @@ def _inference_workers(process: subprocess.Popen) -> list[psutil.Process]:
     for child in _descendants(process):
         try:
             title = " ".join(child.cmdline())  # Celery renames its process: "[celeryd: inference@…"
-            if "kvservice.serve.server" in title or "inference@" in title:
+            if "kvservice.worker" in title or "inference@" in title:
                 found.append(child)
         except psutil.NoSuchProcess:
             continue

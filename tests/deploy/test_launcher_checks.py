@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from deploy import devstack, services
-from kvservice.model.bundled import ModelPathError, resolve_llm_path
+from kvservice.model.bundled import resolve_llm_path
+from kvservice.protocol.models import ModelPathError
 from tests.conftest import ROOT
 from tests.deploy.test_devstack import _stack_env
 

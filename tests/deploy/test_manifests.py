@@ -204,7 +204,7 @@ def test_each_role_runs_as_a_deployment_of_the_one_image(rendered) -> None:
         assert container["resources"]["requests"], deployment["metadata"]["name"]
         assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"]
     joined = "\n".join(_command(d) for d in deployments)
-    roles = ("webapp.asgi:application", "-Q answers,ingest,kv", "beat", "kvservice.serve.server")
+    roles = ("webapp.asgi:application", "-Q answers,ingest,kv", "beat", "kvservice.worker")
     for role in roles:
         assert role in joined, role
     beats = [d for d in deployments if "worker beat" in _command(d)]
@@ -212,7 +212,7 @@ def test_each_role_runs_as_a_deployment_of_the_one_image(rendered) -> None:
     assert beats[0]["spec"]["strategy"]["type"] == "Recreate"  # never two during a rollout
     (job,) = _by_kind(documents, "Job").values()
     assert "manage.py migrate" in _command(job) and "ensure_buckets" in _command(job)
-    (inference,) = [d for d in deployments if "kvservice.serve.server" in _command(d)]
+    (inference,) = [d for d in deployments if "kvservice.worker" in _command(d)]
     limits = _container(inference)["resources"].get("limits", {})
     assert ("nvidia.com/gpu" in limits) == (overlay == "gpu")
 

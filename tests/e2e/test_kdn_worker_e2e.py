@@ -35,7 +35,7 @@ def _heartbeat() -> dict:
 
 @pytest.fixture
 def kdn_inference_worker(redis_service, live_server, tmp_path) -> Iterator[None]:
-    """``python -m kvservice.serve.server`` reading KV through ``live_server``'s /kdn/v1: no S3
+    """``python -m kvservice.worker`` reading KV through ``live_server``'s /kdn/v1: no S3
     variable in its environment, no disk tier (what it serves came through the API)."""
     # No S3 variable, and no Django settings (the worker is not a Django process: Celery
     # would set Django up for it, and the settings want S3).
@@ -55,7 +55,7 @@ def kdn_inference_worker(redis_service, live_server, tmp_path) -> Iterator[None]
         "PYTHONUNBUFFERED": "1",
     }
     log_path = tmp_path / "inference-kdn.log"
-    process = _spawn_worker([sys.executable, "-m", "kvservice.serve.server"], log_path, env)
+    process = _spawn_worker([sys.executable, "-m", "kvservice.worker"], log_path, env)
     try:
         wait_for(
             lambda: process.poll() is not None or _heartbeat().get("model_loaded"),

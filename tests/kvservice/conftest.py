@@ -91,7 +91,8 @@ def tiny_llama(tiny_checkpoints):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     # The product's own cache dir: converted once per machine, then reused (fast).
-    from kvservice.model.bundled import default_cache_dir, smollm2_checkpoint
+    from kvservice.model.bundled import smollm2_checkpoint
+    from kvservice.protocol.models import default_cache_dir
 
     return smollm2_checkpoint(default_cache_dir())
 

@@ -122,14 +122,15 @@ def test_an_open_answer_keeps_streaming_while_another_question_prefills(engine):
 
 def test_a_progressive_upgrade_gives_way_to_waiting_questions(smollm2, smollm2_tokenizer):
     fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
-    progressive = Engine(smollm2, smollm2_tokenizer, fmt, refresh_ratio=0.6)
+    progressive = Engine(smollm2, smollm2_tokenizer, fmt)
     prompt = fmt.build(PASSAGES[:2], "When did the evening boat stop?")
     chunks = progressive.precompute(prompt.chunk_ids)
     reports: list[list] = [[], [], []]
     finished = [threading.Event() for _ in reports]
     try:
         for report, done in zip(reports, finished, strict=True):  # all three at once
-            request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3))
+            sampling = SamplingParams(max_tokens=3)
+            request = Request(prompt, chunks, "blend", 0.15, sampling, refresh_ratio=0.6)
             progressive.submit(
                 request,
                 on_token=lambda *_: None,

@@ -6,13 +6,8 @@ import shutil
 import pytest
 import torch
 
-from kvservice.model.bundled import (
-    ModelPathError,
-    default_cache_dir,
-    minilm_path,
-    resolve_llm_path,
-    smollm2_checkpoint,
-)
+from kvservice.model.bundled import resolve_llm_path, smollm2_checkpoint
+from kvservice.protocol.models import ModelPathError, default_cache_dir, minilm_path
 
 
 def test_model_path_override_is_used(tiny_checkpoints, smollm2_dir, tmp_path):

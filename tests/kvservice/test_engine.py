@@ -162,7 +162,7 @@ def test_progressive_blend_upgrades_a_blend_with_its_first_token(
     tests/kvservice/test_batcher.py); reuse and full are not upgraded."""
     prompt, chunks = request_parts
     fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
-    progressive = Engine(smollm2, smollm2_tokenizer, fmt, refresh_ratio=0.6)
+    progressive = Engine(smollm2, smollm2_tokenizer, fmt)
     progressive.stop_ids = set()  # every answer runs to max_tokens
     calls = []
 
@@ -172,7 +172,8 @@ def test_progressive_blend_upgrades_a_blend_with_its_first_token(
 
     monkeypatch.setattr("kvservice.serve.engine.refresh_steps", spy)
     try:
-        request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=40))
+        sampling = SamplingParams(max_tokens=40)
+        request = Request(prompt, chunks, "blend", 0.15, sampling, refresh_ratio=0.6)
         got = progressive.generate(request).token_ids
         assert calls == [([got[0]], 0.6)] and len(got) == 40
         low = progressive.prefill(request)
@@ -180,7 +181,8 @@ def test_progressive_blend_upgrades_a_blend_with_its_first_token(
         # reuse and full are not refreshed: the same tokens as an engine without it
         for mode in ("reuse", "full"):
             plain = Request(prompt, chunks, mode, sampling=SamplingParams(max_tokens=4))
-            assert progressive.generate(plain).token_ids == engine.generate(plain).token_ids
+            asked = replace(plain, refresh_ratio=0.6)
+            assert progressive.generate(asked).token_ids == engine.generate(plain).token_ids
         assert len(calls) == 1  # neither was refreshed
     finally:
         progressive.close()
@@ -190,11 +192,11 @@ def test_a_token_reaches_the_reader_before_the_next_is_computed(
     smollm2, smollm2_tokenizer, request_parts, monkeypatch
 ):
     """The stream hands each token over as it is sampled: a progressive blend's first token
-    is read before its upgrade runs (held back, it would wait for the upgrade), a request's
-    own ratio overrides the engine's, and the upgrade is reported with its ratio."""
+    is read before its upgrade runs (held back, it would wait for the upgrade), the request's
+    ratio is the one it upgrades to, and the upgrade is reported with its ratio."""
     prompt, chunks = request_parts
     fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
-    progressive = Engine(smollm2, smollm2_tokenizer, fmt, refresh_ratio=0.9)
+    progressive = Engine(smollm2, smollm2_tokenizer, fmt)
     read_first = threading.Event()
     seen = []
 
@@ -218,7 +220,8 @@ def test_a_token_reaches_the_reader_before_the_next_is_computed(
             prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=3), refresh_ratio=0.0
         )
         assert progressive.refresh_ratio_for(off) is None
-        assert progressive.refresh_ratio_for(replace(off, refresh_ratio=None)) == 0.9
+        assert progressive.refresh_ratio_for(replace(off, refresh_ratio=None)) is None
+        assert progressive.refresh_ratio_for(replace(off, refresh_ratio=0.9)) == 0.9
         assert progressive.refresh_ratio_for(replace(off, recompute_ratio=0.9)) is None
         assert progressive.refresh_ratio_for(replace(off, mode="reuse", refresh_ratio=0.5)) is None
     finally:

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvservice.model.bundled import ModelPathError, gguf_checkpoint, resolve_llm_path
+from kvservice.model.bundled import gguf_checkpoint, resolve_llm_path
 from kvservice.model.transformer import Transformer
+from kvservice.protocol.models import ModelPathError
 from kvservice.protocol.prompt import PromptFormat, stop_token_ids
 from kvservice.tools.check_model import _hf_gguf_model, check, transformers_gguf_differences
 

@@ -62,7 +62,7 @@ def _start_worker(shared: str, index: int, tmp_path: Path) -> subprocess.Popen:
     log = open(tmp_path / f"inference{index}.log", "wb")  # noqa: SIM115 - the child keeps it
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "kvservice.serve.server"],
+            [sys.executable, "-m", "kvservice.worker"],
             cwd=ROOT,
             env=env,
             stdout=log,

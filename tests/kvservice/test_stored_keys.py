@@ -124,7 +124,7 @@ def test_the_inference_worker_says_it_at_start_in_its_log_and_heartbeat(
         return beat if beat.get("model_loaded") else None
 
     log = tmp_path / "inference.log"
-    process = _spawn_worker([sys.executable, "-m", "kvservice.serve.server"], log, env)
+    process = _spawn_worker([sys.executable, "-m", "kvservice.worker"], log, env)
     try:
         beat = wait_for(
             lambda: process.poll() is not None or loaded_heartbeat(),

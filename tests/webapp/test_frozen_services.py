@@ -316,7 +316,7 @@ def test_a_real_worker_whose_broker_freezes_mid_answer_has_its_answer_failed_onc
     }
     log_path = tmp_path / "inference.log"
     with open(log_path, "wb") as log:
-        argv = [sys.executable, "-m", "kvservice.serve.server"]
+        argv = [sys.executable, "-m", "kvservice.worker"]
         worker = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         _freeze_mid_answer(worker, private_valkey, pending_answer, queue, log_path)

@@ -22,12 +22,12 @@ from kvservice.protocol.curve import (
     CurveSeries,
     bench_command,
     load_series,
-    plan_for_target,
     series_path,
     series_paths,
 )
 from kvservice.protocol.environment import read
 from kvservice.protocol.heartbeat import read_heartbeat
+from kvservice.protocol.ratio import TARGET, RatioPlan, RatioSetting, plan_ratios
 from webapp.chat.models import Message
 from webapp.dashboard import wording
 from webapp.dashboard.models import DashboardSettings, FidelityAudit
@@ -75,29 +75,48 @@ def fidelity_target() -> float | None:
     return _while_mode(DashboardSettings.ControllerMode.TARGET, "fidelity_target")
 
 
+def ratio_setting(row: DashboardSettings | None = None) -> RatioSetting:
+    """The operator's recompute-ratio setting, as ``kvservice.protocol.ratio`` reads it."""
+    row = row or dashboard_settings()
+    return RatioSetting(
+        mode=row.controller_mode,
+        fixed_ratio=row.fixed_recompute_ratio,
+        fidelity_target=row.fidelity_target,
+        refresh_ratio=row.refresh_ratio,
+    )
+
+
+def ratio_plan(
+    target: float | None = None,
+    curve: dict[str, Any] | None = None,
+    model_fingerprint: str | None = None,
+) -> RatioPlan:
+    """What the operator's setting asks of each request (``kvservice.protocol.ratio.plan_ratios``,
+    the decision the worker's planner takes up): with ``target``, that fidelity target's plan
+    whatever the mode; on the curve of the codec the store writes (``curve``, else
+    :func:`ratio_curve`'s) and the running model (``model_fingerprint``, else the heartbeat's:
+    a curve measured on another model is not read)."""
+    setting = ratio_setting()
+    if target is not None:
+        setting = replace(setting, mode=TARGET, fidelity_target=target)
+    if setting.mode != TARGET:
+        return plan_ratios(setting, None)
+    curve = ratio_curve() if curve is None else curve
+    if model_fingerprint is None:
+        model_fingerprint = (worker_heartbeat() or {}).get("model_fingerprint")
+    return plan_ratios(setting, curve["current"], model_fingerprint, curve["command"])
+
+
 def target_plan(
-    target: float | None = None, points: list[dict] | None = None
+    target: float | None = None, curve: dict[str, Any] | None = None
 ) -> tuple[float | None, float | None]:
     """(ratio, refresh ratio) for the fidelity target (the operator's unless ``target`` is
-    given) on the measured curve of the codec the store writes (``points``, else
-    ``ratio_curve()["points"]``): the least first-token ratio that reaches it, by plain blend
-    or by progressive blend upgrading to the operator's progressive setting (None where plain
-    blend is cheaper or nothing upgrades, ``kvservice.protocol.curve.plan_for_target``);
-    (None, None) without a target or that codec's curve, when the worker's controller decides
-    as in auto."""
-    row = dashboard_settings()
-    if target is None:
-        if row.controller_mode != DashboardSettings.ControllerMode.TARGET:
-            return None, None
-        target = row.fidelity_target
-    return _plan_on_curve(target, row.refresh_ratio, points)
-
-
-def _plan_on_curve(
-    target: float, refresh: float | None, points: list[dict] | None = None
-) -> tuple[float | None, float | None]:
-    points = ratio_curve()["points"] if points is None else points
-    return (None, None) if not points else plan_for_target(points, target, refresh or None)
+    given): the least first-token ratio that reaches it, by plain blend or by progressive
+    blend upgrading to the operator's progressive setting (None where plain blend is cheaper or
+    nothing upgrades); (None, None) without a target or a curve for the store's codec and the
+    running model, when the worker's controller decides as in auto (:func:`ratio_plan`)."""
+    plan = ratio_plan(target, curve)
+    return plan.target_ratio, plan.target_refresh
 
 
 def target_ratio(target: float | None = None) -> float | None:
@@ -107,18 +126,8 @@ def target_ratio(target: float | None = None) -> float | None:
 
 def request_ratios() -> dict[str, float | None]:
     """What each chat request carries from the operator's settings (``GenerateRequest``'s
-    fields): the fixed ``recompute_ratio``; the fidelity target's ``target_ratio`` and
-    ``refresh_ratio`` (0 where plain blend reaches it: the target decides); else the
-    progressive setting as it is (None: the worker's ``BLEND_REFRESH_RATIO``)."""
-    row = dashboard_settings()
-    out = {"recompute_ratio": None, "target_ratio": None, "refresh_ratio": row.refresh_ratio}
-    if row.controller_mode == DashboardSettings.ControllerMode.FIXED:
-        out["recompute_ratio"] = row.fixed_recompute_ratio
-    elif row.controller_mode == DashboardSettings.ControllerMode.TARGET:
-        ratio, refresh = _plan_on_curve(row.fidelity_target, row.refresh_ratio)
-        if ratio is not None:
-            out.update(target_ratio=ratio, refresh_ratio=refresh or 0.0)
-    return out
+    fields ``recompute_ratio``, ``target_ratio``, ``refresh_ratio``: :func:`ratio_plan`)."""
+    return ratio_plan().request_fields()
 
 
 def audit_sample_rate() -> float:
@@ -142,7 +151,8 @@ def ratio_curve(running_model: str | None = None) -> dict[str, Any]:
     store's codec first, the first file of a codec kept); ``codec``: the one the store
     writes, and ``points``: its series' (None while it has not been measured), which the
     fidelity target and the audit's predictions read; the ``error`` reading them; the
-    ``command`` that measures the store's codec's curve; ``measured``: a line a series on
+    ``command`` that measures the store's codec's curve; ``current``: the store's codec's
+    :class:`CurveSeries` (None while unmeasured); ``measured``: a line a series on
     how it was measured (the files' own notes are the bench's, for engineers)."""
     path = Path(settings.RATIO_CURVE_PATH)
     errors: list[str] = []
@@ -170,6 +180,7 @@ def ratio_curve(running_model: str | None = None) -> dict[str, Any]:
         "series": series,
         "codec": codec,
         "points": current.points if current else None,
+        "current": current,
         "error": "; ".join(errors) or None,
         "command": bench_command(
             str(_shown(series_path(path, codec or DEFAULT_CODEC, DEFAULT_CODEC))), codec
@@ -305,6 +316,7 @@ def live_state() -> dict[str, Any]:
         "controller_inputs": controller_inputs(heartbeat),
         "queues": queue_depths(),
         "model_kv": wording.model_kv(heartbeat),
+        "stored_kv_check": wording.stored_kv_check(heartbeat),
         "codec_words": wording.codec_in_words(store.get("codec")),
     }
 

@@ -16,6 +16,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from kvservice.protocol.curve import predict
+from kvservice.protocol.ratio import DEFAULT_RECOMPUTE_RATIO
 from webapp import health
 from webapp.accounts.decorators import staff_required
 from webapp.dashboard import charts, selectors, services, wording
@@ -104,15 +105,17 @@ def _metrics(points: list[dict]) -> dict[str, object]:
     }
 
 
-def _ratio_curve(curve: dict[str, object]) -> dict[str, object]:
+def _ratio_curve(curve: dict[str, object], model_fingerprint: str | None) -> dict[str, object]:
     chart = charts.ratio_curve(curve["series"], current=curve["codec"]) if curve["series"] else None
-    # what the operator's fidelity target asks for, on the curve just read
-    target, refresh = selectors.target_plan(points=curve["points"] or [])
+    # what the operator's fidelity target asks for, on the curve just read, for the model
+    # that runs: the decision the requests carry
+    plan = selectors.ratio_plan(curve=curve, model_fingerprint=model_fingerprint)
     return {
         "ratio_curve": curve,
         "ratio_curve_chart": chart,
-        "target_ratio": target,
-        "target_refresh": refresh,
+        "target_ratio": plan.target_ratio,
+        "target_refresh": plan.target_refresh,
+        "target_no_curve": plan.no_curve,
     }
 
 
@@ -143,7 +146,7 @@ def index(request: HttpRequest) -> HttpResponse:
     context = {
         **live,
         **_metrics(curve["points"] or []),
-        **_ratio_curve(curve),
+        **_ratio_curve(curve, fingerprint),
         "health": _named_checks(),
         "documents": selectors.documents_with_cache_counts(fingerprint=fingerprint),
         "stored_kv": selectors.stored_kv_summary(live["model_kv"], fingerprint),
@@ -151,6 +154,7 @@ def index(request: HttpRequest) -> HttpResponse:
             (tier, selectors.tier_label(tier)) for tier in selectors.warmable_tiers(beat)
         ],
         "serving_bench": selectors.last_serving_bench(),
+        "default_recompute_ratio": DEFAULT_RECOMPUTE_RATIO,  # the fixed ratio's field
     }
     return render(request, "dashboard/index.html", context)
 
@@ -178,7 +182,11 @@ def controller(request: HttpRequest) -> HttpResponse:
         if row.controller_mode == row.ControllerMode.FIXED:
             return f"Recompute ratio fixed at {row.fixed_recompute_ratio:g} from the next answer."
         if row.controller_mode == row.ControllerMode.TARGET:
-            ratio, refresh = selectors.target_plan(row.fidelity_target)
+            plan = selectors.ratio_plan(row.fidelity_target)
+            ratio, refresh = plan.target_ratio, plan.target_refresh
+            if plan.no_curve:
+                target = f"Fidelity target: mean KL to full at most {row.fidelity_target:g}."
+                return f"{target} {plan.no_curve}"
             reach = (
                 "no measured curve yet for the store's codec "
                 f"({wording.codec_in_words(selectors.store_codec())}): the loading controller "

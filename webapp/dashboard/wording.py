@@ -132,6 +132,29 @@ def _configured_shape() -> dict[str, int] | None:
         return None
 
 
+def stored_kv_check(heartbeat: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Whether the stored passages' KV can serve the running worker, from the check it made
+    at start (its heartbeat's ``key_check``: why its chunk keys match none of the stored
+    chunks', naming the setting that differs, or None): ``reused`` and the words to show.
+    None where no worker reports, or one too old to check."""
+    beat = heartbeat or {}
+    if "key_check" not in beat:
+        return None
+    problem = beat["key_check"]
+    if not problem:
+        return {
+            "reused": True,
+            "headline": "Stored passages: reused",
+            "detail": "at its start the worker found no setting that differs from those the "
+            "stored passages' KV was computed with",
+        }
+    return {
+        "reused": False,
+        "headline": "Stored passages: not reused",
+        "detail": problem,  # the worker's words: what differs, what it costs, what to set
+    }
+
+
 def key_prefix(fingerprint: str | None) -> str | None:
     """What the chunk keys of a model's KV start with (``ChunkKey.to_string``)."""
     return f"{quote(fingerprint, safe='')}/" if fingerprint else None

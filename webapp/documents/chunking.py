@@ -48,13 +48,14 @@ class TextChunk:
 @cache
 def llm_tokenizer(model_path: str | None = None) -> Any:
     """The LLM's tokenizer (``settings.MODEL_PATH`` or the bundled SmolLM2), loaded once per
-    process."""
+    process from the files the inference worker loads its own from
+    (``kvservice.protocol.models.converted_llm_dir``), so chunks are the worker's tokens."""
     from django.conf import settings
     from transformers import AutoTokenizer
 
-    from kvservice.model.bundled import resolve_llm_path
+    from kvservice.protocol.models import converted_llm_dir
 
-    path = resolve_llm_path(model_path if model_path is not None else settings.MODEL_PATH or None)
+    path = converted_llm_dir(model_path if model_path is not None else settings.MODEL_PATH or None)
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -52,7 +52,7 @@ def _load_embedder() -> Any:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from kvservice.model.bundled import minilm_path
+    from kvservice.protocol.models import minilm_path
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = SentenceTransformer(str(minilm_path()), device="cpu", local_files_only=True)

@@ -286,7 +286,7 @@ def test_killing_the_inference_worker_mid_answer_fails_the_answer_within_seconds
     }
     log = open(tmp_path / "inference.log", "wb")  # noqa: SIM115
     worker = subprocess.Popen(
-        [sys.executable, "-m", "kvservice.serve.server"],
+        [sys.executable, "-m", "kvservice.worker"],
         cwd=ROOT,
         env=env,
         stdout=log,

@@ -102,6 +102,13 @@ def test_fixed_ratio_on_the_dashboard_is_used_by_the_worker_for_the_next_answer(
     assert f"In 16 bits a token takes {kib(fp16)}" in full
 
 
+QUESTIONS_TO_UPGRADE = [
+    "Who founded the Brennish observatory?",
+    "Describe the Brennish observatory and its history.",
+    "What does the Brennish observatory study, and who founded it?",
+]
+
+
 def test_progressive_blend_set_on_the_dashboard_upgrades_the_workers_next_answer(
     celery_worker_process, inference_worker_process, django_user_model, client
 ) -> None:
@@ -116,8 +123,13 @@ def test_progressive_blend_set_on_the_dashboard_upgrades_the_workers_next_answer
     client.force_login(staff)
     progressive = {"mode": "fixed", "fixed_ratio": "0.1", "refresh_ratio": "0.5"}
     assert client.post(reverse("dashboard:controller"), progressive).status_code == 302
-    answer = _ask(staff, conversation, "Who founded the Brennish observatory?")
-    assert answer.recompute_ratio == pytest.approx(0.1)
+    # An answer that ends before its upgrade lands is not upgraded (the worker drops it): on a
+    # loaded machine a short answer can, so up to three questions are asked.
+    for question in QUESTIONS_TO_UPGRADE:
+        answer = _ask(staff, conversation, question)
+        assert answer.recompute_ratio == pytest.approx(0.1)
+        if answer.refresh_ratio is not None:
+            break
     assert answer.refresh_ratio == pytest.approx(0.5) and answer.completion_tokens > 1
     assert answer.second_token_s > answer.ttft_s > 0
 

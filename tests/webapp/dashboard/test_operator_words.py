@@ -246,3 +246,29 @@ def test_the_last_serving_benchs_capacity_is_shown(staff_client, settings, tmp_p
     assert "45.5 (16 questions)" in section and "16.89 s" in section and "1.74 s" in section
     assert "below the lowest rate tried" in section  # full: no capacity
     assert "within 3.57 s (4 times an answer's alone, 893.0 ms)" in section
+
+
+def test_the_live_panel_says_whether_the_stored_passages_serve_the_running_worker(
+    staff_client, worker_heartbeat
+) -> None:
+    """The worker's start check of its chunk keys against the stored chunks' (its heartbeat's
+    ``key_check``), as the operator needs it: reused or not, and the setting that differs."""
+    store = worker_heartbeat["store"]
+    problem = (
+        "the stored chunks were made with KV_PREAMBLE=on, this worker has KV_PREAMBLE=off: its "
+        "chunk keys match none of them, so every passage's KV is computed again at each "
+        "question, and none is reused (give ingest and the inference worker the same KV_PREAMBLE)"
+    )
+
+    def said(**beat) -> str | None:
+        page = _page(staff_client, _heartbeat(store, **beat))
+        if 'id="stored-kv-check"' not in page:
+            return None
+        return _visible_text(page.split('id="stored-kv-check"')[1].split("</p>")[0][1:])
+
+    disagreeing = said(key_check=problem)
+    assert disagreeing.startswith("Stored passages: not reused the stored chunks were made")
+    assert "give ingest and the inference worker the same KV_PREAMBLE" in disagreeing
+    agreeing = said(key_check=None)
+    assert agreeing.startswith("Stored passages: reused at its start the worker found no")
+    assert said() is None  # a worker too old to check says nothing either way

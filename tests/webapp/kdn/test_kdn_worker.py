@@ -272,7 +272,7 @@ def test_the_worker_refuses_to_start_with_kdn_and_no_kdn_url(redis_service) -> N
     env |= {"KV_SOURCE": "kdn", "INFERENCE_QUEUE": "inference-never"}
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "kvservice.serve.server"],
+        [sys.executable, "-m", "kvservice.worker"],
         cwd=ROOT,
         env=env,
         capture_output=True,
