@@ -27,6 +27,7 @@ from kvservice.blend.controller import LoadingController
 from kvservice.chunk import ChunkKV
 from kvservice.store.config import StoreConfig
 from kvservice.store.loader import KVLoader
+from kvservice.store.s3 import S3Tier
 from kvservice.store.tiered import TieredStore
 
 
@@ -105,7 +106,24 @@ def run(args: argparse.Namespace, env: dict[str, str], root: Path) -> list[dict[
         "measured tier bandwidth (MB/s):",
         {k: round(v / 1e6) for k, v in controller.tier_bandwidth.items()},
     )
+    plain = _plain_get_mbps(store, keys)
+    print(f"plain GET of the same S3 objects, one after another: {plain:.0f} MB/s")
     return results
+
+
+def _plain_get_mbps(store: TieredStore, keys: list) -> float:
+    """What a bare GET of the stored objects reads (the minio client, whole objects): the
+    rate the S3 tier's own figure is to be compared with."""
+    s3 = next(tier for tier in store.tiers if isinstance(tier, S3Tier))
+    nbytes, started = 0, time.perf_counter()
+    for key in keys:
+        response = s3.client.get_object(s3.bucket, s3.object_name(key))
+        try:
+            nbytes += len(response.read())
+        finally:
+            response.close()
+            response.release_conn()
+    return nbytes / (time.perf_counter() - started) / 1e6
 
 
 def main() -> None:

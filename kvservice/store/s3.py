@@ -18,7 +18,7 @@ from minio.error import MinioException, S3Error
 
 from kvservice.protocol.errors import StoreUnavailable
 from kvservice.protocol.keys import ChunkKey
-from kvservice.store.base import Tier, TierStats, buffer_nbytes
+from kvservice.store.base import ReadMeter, Tier, TierStats, buffer_nbytes
 from kvservice.store.config import StoreConfig
 from kvservice.store.format import Buffer
 
@@ -42,17 +42,23 @@ class _BufferReader:
         return bytes(chunk)
 
 
-class _CountingReader:
-    """A response body read with ``readinto``, counting the bytes for the tier's meter."""
+class _MeteredReader:
+    """A response body read with ``readinto``, each read timed by the tier's meter: a stream
+    stays open while its reader decodes the layers it has (and while other chunks' streams
+    are read in turn), time in which the tier is not what anyone waits for."""
 
-    def __init__(self, response: Any) -> None:
+    def __init__(self, response: Any, meter: ReadMeter) -> None:
         self._response = response
-        self.nbytes = 0
+        self._meter = meter
 
     def readinto(self, buffer: memoryview) -> int:
-        n = self._response.readinto(buffer) or 0
-        self.nbytes += n
-        return n
+        self._meter.start()
+        n = 0
+        try:
+            n = self._response.readinto(buffer) or 0
+            return n
+        finally:
+            self._meter.stop(n)
 
 
 class S3Tier(Tier):
@@ -202,35 +208,32 @@ class S3Tier(Tier):
         return view[:got]
 
     @contextmanager
-    def open_stream(self, key: ChunkKey, start: int) -> Iterator[_CountingReader | None]:
+    def open_stream(self, key: ChunkKey, start: int) -> Iterator[_MeteredReader | None]:
         """One GET from ``start`` to the object's end, read by the caller in pieces as the
-        body arrives (a chunk's 30 layers in one signed request instead of 30). A network
-        fault while reading marks S3 down like any other call."""
+        body arrives (a chunk's 30 layers in one signed request instead of 30). The meter
+        times the request and each read, not the stream's whole life (``_MeteredReader``).
+        A network fault while reading marks S3 down like any other call."""
         self._meter.start()
-        reader: _CountingReader | None = None
         try:
             name = self.object_name(key)
             response = self._call("get", self.client.get_object, self.bucket, name, start)
         except S3Error as err:
+            if err.code not in _MISSING_CODES and err.code != "NoSuchBucket":
+                raise
+            response = None
+        finally:
             self._meter.stop(0)
-            if err.code in _MISSING_CODES or err.code == "NoSuchBucket":
-                self._count(hit=False)
-                yield None
-                return
-            raise
-        except BaseException:
-            self._meter.stop(0)
-            raise
-        self._count(hit=True)
-        reader = _CountingReader(response)
+        self._count(hit=response is not None)
+        if response is None:
+            yield None
+            return
         try:
-            yield reader
+            yield _MeteredReader(response, self._meter)
         except (urllib3.exceptions.HTTPError, OSError) as err:
             raise self._unreachable(err, "get body") from err
         finally:
             response.close()
             response.release_conn()
-            self._meter.stop(reader.nbytes)
 
     def put(self, key: ChunkKey, data: Buffer) -> None:
         nbytes = buffer_nbytes(data)

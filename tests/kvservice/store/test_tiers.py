@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -170,3 +171,28 @@ def test_a_pinned_tier_holds_page_locked_blocks_and_counts_their_size():
     assert bytes(block.numpy()) == bytes(data)
     footprint = 1 << (len(data) - 1).bit_length()  # torch's host allocator: powers of two
     assert tier.stats().bytes == footprint >= len(data)
+
+
+def test_a_streams_pauses_are_not_counted_as_the_s3_tiers_read_time(store_config):
+    """The loader keeps a chunk's stream open while it decodes the layers it has and reads
+    other chunks' streams in turn: the tier's measured bandwidth (which the loading
+    controller plans with) is its reads' rate, not bytes over the stream's whole life."""
+    tier = S3Tier(store_config)
+    key = ChunkKey.for_tokens("meter-test", "", [1, 2, 3])
+    size, pieces, pause_s = 8 << 20, 8, 0.25
+    tier.put(key, bytearray(size))
+    with tier.open_stream(key, 0) as stream:
+        assert stream is not None
+        buffer = memoryview(bytearray(size // pieces))
+        for _ in range(pieces):
+            got = 0
+            while got < len(buffer):
+                n = stream.readinto(buffer[got:])
+                assert n > 0
+                got += n
+            time.sleep(pause_s)  # the reader decoding a layer
+    stats = tier.stats()
+    paused_s = pieces * pause_s
+    print(f"read {stats.bytes_read} bytes in {stats.read_busy_s:.3f} s, paused {paused_s} s")
+    assert stats.bytes_read == size
+    assert stats.read_busy_s < paused_s / 2, stats
