@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,47 @@ def _stop(process: subprocess.Popen, log_path: Path) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(5)
+
+
+@contextmanager
+def started_inference_worker(
+    tmp_path: Path, tag: str, env: dict[str, str]
+) -> Iterator[tuple[dict, Path]]:
+    """An inference worker of a test's own (``python -m kvservice.worker``, the bundled
+    model, one row), on queue and heartbeat named by ``tag``, with ``env`` over the suite's
+    environment: its heartbeat once its model is loaded, and its log. Stopped at the end."""
+    from webapp.redis import redis_client
+
+    heartbeat = f"ragblend:inference:heartbeat:{tag}"
+    environ = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "INFERENCE_QUEUE": f"inference-{tag}",
+        "INFERENCE_NODE_NAME": f"{tag}@%h",
+        "INFERENCE_CONCURRENCY": "1",
+        "HEARTBEAT_KEY": heartbeat,
+        "KV_DISK_DIR": str(tmp_path / "disk"),
+        **env,
+    }
+
+    def loaded_heartbeat() -> dict | None:
+        beat = json.loads(redis_client().get(heartbeat) or "{}")
+        return beat if beat.get("model_loaded") else None
+
+    log = tmp_path / "inference.log"
+    process = _spawn_worker([sys.executable, "-m", "kvservice.worker"], log, environ)
+    try:
+        beat = wait_for(
+            lambda: process.poll() is not None or loaded_heartbeat(),
+            timeout=300,
+            interval=1,
+            what="the inference worker's heartbeat",
+        )
+        assert process.poll() is None, log.read_text()[-3000:]
+        yield beat, log
+    finally:
+        _stop(process, log)
+        redis_client().delete(heartbeat)
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,7 @@ real S3 gateway."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import sys
 import uuid
 from dataclasses import dataclass
 
@@ -98,43 +95,14 @@ def test_the_inference_worker_says_it_at_start_in_its_log_and_heartbeat(
     """The real worker (bundled model, KV_PREAMBLE=off) started on a store whose chunks were
     made with KV_PREAMBLE=on: it starts, and says which variable differs."""
     from kvservice.model.checkpoint import checkpoint_fingerprint
-    from tests.conftest import _spawn_worker, _stop, wait_for
-    from webapp.redis import redis_client
+    from tests.conftest import started_inference_worker
 
     tag = f"keys-{uuid.uuid4().hex[:12]}"
     config = StoreConfig.from_env({**s3_service.env, "KV_S3_PREFIX": f"{tag}/"})
     store = TieredStore.from_config(config)
     fingerprint = checkpoint_fingerprint(smollm2_dir)
     _ingested(store, LoadedWorker(store, smollm2_tokenizer, fingerprint, kv_preamble=True))
-    heartbeat = f"ragblend:inference:heartbeat:{tag}"
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "KV_S3_PREFIX": f"{tag}/",
-        "KV_PREAMBLE": "off",
-        "INFERENCE_QUEUE": f"inference-{tag}",
-        "INFERENCE_NODE_NAME": f"{tag}@%h",
-        "INFERENCE_CONCURRENCY": "1",
-        "HEARTBEAT_KEY": heartbeat,
-        "KV_DISK_DIR": str(tmp_path / "disk"),
-    }
-
-    def loaded_heartbeat() -> dict | None:
-        beat = json.loads(redis_client().get(heartbeat) or "{}")
-        return beat if beat.get("model_loaded") else None
-
-    log = tmp_path / "inference.log"
-    process = _spawn_worker([sys.executable, "-m", "kvservice.worker"], log, env)
-    try:
-        beat = wait_for(
-            lambda: process.poll() is not None or loaded_heartbeat(),
-            timeout=300,
-            interval=1,
-            what="the inference worker's heartbeat",
-        )
-        assert process.poll() is None, log.read_text()[-3000:]
+    env = {"KV_S3_PREFIX": f"{tag}/", "KV_PREAMBLE": "off"}
+    with started_inference_worker(tmp_path, tag, env) as (beat, log):
         assert "the stored chunks were made with KV_PREAMBLE=on" in beat["key_check"]
         assert "this worker has KV_PREAMBLE=off" in log.read_text()
-    finally:
-        _stop(process, log)
-        redis_client().delete(heartbeat)
