@@ -274,6 +274,12 @@ def summarize(
         "ttft_s": percentiles([a.ttft_s for a in streamed]),
         "tbt_s": percentiles(between, (0.5, 0.99)),
         "max_pause_s": max(between, default=None),
+        # the same answers' longest pause as their worker streamed them: what the way out
+        # (Redis, the web server, the client) adds is the difference
+        "worker_max_pause_s": max(
+            (a.worker["longest_pause_s"] for a in streamed if a.worker.get("longest_pause_s")),
+            default=None,
+        ),
         "tokens": sum(len(a.token_times_s) for a in answers),
         "from_prefix_cache": sum(bool(a.metrics.get("from_prefix_cache")) for a in done),
         "cached_prompt_share": _cached_share(done),
@@ -1029,6 +1035,8 @@ def print_run(run: dict) -> None:
             for k, v in run["timings_p50_s"].items()
         )
         print(f"        time went (p50, s): {went}")
+    if run.get("worker_max_pause_s") is not None:
+        print(f"        longest pause as the worker streamed: {run['worker_max_pause_s']:.3f} s")
     if run["tiers"]:
         tiers = ", ".join(f"{tier} {count}" for tier, count in run["tiers"].items())
         print(

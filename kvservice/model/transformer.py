@@ -420,6 +420,24 @@ class KVCache:
         self.positions[dest] = self.positions[source]
         self.valid[dest] = self.valid[source]
 
+    def compact_rows(self) -> int:
+        """Move each row's valid slots to the row's front, in order (a row's keys are
+        masked by position, not by column), and shorten the cache to its longest row.
+        Returns the new length."""
+        counts = self.valid[:, : self.length].sum(dim=1)
+        for row in range(self.batch_size):
+            slots = self.valid[row, : self.length].nonzero().squeeze(1)
+            count = slots.numel()
+            if count == 0 or int(slots[-1]) == count - 1:
+                continue  # empty, or already at the front
+            self.k[:, row, :, :count] = self.k[:, row, :, slots]
+            self.v[:, row, :, :count] = self.v[:, row, :, slots]
+            self.positions[row, :count] = self.positions[row, slots]
+            self.valid[row] = False
+            self.valid[row, :count] = True
+        self.length = int(counts.max()) if counts.numel() else 0
+        return self.length
+
     def truncate(self, length: int) -> None:
         """Forget every slot from ``length`` on (e.g. roll back a teacher-forced probe)."""
         self.valid[:, length:] = False

@@ -29,6 +29,9 @@ class AnswerMetrics:
     ttft_s: float | None = None  # to the first token
     second_token_s: float | None = None  # progressive blend's upgrade comes before it
     total_s: float | None = None  # to the last words streamed (what follows is not the wait)
+    # the longest wait between two of its tokens as the worker streamed them (the reader's
+    # pauses add the way through Redis and the web server)
+    longest_pause_s: float | None = None
     recompute_ratio: float | None = None  # None: no ratio ran (the prefix cache served all)
     recompute_ratio_effective: float | None = None  # what the blend recomputed in fact
     refresh_ratio: float | None = None  # progressive blend's upgrade, when it ran

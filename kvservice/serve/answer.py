@@ -84,6 +84,7 @@ class Streamed:
     first_token_at: float | None = None
     second_token_at: float | None = None  # progressive blend's upgrade comes before it
     last_words_at: float | None = None  # the last text put on the stream
+    longest_pause_s: float | None = None  # between two of the engine's tokens
     cut: bool = False  # at the token cap, at a word
     judged: citing.Verdict | None = None
 
@@ -123,8 +124,13 @@ def _stream(
     request's deadline (``TimeoutError``)."""
     deadline = time.monotonic() + request.timeout_s
     try:
+        last = None
         for event in events:
-            out.first_token_at = out.first_token_at or time.perf_counter()
+            now = time.perf_counter()
+            if last is not None and event.token_id >= 0:
+                out.longest_pause_s = max(out.longest_pause_s or 0.0, round(now - last, 4))
+            last = now if event.token_id >= 0 else last
+            out.first_token_at = out.first_token_at or now
             if event.index == 1 and event.token_id >= 0:
                 out.second_token_at = time.perf_counter()
             out.completion_tokens += 0 <= event.token_id and event.token_id not in stop_ids
@@ -187,6 +193,7 @@ def _outcome(
         "worker": getattr(runtime, "worker_id", ""),  # which inference worker answered
         "ttft_s": _seconds_since(started, streamed.first_token_at),
         "second_token_s": _seconds_since(started, streamed.second_token_at),
+        "longest_pause_s": streamed.longest_pause_s,
         # To the last words streamed: what comes after them (keeping this prompt's KV for a
         # follow-up, the loading controller's bookkeeping) is not the user's wait.
         "total_s": _seconds_since(started, streamed.last_words_at or time.perf_counter()),

@@ -16,6 +16,7 @@ import torch
 from kvservice.blend.prefill import refresh
 from kvservice.model.sampling import SamplingParams
 from kvservice.protocol.prompt import PromptFormat
+from kvservice.serve import batcher as batcher_module
 from kvservice.serve.batcher import (
     MIN_SLICE_S,
     PAUSE_TARGET_S,
@@ -273,6 +274,53 @@ def test_rows_come_and_go_in_the_batchs_slots_without_copying_the_batch(engine):
         batcher.close()
     assert [a.tokens, b.tokens, c.tokens] == alone and len(a.tokens) == 40
     assert len(made) == 1 and made[0][0] == 1  # the first row's: room for two
+
+
+def test_a_batch_whose_columns_run_out_moves_its_rows_to_the_front_not_to_new_slots(
+    engine, monkeypatch
+):
+    """The batch's length grows a column a step while rows come and go (every row's next
+    token goes in the same column); where a joining row no longer fits, the running rows
+    move to the front of their slots (one compaction, no new slots) and every answer's
+    tokens are those it has alone."""
+    monkeypatch.setattr(batcher_module, "SLOT_HEADROOM", 0.0)  # slots exactly as needed
+    long = engine.format.build(PASSAGES * 3, "How many pupils does the island school have?")
+    short = engine.format.build(PASSAGES[:1], "When was the lighthouse first lit?")
+    other = engine.format.build(PASSAGES[1:2], "When was the evening boat stopped?")
+
+    def request(prompt, tokens: int) -> Request:
+        return Request(
+            prompt,
+            [None] * len(prompt.chunk_ids),
+            "full",
+            sampling=SamplingParams(max_tokens=tokens),
+        )
+
+    requests = [request(long, 8), request(short, 40), request(other, 60)]
+    alone = []
+    for each in requests:
+        batcher = ContinuousBatcher(engine.model, engine.tokenizer).start()
+        answer = _Answer()
+        batcher.submit(answer.job(engine, each))
+        assert answer.done.wait(120)
+        batcher.close()
+        alone.append(answer.tokens)
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer, max_batch=2).start()
+    a, b, c = _Answer(), _Answer(), _Answer()
+    try:
+        batcher.submit(a.job(engine, requests[0]))
+        deadline = time.monotonic() + 120
+        while len(a.tokens) < 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        batcher.submit(b.job(engine, requests[1]))  # joins at A's length: a gap after its prompt
+        assert a.done.wait(120)
+        batcher.submit(c.job(engine, requests[2]))  # past the columns B's join left
+        assert b.done.wait(120) and c.done.wait(120)
+    finally:
+        batcher.close()
+    assert [a.tokens, b.tokens, c.tokens] == alone
+    assert batcher.compactions == 1
+    assert batcher.slot_allocations == 2  # A's, then B's longer need; none for C
 
 
 class _GatedKV:
