@@ -276,10 +276,8 @@ def summarize(
         "max_pause_s": max(between, default=None),
         # the same answers' longest pause as their worker streamed them: what the way out
         # (Redis, the web server, the client) adds is the difference
-        "worker_max_pause_s": max(
-            (a.worker["longest_pause_s"] for a in streamed if a.worker.get("longest_pause_s")),
-            default=None,
-        ),
+        "worker_max_pause_s": _longest(streamed, "longest_pause_s"),
+        "published_max_pause_s": _longest(streamed, "published_longest_pause_s"),
         "tokens": sum(len(a.token_times_s) for a in answers),
         "from_prefix_cache": sum(bool(a.metrics.get("from_prefix_cache")) for a in done),
         "cached_prompt_share": _cached_share(done),
@@ -288,6 +286,11 @@ def summarize(
         "tiers": _tier_counts(done),
         "load_s_by_tiers": _load_by_tiers(done),
     }
+
+
+def _longest(answers: Sequence[Answer], key: str) -> float | None:
+    """The longest of the answers' worker-reported ``key`` (None where none reported it)."""
+    return max((a.worker[key] for a in answers if a.worker.get(key) is not None), default=None)
 
 
 # --- streams ---------------------------------------------------------------------------------
@@ -697,14 +700,20 @@ class WorkerReports:
 
     @staticmethod
     def _report(message: Any) -> dict[str, Any]:
-        from kvservice.protocol import Done, answer_stream, decode_events
+        from kvservice.protocol import Done, Token, answer_stream, decode_events
         from webapp.redis import redis_client
 
         entries = redis_client().xrange(answer_stream(str(message.request_id)))
-        for _entry_id, event in decode_events([(None, entries)]):
+        report: dict[str, Any] = {}
+        published = []  # when each token event was appended (its entry id's milliseconds)
+        for entry_id, event in decode_events([(None, entries)]):
+            if isinstance(event, Token):
+                published.append(int(str(entry_id).split("-")[0]) / 1000)
             if isinstance(event, Done):
-                return event.outcome.metrics.to_dict()
-        return {}
+                report = event.outcome.metrics.to_dict()
+        if report and len(published) > 1:
+            report["published_longest_pause_s"] = max(gaps(published))
+        return report
 
 
 # --- the corpus ------------------------------------------------------------------------------
@@ -1036,7 +1045,11 @@ def print_run(run: dict) -> None:
         )
         print(f"        time went (p50, s): {went}")
     if run.get("worker_max_pause_s") is not None:
-        print(f"        longest pause as the worker streamed: {run['worker_max_pause_s']:.3f} s")
+        print(
+            f"        longest pause: {_num(run['worker_max_pause_s'], 0)} s as the worker "
+            f"streamed, {_num(run.get('published_max_pause_s'), 0)} s on the Redis stream, "
+            f"{_num(run['max_pause_s'], 0)} s at the client"
+        )
     if run["tiers"]:
         tiers = ", ".join(f"{tier} {count}" for tier, count in run["tiers"].items())
         print(

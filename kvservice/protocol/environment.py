@@ -225,6 +225,18 @@ def _parse_ratio(text: str) -> float:
     return ratio
 
 
+def _parse_refresh_ratio(text: str) -> float | None:
+    """None: off (``off`` or 0); else a ratio above 0."""
+    value = text.strip().lower()
+    if value in ("off", "0", "0.0"):
+        return None
+    try:
+        return _parse_ratio(value)
+    except ValueError:
+        message = f"must be off, or a ratio above 0 and at most 1 like 0.25, not {text!r}"
+        raise ValueError(message) from None
+
+
 def _parse_step_budget(text: str) -> float | None:
     """None: auto; ``math.inf``: off; else seconds above 0."""
     value = text.strip().lower()
@@ -250,6 +262,7 @@ def _parse_rate(text: str) -> str:
 
 
 RATIO = Kind("ratio (0, 1]", _parse_ratio)
+REFRESH_RATIO = Kind("ratio (0, 1] / off", _parse_refresh_ratio)
 STEP_BUDGET = Kind("auto / off / seconds", _parse_step_budget)
 RATE = Kind("count/period (20/m)", _parse_rate)
 
@@ -582,10 +595,10 @@ _declare(
 )
 _declare(
     "BLEND_REFRESH_RATIO",
-    RATIO,
-    None,
-    "progressive blend: the ratio a blend's cache is upgraded to after the first token",
-    shown_default="off",
+    REFRESH_RATIO,
+    0.25,
+    "progressive blend: the ratio a blend's cache is upgraded to after the first token "
+    "(off: not upgraded)",
 )
 _declare("PREFIX_CACHE_BYTES", SIZE, 1 << 30, "the prefix cache's capacity")
 _declare(

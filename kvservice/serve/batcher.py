@@ -49,9 +49,18 @@ from kvservice.store.compute_threads import use_threads
 log = logging.getLogger(__name__)
 
 # ``auto``: a step (decode rows and a prefill slice) aims at this long; the slice gets what
-# the measured decode step leaves, and at least MIN_SLICE_S.
-PAUSE_TARGET_S = 0.3
+# the measured decode step leaves, and at least MIN_SLICE_S. A reader sees a word once its
+# last token is out (the stream holds text back to whole words: AnswerText), and a word is
+# up to four or five tokens (a year is four digits): at 0.3 s a step, words came 1.2 s
+# apart. So a step aims at 0.12 s (words within ~0.5 s), and at 0.2 s (within ~1 s) only
+# while BACKLOG_QUESTIONS or more wait, when the prefills' share decides how long they wait.
+PAUSE_TARGET_S = 0.12
+BACKLOG_PAUSE_TARGET_S = 0.2
+BACKLOG_QUESTIONS = 4
 MIN_SLICE_S = 0.05
+# A progressive upgrade's share of a step: it is nobody's first token, so it only ever
+# takes this much beside the decode rows (its answer streams from the first-pass cache).
+UPGRADE_SLICE_S = MIN_SLICE_S
 LONG_PIECE_S = 0.3  # a piece of work longer than this while answers stream is logged
 # The batch's slots: room for ``max_batch`` rows, and this share more columns than the rows
 # need, for the batch's length to grow while rows come and go (``_add_row``)
@@ -65,7 +74,8 @@ UPGRADE_DROPPED = "the answer ended before its upgrade"
 @dataclass(frozen=True)
 class StepBudget:
     """How long a step's slice of prefill work may run beside the decode rows: ``auto``
-    (``PAUSE_TARGET_S`` less the measured decode step), a number of seconds, or ``off``
+    (``PAUSE_TARGET_S``, or ``BACKLOG_PAUSE_TARGET_S`` under a backlog, less the measured
+    decode step), a number of seconds, or ``off``
     (whole prefills between decode steps, as before stall-free steps)."""
 
     seconds: float | None = None  # None: auto; math.inf: off
@@ -76,10 +86,12 @@ class StepBudget:
         ``kvservice.protocol.environment`` reads it."""
         return cls(environment.read("ENGINE_STEP_BUDGET", environ))
 
-    def slice_s(self, decode_s: float) -> float:
-        """The slice's time for a step whose decode rows take ``decode_s``."""
+    def slice_s(self, decode_s: float, waiting: int = 0) -> float:
+        """The slice's time for a step whose decode rows take ``decode_s``, with ``waiting``
+        questions not started."""
         if self.seconds is None:
-            return max(MIN_SLICE_S, PAUSE_TARGET_S - decode_s)
+            target = BACKLOG_PAUSE_TARGET_S if waiting >= BACKLOG_QUESTIONS else PAUSE_TARGET_S
+            return max(MIN_SLICE_S, target - decode_s)
         return self.seconds
 
     def __str__(self) -> str:
@@ -219,7 +231,7 @@ class ContinuousBatcher:
             "slices": self.slices,
             "budget": str(self.budget),
             "slice_s": None
-            if math.isinf(slice_s := self.budget.slice_s(self._decode_s))
+            if math.isinf(slice_s := self.budget.slice_s(self._decode_s, self.waiting))
             else round(slice_s, 4),
             "decode_step_s": round(self._decode_s, 4),
             "upgrades_skipped": self.upgrades_skipped,
@@ -294,7 +306,7 @@ class ContinuousBatcher:
         return True
 
     def _slice_s(self) -> float:
-        return self.budget.slice_s(self._decode_s) if self._jobs else math.inf
+        return self.budget.slice_s(self._decode_s, len(self._waiting)) if self._jobs else math.inf
 
     @torch.no_grad()
     def _run_slice(self) -> None:
@@ -303,6 +315,8 @@ class ContinuousBatcher:
         began, layer_s, ran = time.perf_counter(), 0.0, False
         while True:
             limit = self._slice_s()
+            if self._upgrade_next():
+                limit = min(limit, UPGRADE_SLICE_S)
             if ran and time.perf_counter() - began + layer_s > limit:
                 break
             work = self._next_work()
@@ -328,6 +342,11 @@ class ContinuousBatcher:
             self.longest_piece_s = seconds
             if seconds > LONG_PIECE_S:
                 log.warning("a piece of prefill work held the open answers for %.2f s", seconds)
+
+    def _upgrade_next(self) -> bool:
+        """Whether ``_next_work`` would give the upgrade: no prefill under way or to start."""
+        starts = self._waiting and len(self._jobs) < self.max_batch
+        return self._upgrade is not None and self._work is None and not starts
 
     def _next_work(self) -> _Work | None:
         """The prefill under way, else the oldest waiting question's prefill, room permitting,

@@ -18,6 +18,8 @@ from kvservice.model.sampling import SamplingParams
 from kvservice.protocol.prompt import PromptFormat
 from kvservice.serve import batcher as batcher_module
 from kvservice.serve.batcher import (
+    BACKLOG_PAUSE_TARGET_S,
+    BACKLOG_QUESTIONS,
     MIN_SLICE_S,
     PAUSE_TARGET_S,
     UPGRADE_SKIPPED,
@@ -129,8 +131,9 @@ def test_a_progressive_upgrade_gives_way_to_waiting_questions(smollm2, smollm2_t
     reports: list[list] = [[], [], []]
     finished = [threading.Event() for _ in reports]
     try:
-        for report, done in zip(reports, finished, strict=True):  # all three at once
-            sampling = SamplingParams(max_tokens=3)
+        for index, (report, done) in enumerate(zip(reports, finished, strict=True)):
+            # all three at once; the last long enough for its upgrade's slices to land
+            sampling = SamplingParams(max_tokens=8 if index == 2 else 3)
             request = Request(prompt, chunks, "blend", 0.15, sampling, refresh_ratio=0.6)
             progressive.submit(
                 request,
@@ -181,6 +184,39 @@ def test_a_progressive_upgrade_lands_while_its_answer_streams(engine):
     n = upgraded.num_tokens
     expected += _greedy(model, upgraded.cache, n, expected[1:], 48 - streamed, fed=True)
     assert answer.tokens == expected
+
+
+@pytest.mark.parametrize("upgrade_slice_s", [0.0, 10.0])
+def test_a_progressive_upgrade_takes_only_its_own_share_of_a_step(
+    engine, monkeypatch, upgrade_slice_s
+):
+    """However large the step budget, an upgrade runs no more than ``UPGRADE_SLICE_S`` a
+    step beside the decode rows (at least a layer): at 0 it runs a layer a step and lands
+    after as many tokens as the model has layers; given the whole budget, within a few."""
+    monkeypatch.setattr(batcher_module, "UPGRADE_SLICE_S", upgrade_slice_s)
+    prompt = engine.format.build(PASSAGES[:3], "When was the evening boat stopped?")
+    chunks = engine.precompute(prompt.chunk_ids)
+    request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=48))
+    answer, landed = _Answer(), []
+    job = answer.job(
+        engine,
+        request,
+        refresh=engine._refresher(0.6),
+        on_refresh=lambda outcome: landed.append((outcome, len(answer.tokens))),
+    )
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=StepBudget(10.0))
+    batcher.start()
+    try:
+        batcher.submit(job)
+        assert answer.done.wait(300)
+    finally:
+        batcher.close()
+    assert len(landed) == 1 and isinstance(landed[0][0], float), landed
+    layers = engine.model.config.n_layers
+    if upgrade_slice_s == 0.0:
+        assert layers <= landed[0][1] < 48
+    else:
+        assert landed[0][1] <= 3
 
 
 def _greedy(model, cache, position, tokens, count, fed=False) -> list[int]:
@@ -392,7 +428,11 @@ def test_the_step_budget_setting():
         with pytest.raises(ValueError, match="ENGINE_STEP_BUDGET"):
             StepBudget.from_env({"ENGINE_STEP_BUDGET": bad})
     auto = StepBudget()  # what the measured decode step leaves of the pause target
-    assert auto.slice_s(0.1) == pytest.approx(PAUSE_TARGET_S - 0.1)
+    assert auto.slice_s(0.03) == pytest.approx(PAUSE_TARGET_S - 0.03)
+    assert auto.slice_s(0.03, waiting=BACKLOG_QUESTIONS) == pytest.approx(
+        BACKLOG_PAUSE_TARGET_S - 0.03
+    )
+    assert BACKLOG_PAUSE_TARGET_S > PAUSE_TARGET_S
     assert auto.slice_s(10.0) == MIN_SLICE_S
     assert StepBudget(0.2).slice_s(10.0) == 0.2
     assert [str(b) for b in (auto, StepBudget(math.inf), StepBudget(0.2))] == [

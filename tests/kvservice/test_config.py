@@ -12,7 +12,7 @@ BASE = {"REDIS_URL": "redis://127.0.0.1:1/0"}
 
 def test_the_worker_reads_its_settings_from_the_mapping_it_is_given() -> None:
     env = {
-        "BLEND_REFRESH_RATIO": "0.25",
+        "BLEND_REFRESH_RATIO": "0.4",
         "PREFIX_CACHE_BYTES": "64MiB",
         "INFERENCE_CONCURRENCY": "3",
         "ENGINE_COMPILE": " OFF",
@@ -20,13 +20,13 @@ def test_the_worker_reads_its_settings_from_the_mapping_it_is_given() -> None:
         "ENGINE_STEP_BUDGET": "0.15",
     }
     config = WorkerConfig.from_env({**BASE, **env})
-    assert (config.refresh_ratio, config.prefix_cache_bytes) == (0.25, 64 << 20)
+    assert (config.refresh_ratio, config.prefix_cache_bytes) == (0.4, 64 << 20)
     assert config.concurrency == 3 and config.kv_source.kind == "s3"
     assert config.store is not None and config.graphs is False
     assert config.buffer_bytes == 3 << 30 and config.step_budget.seconds == 0.15
     assert config.task_threads == 6  # the batch's rows and as many waiting in its line
     defaults = WorkerConfig.from_env(BASE)
-    assert defaults.refresh_ratio is None and defaults.prefix_cache_bytes == 1 << 30
+    assert defaults.refresh_ratio == 0.25 and defaults.prefix_cache_bytes == 1 << 30
     assert defaults.graphs is True and defaults.buffer_bytes == 1 << 30
     assert str(defaults.step_budget) == "auto"
 

@@ -229,9 +229,12 @@ def test_a_token_reaches_the_reader_before_the_next_is_computed(
 
 
 def test_the_refresh_ratio_setting_is_checked_when_read():
-    assert refresh_ratio_from_env({}) is None
-    assert refresh_ratio_from_env({"BLEND_REFRESH_RATIO": " "}) is None
-    assert refresh_ratio_from_env({"BLEND_REFRESH_RATIO": "0.25"}) == 0.25
-    for bad in ("abc", "0", "1.5"):
+    # on by default (0.25); off by name or 0
+    assert refresh_ratio_from_env({}) == 0.25
+    assert refresh_ratio_from_env({"BLEND_REFRESH_RATIO": " "}) == 0.25
+    assert refresh_ratio_from_env({"BLEND_REFRESH_RATIO": "0.4"}) == 0.4
+    assert refresh_ratio_from_env({"BLEND_REFRESH_RATIO": "off"}) is None
+    assert refresh_ratio_from_env({"BLEND_REFRESH_RATIO": "0"}) is None
+    for bad in ("abc", "-0.1", "1.5"):
         with pytest.raises(ValueError, match="BLEND_REFRESH_RATIO"):
             refresh_ratio_from_env({"BLEND_REFRESH_RATIO": bad})

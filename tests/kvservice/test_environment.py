@@ -32,7 +32,8 @@ def test_values_are_typed_and_unset_or_blank_means_the_default() -> None:
     ]
     assert read("KV_SOURCE", {"KV_SOURCE": " KDN "}) == "kdn"
     assert read("ENGINE_STEP_BUDGET", {"ENGINE_STEP_BUDGET": "off"}) == math.inf
-    assert read("BLEND_REFRESH_RATIO", {}) is None
+    assert read("BLEND_REFRESH_RATIO", {}) == 0.25  # progressive blend on by default
+    assert read("BLEND_REFRESH_RATIO", {"BLEND_REFRESH_RATIO": "off"}) is None
     assert read("KV_S3_PREFIX", {"KV_S3_PREFIX": ""}) == ""  # blank kept: the bucket's root
     assert read("RAGBLEND_MODEL_CACHE", {"RAGBLEND_MODEL_CACHE": "~/m"}) == Path.home() / "m"
 
@@ -49,7 +50,7 @@ def test_values_are_typed_and_unset_or_blank_means_the_default() -> None:
         ("ENGINE_KERNEL", "x", "ENGINE_KERNEL must be one of 'torch', 'onednn', 'onednn-bf16'"),
         ("PREFIX_CACHE_BYTES", "lots", "PREFIX_CACHE_BYTES is not a size: 'lots'"),
         ("LOGIN_RATE_LIMIT", "20", "LOGIN_RATE_LIMIT must be a count per period"),
-        ("BLEND_REFRESH_RATIO", "1.5", "BLEND_REFRESH_RATIO must be a ratio above 0 and at most 1"),
+        ("BLEND_REFRESH_RATIO", "1.5", "BLEND_REFRESH_RATIO must be off, or a ratio above 0"),
         ("ENGINE_STEP_BUDGET", "soon", "ENGINE_STEP_BUDGET must be auto, off, or seconds"),
     ],
 )

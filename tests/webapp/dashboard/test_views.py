@@ -132,18 +132,20 @@ def test_dashboard_shows_the_engines_kernels_graphs_and_buffers(staff_client) ->
 
 def test_dashboard_shows_the_answers_streaming_waiting_and_the_step_budget(staff_client) -> None:
     """The batch's state as ``ContinuousBatcher.stats`` writes it into the heartbeat."""
-    from kvservice.serve.batcher import ContinuousBatcher, StepBudget
+    from kvservice.serve.batcher import PAUSE_TARGET_S, ContinuousBatcher, StepBudget
 
     batcher = ContinuousBatcher.__new__(ContinuousBatcher)  # its stats alone: no model
     batcher._jobs, batcher._work = [object()] * 3, object()
     batcher._waiting, batcher._incoming = [object()] * 2, queue.Queue()
     batcher.steps, batcher.slices, batcher.upgrades_skipped, batcher._decode_s = 40, 12, 1, 0.05
     batcher.longest_piece_s, batcher.upgrades_dropped = 0.2, 0
+    batcher.slot_allocations, batcher.compactions = 1, 0
     batcher.budget = StepBudget()
     page = _page_with_heartbeat(staff_client, batch=batcher.stats())
     line = " ".join(page.split('id="answering-state"')[1].split("</p>")[0].split())
     assert "3 answers streaming, 2 questions waiting to start, one being read" in line
-    assert "for up to 250.0 ms (setting: auto)" in line
+    slice_ms = (PAUSE_TARGET_S - 0.05) * 1000  # the step's aim less its decode rows
+    assert f"for up to {slice_ms:.1f} ms (setting: auto)" in line
     assert "takes 50.0 ms" in line and "1 answer skipped the quality upgrade" in line
     batcher.budget, batcher._jobs, batcher._waiting = StepBudget(math.inf), [], []
     batcher._work = None
