@@ -60,6 +60,7 @@ from bench.stats import quantile
 
 TTFT_FACTOR = 4.0  # capacity: TTFT p95 within this many times the unloaded blend TTFT
 PAUSE_LIMIT_S = 0.5  # capacity: no pause between two tokens of one answer longer than this
+MISSES_BEFORE_STOP = 2  # rates in a row that missed the target before a mode's sweep stops
 API_MODES = ("blend", "full", "reuse", "prefix")  # what /api/v1/query's ``mode`` accepts
 VLLM_MODE = "vllm"
 BENCH_USER = "bench"
@@ -933,9 +934,16 @@ class Bench:
         return out
 
     async def sweep(self, mode: str, ask: Ask, runs: list[dict]) -> None:
-        """Every load of the sweep in ``mode``, appended to ``runs`` as each ends."""
-        offset = 0
+        """Every load of the sweep in ``mode``, appended to ``runs`` as each ends; once two
+        rates in a row missed the target, the higher rates are not run (a mode past its
+        capacity only falls further behind, and its backlog takes minutes to drain), the
+        burst still is."""
+        offset, missed = 0, 0
+        target = (self.report.get("unloaded_blend") or {}).get("target_ttft_p95_s")
         for load in self.args.loads:
+            if load.rate_per_min and missed >= MISSES_BEFORE_STOP:
+                print(f"{mode}, {load.label}: not run (two rates in a row missed)", flush=True)
+                continue
             print(
                 f"{mode}, {load.label}: {len(load.schedule)} questions over "
                 f"{load.schedule[-1]:.0f} s",
@@ -951,6 +959,8 @@ class Bench:
                 answers, rate_per_min=load.rate_per_min, burst=load.burst, elapsed_s=elapsed_s
             )
             runs.append({**run, "answers": [a.record() for a in answers]})
+            if load.rate_per_min and target is not None:
+                missed = 0 if meets_target(run, target) else missed + 1
             print_run(run)
             self.save()
             await asyncio.sleep(self.args.settle)
@@ -1235,7 +1245,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="blend,full",
         help="of blend, full, reuse, prefix, vllm (default blend,full)",
     )
-    add("--rates", type=_floats, default="2,4,8,16", help="questions/min (default 2,4,8,16)")
+    add(
+        "--rates",
+        type=_floats,
+        default="2,4,8,16,24,32",
+        help="questions/min (default 2,4,8,16,24,32)",
+    )
     add("--duration", type=float, default=120.0, help="seconds of arrivals per rate (120)")
     add("--questions", type=int, help="questions per rate, instead of --duration")
     add("--burst", type=int, help="after the rates, N questions at once")

@@ -58,9 +58,11 @@ PAUSE_TARGET_S = 0.12
 BACKLOG_PAUSE_TARGET_S = 0.2
 BACKLOG_QUESTIONS = 4
 MIN_SLICE_S = 0.05
-# A progressive upgrade's share of a step: it is nobody's first token, so it only ever
-# takes this much beside the decode rows (its answer streams from the first-pass cache).
-UPGRADE_SLICE_S = MIN_SLICE_S
+# A progressive upgrade starts once its answer has this many tokens: the stream shows no
+# words before the first seven are written (AnswerText holds six back), so an upgrade that
+# ran from the first token slowed exactly the steps before the reader's first words (0.3 s
+# more to them, unloaded); after them it costs the reader nothing they wait for.
+UPGRADE_AFTER_TOKENS = 10
 LONG_PIECE_S = 0.3  # a piece of work longer than this while answers stream is logged
 # The batch's slots: room for ``max_batch`` rows, and this share more columns than the rows
 # need, for the batch's length to grow while rows come and go (``_add_row``)
@@ -315,8 +317,6 @@ class ContinuousBatcher:
         began, layer_s, ran = time.perf_counter(), 0.0, False
         while True:
             limit = self._slice_s()
-            if self._upgrade_next():
-                limit = min(limit, UPGRADE_SLICE_S)
             if ran and time.perf_counter() - began + layer_s > limit:
                 break
             work = self._next_work()
@@ -343,14 +343,9 @@ class ContinuousBatcher:
             if seconds > LONG_PIECE_S:
                 log.warning("a piece of prefill work held the open answers for %.2f s", seconds)
 
-    def _upgrade_next(self) -> bool:
-        """Whether ``_next_work`` would give the upgrade: no prefill under way or to start."""
-        starts = self._waiting and len(self._jobs) < self.max_batch
-        return self._upgrade is not None and self._work is None and not starts
-
     def _next_work(self) -> _Work | None:
         """The prefill under way, else the oldest waiting question's prefill, room permitting,
-        else the upgrade under way once its answer has had a decode step (``_upgraded``)."""
+        else the upgrade under way once its answer has ``UPGRADE_AFTER_TOKENS`` tokens."""
         if self._work is None and self._waiting and len(self._jobs) < self.max_batch:
             job = self._waiting.popleft()
             if job.place is not None:  # it was told a place: now it is started
@@ -359,7 +354,7 @@ class ContinuousBatcher:
             self._work = _Work(job, job_steps)
         if self._work is not None:
             return self._work
-        if self._upgrade is not None and len(self._upgrade.job.tokens) > 1:
+        if self._upgrade is not None and len(self._upgrade.job.tokens) > UPGRADE_AFTER_TOKENS:
             return self._upgrade
         return None
 
@@ -424,7 +419,7 @@ class ContinuousBatcher:
         """An upgrade done (``result``: the cache after the prompt and the first token): the
         tokens the answer decoded since, computed again over it, and the row's cache
         replaced, so the next tokens read the upgraded cache. (An upgrade starts after its
-        answer's first decode step, so the row already holds the first token.)"""
+        answer's first decode steps, so the row already holds the first token.)"""
         job = work.job
         if job not in self._jobs:  # ended meanwhile (``_finish`` reported it)
             return
