@@ -10,6 +10,7 @@ import torch
 from kvservice.blend.prefill import refresh_steps
 from kvservice.model.sampling import SamplingParams, sample_next
 from kvservice.protocol.prompt import PromptFormat
+from kvservice.serve.batcher import StepBudget
 from kvservice.serve.engine import Engine, Request, refresh_ratio_from_env
 
 PASSAGES = [
@@ -196,7 +197,10 @@ def test_a_token_reaches_the_reader_before_the_next_is_computed(
     ratio is the one it upgrades to, and the upgrade is reported with its ratio."""
     prompt, chunks = request_parts
     fmt = PromptFormat(smollm2_tokenizer, "You are a helpful assistant.", "Read the passages.\n")
-    progressive = Engine(smollm2, smollm2_tokenizer, fmt)
+    # the upgrade as soon as the row holds the first token, whole in one step (the product
+    # waits for the first words: test_batcher)
+    monkeypatch.setattr("kvservice.serve.batcher.UPGRADE_AFTER_TOKENS", 1)
+    progressive = Engine(smollm2, smollm2_tokenizer, fmt, step_budget=StepBudget(10.0))
     read_first = threading.Event()
     seen = []
 

@@ -39,7 +39,8 @@ def test_loader_serves_exactly_the_stored_layers_in_order(store, where):
     keys.append(keys[0])  # the same chunk twice in one prompt
     with KVLoader(store) as loader:
         batch = loader.open(keys)
-        assert batch.tiers == [where] * 4
+        # the repeat may find the chunk in memory already, where reading the first put it
+        assert batch.tiers[:3] == [where] * 3 and batch.tiers[3] in (where, "cpu")
         for source, chunk in zip(batch, [*chunks, chunks[0]], strict=True):
             _assert_serves(source, chunk)
         stats = batch.stats()

@@ -346,6 +346,7 @@ def test_the_whole_dashboard_is_screenshotted_as_a_new_operator_sees_it(
     batcher._incoming = queue.Queue()
     batcher.steps, batcher.slices, batcher.upgrades_skipped, batcher._decode_s = 40, 12, 0, 0.05
     batcher.longest_piece_s, batcher.budget, batcher.upgrades_dropped = 0.2, StepBudget(), 0
+    batcher.slot_allocations, batcher.compactions = 1, 0
     controller = LoadingController(r_min=0.15)  # its first decision came before a measurement
     controller.choose(num_tokens=1500, num_layers=30, load_bytes_by_tier={"cpu": 2**20})
     controller.observe_recompute(tokens=512, layers=30, seconds=0.02)
