@@ -124,12 +124,13 @@ def _stream(
     request's deadline (``TimeoutError``)."""
     deadline = time.monotonic() + request.timeout_s
     try:
-        last = None
+        last = None  # when the engine's previous token came
         for event in events:
             now = time.perf_counter()
-            if last is not None and event.token_id >= 0:
-                out.longest_pause_s = max(out.longest_pause_s or 0.0, round(now - last, 4))
-            last = now if event.token_id >= 0 else last
+            if event.token_id >= 0:
+                if last is not None:
+                    out.longest_pause_s = max(out.longest_pause_s or 0.0, round(now - last, 4))
+                last = now
             out.first_token_at = out.first_token_at or now
             if event.index == 1 and event.token_id >= 0:
                 out.second_token_at = time.perf_counter()

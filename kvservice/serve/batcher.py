@@ -495,18 +495,15 @@ class ContinuousBatcher:
         batch's allocation and copy held every open answer for 0.2-0.5 s."""
         n = result.num_tokens
         rows = len(self._jobs)
-        remaining = [j.sampling.max_tokens - len(j.tokens) for j in (*self._jobs, job)]
-
-        def needed() -> int:
-            length = max(n, self._cache.length if self._cache is not None else 0)
-            return length + max(remaining) + 1
-
+        # room for the longest answer still to come, and its next token
+        tail = max(j.sampling.max_tokens - len(j.tokens) for j in (*self._jobs, job)) + 1
+        length = max(n, self._cache.length if self._cache is not None else 0)
         slots = self._slots
-        if rows and slots is not None and needed() > slots.capacity:
+        if rows and slots is not None and length + tail > slots.capacity:
             self._compact()
-        if slots is None or rows + 1 > slots.batch_size or needed() > slots.capacity:
-            slots = self._new_slots(rows + 1, needed(), result.cache.k.dtype)
-        length = needed() - max(remaining) - 1
+            length = max(n, self._cache.length)
+        if slots is None or rows + 1 > slots.batch_size or length + tail > slots.capacity:
+            slots = self._new_slots(rows + 1, length + tail, result.cache.k.dtype)
         slots.k[:, rows, :, :n] = result.cache.k[:, 0, :, :n]
         slots.v[:, rows, :, :n] = result.cache.v[:, 0, :, :n]
         slots.positions[rows, :n] = result.cache.positions[0, :n]

@@ -156,24 +156,7 @@ def test_a_progressive_upgrade_lands_while_its_answer_streams(engine):
     step here); when the upgrade lands, the tokens decoded meanwhile are computed again over
     it and every later token reads the upgraded cache: the same tokens as decoding by hand
     from the first-pass cache up to that point, then from the upgraded one."""
-    prompt = engine.format.build(PASSAGES[:3], "When was the evening boat stopped?")
-    chunks = engine.precompute(prompt.chunk_ids)
-    request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=48))
-    answer, landed = _Answer(), []
-    job = answer.job(
-        engine,
-        request,
-        refresh=engine._refresher(0.6),
-        on_refresh=lambda outcome: landed.append((outcome, len(answer.tokens))),
-    )
-    batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=StepBudget(0.001))
-    batcher.start()
-    try:
-        batcher.submit(job)
-        assert answer.done.wait(300)
-    finally:
-        batcher.close()
-    assert len(landed) == 1 and isinstance(landed[0][0], float), landed
+    request, answer, landed, batcher = _progressive_answer(engine, StepBudget(0.001))
     streamed = landed[0][1]  # tokens sampled before the upgrade landed
     assert 3 <= streamed < 48 and batcher.upgrade_lag_tokens == streamed - 1
     assert len(answer.tokens) == 48
@@ -191,6 +174,15 @@ def test_a_progressive_upgrade_waits_for_its_answers_first_words(engine):
     """The upgrade starts once its answer has ``UPGRADE_AFTER_TOKENS`` tokens (the stream shows
     no words before that many are written), so the steps before the reader's first words
     run no upgrade slice; it lands after them."""
+    _request, _answer, landed, _batcher = _progressive_answer(engine, StepBudget(10.0))
+    # started beside the step after the first words, and ran whole in it (the budget)
+    assert landed[0][1] == UPGRADE_AFTER_TOKENS + 1
+
+
+def _progressive_answer(engine: Engine, budget: StepBudget):
+    """A blend answer of 48 tokens upgraded to 0.6 while it streams, under ``budget``:
+    its request, the answer, ``landed`` (the upgrade's outcome and the tokens sampled when
+    it landed; asserted to be one landing) and the batcher, closed."""
     prompt = engine.format.build(PASSAGES[:3], "When was the evening boat stopped?")
     chunks = engine.precompute(prompt.chunk_ids)
     request = Request(prompt, chunks, "blend", 0.15, SamplingParams(max_tokens=48))
@@ -201,7 +193,7 @@ def test_a_progressive_upgrade_waits_for_its_answers_first_words(engine):
         refresh=engine._refresher(0.6),
         on_refresh=lambda outcome: landed.append((outcome, len(answer.tokens))),
     )
-    batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=StepBudget(10.0))
+    batcher = ContinuousBatcher(engine.model, engine.tokenizer, budget=budget)
     batcher.start()
     try:
         batcher.submit(job)
@@ -209,8 +201,7 @@ def test_a_progressive_upgrade_waits_for_its_answers_first_words(engine):
     finally:
         batcher.close()
     assert len(landed) == 1 and isinstance(landed[0][0], float), landed
-    # started beside the step after the first words, and ran whole in it (the budget)
-    assert landed[0][1] == UPGRADE_AFTER_TOKENS + 1
+    return request, answer, landed, batcher
 
 
 def _greedy(model, cache, position, tokens, count, fed=False) -> list[int]:
