@@ -85,9 +85,11 @@ def visible_pairs(queries: int, keys: int, attn_mask: torch.Tensor | None, is_ca
 @contextmanager
 def metered_attention() -> Iterator[AttentionMeter]:
     """Time and count every ``F.scaled_dot_product_attention`` call inside the block, and
+    every group the CPU attends explicitly (``attention._attend_explicitly``) with them, and
     the question's weighed attention (``attention.attend_and_weigh``) apart."""
     meter = AttentionMeter()
     original = F.scaled_dot_product_attention
+    original_explicit = attention._attend_explicitly
     original_weigh = attention.attend_and_weigh
 
     def weighed(q, k, v, query_pos, key_pos, *rest, **kwargs):
@@ -110,12 +112,23 @@ def metered_attention() -> Iterator[AttentionMeter]:
         meter.visible += heads * visible_pairs(queries, keys, attn_mask, is_causal)
         return out
 
+    def explicit(rows, k, v, mask):
+        start = time.perf_counter()
+        out = original_explicit(rows, k, v, mask)
+        meter.seconds += time.perf_counter() - start
+        heads, queries, keys = rows.shape[0], rows.shape[1], k.shape[1]
+        meter.given += heads * queries * keys
+        meter.visible += heads * visible_pairs(queries, keys, mask, False)
+        return out
+
     F.scaled_dot_product_attention = metered
+    attention._attend_explicitly = explicit
     attention.attend_and_weigh = weighed
     try:
         yield meter
     finally:
         F.scaled_dot_product_attention = original
+        attention._attend_explicitly = original_explicit
         attention.attend_and_weigh = original_weigh
 
 

@@ -33,9 +33,14 @@ class QueryGroups:
         return span.stop - span.start if index == len(self.spans) - 1 else self.stride
 
 
-# PyTorch's CPU flash attention cuts a call's queries into 256-row blocks from 768 rows on,
-# and into 32- or 64-row blocks below, which run ~15 % slower per (query, key) pair here.
-MIN_ROWS_PER_CALL = 768
+# On the CPU each group is computed explicitly (``attend_grouped``): its scores, softmax and
+# values' product are three matrix products and a softmax that stay in the caches when a
+# group is at most ~500 rows (3 query heads x ~170 queries) over a few thousand keys.
+# PyTorch's CPU flash kernel did the same work 2-3x slower here (a blend at 0.15 of SmolLM2,
+# 450 queries over 3,000 keys: one layer 18.8 ms through SDPA in 1 group, 6.2 ms explicit
+# in 3; 600 over 3,700: 23.6 -> 9.7 ms; 2-core AMD EPYC, bfloat16), and more groups also
+# skip more of the keys past each group's last query.
+MIN_ROWS_PER_CALL = 384
 # On a GPU one call per layer: the launches of the CPU's cut (~12 calls a layer at 16,384
 # tokens) cost more than the masked work they skip. Blend 0.15 of Llama-3-8B's shape on an
 # H200, 12 chunks from CPU memory / the GPU tier (docs/long_context_gpu/h200_2026-11-26a_ab.txt):
@@ -62,11 +67,9 @@ def group_queries(
     one call's rows, so a group of ``n`` queries is ``heads_per_key * n`` rows; the groups
     are as many as leave each call at least ``min_rows`` rows (None: one group), all of one
     length, their starts a stride apart (the last may share up to groups - 1 queries with
-    the one before it): so one copy stacks every group's queries. One layer of
-    a blend at 0.15 (tuning examples 0-3, layers 5, 15 and 25: 572-596 queries over
-    3,631-3,758 keys; medians of 9): 2 stacked groups 20.1 ms, 1 group 21.2, 3 groups 21.9,
-    4 groups 22.2, the previous 8 groups of equal key spans with SDPA's GQA 23.1.
-    The masks are additive (SDPA converts a boolean mask on every call) and repeated per
+    the one before it): so one copy stacks every group's queries. The CPU's groups are
+    computed explicitly, at least ``MIN_ROWS_PER_CALL`` rows each (see there); a GPU's
+    call SDPA. The masks are additive (SDPA converts a boolean mask on every call) and repeated per
     stacked head (``heads_per_key * S`` rows of keys in all, built once per pass)."""
     count = query_pos.numel()
     n_groups = 1 if min_rows is None else max(1, min(count, heads_per_key * count // min_rows))
@@ -98,8 +101,9 @@ def attend_grouped(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: QueryGroups
 ) -> torch.Tensor:
     """Attention of selected queries ``q [1, H, S, D]`` over a layer's keys ``k, v
-    [1, H_kv, T, D]``, causal by real position, one SDPA call per group (``group_queries``)
-    with the query heads that share a key head stacked as rows. Returns ``[1, H, S, D]``;
+    [1, H_kv, T, D]``, causal by real position, group by group (``group_queries``: on the
+    CPU three operators a group, ``_attend_explicitly``; elsewhere one SDPA call) with the
+    query heads that share a key head stacked as rows. Returns ``[1, H, S, D]``;
     several groups' outputs are joined token-major (a ``[1, S, H, D]`` tensor seen as
     ``[1, H, S, D]``), so that the output product's layout costs no second copy. Several
     groups' queries are stacked by one copy (their spans are one strided view of ``q``); it
@@ -116,15 +120,34 @@ def attend_grouped(
         shape = (len(groups.spans), heads, n, dim)
         steps = (groups.stride * token_step, head_step, token_step, dim_step)
         stacked = q[0].as_strided(shape, steps, at).contiguous()
+    explicit = q.device.type == "cpu"
     outputs = []
     for index, (keys, mask) in enumerate(zip(groups.n_keys, groups.masks, strict=True)):
-        rows = stacked[index].view(1, kv_heads, heads // kv_heads * n, dim)
-        out = F.scaled_dot_product_attention(rows, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
+        if explicit:
+            rows = stacked[index].view(kv_heads, heads // kv_heads * n, dim)
+            out = _attend_explicitly(rows, k[0, :, :keys], v[0, :, :keys], mask)
+        else:
+            rows = stacked[index].view(1, kv_heads, heads // kv_heads * n, dim)
+            out = F.scaled_dot_product_attention(
+                rows, k[:, :, :keys], v[:, :, :keys], attn_mask=mask
+            )
         out = out.reshape(1, heads, n, dim)  # CUDA's SDPA may return other strides
         outputs.append(out[:, :, : groups.owned(index)])
     if len(outputs) == 1:
         return outputs[0]
     return torch.cat([out.transpose(1, 2) for out in outputs], dim=1).transpose(1, 2)
+
+
+def _attend_explicitly(
+    rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """One group's attention as three operators: ``rows [H_kv, R, D]`` (the query heads that
+    share a key head, stacked), ``k, v [H_kv, T, D]``, ``mask [R, T]`` additive. The scaled
+    scores come with the mask added in the product, in the cache's dtype (softmax
+    accumulates in float32), as ``attend_and_weigh`` computes the question's."""
+    scale = 1 / math.sqrt(rows.shape[-1])
+    scores = torch.baddbmm(mask.to(rows.dtype), rows, k.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1), v.to(scores.dtype))
 
 
 def attend_and_weigh(
@@ -218,7 +241,7 @@ def attend_layer(plan: AttentionPlan, q, k_layer, v_layer, last: bool, weigh: bo
     """One layer's attention output ``[1, H, S', D]`` for the active queries (only the last
     one's in the last layer) and, when the question is recorded and ``weigh``, its weights
     ``[T]``. A layer whose weights nobody reads (below the first layer selection reads) runs
-    the question through SDPA as one group: two operators instead of five."""
+    the question as one plain group (``attend_grouped``): three operators instead of five."""
     if plan.question_length:
         question = q[:, :, plan.grouped :]
         if weigh:

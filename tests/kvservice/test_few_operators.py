@@ -134,9 +134,10 @@ def test_grouped_attention_joins_its_groups_in_the_output_products_layout() -> N
     assert out.transpose(1, 2).is_contiguous()  # Attention.output's layout: no copy left
     one = attend_grouped(q, k, v, group_queries(positions, torch.arange(90), 2, min_rows=None))
     torch.testing.assert_close(out, one)
-    # one copy stacks every group's queries, a call each, one join: it was a copy a group
+    # one copy stacks every group's queries, three operators each on the CPU (scores with
+    # the mask, softmax, values), one join: it was a copy a group
     ops = count_ops(lambda: attend_grouped(q, k, v, groups), 1)
-    assert ops.total == len(groups.spans) + 2, ops.by_name
+    assert ops.total == 3 * len(groups.spans) + 2, ops.by_name
 
 
 def test_words_of_odd_width_codes_ignore_their_unset_high_bytes() -> None:
@@ -157,9 +158,9 @@ def test_words_of_odd_width_codes_ignore_their_unset_high_bytes() -> None:
 
 
 def test_a_layer_nobody_weighs_attends_as_the_weighed_one_in_fewer_operators() -> None:
-    """The question's attention below the first layer selection reads runs through SDPA
-    (``attend_layer(weigh=False)``): the same output as the weighed computation, no weights,
-    in fewer operators."""
+    """The question's attention below the first layer selection reads runs as plain
+    attention (``attend_layer(weigh=False)``; on the CPU three operators: scores, softmax,
+    values): the same output as the weighed computation, no weights, in fewer operators."""
     from kvservice.blend.attention import AttentionPlan, attend_layer, group_queries
 
     gen = torch.Generator().manual_seed(11)
@@ -185,7 +186,7 @@ def test_a_layer_nobody_weighs_attends_as_the_weighed_one_in_fewer_operators() -
     torch.testing.assert_close(plain, weighed)
     with_weights = count_ops(lambda: attend_layer(plan, q, k, v, last=False), 1).total
     without = count_ops(lambda: attend_layer(plan, q, k, v, last=False, weigh=False), 1).total
-    assert without <= 2 < with_weights, (without, with_weights)
+    assert without <= 3 < with_weights, (without, with_weights)
 
 
 def test_sections_side_by_side_widen_in_one_conversion() -> None:
