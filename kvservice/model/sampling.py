@@ -177,6 +177,12 @@ _LINE = re.compile(r"[^\n]*\n")
 _SENTENCE_END = re.compile(r"[.!?](?=[\s\"'”’)\]]|$)")
 
 
+def starts_word(before: str, delta: str) -> bool:
+    """Whether ``delta``, written after text ending in ``before`` ('' at the start), begins a
+    word: the moment ``AnswerText``, which shows text a whole word at a time, shows more."""
+    return re.search(r"\W\w", (before[-1:] or " ") + delta) is not None
+
+
 class AnswerText:
     """What of an answer's streamed text is shown, and when, the same for every engine.
 

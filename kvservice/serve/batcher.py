@@ -41,6 +41,7 @@ from kvservice.model.sampling import (
     TokenHistory,
     new_generator,
     sample_next,
+    starts_word,
 )
 from kvservice.model.transformer import KVCache, Transformer
 from kvservice.protocol import environment
@@ -58,6 +59,16 @@ PAUSE_TARGET_S = 0.12
 BACKLOG_PAUSE_TARGET_S = 0.2
 BACKLOG_QUESTIONS = 4
 MIN_SLICE_S = 0.05
+# ... and the words under way bound it (``StepBudget.slice_s``): no open answer may go longer
+# than WORD_PAUSE_S between two words (BACKLOG_WORD_PAUSE_S under a backlog), counting the
+# decode steps its word may still need (up to WORD_TOKENS tokens a word). So a step shortens,
+# down to no prefill work at all, while an answer is deep in a long word, and under a backlog
+# it may run longer (up to MAX_SLICE_S) while every answer has just begun one: a word of one
+# token is one step, however long.
+WORD_PAUSE_S = 0.42
+BACKLOG_WORD_PAUSE_S = 0.85
+WORD_TOKENS = 5
+MAX_SLICE_S = 0.5
 # A progressive upgrade starts once its answer has this many tokens: the stream shows no
 # words before the first seven are written (AnswerText holds six back), so an upgrade that
 # ran from the first token slowed exactly the steps before the reader's first words (0.3 s
@@ -88,13 +99,31 @@ class StepBudget:
         ``kvservice.protocol.environment`` reads it."""
         return cls(environment.read("ENGINE_STEP_BUDGET", environ))
 
-    def slice_s(self, decode_s: float, waiting: int = 0) -> float:
+    def slice_s(
+        self, decode_s: float, waiting: int = 0, words: Sequence[tuple[float, int]] = ()
+    ) -> float:
         """The slice's time for a step whose decode rows take ``decode_s``, with ``waiting``
-        questions not started."""
-        if self.seconds is None:
-            target = BACKLOG_PAUSE_TARGET_S if waiting >= BACKLOG_QUESTIONS else PAUSE_TARGET_S
-            return max(MIN_SLICE_S, target - decode_s)
-        return self.seconds
+        questions not started; ``words``: each open answer's word under way (seconds since
+        it began, its tokens so far). 0: this step runs no prefill work."""
+        if self.seconds is not None:
+            return self.seconds
+        backlog = waiting >= BACKLOG_QUESTIONS
+        target = BACKLOG_PAUSE_TARGET_S if backlog else PAUSE_TARGET_S
+        fixed = max(MIN_SLICE_S, target - decode_s)
+        if not words:
+            return fixed
+        limit = BACKLOG_WORD_PAUSE_S if backlog else WORD_PAUSE_S
+        # this step, then a decode step for each token up to the next word's first; a word
+        # longer than WORD_TOKENS bounds nothing more (it would hold the line back)
+        room = min(
+            (
+                limit - elapsed - (WORD_TOKENS + 1 - tokens) * decode_s
+                for elapsed, tokens in words
+                if tokens <= WORD_TOKENS
+            ),
+            default=fixed,
+        )
+        return max(0.0, min(room, MAX_SLICE_S if backlog else fixed))
 
     def __str__(self) -> str:
         if self.seconds is None:
@@ -147,6 +176,9 @@ class Job:
     history: TokenHistory | None = None
     stop_strings: StopStrings | None = None
     place: int | None = None  # the place last told to on_queue
+    word_began: float = 0.0  # when its word under way began (its first token: its first word)
+    word_tokens: int = 0  # that word's tokens so far
+    last_char: str = ""  # the last character of its text
 
 
 @dataclass
@@ -308,7 +340,11 @@ class ContinuousBatcher:
         return True
 
     def _slice_s(self) -> float:
-        return self.budget.slice_s(self._decode_s, len(self._waiting)) if self._jobs else math.inf
+        if not self._jobs:
+            return math.inf
+        now = time.perf_counter()
+        words = [(now - job.word_began, job.word_tokens) for job in self._jobs]
+        return self.budget.slice_s(self._decode_s, len(self._waiting), words)
 
     @torch.no_grad()
     def _run_slice(self) -> None:
@@ -317,7 +353,7 @@ class ContinuousBatcher:
         began, layer_s, ran = time.perf_counter(), 0.0, False
         while True:
             limit = self._slice_s()
-            if ran and time.perf_counter() - began + layer_s > limit:
+            if limit <= 0 or (ran and time.perf_counter() - began + layer_s > limit):
                 break
             work = self._next_work()
             if work is None:
@@ -458,7 +494,9 @@ class ContinuousBatcher:
             return True
         job.tokens.append(token)
         job.history.observe(token)
-        text = job.stop_strings.push(job.detokenizer.push(token))
+        delta = job.detokenizer.push(token)
+        self._note_word(job, delta)
+        text = job.stop_strings.push(delta)
         reason, error = None, None
         if job.stop_strings.stopped:
             reason = "stop"
@@ -475,6 +513,15 @@ class ContinuousBatcher:
             return False
         self._finish(job, reason, error)
         return True
+
+    @staticmethod
+    def _note_word(job: Job, delta: str) -> None:
+        """Keep ``job``'s word under way (``StepBudget.slice_s``): a token that begins a word
+        (its first too) starts a new one."""
+        if len(job.tokens) == 1 or starts_word(job.last_char, delta):
+            job.word_began, job.word_tokens = time.perf_counter(), 0
+        job.word_tokens += 1
+        job.last_char = delta[-1:] or job.last_char
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         if self._upgrade is not None and self._upgrade.job is job:  # said before the end

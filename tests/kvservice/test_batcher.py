@@ -20,10 +20,14 @@ from kvservice.serve import batcher as batcher_module
 from kvservice.serve.batcher import (
     BACKLOG_PAUSE_TARGET_S,
     BACKLOG_QUESTIONS,
+    BACKLOG_WORD_PAUSE_S,
+    MAX_SLICE_S,
     MIN_SLICE_S,
     PAUSE_TARGET_S,
     UPGRADE_AFTER_TOKENS,
     UPGRADE_SKIPPED,
+    WORD_PAUSE_S,
+    WORD_TOKENS,
     ContinuousBatcher,
     Job,
     StepBudget,
@@ -425,3 +429,32 @@ def test_the_step_budget_setting():
         "off",
         "0.2 s",
     ]
+
+
+def test_the_words_under_way_bound_the_step():
+    """Every open answer's next word must come within the word pause, counting a decode step
+    for each token its word may still need: a step shortens (to no prefill work) while an
+    answer is deep in a word, and under a backlog runs longer while all have just begun one;
+    without a backlog it is never longer than the fixed target."""
+    auto, decode = StepBudget(), 0.05
+    fixed = PAUSE_TARGET_S - decode
+    waiting = BACKLOG_QUESTIONS
+    # every answer has just begun a word: under a backlog, the room the longest word leaves
+    room = BACKLOG_WORD_PAUSE_S - WORD_TOKENS * decode
+    assert auto.slice_s(decode, waiting, [(0.0, 1), (0.01, 1)]) == pytest.approx(
+        min(room, MAX_SLICE_S)
+    )
+    assert auto.slice_s(decode, waiting, [(0.0, 1)]) > BACKLOG_PAUSE_TARGET_S - decode
+    # one answer three tokens and 0.75 s into its word: no prefill work this step
+    assert auto.slice_s(decode, waiting, [(0.0, 1), (0.75, 3)]) == 0.0
+    # a word longer than assumed bounds nothing (it would hold every question back)
+    assert auto.slice_s(decode, waiting, [(2.0, WORD_TOKENS + 1)]) == pytest.approx(
+        BACKLOG_PAUSE_TARGET_S - decode
+    )
+    # no backlog: the fixed target, shortened when a word runs long
+    assert auto.slice_s(decode, 0, [(0.0, 1)]) == pytest.approx(fixed)
+    deep = WORD_PAUSE_S - 0.2 - (WORD_TOKENS - 1) * decode
+    assert 0 < deep < fixed
+    assert auto.slice_s(decode, 0, [(0.0, 1), (0.2, 2)]) == pytest.approx(deep)
+    assert auto.slice_s(decode, 0, [(WORD_PAUSE_S, 2)]) == 0.0
+    assert StepBudget(0.2).slice_s(decode, waiting, [(0.6, 3)]) == 0.2  # a fixed budget
