@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> list[DecodeRow]:
             None if args.model == "bundled" else args.model, default_cache_dir()
         )
         model = Transformer.from_pretrained(path, args.device, precision=args.precision)
-        config, name = model.config, Path(path).name
+        config, name = model.config, path.name
     else:
         config, name = synthetic_config(args.synthetic, layers=args.layers), args.synthetic
         model = random_model(config, dtype=DTYPES[args.dtype], device=args.device)

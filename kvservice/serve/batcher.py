@@ -178,7 +178,6 @@ class Job:
     place: int | None = None  # the place last told to on_queue
     word_began: float = 0.0  # when its word under way began (its first token: its first word)
     word_tokens: int = 0  # that word's tokens so far
-    last_char: str = ""  # the last character of its text
 
 
 @dataclass
@@ -518,10 +517,10 @@ class ContinuousBatcher:
     def _note_word(job: Job, delta: str) -> None:
         """Keep ``job``'s word under way (``StepBudget.slice_s``): a token that begins a word
         (its first too) starts a new one."""
-        if len(job.tokens) == 1 or starts_word(job.last_char, delta):
+        text = job.detokenizer.emitted  # the answer's text, ``delta`` its end
+        if len(job.tokens) == 1 or starts_word(text[: len(text) - len(delta)], delta):
             job.word_began, job.word_tokens = time.perf_counter(), 0
         job.word_tokens += 1
-        job.last_char = delta[-1:] or job.last_char
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         if self._upgrade is not None and self._upgrade.job is job:  # said before the end
